@@ -1,0 +1,460 @@
+"""Reading a colibri container: `Container` opens and validates one; also the raw safetensors reader
+the converter uses for HF checkpoints (it widens bfloat16, which safetensors' NumPy loader cannot).
+
+The format itself is described in `colibri_core/container/__init__.py`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import zlib
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from .. import quant
+from ..errors import ColibriError
+from ..layout import PROJS
+
+FORMAT = "colibri-container"
+FORMAT_VERSION = 1
+MANIFEST = "colibri.yaml"
+RESIDENT_FILE = "resident.safetensors"
+SCALES_SUFFIX = ".__scales"  # resident QTensor NAME is stored as NAME (data) + NAME.__scales
+EXTENT_ALIGN = 4096
+# The last 16 bytes of every expert extent: u32 crc32, magic, u32 layer, u32 expert. The crc covers
+# every other byte of the extent (`extent_crc`); it is not the extent's last field, because a crc32
+# followed by nothing would make the crc32 of every whole extent (and file) one constant.
+TRAILER = struct.Struct("<I4sII")
+TRAILER_MAGIC = b"CLXE"
+COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+CHUNK = 16 << 20
+ARRAY = "array"  # resident kind of a float32 ndarray kept as is (norms, routers, biases)
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def expert_file_name(layer: int) -> str:
+    return f"experts/layer-{layer:03d}.bin"
+
+
+def expert_extent(kind: str, hidden: int, intermediate: int) -> tuple[tuple[int, int, int], int]:
+    """((gate, up, down) offsets inside one extent, extent size in bytes)."""
+    offsets, end = [], 0
+    for proj in PROJS:
+        offsets.append(end)
+        end = quant.packed_size(kind, *_proj_shape(proj, hidden, intermediate), end)
+    return tuple(offsets), _align(end + TRAILER.size, EXTENT_ALIGN)
+
+
+def extent_crc(extent) -> int:
+    """crc32 of an extent's bytes except the trailer's crc field (what the trailer and manifest hold)."""
+    n = len(extent)
+    return zlib.crc32(extent[n - 12:], zlib.crc32(extent[: n - 16]))
+
+
+def crc32_file(path: str | os.PathLike, crc: int = 0) -> int:
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def _proj_shape(proj: str, hidden: int, intermediate: int) -> tuple[int, int]:
+    return (hidden, intermediate) if proj == "down" else (intermediate, hidden)
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+_ST_DTYPES = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+READABLE_DTYPES = tuple(_ST_DTYPES)
+ST_NAME = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int8): "I8",
+           np.dtype(np.uint8): "U8"}
+
+
+class SafetensorsFile:
+    """The header of one safetensors file, and reads of single tensors (or first-axis slices)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > size - 8 or n > 1 << 30:
+                    raise ValueError(f"header length {n} does not fit in a {size}-byte file")
+                header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error) as e:
+            raise ColibriError(f"cannot read safetensors file {self.path}: {one_line(e)}") from None
+        self.data_start = 8 + n
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for name, t in header.items():
+            try:
+                dtype, shape, (begin, end) = t["dtype"], tuple(int(d) for d in t["shape"]), t["data_offsets"]
+                itemsize = _ST_DTYPES[dtype].itemsize if dtype in _ST_DTYPES else None
+                ok = 0 <= begin <= end <= size - self.data_start
+                if itemsize is not None and end - begin != int(np.prod(shape)) * itemsize:
+                    ok = False
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ColibriError(f"corrupt safetensors file {self.path}: bad header entry for {name}")
+            self.tensors[name] = (dtype, shape, self.data_start + begin, end - begin)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name][1]
+
+    def dtype(self, name: str) -> str:
+        return self.tensors[name][0]
+
+    def read(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
+        """The tensor (or rows first..first+count of its first axis) in its stored dtype
+        (BF16 as raw uint16)."""
+        dtype, shape, start, nbytes = self.tensors[name]
+        if dtype not in _ST_DTYPES:
+            raise ColibriError(f"tensor {name} in {self.path} has dtype {dtype}, which colibri cannot read "
+                               f"(it reads {', '.join(READABLE_DTYPES)})")
+        npdt = _ST_DTYPES[dtype]
+        if shape and (first or count is not None):
+            row = int(np.prod(shape[1:])) * npdt.itemsize
+            count = shape[0] - first if count is None else count
+            start, nbytes, shape = start + first * row, count * row, (count, *shape[1:])
+        out = np.empty(nbytes, np.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            if f.readinto(memoryview(out)) != nbytes:
+                raise ColibriError(f"safetensors file {self.path} is truncated (reading {name})")
+        return out.view(npdt).reshape(shape)
+
+    def read_f32(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
+        """The tensor widened to float32 (exactly, for F16/BF16 and small integers)."""
+        a = self.read(name, first, count)
+        dtype = self.dtype(name)
+        if dtype == "BF16":
+            return (a.astype(np.uint32) << 16).view(np.float32)
+        out = a.astype(np.float32)
+        if dtype not in ("F64", "F32", "F16") and not np.array_equal(out, a):
+            raise ColibriError(f"tensor {name} in {self.path} holds {dtype} values float32 cannot represent")
+        return out
+
+
+# ----------------------------------------------------------------------------- the container
+
+
+class _Bad(Exception):
+    """A manifest problem (turned into a ColibriError naming the container)."""
+
+
+def _get(d, dotted: str, typ):
+    cur = d
+    for key in dotted.split("."):
+        if not isinstance(cur, dict) or key not in cur:
+            raise _Bad(f"{MANIFEST} lacks key {dotted}")
+        cur = cur[key]
+    if not isinstance(cur, typ) or (typ is int and isinstance(cur, bool)):
+        raise _Bad(f"{MANIFEST} key {dotted} has a bad value: {cur!r}"[:200])
+    return cur
+
+
+def _safe_rel(rel: str) -> str:
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in Path(rel).parts:
+        raise _Bad(f"{MANIFEST} lists a bad file path {rel!r}")
+    return rel
+
+
+class Container:
+    """A converted model directory, opened read-only and validated.
+
+    Opening checks the manifest, that every listed file exists with its recorded size, and the
+    checksums of the small files (config, tokenizer, resident tensors). Expert extents are checked
+    when read (`parse_expert`); `verify(deep=True)` re-hashes everything.
+
+    `resident()` returns a QTensor for every resident matrix stored quantised or as a float32
+    matrix (manifest kind f32/int8/int4), and a float32 ndarray of the logical shape for every
+    tensor kept as is (manifest kind ``array``: all 1-D tensors and those the layout keeps f32,
+    e.g. routers).
+    """
+
+    def __init__(self, model_dir: str | os.PathLike):
+        self.path = Path(model_dir)
+        p = self.path
+        if not p.exists():
+            raise ColibriError(f"model directory {p} does not exist")
+        if not p.is_dir():
+            raise ColibriError(f"{p} is not a directory (expected a colibri model directory)")
+        mpath = p / MANIFEST
+        if not mpath.is_file():
+            if p.name.endswith(".partial"):
+                raise ColibriError(f"{p} is an unfinished conversion: rerun `colibri convert` to finish it")
+            if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+                raise ColibriError(f"{p} is a Hugging Face checkpoint, not a colibri container: "
+                                   f"run `colibri convert {p} DST` and use DST")
+            raise ColibriError(f"{p} is not a colibri container (no {MANIFEST})")
+        try:
+            manifest = yaml.load(mpath.read_text(encoding="utf-8"), Loader=_Loader)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            raise ColibriError(f"{p}: cannot parse {MANIFEST} ({one_line(e)[:300]}); reconvert the model") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise ColibriError(f"{p}: {MANIFEST} is not a colibri container manifest; reconvert the model")
+        version = manifest.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ColibriError(f"{p}: container format_version {version!r}, but this colibri reads version "
+                               f"{FORMAT_VERSION}: reconvert the model with this colibri")
+        self.manifest = manifest
+        try:
+            self._load_manifest()
+        except _Bad as e:
+            raise ColibriError(f"{p}: {e}; reconvert the model") from None
+        problems = self._cheap_problems()
+        if problems:
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise ColibriError(f"damaged colibri container {p}: {problems[0]}{more}; reconvert the model")
+        try:
+            self.config = json.loads((p / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ColibriError(f"{p}: cannot parse config.json ({one_line(e)})") from None
+        self._fds: dict[int, int] = {}  # layer -> fd of its expert file, opened on first read
+        self._lock = threading.Lock()
+
+    # -- manifest
+
+    def _load_manifest(self) -> None:
+        m = self.manifest
+        self.architecture = _get(m, "architecture", str)
+        self.quant = _get(m, "quant", str)
+        if self.quant not in quant.KINDS:
+            raise _Bad(f"unknown quant {self.quant!r}")
+        if _get(m, "checksum", str) != "crc32":
+            raise _Bad(f"unknown checksum {m['checksum']!r}")
+        self._copied = {_safe_rel(k): v for k, v in _get(m, "files", dict).items()}
+        if "config.json" not in self._copied:
+            raise _Bad(f"{MANIFEST} does not list config.json")
+        self._resident_files = {_safe_rel(k): v for k, v in _get(m, "resident.files", dict).items()}
+        for rel, entry in (*self._copied.items(), *self._resident_files.items()):
+            _get(entry, "size", int), _get(entry, "crc32", int)
+        self._resident = {}
+        for name, t in _get(m, "resident.tensors", dict).items():
+            kind, shape = _get(t, "kind", str), tuple(_get(t, "shape", list))
+            if kind not in (ARRAY, *quant.KINDS) or not all(isinstance(d, int) and d >= 0 for d in shape) or (
+                    kind != ARRAY and len(shape) != 2):
+                raise _Bad(f"resident tensor {name} has a bad entry {t!r}"[:200])
+            self._resident[name] = (kind, shape)
+        self.moe_layers = tuple(_get(m, "experts.moe_layers", list))
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in self.moe_layers):
+            raise _Bad(f"experts.moe_layers is not a list of layer numbers: {self.moe_layers!r}"[:200])
+        self.n_experts = _get(m, "experts.n_experts", int)
+        self.hidden = _get(m, "experts.hidden", int)
+        self.intermediate = _get(m, "experts.intermediate", int)
+        self.expert_kind = _get(m, "experts.kind", str)
+        if self.expert_kind not in quant.KINDS:
+            raise _Bad(f"unknown expert quantisation {self.expert_kind!r}")
+        self._offsets, nbytes = expert_extent(self.expert_kind, self.hidden, self.intermediate)
+        if _get(m, "experts.expert_nbytes", int) != nbytes:
+            raise _Bad(f"experts.expert_nbytes {m['experts']['expert_nbytes']} disagrees with the expert shapes")
+        self.expert_nbytes = nbytes
+        self._layers = {}
+        for f in _get(m, "experts.files", list):
+            layer = _get(f, "layer", int)
+            rel = _safe_rel(_get(f, "path", str))
+            crcs = _get(f, "extent_crc32", list)
+            if _get(f, "size", int) != self.n_experts * nbytes or len(crcs) != self.n_experts:
+                raise _Bad(f"expert file entry {rel} disagrees with n_experts/expert_nbytes")
+            _get(f, "crc32", int)
+            self._layers[layer] = f
+        if sorted(self._layers) != sorted(self.moe_layers) or len(self.moe_layers) != len(self._layers):
+            raise _Bad("experts.files does not list one file per MoE layer")
+        form = _get(m, "experts.source_form", str)
+        if form not in ("per_expert", "fused"):
+            raise _Bad(f"unknown experts.source_form {form!r}")
+        for key in ("gate_up", "down") if form == "fused" else PROJS:
+            _get(m, f"experts.names.{key}", str)
+
+    def _listed_files(self):
+        """(relative path, entry) of every file the manifest lists."""
+        yield from self._copied.items()
+        yield from self._resident_files.items()
+        for layer in self.moe_layers:
+            yield self._layers[layer]["path"], self._layers[layer]
+
+    def _cheap_problems(self) -> list[str]:
+        """Missing files, wrong sizes, checksums of the small files, resident headers vs manifest."""
+        problems = []
+        for rel, entry in self._listed_files():
+            f = self.path / rel
+            try:
+                size = f.stat().st_size
+            except OSError:
+                problems.append(f"{f} is missing")
+                continue
+            want = entry.get("size") if isinstance(entry, dict) else None
+            if size != want:
+                what = " (truncated)" if isinstance(want, int) and size < want else ""
+                problems.append(f"{f} is {size} bytes, expected {want}{what}")
+            elif rel in self._copied or rel in self._resident_files:
+                if crc32_file(f) != entry.get("crc32"):
+                    problems.append(f"{f} fails its checksum (corrupt)")
+        if problems:
+            return problems
+        self._where = {}  # stored tensor name -> the resident file holding it (used by `resident`)
+        for rel in self._resident_files:
+            try:
+                st = SafetensorsFile(self.path / rel)
+            except ColibriError as e:
+                return [str(e)]
+            for name in st.tensors:
+                self._where[name] = st
+        for name, (kind, shape) in self._resident.items():
+            for part, dtype, pshape in self._parts(name, kind, shape):
+                st = self._where.get(part)
+                if st is None or st.shape(part) != tuple(pshape) or st.dtype(part) != ST_NAME[dtype]:
+                    problems.append(f"resident tensor {part} is missing or has the wrong shape/dtype")
+        return problems
+
+    @staticmethod
+    def _parts(name: str, kind: str, shape: tuple[int, ...]):
+        """(stored tensor name, dtype, shape) of each part of a resident tensor."""
+        if kind == ARRAY:
+            return [(name, np.dtype(np.float32), shape)]
+        return [(name if part == "data" else name + SCALES_SUFFIX, dtype, pshape)
+                for part, dtype, pshape in quant.layout(kind, *shape)]
+
+    # -- resident tensors
+
+    def resident(self) -> dict[str, quant.QTensor | np.ndarray]:
+        """Every resident tensor by checkpoint name (read from disk on each call)."""
+        out = {}
+        for name, (kind, shape) in self._resident.items():
+            arrays = [self._where[part].read(part) for part, _, _ in self._parts(name, kind, shape)]
+            if kind == ARRAY:
+                out[name] = arrays[0]
+            else:
+                out[name] = quant.QTensor(kind, shape[0], shape[1], arrays[0], arrays[1] if len(arrays) > 1 else None)
+        return out
+
+    @property
+    def resident_names(self) -> tuple[str, ...]:
+        return tuple(self._resident)
+
+    # -- routed experts
+
+    def expert_location(self, layer: int, expert: int) -> tuple[str, int, int]:
+        """(file path, byte offset, byte count) of one expert's extent."""
+        if layer not in self._layers or not 0 <= expert < self.n_experts:
+            raise ValueError(f"no expert {expert} in layer {layer} (MoE layers {self.moe_layers}, "
+                             f"{self.n_experts} experts)")
+        return str(self.path / self._layers[layer]["path"]), expert * self.expert_nbytes, self.expert_nbytes
+
+    def parse_expert(self, buf) -> tuple[quant.QTensor, quant.QTensor, quant.QTensor]:
+        """(gate, up, down) viewing one extent held in `buf`; its checksum is verified first."""
+        return self._parse(buf)[2]
+
+    def _parse(self, buf):
+        mv = memoryview(buf)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        n = self.expert_nbytes
+        if mv.nbytes < n:
+            raise ColibriError(f"{self.path}: expert buffer of {mv.nbytes} bytes is shorter than an extent ({n})")
+        mv = mv[:n]
+        crc, magic, layer, expert = TRAILER.unpack_from(mv, n - TRAILER.size)
+        if magic != TRAILER_MAGIC or extent_crc(mv) != crc:
+            where = (f"{self.path / self._layers[layer]['path']} layer {layer} expert {expert}"
+                     if layer in self._layers and expert < self.n_experts and magic == TRAILER_MAGIC
+                     else f"{self.path} (an extent with an unreadable trailer)")
+            raise ColibriError(f"corrupt expert data in {where}: checksum mismatch; "
+                               f"run `colibri verify --deep` and reconvert the model")
+        shapes = [_proj_shape(p, self.hidden, self.intermediate) for p in PROJS]
+        tensors = tuple(quant.from_buffer(self.expert_kind, r, c, mv, off)[0]
+                        for (r, c), off in zip(shapes, self._offsets))
+        return layer, expert, tensors
+
+    def read_expert(self, layer: int, expert: int) -> tuple[quant.QTensor, quant.QTensor, quant.QTensor]:
+        """(gate, up, down) of one expert: one pread of its extent, then `parse_expert`."""
+        path, offset, nbytes = self.expert_location(layer, expert)
+        fd = self._fds.get(layer)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(layer)
+                if fd is None:
+                    try:
+                        fd = self._fds[layer] = os.open(path, os.O_RDONLY)
+                    except OSError as e:
+                        raise ColibriError(f"cannot open expert file {path}: {e.strerror}") from None
+        buf = os.pread(fd, nbytes, offset)
+        if len(buf) != nbytes:
+            raise ColibriError(f"expert file {path} is truncated (layer {layer} expert {expert}); reconvert the model")
+        got_layer, got_expert, tensors = self._parse(buf)
+        if (got_layer, got_expert) != (layer, expert):
+            raise ColibriError(f"expert file {path} holds layer {got_layer} expert {got_expert} where layer "
+                               f"{layer} expert {expert} belongs; reconvert the model")
+        return tensors
+
+    def close(self) -> None:
+        """Close the expert files `read_expert` opened (it reopens them if called again)."""
+        fds = getattr(self, "_fds", {})
+        while fds:
+            os.close(fds.popitem()[1])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    # -- verification
+
+    def verify(self, deep: bool = False) -> list[str]:
+        """Problems found (empty: the container is whole). `deep` re-hashes every expert extent."""
+        problems = self._cheap_problems()
+        if not deep:
+            return problems
+        for layer in self.moe_layers:
+            entry = self._layers[layer]
+            path = self.path / entry["path"]
+            if not path.is_file() or path.stat().st_size != entry["size"]:
+                continue  # reported above
+            crc = 0
+            with open(path, "rb") as f:
+                for e in range(self.n_experts):
+                    buf = f.read(self.expert_nbytes)
+                    crc = zlib.crc32(buf, crc)
+                    got = extent_crc(buf)
+                    if got != entry["extent_crc32"][e]:
+                        problems.append(f"{path}: layer {layer} expert {e} fails its checksum (corrupt)")
+                        continue
+                    trailer = TRAILER.unpack_from(buf, len(buf) - TRAILER.size)
+                    if trailer != (got, TRAILER_MAGIC, layer, e):
+                        problems.append(f"{path}: layer {layer} expert {e} has a bad extent trailer")
+            if crc != entry["crc32"]:
+                problems.append(f"{path} fails its whole-file checksum (corrupt)")
+        return problems
+
+    def __repr__(self) -> str:
+        return f"Container({str(self.path)!r}, architecture={self.architecture!r}, quant={self.quant!r})"

@@ -1,0 +1,479 @@
+"""`convert`: a Hugging Face safetensors checkpoint -> a colibri container.
+
+Steps: read every shard's header; check the tensor names and shapes against the plugin's
+`ContainerLayout` (before anything is written); then, in the staging directory ``DST.partial/``,
+write the resident tensors and one expert file per MoE layer, recording each finished file in
+``progress.json``; copy config and tokenizer files; write ``colibri.yaml`` last; rename the
+staging directory to DST. Rerunning an interrupted conversion keeps the files already finished
+(after re-checking their checksums); a staging directory left by another source, quantisation or
+layout is discarded. Tensors are read one at a time, never the whole checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import zlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from .. import quant as q
+from ..errors import ColibriError
+from ..layout import PROJS, ContainerLayout
+from .reader import (
+    ARRAY, COPIED_FILES, EXTENT_ALIGN, FORMAT, FORMAT_VERSION, MANIFEST, READABLE_DTYPES, RESIDENT_FILE,
+    SCALES_SUFFIX, ST_NAME, TRAILER, TRAILER_MAGIC, SafetensorsFile, crc32_file, expert_extent,
+    expert_file_name, extent_crc, one_line,
+)
+
+PROGRESS = "progress.json"
+
+
+class _Flow(dict):
+    """A mapping written on one line in colibri.yaml."""
+
+
+class _FlowList(list):
+    """A list written on one line in colibri.yaml."""
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(_Flow, lambda d, m: d.represent_mapping("tag:yaml.org,2002:map", m, flow_style=True))
+_Dumper.add_representer(_FlowList, lambda d, s: d.represent_sequence("tag:yaml.org,2002:seq", s, flow_style=True))
+
+
+# ----------------------------------------------------------------------------- the source checkpoint
+
+
+class Checkpoint:
+    """A HF checkpoint directory: config.json plus one or more safetensors files (headers only)."""
+
+    def __init__(self, src: Path):
+        self.path = src
+        if not src.exists():
+            raise ColibriError(f"checkpoint directory {src} does not exist")
+        if not src.is_dir():
+            raise ColibriError(f"{src} is not a directory (expected a Hugging Face checkpoint directory)")
+        if not (src / "config.json").is_file():
+            raise ColibriError(f"{src} has no config.json: not a Hugging Face checkpoint directory")
+        index = src / "model.safetensors.index.json"
+        weight_map = None
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                names = sorted(set(weight_map.values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ColibriError(f"cannot read {index}: {one_line(e)}") from None
+        else:
+            names = sorted(p.name for p in src.glob("*.safetensors"))
+        if not names:
+            raise ColibriError(f"{src} holds no safetensors files (model.safetensors or "
+                               "model.safetensors.index.json); colibri converts safetensors checkpoints")
+        self.files: dict[str, SafetensorsFile] = {}
+        for name in names:
+            if not (src / name).is_file():
+                raise ColibriError(f"checkpoint {src} lacks the shard {name} named in {index.name}")
+            self.files[name] = SafetensorsFile(src / name)
+        self.where: dict[str, SafetensorsFile] = {}
+        for fname, st in self.files.items():
+            for tname in st.tensors:
+                if tname in self.where:
+                    raise ColibriError(f"tensor {tname} appears in both {self.where[tname].path.name} and {fname}")
+                self.where[tname] = st
+        for tname, fname in (weight_map or {}).items():
+            if self.where.get(tname) is not self.files[fname]:
+                raise ColibriError(f"{index} places tensor {tname} in {fname}, which does not hold it")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.where[name].shape(name)
+
+    def read_f32(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
+        return self.where[name].read_f32(name, first, count)
+
+    def fingerprint(self) -> dict:
+        """Digest of the tensor names, shapes, dtypes and the file sizes."""
+        tensors = sorted([n, st.dtype(n), list(st.shape(n))] for n, st in self.where.items())
+        files = {name: st.path.stat().st_size for name, st in self.files.items()}
+        digest = hashlib.sha256(json.dumps([tensors, sorted(files.items())]).encode()).hexdigest()
+        return {"fingerprint": f"sha256:{digest}", "tensors": len(tensors), "bytes": sum(files.values()),
+                "files": files}
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class _Plan:
+    architecture: str
+    quant: str
+    layout: ContainerLayout
+    resident: list[tuple[str, str, tuple[int, ...]]]  # (name, kind, logical shape); kind ARRAY or a quant kind
+    form: str  # "per_expert" | "fused"
+    names: dict[str, str]  # expert name patterns of that form
+
+    def expert_weights(self, ckpt: Checkpoint, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(gate [I, H], up [I, H], down [H, I]) of one expert, float32."""
+        if self.form == "fused":
+            gate_up = ckpt.read_f32(self.names["gate_up"].format(layer=layer), e, 1)[0]  # [2I, H]
+            down = ckpt.read_f32(self.names["down"].format(layer=layer), e, 1)[0]
+            inter = self.layout.intermediate
+            return gate_up[:inter], gate_up[inter:], down
+        return tuple(ckpt.read_f32(self.names[p].format(layer=layer, expert=e)) for p in PROJS)
+
+
+def _plan(ckpt: Checkpoint, layout: ContainerLayout, architecture: str, quant: str) -> _Plan:
+    """Check the checkpoint's names and shapes against the layout; decide how each tensor is stored."""
+    E, H, I = layout.n_experts, layout.hidden, layout.intermediate
+    names = layout.experts
+    fused = bool(names.fused_gate_up and layout.moe_layers
+                 and names.fused_gate_up.format(layer=layout.moe_layers[0]) in ckpt.where)
+    try:
+        if fused:
+            if not names.fused_down:
+                raise ColibriError(f"architecture {architecture}: the layout names fused gate_up but not fused down")
+            patterns = {"gate_up": names.fused_gate_up, "down": names.fused_down}
+        else:
+            patterns = {p: names.per_expert[p] for p in PROJS}
+        expected: dict[str, tuple[int, ...] | None] = dict.fromkeys(layout.resident)
+        for layer in layout.moe_layers:
+            if fused:
+                expected[patterns["gate_up"].format(layer=layer)] = (E, 2 * I, H)
+                expected[patterns["down"].format(layer=layer)] = (E, H, I)
+            else:
+                for e in range(E):
+                    for p in PROJS:
+                        expected[patterns[p].format(layer=layer, expert=e)] = (H, I) if p == "down" else (I, H)
+    except (KeyError, IndexError, ValueError) as err:
+        raise ColibriError(f"architecture {architecture} has a bad expert name pattern ({one_line(err)})") from None
+
+    missing = [n for n in expected if n not in ckpt.where]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ColibriError(f"checkpoint lacks tensor {missing[0]} (needed by architecture {architecture}){more}: "
+                           f"{ckpt.path}")
+    unused = [n for n in sorted(ckpt.where) if n not in expected and not layout.ignored(n)]
+    if unused:
+        more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
+        raise ColibriError(f"checkpoint has tensor {unused[0]} that architecture {architecture} does not use"
+                           f"{more}: {ckpt.path}")
+    for name, shape in expected.items():
+        if ckpt.where[name].dtype(name) not in READABLE_DTYPES:
+            raise ColibriError(f"tensor {name} has dtype {ckpt.where[name].dtype(name)}, which colibri cannot "
+                               f"convert (it reads {', '.join(READABLE_DTYPES)}): {ckpt.path}")
+        if shape is not None and ckpt.shape(name) != shape:
+            raise ColibriError(f"tensor {name} has shape {list(ckpt.shape(name))}, but architecture {architecture} "
+                               f"expects {list(shape)} (experts {E}, hidden {H}, intermediate {I}): {ckpt.path}")
+    resident = []
+    for name in layout.resident:
+        shape = ckpt.shape(name)
+        resident.append((name, ARRAY if layout.stays_f32(name, len(shape)) else quant, shape))
+    return _Plan(architecture, quant, layout, resident, "fused" if fused else "per_expert", patterns)
+
+
+def _layout_digest(layout: ContainerLayout) -> str:
+    text = json.dumps(dataclasses.asdict(layout), sort_keys=True, default=list)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- writing files
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class _CrcWriter:
+    """A file written front to back, with its running crc32 and size."""
+
+    def __init__(self, path: Path):
+        self.f, self.crc, self.size = open(path, "wb"), 0, 0
+
+    def write(self, data) -> None:
+        self.f.write(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += len(data)
+
+    def close(self) -> dict:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return {"size": self.size, "crc32": self.crc}
+
+
+def _write_resident(ckpt: Checkpoint, plan: _Plan, path: Path, bar) -> dict:
+    """resident.safetensors, written one tensor at a time (the header is known up front)."""
+    parts = []  # (stored name, dtype, shape)
+    for name, kind, shape in plan.resident:
+        if kind == ARRAY:
+            parts.append((name, np.dtype(np.float32), shape))
+        else:
+            parts += [(name if part == "data" else name + SCALES_SUFFIX, dtype, pshape)
+                      for part, dtype, pshape in q.layout(kind, *shape)]
+    header, offset = {"__metadata__": {"format": "colibri"}}, 0
+    for pname, dtype, pshape in parts:
+        nbytes = int(np.prod(pshape)) * dtype.itemsize
+        header[pname] = {"dtype": ST_NAME[dtype], "shape": list(pshape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    out = _CrcWriter(path)
+    out.write(len(head).to_bytes(8, "little") + head)
+    for name, kind, shape in plan.resident:
+        w = ckpt.read_f32(name)
+        if kind == ARRAY:
+            arrays = [w]
+        else:
+            t = q.quantize(w, kind)
+            arrays = [t.data] if t.scales is None else [t.data, t.scales]
+        for a in arrays:
+            out.write(np.ascontiguousarray(a).tobytes())
+        bar.update(1)
+    rec = out.close()
+    if rec["size"] != 8 + len(head) + offset:
+        raise AssertionError(f"{path}: wrote {rec['size']} bytes, expected {8 + len(head) + offset}")
+    return rec
+
+
+def _write_layer(ckpt: Checkpoint, plan: _Plan, layer: int, path: Path, bar) -> dict:
+    """One MoE layer's expert file: extent e at e * expert_nbytes.
+
+    Experts are quantised on a few threads (NumPy releases the GIL), at most 2 per thread in flight,
+    and written in order."""
+    lay = plan.layout
+    _, nbytes = expert_extent(plan.quant, lay.hidden, lay.intermediate)
+
+    def extent(e: int) -> bytearray:
+        buf = bytearray()
+        for w in plan.expert_weights(ckpt, layer, e):
+            q.pack(q.quantize(w, plan.quant), buf)
+        buf += bytes(nbytes - TRAILER.size - len(buf))
+        buf += TRAILER.pack(0, TRAILER_MAGIC, layer, e)
+        buf[nbytes - TRAILER.size: nbytes - TRAILER.size + 4] = extent_crc(buf).to_bytes(4, "little")
+        return buf
+
+    out, crcs = _CrcWriter(path), []
+
+    def write(buf: bytearray) -> None:
+        crcs.append(int.from_bytes(buf[nbytes - TRAILER.size: nbytes - TRAILER.size + 4], "little"))
+        out.write(buf)
+        bar.update(1)
+
+    workers = min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(workers) as pool:
+        pending = deque()
+        for e in range(lay.n_experts):
+            pending.append(pool.submit(extent, e))
+            if len(pending) > 2 * workers:
+                write(pending.popleft().result())
+        while pending:
+            write(pending.popleft().result())
+    return {**out.close(), "extent_crc32": crcs}
+
+
+class _Staging:
+    """DST.partial/: the files finished so far, recorded in progress.json with their checksums."""
+
+    def __init__(self, path: Path, key: dict, say):
+        self.path = path
+        rec = None
+        if path.exists() or path.is_symlink():
+            prog = path / PROGRESS
+            ours = path.is_dir() and (prog.is_file() or (path / MANIFEST).is_file() or not any(path.iterdir()))
+            if not ours:
+                raise ColibriError(f"{path} exists and is not a colibri staging directory: remove it or "
+                                   "choose another destination")
+            try:
+                rec = json.loads(prog.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                rec = None
+            if isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("files"), dict):
+                say(f"resuming the conversion in {path}")
+            else:
+                if any(path.iterdir()):
+                    say(f"discarding {path}: an unfinished conversion of another source, quantisation or layout")
+                shutil.rmtree(path)
+                rec = None
+        self.rec = rec or {"key": key, "files": {}}
+        (path / "experts").mkdir(parents=True, exist_ok=True)
+        self.save()
+
+    def save(self) -> None:
+        _write_atomic(self.path / PROGRESS, json.dumps(self.rec).encode())
+
+    def finished(self, rel: str) -> dict | None:
+        """The record of a file finished earlier, if it is still whole (size and crc32 re-checked)."""
+        rec = self.rec["files"].get(rel)
+        f = self.path / rel
+        if rec and f.is_file() and f.stat().st_size == rec["size"] and crc32_file(f) == rec["crc32"]:
+            return rec
+        return None
+
+    def done(self, rel: str, rec: dict) -> dict:
+        self.rec["files"][rel] = rec
+        self.save()
+        return rec
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ----------------------------------------------------------------------------- convert
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str, layout: ContainerLayout,
+            architecture: str, plugin: str, plugin_version: str, progress: bool = True,
+            force: bool = False) -> None:
+    """Convert the HF checkpoint in `src` into a colibri container at `dst`.
+
+    `quant` (f32, int8, int4) applies to the routed experts and to every resident matrix the layout
+    does not keep float32. Resumable: rerunning after an interruption continues in ``DST.partial``.
+    `force` replaces an existing container at `dst`.
+    """
+    src, dst = Path(src), Path(dst)
+    if quant not in q.KINDS:
+        raise ColibriError(f"unknown quantisation {quant!r}: choose one of {', '.join(q.KINDS)}")
+    ckpt = Checkpoint(src)
+    plan = _plan(ckpt, layout, architecture, quant)
+    if dst.resolve() == src.resolve():
+        raise ColibriError(f"the destination {dst} is the checkpoint itself: choose another directory")
+    _check_destination(dst, force)
+    source = ckpt.fingerprint()
+    key = {"format_version": FORMAT_VERSION, "source": source["fingerprint"], "quant": quant,
+           "architecture": architecture, "layout": _layout_digest(layout)}
+
+    def say(msg: str) -> None:
+        if progress:
+            print(msg, file=sys.stderr)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = _Staging(dst.with_name(dst.name + ".partial"), key, say)
+    total = len(plan.resident) + len(layout.moe_layers) * layout.n_experts
+    bar = _progressbar(total, f"converting {src.name} -> {dst.name} ({quant})") if progress else _NoBar()
+    layers = []
+    with bar:
+        resident = staging.finished(RESIDENT_FILE)
+        if resident is None:
+            resident = staging.done(RESIDENT_FILE, _write_resident(ckpt, plan, staging.path / RESIDENT_FILE, bar))
+        else:
+            bar.update(len(plan.resident))
+        for layer in layout.moe_layers:
+            rel = expert_file_name(layer)
+            rec = staging.finished(rel)
+            if rec is None:
+                rec = staging.done(rel, _write_layer(ckpt, plan, layer, staging.path / rel, bar))
+            else:
+                bar.update(layout.n_experts)
+            layers.append({"layer": layer, "path": rel, "size": rec["size"], "crc32": rec["crc32"],
+                           "extent_crc32": _FlowList(rec["extent_crc32"])})
+    copied = {}
+    for name in COPIED_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, staging.path / name)
+            copied[name] = _Flow(size=(staging.path / name).stat().st_size, crc32=crc32_file(staging.path / name))
+    manifest = _manifest(plan, architecture, plugin, plugin_version, source, copied, resident, layers)
+    text = yaml.dump(manifest, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
+    _write_atomic(staging.path / MANIFEST, text.encode("utf-8"))
+    (staging.path / PROGRESS).unlink()
+    _fsync_dir(staging.path)
+    _publish(staging.path, dst, force)
+
+
+def _progressbar(total: int, label: str):
+    import typer
+
+    return typer.progressbar(length=total, label=label, file=sys.stderr)
+
+
+def _manifest(plan: _Plan, architecture, plugin, plugin_version, source, copied, resident, layers) -> dict:
+    lay = plan.layout
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "architecture": architecture,
+        "plugin": _Flow(name=plugin, version=plugin_version),
+        "quant": plan.quant,
+        "checksum": "crc32",
+        "quantisation": _Flow(experts=plan.quant, matrices=plan.quant, kept="f32"),
+        "source": source,
+        "files": copied,
+        "resident": {
+            "files": {RESIDENT_FILE: _Flow(size=resident["size"], crc32=resident["crc32"])},
+            "tensors": {name: _Flow(kind=kind, shape=list(shape)) for name, kind, shape in plan.resident},
+        },
+        "experts": {
+            "moe_layers": _FlowList(lay.moe_layers),
+            "n_experts": lay.n_experts,
+            "hidden": lay.hidden,
+            "intermediate": lay.intermediate,
+            "kind": plan.quant,
+            "expert_nbytes": expert_extent(plan.quant, lay.hidden, lay.intermediate)[1],
+            "extent": {"order": _FlowList(PROJS), "part_align": 64, "align": EXTENT_ALIGN,
+                       "trailer": "last 16 bytes: u32 crc32 of all other extent bytes, CLXE, u32 layer, u32 expert"},
+            "source_form": plan.form,
+            "names": dict(plan.names),
+            "files": layers,
+        },
+    }
+
+
+def _check_destination(dst: Path, force: bool) -> None:
+    if not (dst.exists() or dst.is_symlink()):
+        return
+    if not dst.is_dir():
+        raise ColibriError(f"{dst} exists and is not a directory: choose another destination")
+    if (dst / MANIFEST).exists():
+        if not force:
+            raise ColibriError(f"{dst} already holds a colibri container: remove it or choose another destination")
+    elif any(dst.iterdir()):
+        raise ColibriError(f"{dst} exists and is not empty: choose another destination")
+
+
+def _publish(staging: Path, dst: Path, force: bool) -> None:
+    """Rename the finished staging directory to `dst` (replacing an old container if `force`)."""
+    _check_destination(dst, force)
+    old = None
+    if dst.exists():
+        if (dst / MANIFEST).exists():
+            old = dst.with_name(dst.name + ".old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.rename(dst, old)
+        else:
+            dst.rmdir()
+    os.rename(staging, dst)
+    _fsync_dir(dst.parent)
+    if old is not None:
+        shutil.rmtree(old)

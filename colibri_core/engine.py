@@ -1,0 +1,190 @@
+"""The engine: a container, its architecture's model, the expert store, and the decode loop.
+
+    engine = load("models/olmoe-int4", ram="4GB")
+    ids = engine.generate(prompt_ids, max_new_tokens=32)           # new tokens only
+    logits = engine.logits(ids)                                     # (len(ids), vocab) float32
+"""
+from __future__ import annotations
+
+import re
+import resource
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from . import plugins
+from .container import Container
+from .convert import read_config
+from .errors import ColibriError
+from .generate import sample
+from .model import Weights
+from .store import ExpertStore
+from .tokenizer import Tokenizer, generation_defaults
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like "512MB", "2GB", "1.5GiB"."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(size))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ColibriError(f"cannot read size {size!r}: use bytes or a number with KB, MB, GB, GiB, …")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes), or 8 GB where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 10**9
+
+
+class Session:
+    """A token sequence and the model state holding all of it but the last sampled token."""
+
+    def __init__(self, state):
+        self.state = state
+        self.ids: list[int] = []  # tokens whose state is in `state`
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, *, ram: int | str | None = None, cache_slots: int | None = None):
+        self.model_dir = Path(model_dir)
+        registry = plugins.registry()
+        self.arch = registry.resolve(read_config(model_dir), where=str(model_dir))  # a missing plugin first
+        self.container = Container(model_dir)
+        if self.arch.name != self.container.architecture:
+            raise ColibriError(f"{model_dir}: container is for architecture {self.container.architecture}, "
+                               f"but config.json is served by {self.arch.name} ({self.arch.plugin})")
+        model_cls = registry.model_class(self.arch)
+        cfg = model_cls.parse_config(self.container.config)
+        resident = self.container.resident()
+        self.resident_bytes = sum(t.nbytes for t in resident.values())
+        weights = Weights(resident, str(model_dir))
+        self.store = ExpertStore(self.container, self._cache_slots(ram, cache_slots))
+        self.model = model_cls(cfg, weights, self.store)
+        weights.check_all_taken()
+        self.generation = generation_defaults(model_dir)
+        self._tokenizer: Tokenizer | None = None
+        self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_seconds": 0.0,
+                         "decode_seconds": 0.0, "time_to_first_token": 0.0}
+
+    def _cache_slots(self, ram, cache_slots) -> int:
+        c = self.container
+        if cache_slots is not None:
+            if cache_slots < 1:
+                raise ColibriError(f"--cache-slots must be at least 1, got {cache_slots}")
+            return min(cache_slots, c.n_experts)
+        per_slot = len(c.moe_layers) * c.expert_nbytes  # one more slot in every MoE layer
+        budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
+        slots = (budget - self.resident_bytes) // per_slot
+        if slots < 1:
+            need = self.resident_bytes + per_slot
+            raise ColibriError(f"RAM budget {format_bytes(budget)} is below this model's minimum "
+                               f"{format_bytes(need)} (resident weights + one expert per layer)")
+        return int(min(slots, c.n_experts))
+
+    # ---- text ------------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer.from_dir(self.model_dir)
+        return self._tokenizer
+
+    # ---- the model -------------------------------------------------------------------------
+    def new_session(self) -> Session:
+        return Session(self.model.new_state())
+
+    def logits(self, ids) -> np.ndarray:
+        """Teacher-forced logits, float32 (len(ids), vocab)."""
+        ids = np.asarray(ids, np.int64)
+        return self.model.forward(ids, self.model.new_state())
+
+    def _feed(self, session: Session, ids: list[int]) -> np.ndarray:
+        """Bring `session` to `ids` (reusing the longest cached prefix); logits of the last token (V,)."""
+        n = len(session.ids)
+        if not (n < len(ids) and ids[:n] == session.ids):
+            session.state, session.ids, n = self.model.new_state(), [], 0
+        logits = self.model.forward(np.asarray(ids[n:], np.int64), session.state, last_only=True)
+        session.ids = list(ids)
+        return logits[-1]
+
+    def stream(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, seed: int | None = None, *, stop_ids=None,
+               session: Session | None = None) -> Iterator[int]:
+        """Yield new token ids one by one. Stops after `max_new_tokens` or a stop id (yielded).
+
+        `stop_ids` defaults to generation_config.json's eos_token_id; pass () to never stop early.
+        A `session` keeps its state across calls: a prompt that extends it is prefilled only past
+        what the session already holds.
+        """
+        prompt_ids = [int(i) for i in prompt_ids]
+        if not prompt_ids:
+            raise ColibriError("the prompt is empty")
+        stop = set(self.generation.get("eos_token_id", []) if stop_ids is None else stop_ids)
+        session = session or self.new_session()
+        rng = np.random.default_rng(seed)
+        t0 = time.perf_counter()
+        logits = self._feed(session, prompt_ids)
+        self.counters["prompt_tokens"] += len(prompt_ids)
+        self.counters["prefill_seconds"] += time.perf_counter() - t0
+        ids = list(prompt_ids)
+        for i in range(max_new_tokens):
+            token = sample(logits, rng, temperature, top_p, top_k)
+            if i == 0:
+                self.counters["time_to_first_token"] = time.perf_counter() - t0
+            self.counters["generated_tokens"] += 1
+            yield token
+            ids.append(token)
+            if token in stop or i + 1 == max_new_tokens:
+                break
+            t1 = time.perf_counter()
+            logits = self._feed(session, ids)
+            self.counters["decode_seconds"] += time.perf_counter() - t1
+
+    def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int | None = None, *, stop_ids=None) -> list[int]:
+        """New token ids only (temperature 0 is greedy)."""
+        return list(self.stream(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop_ids=stop_ids))
+
+    def stats(self) -> dict:
+        c = self.counters
+        decoded = max(0, c["generated_tokens"] - 1)
+        return {
+            **c,
+            "decode_tokens_per_second": decoded / c["decode_seconds"] if c["decode_seconds"] else 0.0,
+            **self.store.stats(),
+            "resident_bytes": self.resident_bytes,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+
+    def close(self) -> None:
+        self.store.cache.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def load(model_dir: str | Path, *, ram: int | str | None = None, cache_slots: int | None = None) -> Engine:
+    """Open a converted model directory. `ram`: budget in bytes or "2GB"; `cache_slots`: experts per layer."""
+    return Engine(model_dir, ram=ram, cache_slots=cache_slots)

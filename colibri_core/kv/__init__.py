@@ -1,0 +1,1 @@
+"""Per-layer state: KV caches (and later recurrent states) and their persistence."""

@@ -1,0 +1,32 @@
+"""The key/value cache of one attention layer."""
+import numpy as np
+
+
+class KVCache:
+    """Keys and values of every token seen so far, grown by doubling."""
+
+    def __init__(self, kv_heads: int, head_dim: int, capacity: int = 64):
+        self.k = np.empty((capacity, kv_heads, head_dim), np.float32)  # (capacity, Hkv, D)
+        self.v = np.empty((capacity, kv_heads, head_dim), np.float32)  # (capacity, Hkv, D)
+        self.length = 0
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Add k, v (T, Hkv, D) for T new tokens."""
+        need = self.length + k.shape[0]
+        if need > self.k.shape[0]:
+            cap = max(need, 2 * self.k.shape[0])
+            for name in ("k", "v"):
+                grown = np.empty((cap,) + self.k.shape[1:], np.float32)
+                grown[: self.length] = getattr(self, name)[: self.length]
+                setattr(self, name, grown)
+        self.k[self.length : need] = k
+        self.v[self.length : need] = v
+        self.length = need
+
+    def view(self) -> tuple[np.ndarray, np.ndarray]:
+        """Cached keys and values, (length, Hkv, D) each."""
+        return self.k[: self.length], self.v[: self.length]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes

@@ -1,0 +1,22 @@
+"""Rotary position embeddings (the default / ``rotate_half`` layout)."""
+import numpy as np
+
+
+class Rope:
+    """Default RoPE for heads of width `dim`, computed in float32 as `transformers` does."""
+
+    def __init__(self, dim: int, theta: float):
+        self.inv_freq = (1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))).astype(np.float32)  # (dim/2,)
+
+    def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin of shape (T, dim) for integer positions (T,)."""
+        freqs = positions.astype(np.float32)[:, None] * self.inv_freq[None, :]  # (T, dim/2)
+        emb = np.concatenate([freqs, freqs], axis=-1)  # (T, dim)
+        return np.cos(emb), np.sin(emb)
+
+
+def apply_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x (T, heads, dim) rotated by cos/sin (T, dim): x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,47 @@
+"""What a plugin tells the converter about its checkpoint: the container layout.
+
+Every tensor of a HF checkpoint is either *resident* (kept in RAM: embeddings, attention, norms,
+routers, shared experts) or part of a *routed expert* (streamed from disk). The layout names both,
+says which resident tensors stay float32 whatever ``--quant`` asks, and which checkpoint tensors
+the architecture does not use (skipped, e.g. MTP heads the model cannot run yet). Any other tensor
+in the checkpoint, or one the layout expects and the checkpoint lacks, is a conversion error.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+PROJS = ("gate", "up", "down")  # storage order inside one expert's extent
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """How the routed experts of one MoE layer are named in a HF checkpoint.
+
+    Patterns use ``{layer}`` and ``{expert}``. A checkpoint holds either the per-expert form
+    (``gate`` ``[I, H]``, ``up`` ``[I, H]``, ``down`` ``[H, I]``) or the fused form
+    (``gate_up`` ``[E, 2I, H]`` with gate rows first, ``down`` ``[E, H, I]``).
+    """
+
+    per_expert: dict[str, str]  # "gate" | "up" | "down" -> name pattern with {layer} and {expert}
+    fused_gate_up: str | None = None  # name pattern with {layer}: [E, 2I, H]
+    fused_down: str | None = None  # name pattern with {layer}: [E, H, I]
+
+
+@dataclass(frozen=True)
+class ContainerLayout:
+    resident: tuple[str, ...]  # every non-expert tensor the model needs, by checkpoint name
+    keep_f32: tuple[str, ...]  # regexes (re.search) of resident tensors never quantised
+    moe_layers: tuple[int, ...]  # layer indices that have routed experts
+    n_experts: int  # routed experts per MoE layer (E)
+    hidden: int  # expert input / output width (H)
+    intermediate: int  # expert hidden width (I)
+    experts: ExpertNames
+    ignore: tuple[str, ...] = field(default=())  # regexes of checkpoint tensors skipped on purpose
+
+    def stays_f32(self, name: str, ndim: int) -> bool:
+        """True if resident tensor `name` is kept float32 (all 1-D tensors are)."""
+        return ndim != 2 or any(re.search(p, name) for p in self.keep_f32)
+
+    def ignored(self, name: str) -> bool:
+        return any(re.search(p, name) for p in self.ignore)

@@ -1,0 +1,143 @@
+"""OLMoE (allenai/OLMoE-1B-7B): the whole architecture, top to bottom.
+
+Reference: transformers/models/olmoe/modeling_olmoe.py (the oracle the conformance suite uses).
+Every layer: RMSNorm → MHA/GQA with QK-norm over the *full* projected width and rotate-half RoPE
+→ residual → RMSNorm → MoE (softmax over all experts, top-k, not renormalised unless
+``norm_topk_prob``; no shared expert) → residual. Final RMSNorm, untied lm_head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from colibri_core.kv.cache import KVCache
+from colibri_core.layers.attention import gqa_attention
+from colibri_core.layers.moe import moe_block
+from colibri_core.layers.norm import rms_norm
+from colibri_core.layers.rope import Rope, apply_rotate_half
+from colibri_core.layers.router import softmax_topk
+from colibri_core.layout import ContainerLayout, ExpertNames
+from colibri_core.model import MoEModel, embed, linear
+
+
+@dataclass(frozen=True)
+class OlmoeConfig:
+    vocab_size: int
+    hidden_size: int  # H
+    intermediate_size: int  # I: width of one expert
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int  # hidden_size // num_attention_heads
+    num_experts: int  # E routed experts per layer
+    num_experts_per_tok: int  # top-k
+    norm_topk_prob: bool  # renormalise the top-k weights (False for OLMoE-1B-7B)
+    rms_norm_eps: float
+    rope_theta: float
+    clip_qkv: float | None  # clamp q, k, v to ±clip_qkv (None: no clamp)
+
+    @classmethod
+    def from_hf(cls, c: dict) -> OlmoeConfig:
+        rope = c.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"OLMoE with rope_type {rope['rope_type']!r} is not supported")
+        heads = c["num_attention_heads"]
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+            num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=c.get("num_key_value_heads") or heads, head_dim=c["hidden_size"] // heads,
+            num_experts=c["num_experts"], num_experts_per_tok=c["num_experts_per_tok"],
+            norm_topk_prob=bool(c.get("norm_topk_prob", False)), rms_norm_eps=c.get("rms_norm_eps", 1e-5),
+            rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)), clip_qkv=c.get("clip_qkv"),
+        )
+
+
+LAYER = "model.layers.{layer}"
+RESIDENT_PER_LAYER = (  # every non-expert tensor of one layer
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate.weight",
+)
+
+
+class State:
+    def __init__(self, cfg: OlmoeConfig):
+        self.caches = [KVCache(cfg.num_key_value_heads, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.caches[0].length
+
+
+class Olmoe(MoEModel):
+    @classmethod
+    def parse_config(cls, config: dict) -> OlmoeConfig:
+        return OlmoeConfig.from_hf(config)
+
+    @classmethod
+    def layout(cls, cfg: OlmoeConfig) -> ContainerLayout:
+        per_layer = [f"{LAYER}.{name}".format(layer=i) for i in range(cfg.num_hidden_layers) for name in RESIDENT_PER_LAYER]
+        expert = LAYER + ".mlp.experts.{expert}"
+        return ContainerLayout(
+            resident=("model.embed_tokens.weight", *per_layer, "model.norm.weight", "lm_head.weight"),
+            keep_f32=(r"\.mlp\.gate\.weight$",),  # the router
+            moe_layers=tuple(range(cfg.num_hidden_layers)),
+            n_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
+            experts=ExpertNames(
+                per_expert={"gate": expert + ".gate_proj.weight", "up": expert + ".up_proj.weight",
+                            "down": expert + ".down_proj.weight"},
+                fused_gate_up=LAYER + ".mlp.experts.gate_up_proj",
+                fused_down=LAYER + ".mlp.experts.down_proj",
+            ),
+        )
+
+    def __init__(self, cfg: OlmoeConfig, weights, store):
+        super().__init__(cfg, weights, store)
+        self.embed_tokens = weights("model.embed_tokens.weight")  # (V, H)
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            w = lambda name: weights(f"{LAYER}.{name}".format(layer=i))  # noqa: E731
+            self.layers.append(dict(
+                input_norm=w("input_layernorm.weight"),  # (H,)
+                q_proj=w("self_attn.q_proj.weight"),  # (heads * D, H)
+                k_proj=w("self_attn.k_proj.weight"),  # (kv_heads * D, H)
+                v_proj=w("self_attn.v_proj.weight"),  # (kv_heads * D, H)
+                o_proj=w("self_attn.o_proj.weight"),  # (H, heads * D)
+                q_norm=w("self_attn.q_norm.weight"),  # (heads * D,)
+                k_norm=w("self_attn.k_norm.weight"),  # (kv_heads * D,)
+                post_norm=w("post_attention_layernorm.weight"),  # (H,)
+                router=w("mlp.gate.weight"),  # (E, H) float32
+            ))
+        self.norm = weights("model.norm.weight")  # (H,)
+        self.lm_head = weights("lm_head.weight")  # (V, H)
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta)
+
+    def new_state(self) -> State:
+        return State(self.cfg)
+
+    def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
+        cfg = self.cfg
+        T = len(ids)
+        cos, sin = self.rope.cos_sin(np.arange(state.length, state.length + T))  # (T, D)
+        h = embed(ids, self.embed_tokens)  # (T, H)
+        for i, L in enumerate(self.layers):
+            # ---- attention
+            x = rms_norm(h, L["input_norm"], cfg.rms_norm_eps)
+            q = rms_norm(linear(x, L["q_proj"]), L["q_norm"], cfg.rms_norm_eps)  # (T, heads * D)
+            k = rms_norm(linear(x, L["k_proj"]), L["k_norm"], cfg.rms_norm_eps)  # (T, kv_heads * D)
+            v = linear(x, L["v_proj"])  # (T, kv_heads * D)
+            if cfg.clip_qkv is not None:
+                q, k, v = (np.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+            q = apply_rotate_half(q.reshape(T, cfg.num_attention_heads, cfg.head_dim), cos, sin)
+            k = apply_rotate_half(k.reshape(T, cfg.num_key_value_heads, cfg.head_dim), cos, sin)
+            v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
+            attn = gqa_attention(q, k, v, state.caches[i], cfg.head_dim ** -0.5)  # (T, heads * D)
+            h = h + linear(attn, L["o_proj"])
+            # ---- routed experts
+            x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
+            weights, experts = softmax_topk(linear(x, L["router"]), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            h = h + moe_block(x, experts, weights, self.store, layer=i)
+        if last_only:
+            h = h[-1:]
+        return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head)  # (T, V)

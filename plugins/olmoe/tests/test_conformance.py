@@ -1,0 +1,22 @@
+"""OLMoE against transformers' OlmoeForCausalLM: the conformance kit on two tiny configs that
+differ in dimensions, expert count and top-k (and one with GQA, clip_qkv and renormalised top-k)."""
+from transformers import OlmoeConfig
+
+from colibri_core.testing import ConformanceSuite
+
+
+class TestTinyOlmoe(ConformanceSuite):
+    hf_config = OlmoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+        initializer_range=0.1, max_position_embeddings=256,
+    )
+
+
+class TestTinyOlmoeWide(ConformanceSuite):
+    seed = 1
+    hf_config = OlmoeConfig(
+        vocab_size=320, hidden_size=96, intermediate_size=72, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, num_experts=12, num_experts_per_tok=3,
+        norm_topk_prob=True, clip_qkv=3.0, initializer_range=0.1, max_position_embeddings=256,
+    )

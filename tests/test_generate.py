@@ -1,0 +1,74 @@
+"""Sampling, sessions and the engine's Python API."""
+import numpy as np
+import pytest
+
+from colibri_core import load
+from colibri_core.engine import parse_size
+from colibri_core.errors import ColibriError
+from colibri_core.generate import sample
+
+
+def test_greedy_and_ties():
+    rng = np.random.default_rng(0)
+    assert sample(np.array([0.1, 3.0, 3.0, -1.0], np.float32), rng) == 1
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = np.random.default_rng(1).standard_normal(100).astype(np.float32)
+    best = int(np.argmax(logits))
+    rng = np.random.default_rng(2)
+    assert all(sample(logits, rng, temperature=1.5, top_k=1) == best for _ in range(20))
+    assert all(sample(logits, rng, temperature=1.5, top_p=1e-9) == best for _ in range(20))
+
+
+def test_top_k_restricts_support():
+    logits = np.arange(10, dtype=np.float32)
+    rng = np.random.default_rng(3)
+    assert {sample(logits, rng, temperature=5.0, top_k=3) for _ in range(200)} == {7, 8, 9}
+
+
+def test_seeded_sampling_reproduces(tiny_model):
+    with load(tiny_model) as engine:
+        a = engine.generate([5, 6, 7], 10, temperature=1.0, top_p=0.9, seed=42, stop_ids=())
+        b = engine.generate([5, 6, 7], 10, temperature=1.0, top_p=0.9, seed=42, stop_ids=())
+    assert a == b and len(a) == 10
+
+
+def test_session_prefix_reuse_matches_fresh_run(tiny_model):
+    with load(tiny_model) as engine:
+        session = engine.new_session()
+        first = list(engine.stream([5, 6, 7, 8], 5, session=session, stop_ids=()))
+        follow = [5, 6, 7, 8] + first + [9, 10]
+        prefilled = engine.counters["prompt_tokens"]
+        reused = list(engine.stream(follow, 6, session=session, stop_ids=()))
+        assert session.state.length == len(follow) + 5
+        fresh = engine.generate(follow, 6, stop_ids=())
+    assert reused == fresh
+    assert prefilled > 0
+
+
+def test_logits_are_teacher_forced(tiny_model):
+    with load(tiny_model) as engine:
+        ids = [3, 1, 4, 1, 5, 9, 2, 6]
+        full = engine.logits(ids)
+        assert full.shape == (8, 300) and full.dtype == np.float32
+        assert np.allclose(engine.logits(ids[:5]), full[:5], rtol=1e-5, atol=1e-5)
+        tokens = engine.generate(ids, 1, stop_ids=())
+        assert tokens == [int(np.argmax(full[-1]))]
+
+
+def test_stops_at_eos(tiny_model):
+    with load(tiny_model) as engine:
+        first = engine.generate([5, 6, 7], 1, stop_ids=())[0]
+        assert engine.generate([5, 6, 7], 10, stop_ids=[first]) == [first]
+
+
+def test_parse_size():
+    assert parse_size("2GB") == 2 * 10**9 and parse_size("1.5GiB") == int(1.5 * 2**30) and parse_size(123) == 123
+    with pytest.raises(ColibriError):
+        parse_size("lots")
+
+
+def test_budget_below_minimum_is_an_error(tiny_model):
+    with pytest.raises(ColibriError, match="below this model's minimum"):
+        load(tiny_model, ram="1KB")

@@ -1,0 +1,144 @@
+"""The plugin contract: discovery, the allow-list, validation that names the distribution,
+misspelt hooks, resolving config.json, and `colibri plugins` importing no model code."""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from colibri_core import plugins
+from colibri_core.errors import ColibriError
+from colibri_core.hookspecs import Architecture, hookimpl
+
+from conftest import colibri
+
+GOOD = Architecture(name="toy", hf_architectures=("ToyForCausalLM",), model_types=("toy",), model="toy.model:Toy")
+
+
+def plugin_module(**hooks):
+    m = types.ModuleType("fake_plugin")
+    for name, fn in hooks.items():
+        setattr(m, name, fn)
+    return m
+
+
+def registry_with(*archs, name="fake"):
+    @hookimpl
+    def colibri_register_architectures(register):
+        for a in archs:
+            register(a)
+
+    reg = plugins.Registry()
+    reg.add(name, f"colibri-{name}", "9.9", plugin_module(colibri_register_architectures=colibri_register_architectures))
+    return reg
+
+
+def test_register_and_resolve():
+    reg = registry_with(GOOD)
+    arch = reg.resolve({"architectures": ["ToyForCausalLM"]})
+    assert arch.name == "toy" and arch.plugin == "colibri-fake" and arch.version == "9.9"
+    assert reg.resolve({"model_type": "toy"}).name == "toy"
+    assert reg.plugins["fake"].hooks == ["colibri_register_architectures"]
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ("not an architecture", "not a colibri Architecture"),
+    (Architecture("Bad Name", ("X",), (), "m:C"), "lower_snake_case"),
+    (Architecture("toy", ("X",), (), "no-colon"), "module:Class"),
+    (Architecture("toy", (), (), "m:C"), "serves no"),
+])
+def test_bad_registrations_name_the_distribution(bad, fragment):
+    with pytest.raises(ColibriError, match=fragment) as e:
+        registry_with(bad)
+    assert "colibri-fake 9.9" in str(e.value)
+
+
+def test_duplicate_architecture_names_both_plugins():
+    reg = registry_with(GOOD, name="one")
+
+    @hookimpl
+    def colibri_register_architectures(register):
+        register(GOOD)
+
+    with pytest.raises(ColibriError, match="colibri-two.*already registered by plugin colibri-one"):
+        reg.add("two", "colibri-two", "1.0", plugin_module(colibri_register_architectures=colibri_register_architectures))
+
+
+def test_misspelt_hook_is_loud():
+    @hookimpl
+    def colibri_register_architecture(register):  # missing "s"
+        pass
+
+    with pytest.raises(ColibriError, match="colibri-typo.*colibri_register_architecture"):
+        plugins.Registry().add("typo", "colibri-typo", "0.1", plugin_module(colibri_register_architecture=colibri_register_architecture))
+
+
+def test_unserved_architecture_names_the_plugin_to_install():
+    reg = plugins.Registry()
+    with pytest.raises(ColibriError, match="colibri install colibri-qwen36"):
+        reg.resolve({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe"})
+    with pytest.raises(ColibriError, match="knows no plugin"):
+        reg.resolve({"architectures": ["MysteryForCausalLM"], "model_type": "mystery"})
+
+
+def test_allow_list(monkeypatch):
+    monkeypatch.setenv("COLIBRI_LOAD_PLUGINS", "")
+    reg = plugins.Registry()
+    reg.load_entry_points()
+    assert reg.plugins == {} and "colibri-olmoe" in reg.skipped
+    with pytest.raises(ColibriError, match="COLIBRI_LOAD_PLUGINS leaves out"):
+        reg.resolve({"model_type": "olmoe"})
+    monkeypatch.setenv("COLIBRI_LOAD_PLUGINS", "colibri-olmoe")
+    reg = plugins.Registry()
+    reg.load_entry_points()
+    assert list(reg.architectures) == ["olmoe"]
+
+
+def test_plugins_json_lists_olmoe():
+    r = colibri("plugins", "--json")
+    assert r.returncode == 0, r.stderr
+    (olmoe,) = [p for p in json.loads(r.stdout) if p["name"] == "colibri-olmoe"]
+    assert olmoe["architectures"] == ["olmoe"] and olmoe["hooks"] == ["colibri_register_architectures"]
+    assert olmoe["version"]
+
+
+def test_listing_plugins_imports_no_model_code():
+    code = ("import sys; from colibri_core import plugins; plugins.registry(); "
+            "heavy = [m for m in ('numpy', 'colibri_olmoe.model', 'colibri_core.engine') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plugin_commands_hook(tmp_path):
+    """A plugin can add a CLI command (checked through the real typer app)."""
+    import typer
+    from typer.testing import CliRunner
+
+    @hookimpl
+    def colibri_register_commands(app):
+        @app.command()
+        def hello():
+            """Say hello."""
+            print("hello from a plugin")
+
+    reg = plugins.Registry()
+    reg.add("cmd", "colibri-cmd", "1.0", plugin_module(colibri_register_commands=colibri_register_commands))
+    app = typer.Typer()
+
+    @app.command()
+    def noop():
+        pass
+
+    reg.call_commands(app)
+    assert "hello from a plugin" in CliRunner().invoke(app, ["hello"]).output
+
+
+def test_trace_plugins(monkeypatch, capsys):
+    monkeypatch.setenv("COLIBRI_TRACE_PLUGINS", "1")
+    registry_with(GOOD)
+    reg = plugins.Registry()
+    reg.load_entry_points()
+    reg.call_commands(types.SimpleNamespace(command=lambda *a, **k: (lambda f: f)))
+    assert "colibri_register_commands" in capsys.readouterr().err
