@@ -166,9 +166,15 @@ def install(target: str = typer.Argument(..., help="A plugin directory, a wheel,
     """Install a plugin with pip into colibri's own environment."""
     if Path(target).exists():
         target = str(Path(target).resolve())
+    elif "/" in target or target.startswith("."):
+        raise ColibriError(f"{target}: no such plugin directory or wheel")
     rc = subprocess.call([sys.executable, "-m", "pip", "install", target])
     if rc:
         raise ColibriError(f"pip could not install {target} (exit status {rc})")
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (results are measurements, never test gates).")
+app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:

@@ -106,3 +106,36 @@ def test_convert_cli(tiny_checkpoint, tmp_path):
     assert r.returncode == 0, r.stderr
     assert yaml.safe_load((tmp_path / "c" / "colibri.yaml").read_text())["quant"] == "int8"
     one_line_error(colibri("convert", tiny_checkpoint, tmp_path / "c2", "--quant", "int3"), "int3")
+
+
+def test_chat_streams_and_handles_commands(tiny_model):
+    r = colibri("chat", "--model", tiny_model, "--max-tokens", "5", "--temperature", "0",
+                input="hello there\n/stats\nand again\n/reset\nfresh start\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("tok/s") == 3  # one stats line per answer
+    assert '"expert_hits"' in r.stderr and "(conversation reset)" in r.stderr
+
+
+def test_install_runs_pip_in_colibri_environment(tmp_path):
+    """`colibri install DIR` installs a third-party plugin that `colibri plugins` then lists."""
+    import sys
+    import subprocess
+
+    pkg = tmp_path / "colibri-toyplug"
+    (pkg / "colibri_toyplug").mkdir(parents=True)
+    (pkg / "colibri_toyplug" / "__init__.py").write_text(
+        "from colibri_core.hookspecs import Architecture, hookimpl\n\n@hookimpl\n"
+        "def colibri_register_architectures(register):\n"
+        "    register(Architecture('toy', ('ToyForCausalLM',), ('toy',), 'colibri_toyplug.model:Toy'))\n")
+    (pkg / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "colibri-toyplug"\nversion = "0.0.1"\n'
+        '[project.entry-points.colibri]\ntoyplug = "colibri_toyplug"\n')
+    try:
+        r = colibri("install", pkg)
+        assert r.returncode == 0, r.stderr
+        listed = colibri("plugins", "--json")
+        assert "colibri-toyplug" in listed.stdout and '"toy"' in listed.stdout
+    finally:
+        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "colibri-toyplug"], check=True)
+    one_line_error(colibri("install", tmp_path / "missing" / "plugin-dir-name-that-is-not-on-pypi"))

@@ -72,3 +72,17 @@ def test_parse_size():
 def test_budget_below_minimum_is_an_error(tiny_model):
     with pytest.raises(ColibriError, match="below this model's minimum"):
         load(tiny_model, ram="1KB")
+
+
+def test_state_arrays_round_trip(tiny_model):
+    """A state flattened to arrays and rebuilt continues exactly like the original."""
+    with load(tiny_model) as engine:
+        session = engine.new_session()
+        list(engine.stream([5, 6, 7, 8, 9], 3, session=session, stop_ids=()))
+        restored = engine.new_session()
+        restored.state.load_arrays({k: v.copy() for k, v in session.state.arrays().items()})
+        restored.ids = list(session.ids)
+        follow = session.ids + [11, 12]
+        a = list(engine.stream(follow, 6, session=session, stop_ids=()))
+        b = list(engine.stream(follow, 6, session=restored, stop_ids=()))
+    assert a == b

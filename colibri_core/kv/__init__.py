@@ -1,1 +1,40 @@
-"""Per-layer state: KV caches (and later recurrent states) and their persistence."""
+"""Per-sequence model state (KV caches, MLA latents, recurrent states) and its persistence.
+
+Every architecture's state is a `State`: it knows how many tokens it holds and can be flattened
+to named arrays and rebuilt from them. Sessions (saving a conversation beside the model and
+resuming it after a restart) rely only on this protocol, so they work for every architecture.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class State:
+    """Base class of an architecture's per-sequence state."""
+
+    @property
+    def length(self) -> int:
+        """Tokens whose state is held."""
+        raise NotImplementedError
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Everything needed to resume, as named arrays (e.g. "layer.3.k": (length, Hkv, D))."""
+        raise NotImplementedError
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Restore what `arrays()` returned (into a fresh state of the same model)."""
+        raise NotImplementedError
+
+
+def cache_arrays(caches) -> dict[str, np.ndarray]:
+    """Named arrays of a list of per-layer `KVCache`s."""
+    out = {}
+    for i, cache in enumerate(caches):
+        out[f"layer.{i}.k"], out[f"layer.{i}.v"] = cache.view()
+    return out
+
+
+def load_cache_arrays(caches, arrays: dict[str, np.ndarray]) -> None:
+    """Fill fresh per-layer `KVCache`s from `cache_arrays` output."""
+    for i, cache in enumerate(caches):
+        cache.append(arrays[f"layer.{i}.k"], arrays[f"layer.{i}.v"])

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from colibri_core import kv
 from colibri_core.kv.cache import KVCache
 from colibri_core.layers.attention import gqa_attention
 from colibri_core.layers.moe import moe_block
@@ -61,13 +62,19 @@ RESIDENT_PER_LAYER = (  # every non-expert tensor of one layer
 )
 
 
-class State:
+class State(kv.State):
     def __init__(self, cfg: OlmoeConfig):
         self.caches = [KVCache(cfg.num_key_value_heads, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
 
     @property
     def length(self) -> int:
         return self.caches[0].length
+
+    def arrays(self) -> dict:
+        return kv.cache_arrays(self.caches)
+
+    def load_arrays(self, arrays: dict) -> None:
+        kv.load_cache_arrays(self.caches, arrays)
 
 
 class Olmoe(MoEModel):
