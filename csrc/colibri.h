@@ -9,8 +9,17 @@
 //         (the last group of a row may be shorter); w = q * float32(scale).
 // Matrices are row-major [rows, cols] = [out, in]; activations are float32 row-major [n, dim].
 //
-// Determinism: each output element is reduced in one fixed order (sequentially over the input
-// dimension; for int4 group by group), so a result depends only on the inputs and the code path.
+// Activations reach the quantised products in one of two arithmetics (`act`):
+//   ACT_F32: float32 activations times the dequantised weights, in float32 — the exact mode, what
+//            the transformers oracle computes (up to the order of the additions);
+//   ACT_Q8:  activations quantised to int8 per block of 64 (scale = absmax/127, round half to
+//            even), integer dot products per block, then float32 scaling — the fast mode, an
+//            explicit option (f32 weights always use ACT_F32).
+//
+// Determinism: each output element is reduced by one thread in one fixed order (matmul.c states
+// it exactly), the same in the portable, AVX2 and AVX-512 code paths, so a result depends only on
+// the inputs and `act`: not on the code path, the thread count or the batch it came in.
+// colibri_core/kernels/reference.py models the same order in NumPy.
 //
 // This header is also cffi's cdef (colibri_core/kernels/_build.py drops the lines starting with
 // '#'): keep it to plain declarations — no macros inside declarations, no inline functions.
@@ -29,11 +38,18 @@ enum {
     INT4_GROUP = 64,  // columns per int4 scale group
 };
 
+enum {
+    ACT_F32 = 0,    // float32 activations (exact mode)
+    ACT_Q8 = 1,     // activations quantised to int8 per block (fast mode)
+    Q8_BLOCK = 64,  // columns per activation block in ACT_Q8
+};
+
 // Status codes returned by the kernels.
 enum {
     COLI_OK = 0,
-    COLI_EINVAL = -1,  // unknown kind or mismatched shapes
-    COLI_ENOMEM = -2,  // a scratch buffer could not be allocated
+    COLI_EINVAL = -1,       // unknown kind or mismatched shapes
+    COLI_ENOMEM = -2,       // a scratch buffer could not be allocated
+    COLI_EUNSUPPORTED = -3, // a code path this CPU (or build) does not have
 };
 
 // A (possibly quantised) weight matrix [rows, cols]; the arrays are borrowed, never copied.
@@ -46,7 +62,7 @@ typedef struct {
 } QMatrix;
 
 // ----------------------------------------------------------------------------
-// matmul.c — quantised matrix products
+// matmul.c — quantised matrix products, code paths
 
 // IEEE half (its bit pattern) to float, exactly; handles zero, subnormals, inf and NaN.
 float f16_to_f32(uint16_t h);
@@ -55,26 +71,57 @@ float f16_to_f32(uint16_t h);
 // else COLI_EINVAL. w: QMatrix.
 int qmatrix_check(const QMatrix *w);
 
-// dot(row r of w, x): one output element, reduced in the fixed order described above.
-// w: QMatrix [rows, cols]; x: f32 [cols].
-float qmatrix_row_dot(const QMatrix *w, int r, const float *x);
+// y = x @ dequant(w).T, every token independently.
+// y: f32 [n, w->rows] (written); w: QMatrix [rows, cols]; x: f32 [n, w->cols]; act: ACT_F32|ACT_Q8.
+// Returns COLI_OK, COLI_EINVAL (bad w, n or act) or COLI_ENOMEM.
+int matmul(float *y, const QMatrix *w, const float *x, int n, int act);
 
-// y = x @ dequant(w).T, token by token.
-// y: f32 [n, w->rows] (written); w: QMatrix [rows, cols]; x: f32 [n, w->cols].
-// Returns COLI_OK, or COLI_EINVAL when qmatrix_check(w) fails.
-int matmul(float *y, const QMatrix *w, const float *x, int n);
+// Several products of one input in one call (e.g. q, k and v): y[i] = x @ dequant(w[i]).T.
+// y: count pointers to f32 [n, w[i]->rows]; w: count matrices with one cols; x: f32 [n, cols].
+// Each y[i] is exactly what matmul(y[i], w[i], x, n, act) writes.
+int matmul_multi(float *const *y, const QMatrix *const *w, int count, const float *x, int n, int act);
 
-// The name of the code path in use ("portable"; SIMD paths are chosen here later).
+// The code path in use: "portable", "avx2" or "avx512".
 const char *simd_name(void);
 
+// 1 if this CPU and build can run the named path, else 0.
+int simd_supported(const char *name);
+
+// Use the named path ("portable" | "avx2" | "avx512"), or the best one the CPU has for "auto".
+// COLI_EUNSUPPORTED for a path this CPU lacks, COLI_EINVAL for an unknown name; the path in use
+// is unchanged then. The first kernel call selects from the environment variable COLIBRI_SIMD
+// (unset: "auto"); an unusable value there makes simd_init_status() non-zero.
+int simd_select(const char *name);
+
+// COLI_OK, or the status of selecting COLIBRI_SIMD at start-up (the path fell back to "auto").
+int simd_init_status(void);
+
 // ----------------------------------------------------------------------------
-// expert_ffn.c — one routed expert, fused
+// threads.c — the kernels' thread pool
+
+// Threads the kernels use (the calling thread included); at start-up COLIBRI_THREADS, else the
+// CPUs this process may run on.
+int threads_get(void);
+
+// Use n threads (1..256); COLI_EINVAL otherwise. Never changes a result, only the speed.
+int threads_set(int n);
+
+// ----------------------------------------------------------------------------
+// expert_ffn.c — routed experts, fused
 
 // out = down( silu(gate x) * (up x) ), silu(a) = a / (1 + exp(-a)); the [n, inter] intermediate
 // lives in a scratch buffer owned by this call.
 // out: f32 [n, hidden] (written); gate, up: QMatrix [inter, hidden]; down: QMatrix [hidden, inter];
 // x: f32 [n, hidden]. Returns COLI_OK, COLI_EINVAL (shapes/kinds) or COLI_ENOMEM.
 int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix *down,
-               const float *x, int n);
+               const float *x, int n, int act);
+
+// Many experts of one MoE layer in one call, each exactly as expert_ffn computes it.
+// Slots are the flat (token, rank) positions t * k + r of a (T, k) routing table.
+// outs: f32 [T * k, hidden], the slots listed are written, others untouched;
+// x: f32 [T, hidden]; mats: 3 * n_experts matrices, gate, up, down of expert e at 3e, 3e+1, 3e+2;
+// slots: int32, the slots of expert e are slots[start[e] .. start[e+1]); start: int32 [n_experts+1].
+int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
+                int n_experts, const int32_t *slots, const int32_t *start, int act);
 
 #endif  // COLIBRI_H
