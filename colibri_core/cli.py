@@ -177,6 +177,22 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (results are meas
 app.add_typer(bench_app, name="bench")
 
 
+@bench_app.command("kernels")
+def bench_kernels(
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Kernel threads (default: COLIBRI_THREADS or all CPUs)."),
+):
+    """Each C kernel's GB/s (GFLOP/s for matrix-matrix) beside the machine's read bandwidth, measured in one run."""
+
+    from . import kernels
+    from .bench import kernels as bench
+
+    if threads is not None:
+        kernels.set_threads(threads)
+    result = bench.run()
+    print(json.dumps(result, indent=2) if json_out else bench.format_table(result))
+
+
 def main() -> None:
     try:
         from . import plugins

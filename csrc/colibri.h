@@ -26,6 +26,7 @@
 #ifndef COLIBRI_H
 #define COLIBRI_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 // ----------------------------------------------------------------------------
@@ -123,5 +124,28 @@ int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix
 // slots: int32, the slots of expert e are slots[start[e] .. start[e+1]); start: int32 [n_experts+1].
 int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
                 int n_experts, const int32_t *slots, const int32_t *start, int act);
+
+// ----------------------------------------------------------------------------
+// layers.c — per-token layers (references: colibri_core/kernels/reference.py)
+
+// out = x / sqrt(mean(x^2) + eps) * weight, row by row. out, x: f32 [n, dim]; weight: f32 [dim].
+int rms_norm(float *out, const float *x, const float *weight, int n, int dim, float eps);
+
+// out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x[half:], x[:half]].
+// out, x: f32 [T, heads, dim]; cos, sin: f32 [T, dim]; dim even.
+int rope_rotate_half(float *out, const float *x, const float *cos, const float *sin, int T, int heads, int dim);
+
+// Causal grouped-query attention of T new tokens (positions start .. start+T-1) over S cached ones.
+// out: f32 [T, H, D] (written); q: f32 [T, H, D]; k, v: f32 [S, Hkv, D] with S >= start + T, the new
+// tokens' keys and values already in place; H a multiple of Hkv; scale usually D^-0.5.
+int attention(float *out, const float *q, int T, int H, int D, const float *k, const float *v, int S, int Hkv,
+              int start, float scale);
+
+// ----------------------------------------------------------------------------
+// membench.c
+
+// Read nbytes of buf (8-byte aligned) on every kernel thread, each its own contiguous share, and
+// return the sum of its 64-bit words (so the reads cannot be skipped): the machine's read bandwidth.
+uint64_t mem_read(const void *buf, size_t nbytes);
 
 #endif  // COLIBRI_H

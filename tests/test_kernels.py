@@ -404,3 +404,50 @@ def test_environment_rejects_a_path_this_cpu_lacks_or_bad_threads():
         assert r.returncode != 0 and f"COLIBRI_SIMD={p}: SIMD path '{p}' needs" in r.stderr
     r = _run_python("import colibri_core.kernels", COLIBRI_THREADS="many")
     assert r.returncode != 0 and "COLIBRI_THREADS='many'" in r.stderr
+
+
+# ----------------------------------------------------------------------------
+# Per-token layers: RMSNorm, RoPE, attention
+
+
+def test_rms_norm_matches_reference():
+    rng = np.random.default_rng(20)
+    for shape in [(1, 1), (3, 63), (5, 2048), (2, 3, 130)]:
+        x = (3 * rng.standard_normal(shape)).astype(np.float32)
+        w = rng.standard_normal(shape[-1]).astype(np.float32)
+        got, want = kernels.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5)
+        assert_close(got, want, 1e-6 * np.abs(want) + 1e-30)
+
+
+def test_rope_matches_reference_bit_for_bit():
+    rng = np.random.default_rng(21)
+    for T, heads, dim in [(1, 1, 2), (3, 4, 64), (5, 16, 128)]:
+        x = rng.standard_normal((T, heads, dim)).astype(np.float32)
+        ang = rng.standard_normal((T, dim)).astype(np.float32)
+        cos, sin = np.cos(ang), np.sin(ang)
+        assert_same_bits(kernels.rope_rotate_half(x, cos, sin), reference.rope_rotate_half(x, cos, sin))
+
+
+@pytest.mark.parametrize("T,H,Hkv,D,start", [(1, 1, 1, 1, 0), (1, 16, 16, 128, 37), (5, 8, 2, 64, 0),
+                                             (3, 32, 4, 128, 1500), (7, 6, 3, 20, 9)])
+def test_attention_matches_reference_on_every_thread_count(thread_counts, T, H, Hkv, D, start):
+    rng = np.random.default_rng([T, H, D, start])
+    S = start + T
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    k, v = (rng.standard_normal((S, Hkv, D)).astype(np.float32) for _ in range(2))
+    want = reference.attention(q, k, v, start, D ** -0.5)
+    got = kernels.attention(q, k, v, start, D ** -0.5)
+    assert_close(got, want, 1e-5 * (np.abs(v).max() + np.abs(want)))
+    for n in thread_counts:
+        kernels.set_threads(n)
+        assert_same_bits(kernels.attention(q, k, v, start, D ** -0.5), got, f"{n} threads")
+    assert_same_bits(kernels.attention(q[-1:], k, v, S - 1, D ** -0.5), got[-1:], "one token alone")
+
+
+def test_layers_reject_bad_shapes():
+    with pytest.raises(ValueError, match="rms_norm: weight must be"):
+        kernels.rms_norm(np.ones((2, 4), np.float32), np.ones(3, np.float32), 1e-5)
+    with pytest.raises(ValueError, match="rope"):
+        kernels.rope_rotate_half(np.ones((1, 2, 3), np.float32), np.ones((1, 3), np.float32), np.ones((1, 3), np.float32))
+    with pytest.raises(ValueError, match="start \\+ T <= S"):
+        kernels.attention(np.ones((2, 4, 8), np.float32), np.ones((1, 2, 8), np.float32), np.ones((1, 2, 8), np.float32), 0, 1.0)

@@ -47,7 +47,8 @@ except ImportError as e:  # pragma: no cover - only without a build
         "install the package (`pip install -e .` in a checkout) to compile csrc/"
     ) from e
 
-__all__ = ["matmul", "matmul_multi", "expert_ffn", "moe_experts", "activations", "ACTIVATIONS",
+__all__ = ["matmul", "matmul_multi", "expert_ffn", "moe_experts", "rms_norm", "rope_rotate_half", "attention",
+           "activations", "ACTIVATIONS",
            "simd", "set_simd", "simd_supported", "SIMD_PATHS", "threads", "set_threads", "reference"]
 
 SIMD_PATHS = ("portable", "avx2", "avx512")
@@ -214,6 +215,50 @@ def moe_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict,
         for gate, up, down in experts.values():
             _check_expert(gate, up, down, hidden)
     _check(status, "moe_experts")
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """``x / sqrt(mean(x²) + eps) * weight`` over the last axis: x (..., D), weight (D,) -> float32 (..., D)."""
+    x = np.ascontiguousarray(x, np.float32)
+    weight = np.ascontiguousarray(weight, np.float32)
+    D = x.shape[-1]
+    if weight.shape != (D,) or D == 0:
+        raise ValueError(f"rms_norm: weight must be ({D},), got {list(weight.shape)}")
+    out = np.empty_like(x)
+    if x.size:
+        _check(lib.rms_norm(_floats(out, writable=True), _floats(x), _floats(weight), x.size // D, D, eps), "rms_norm")
+    return out
+
+
+def rope_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """``x * cos + rotate_half(x) * sin``: x (T, heads, D), cos / sin (T, D) -> float32 (T, heads, D)."""
+    x = np.ascontiguousarray(x, np.float32)
+    cos, sin = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
+    T, heads, D = x.shape
+    if cos.shape != (T, D) or sin.shape != (T, D) or D % 2:
+        raise ValueError(f"rope: x (T, heads, D) with D even and cos, sin (T, D); got {list(x.shape)}, {list(cos.shape)}")
+    out = np.empty_like(x)
+    if x.size:
+        _check(lib.rope_rotate_half(_floats(out, writable=True), _floats(x), _floats(cos), _floats(sin), T, heads, D),
+               "rope")
+    return out
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float) -> np.ndarray:
+    """Causal GQA attention: q (T, H, D) for positions start..start+T-1 over k, v (S, Hkv, D), the
+    new tokens' keys and values included (S >= start + T). Returns float32 (T, H * D)."""
+    q = np.ascontiguousarray(q, np.float32)
+    T, H, D = q.shape
+    S, Hkv, Dk = k.shape
+    if v.shape != k.shape or Dk != D or H % Hkv or not 0 <= start <= S - T:
+        raise ValueError(f"attention: q (T, H, D), k and v (S, Hkv, D) with H a multiple of Hkv and "
+                         f"start + T <= S; got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, start {start}")
+    k, v = (np.ascontiguousarray(a, np.float32) for a in (k, v))
+    out = np.empty((T, H * D), np.float32)
+    if T:
+        _check(lib.attention(_floats(out, writable=True), _floats(q), T, H, D, _floats(k), _floats(v), S, Hkv,
+                             start, scale), "attention")
+    return out
 
 
 # ----------------------------------------------------------------------------

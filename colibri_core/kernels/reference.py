@@ -127,3 +127,33 @@ def exact(w: QTensor, x: np.ndarray, act: str = "f32") -> np.ndarray:
     """float64 ``x @ dequantize(w).T`` (x as ``act`` stands it for): what every order approximates."""
     xv = dequantize_activations(x) if act == "int8" and w.kind != "f32" else np.asarray(x, np.float32)
     return xv.astype(np.float64) @ dequantize(w).astype(np.float64).T
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis: x / sqrt(mean(x²) + eps) * weight.  x (..., D), weight (D,)."""
+    x = x.astype(np.float32, copy=False)
+    var = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
+    return (x * (np.float32(1) / np.sqrt(var + np.float32(eps)))) * weight
+
+
+def rope_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x (T, heads, dim) rotated by cos/sin (T, dim): x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, scale: float) -> np.ndarray:
+    """Causal GQA attention: q (T, H, D) at positions start.., keys / values (S, Hkv, D) -> (T, H * D)."""
+    T, H, D = q.shape
+    S, Hkv, _ = keys.shape
+    group = H // Hkv
+    qg = q.reshape(T, Hkv, group, D).transpose(1, 2, 0, 3)  # (Hkv, group, T, D)
+    scores = np.matmul(qg, keys.transpose(1, 2, 0)[:, None]) * np.float32(scale)  # (Hkv, group, T, S)
+    future = np.arange(S)[None, :] > (start + np.arange(T))[:, None]  # (T, S): key after query
+    scores[..., future] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = np.matmul(probs, values.transpose(1, 0, 2)[:, None])  # (Hkv, group, T, D)
+    return out.transpose(2, 0, 1, 3).reshape(T, H * D).astype(np.float32, copy=False)

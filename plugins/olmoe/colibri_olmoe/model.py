@@ -47,7 +47,7 @@ class OlmoeConfig:
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
             num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
-            num_key_value_heads=c.get("num_key_value_heads") or heads, head_dim=c["hidden_size"] // heads,
+            num_key_value_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or c["hidden_size"] // heads,
             num_experts=c["num_experts"], num_experts_per_tok=c["num_experts_per_tok"],
             norm_topk_prob=bool(c.get("norm_topk_prob", False)), rms_norm_eps=c.get("rms_norm_eps", 1e-5),
             rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)), clip_qkv=c.get("clip_qkv"),

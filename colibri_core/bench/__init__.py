@@ -1,0 +1,1 @@
+"""Benchmarks behind `colibri bench …`: measurements, never test gates."""
