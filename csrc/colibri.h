@@ -118,12 +118,20 @@ int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix
                const float *x, int n, int act);
 
 // Many experts of one MoE layer in one call, each exactly as expert_ffn computes it.
-// Slots are the flat (token, rank) positions t * k + r of a (T, k) routing table.
-// outs: f32 [T * k, hidden], the slots listed are written, others untouched;
-// x: f32 [T, hidden]; mats: 3 * n_experts matrices, gate, up, down of expert e at 3e, 3e+1, 3e+2;
-// slots: int32, the slots of expert e are slots[start[e] .. start[e+1]); start: int32 [n_experts+1].
+// Slots are the flat (token, rank) positions t * k + r of the (T, k) routing table `ids`.
+// outs: f32 [T * k, hidden]: every slot whose expert is in `experts` is written, others untouched;
+// x: f32 [T, hidden]; mats: 3 * n_experts matrices, gate, up, down of experts[e] at 3e, 3e+1, 3e+2;
+// ids: int64 [T, k] expert of each slot; experts: int64 [n_experts] (distinct).
 int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
-                int n_experts, const int32_t *slots, const int32_t *start, int act);
+                int n_experts, const int64_t *ids, const int64_t *experts, int act);
+
+// The same with the slots already grouped: those of expert e are slots[start[e] .. start[e+1]).
+int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
+                      int n_experts, const int32_t *slots, const int32_t *start, int act);
+
+// out[t] = Σ_r weights[t, r] · outs[t, r], summed in rank order (out = o0 w0; out += o_r w_r).
+// out: f32 [T, hidden]; outs: f32 [T, k, hidden]; weights: f32 [T, k].
+int moe_combine(float *out, const float *outs, const float *weights, int T, int k, int hidden);
 
 // ----------------------------------------------------------------------------
 // layers.c — per-token layers (references: colibri_core/kernels/reference.py)

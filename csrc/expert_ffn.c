@@ -94,8 +94,8 @@ static int check_expert(const QMatrix *gate, const QMatrix *up, const QMatrix *d
     return COLI_OK;
 }
 
-int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
-                int n_experts, const int32_t *slots, const int32_t *start, int act) {
+int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
+                      int n_experts, const int32_t *slots, const int32_t *start, int act) {
     if (T < 0 || k < 1 || hidden < 0 || n_experts < 0 || (act != ACT_F32 && act != ACT_Q8)) return COLI_EINVAL;
     if (n_experts == 0) return COLI_OK;
     if (start[0] != 0) return COLI_EINVAL;
@@ -201,7 +201,47 @@ int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix
     for (int i = 0; i < n; i++) slots[i] = i;
     int32_t start[2] = {0, n};
     const QMatrix *mats[3] = {gate, up, down};
-    int status = moe_experts(out, x, n, 1, gate->cols, mats, 1, slots, start, act);
+    int status = moe_experts_slots(out, x, n, 1, gate->cols, mats, 1, slots, start, act);
     free(slots);
     return status;
+}
+
+int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
+                int n_experts, const int64_t *ids, const int64_t *experts, int act) {
+    if (T < 0 || k < 1 || n_experts < 0) return COLI_EINVAL;
+    size_t nslots = (size_t)T * (size_t)k;
+    int32_t *slots = malloc((nslots + 1) * sizeof *slots);
+    int32_t *start = malloc(((size_t)n_experts + 1) * sizeof *start);
+    if (slots == NULL || start == NULL) {
+        free(slots);
+        free(start);
+        return COLI_ENOMEM;
+    }
+    // the slots of each expert, in slot order, experts in the order given
+    int32_t at = 0;
+    for (int e = 0; e < n_experts; e++) {
+        start[e] = at;
+        for (size_t s = 0; s < nslots; s++) {
+            if (ids[s] == experts[e]) slots[at++] = (int32_t)s;
+        }
+    }
+    start[n_experts] = at;
+    int status = moe_experts_slots(outs, x, T, k, hidden, mats, n_experts, slots, start, act);
+    free(slots);
+    free(start);
+    return status;
+}
+
+int moe_combine(float *out, const float *outs, const float *weights, int T, int k, int hidden) {
+    if (T < 0 || k < 1 || hidden < 0) return COLI_EINVAL;
+    for (size_t t = 0; t < (size_t)T; t++) {
+        float *o = out + t * (size_t)hidden;
+        const float *w = weights + t * (size_t)k;
+        const float *slot = outs + t * (size_t)k * (size_t)hidden;  // [k, hidden]
+        for (int j = 0; j < hidden; j++) o[j] = slot[j] * w[0];
+        for (int r = 1; r < k; r++) {
+            for (int j = 0; j < hidden; j++) o[j] += slot[(size_t)r * (size_t)hidden + j] * w[r];
+        }
+    }
+    return COLI_OK;
 }

@@ -451,3 +451,11 @@ def test_layers_reject_bad_shapes():
         kernels.rope_rotate_half(np.ones((1, 2, 3), np.float32), np.ones((1, 3), np.float32), np.ones((1, 3), np.float32))
     with pytest.raises(ValueError, match="start \\+ T <= S"):
         kernels.attention(np.ones((2, 4, 8), np.float32), np.ones((1, 2, 8), np.float32), np.ones((1, 2, 8), np.float32), 0, 1.0)
+
+
+def test_moe_combine_matches_reference_bit_for_bit():
+    rng = np.random.default_rng(22)
+    for T, k, H in [(1, 1, 1), (1, 8, 2048), (5, 3, 65)]:
+        outs = rng.standard_normal((T, k, H)).astype(np.float32)
+        w = rng.random((T, k)).astype(np.float32)
+        assert_same_bits(kernels.moe_combine(outs, w), reference.moe_combine(outs, w))

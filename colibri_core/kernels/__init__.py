@@ -47,7 +47,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         "install the package (`pip install -e .` in a checkout) to compile csrc/"
     ) from e
 
-__all__ = ["matmul", "matmul_multi", "expert_ffn", "moe_experts", "rms_norm", "rope_rotate_half", "attention",
+__all__ = ["matmul", "matmul_multi", "expert_ffn", "moe_experts", "moe_combine", "rms_norm", "rope_rotate_half", "attention",
            "activations", "ACTIVATIONS",
            "simd", "set_simd", "simd_supported", "SIMD_PATHS", "threads", "set_threads", "reference"]
 
@@ -196,25 +196,33 @@ def moe_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict,
         raise ValueError(f"moe_experts: x has {x.shape[0]} tokens, ids {T}")
     if not experts or T == 0:
         return
+    if ids.dtype != np.int64 or not ids.flags.c_contiguous:
+        ids = np.ascontiguousarray(ids, np.int64)
     keys = np.fromiter(experts, np.int64, len(experts))  # the experts of this call, in dict order
-    flat = ids.reshape(-1)  # (T * k,): slot t * k + r
-    sorter = np.argsort(keys)
-    at = sorter[np.minimum(np.searchsorted(keys, flat, sorter=sorter), len(keys) - 1)]
-    which = np.where(keys[at] == flat, at, len(keys))  # the expert's position in keys, or len(keys): not here
-    order = np.argsort(which, kind="stable")
-    start = np.zeros(len(keys) + 1, np.int32)
-    np.cumsum(np.bincount(which, minlength=len(keys) + 1)[: len(keys)], out=start[1:])
-    slots = np.ascontiguousarray(order[: start[-1]], np.int32)
     mats = []
     for gate, up, down in experts.values():
         mats += (_qmatrix(gate, "gate"), _qmatrix(up, "up"), _qmatrix(down, "down"))
     status = lib.moe_experts(_floats(outs, writable=True), _floats(x), T, k, hidden, ffi.new("QMatrix *[]", mats),
-                             len(keys), ffi.from_buffer("int32_t[]", slots), ffi.from_buffer("int32_t[]", start),
+                             len(keys), ffi.from_buffer("int64_t[]", ids), ffi.from_buffer("int64_t[]", keys),
                              _act_code(act))
     if status == lib.COLI_EINVAL:
         for gate, up, down in experts.values():
             _check_expert(gate, up, down, hidden)
     _check(status, "moe_experts")
+
+
+def moe_combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """``Σ_rank weights[t, r] · outs[t, r]`` in rank order: outs (T, k, H), weights (T, k) -> (T, H)
+    (the same float32 operations as the NumPy ``out = o0 w0; out += o_r w_r``, so the same bits)."""
+    outs = np.ascontiguousarray(outs, np.float32)
+    weights = np.ascontiguousarray(weights, np.float32)
+    T, k, H = outs.shape
+    if weights.shape != (T, k):
+        raise ValueError(f"moe_combine: weights must be ({T}, {k}), got {list(weights.shape)}")
+    out = np.empty((T, H), np.float32)
+    if out.size:
+        _check(lib.moe_combine(_floats(out, writable=True), _floats(outs), _floats(weights), T, k, H), "moe_combine")
+    return out
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

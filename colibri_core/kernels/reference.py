@@ -157,3 +157,11 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     probs /= probs.sum(axis=-1, keepdims=True)
     out = np.matmul(probs, values.transpose(1, 0, 2)[:, None])  # (Hkv, group, T, D)
     return out.transpose(2, 0, 1, 3).reshape(T, H * D).astype(np.float32, copy=False)
+
+
+def moe_combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Σ_rank weights[t, r] · outs[t, r], summed in rank order. outs (T, k, H), weights (T, k) → (T, H)."""
+    out = outs[:, 0] * weights[:, :1]
+    for r in range(1, outs.shape[1]):
+        out += outs[:, r] * weights[:, r : r + 1]
+    return out

@@ -19,7 +19,7 @@ from colibri_core.layers.norm import rms_norm
 from colibri_core.layers.rope import Rope, apply_rotate_half
 from colibri_core.layers.router import softmax_topk
 from colibri_core.layout import ContainerLayout, ExpertNames
-from colibri_core.model import MoEModel, embed, linear
+from colibri_core.model import MoEModel, embed, linear, linears
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,10 @@ class Olmoe(MoEModel):
         for i, L in enumerate(self.layers):
             # ---- attention
             x = rms_norm(h, L["input_norm"], cfg.rms_norm_eps)
-            q = rms_norm(linear(x, L["q_proj"]), L["q_norm"], cfg.rms_norm_eps)  # (T, heads * D)
-            k = rms_norm(linear(x, L["k_proj"]), L["k_norm"], cfg.rms_norm_eps)  # (T, kv_heads * D)
-            v = linear(x, L["v_proj"])  # (T, kv_heads * D)
+            q, k, v = linears(x, (L["q_proj"], L["k_proj"], L["v_proj"]))  # one kernel call
+            q = rms_norm(q, L["q_norm"], cfg.rms_norm_eps)  # (T, heads * D)
+            k = rms_norm(k, L["k_norm"], cfg.rms_norm_eps)  # (T, kv_heads * D)
+            # v (T, kv_heads * D)
             if cfg.clip_qkv is not None:
                 q, k, v = (np.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
             q = apply_rotate_half(q.reshape(T, cfg.num_attention_heads, cfg.head_dim), cos, sin)
