@@ -7,10 +7,14 @@
 #include "impl/kernels_impl.h"
 
 #if COLI_X86
-#include <immintrin.h>
 #include <string.h>
-
+#ifdef COLIBRI_SIMDE  // tools/check_avx512.sh: the same code over SIMDe's portable intrinsics
+#include "simde_shims.h"
+#define AVX512
+#else
+#include <immintrin.h>
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")))
+#endif
 
 AVX512 static inline float tree8_512(__m256 v) {
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
