@@ -67,7 +67,8 @@ static void down_task(void *ctx, int task) {
     const MoeJob *m = ctx;
     int ei = find_expert(m, task);
     const Expert *e = &m->e[ei];
-    RowsJob j = {path_dot(m->path, e->down->kind, e->h_acts.act), e->down, &e->h_acts, e->n, NULL, e->yrow};
+    RowsJob j = {path_dot(m->path, e->down->kind, e->h_acts.act), path_rows(m->path, e->down->kind, e->h_acts.act),
+                 e->down, &e->h_acts, e->n, NULL, e->yrow};
     int hidden = e->down->rows;
     int r0 = (task - m->first[ei]) * e->per_down;
     rows_run(&j, r0, r0 + e->per_down < hidden ? r0 + e->per_down : hidden);

@@ -272,7 +272,7 @@ static float dot_int4_q8_portable(const QMatrix *w, int r, const Acts *a, int t)
 }
 
 const Path PATH_PORTABLE = {"portable", dot_f32_portable, dot_int8_f32_portable, dot_int8_q8_portable,
-                            dot_int4_f32_portable, dot_int4_q8_portable};
+                            dot_int4_f32_portable, dot_int4_q8_portable, NULL};
 
 // ----------------------------------------------------------------------------
 // Code paths: chosen once from COLIBRI_SIMD / the CPU, changeable with simd_select.
@@ -365,6 +365,10 @@ dot_fn path_dot(const Path *p, int kind, int act) {
     }
 }
 
+rows_fn path_rows(const Path *p, int kind, int act) {
+    return kind == QKIND_INT4 && act == ACT_Q8 ? p->int4_q8_rows : NULL;
+}
+
 // ----------------------------------------------------------------------------
 // Rows jobs and the matrix products
 
@@ -384,6 +388,10 @@ int qmatrix_check(const QMatrix *w) {
 void rows_run(const RowsJob *j, int r0, int r1) {
     // Row outer, token inner: a weight row is read from memory once and reused from cache by
     // every token.
+    if (j->rows != NULL && j->n > 1) {
+        for (int r = r0; r < r1; r++) j->rows(j->w, r, j->a, j->tok, j->n, j->yrow);
+        return;
+    }
     for (int r = r0; r < r1; r++) {
         for (int i = 0; i < j->n; i++) {
             int t = j->tok != NULL ? j->tok[i] : i;
@@ -444,7 +452,8 @@ int matmul_multi(float *const *y, const QMatrix *const *w, int count, const floa
             have[kind] = 1;
         }
         for (int t = 0; t < n; t++) yrow[(size_t)i * n + t] = y[i] + (size_t)t * (size_t)w[i]->rows;
-        jobs[i] = (RowsJob){path_dot(p, kind, acts[kind].act), w[i], &acts[kind], n, NULL, yrow + (size_t)i * n};
+        jobs[i] = (RowsJob){path_dot(p, kind, acts[kind].act), path_rows(p, kind, acts[kind].act), w[i], &acts[kind],
+                            n, NULL, yrow + (size_t)i * n};
         int bytes_per_row = kind == QKIND_F32 ? 4 * cols : kind == QKIND_INT8 ? cols : cols / 2;
         per[i] = rows_per_task(w[i]->rows, (double)n * cols + bytes_per_row);
         first[i + 1] = first[i] + (w[i]->rows + per[i] - 1) / per[i];

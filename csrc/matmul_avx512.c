@@ -178,6 +178,6 @@ AVX512 static float dot_int4_q8_avx512(const QMatrix *w, int r, const Acts *a, i
 }
 
 const Path PATH_AVX512 = {"avx512", dot_f32_avx512, dot_int8_f32_avx512, dot_int8_q8_avx512,
-                          dot_int4_f32_avx512, dot_int4_q8_avx512};
+                          dot_int4_f32_avx512, dot_int4_q8_avx512, NULL};
 
 #endif  // COLI_X86

@@ -46,6 +46,10 @@ void acts_free(Acts *a);
 
 typedef float (*dot_fn)(const QMatrix *w, int r, const Acts *a, int t);
 
+// Row r of w for n tokens at once (token i is row tok[i] of a, NULL: row i; it writes yrow[i][r]):
+// the weights are unpacked once for several tokens. Bit for bit what the dot_fn of its kind gives.
+typedef void (*rows_fn)(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow);
+
 typedef struct {
     const char *name;
     dot_fn f32;       // f32 weights
@@ -53,6 +57,7 @@ typedef struct {
     dot_fn int8_q8;   // int8 weights, ACT_Q8
     dot_fn int4_f32;  // int4 weights, ACT_F32
     dot_fn int4_q8;   // int4 weights, ACT_Q8
+    rows_fn int4_q8_rows;  // optional (NULL): int4 weights, ACT_Q8, several tokens per row pass
 } Path;
 
 extern const Path PATH_PORTABLE;
@@ -63,12 +68,14 @@ extern const Path PATH_AVX512;  // matmul_avx512.c
 
 const Path *path_current(void);
 dot_fn path_dot(const Path *p, int kind, int act);
+rows_fn path_rows(const Path *p, int kind, int act);
 
 // ----------------------------------------------------------------------------
 // Rows jobs: the unit a task works on is a range of whole output rows, for every token.
 
 typedef struct {
     dot_fn dot;
+    rows_fn rows;           // NULL, or the several-token version of dot
     const QMatrix *w;
     const Acts *a;
     int n;                  // tokens
