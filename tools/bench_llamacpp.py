@@ -11,9 +11,10 @@ the GGUF mmapped and touched), then prints tok/s and colibri / llama.cpp ratios.
 Models (`--model`):
   olmoe  OLMoE-1B-7B: 16 layers, hidden 2048, 16 heads (MHA), 64 experts of 1024, top-8, vocab 50304
   qwen3  Qwen3-30B-A3B's dimensions: 48 layers, hidden 2048, 32 q / 4 kv heads of 128, 128 experts of
-         768, top-8, vocab 151936. colibri has no qwen3_moe plugin yet, so both engines run the OLMoE
-         architecture at these dimensions (GQA, q/k-norm over the full projected width); Qwen3's
-         per-head q/k norm costs the same bytes. `--layers N` keeps only the first N layers (RAM).
+         768, top-8, vocab 151936. llama.cpp runs its real qwen3moe graph; colibri has no qwen3_moe
+         plugin in this branch, so it runs the OLMoE architecture at these dimensions (GQA, q/k norm
+         over the full projected width instead of per head: the same matrices, a few KB of norm
+         weights apart). `--layers N` keeps only the first N layers (RAM).
 
 Quantisation: colibri int4 (groups of 64, f16 scales) against llama.cpp Q4_0 (groups of 32, f16
 scales) for every matrix; colibri's router stays f32 as its converter keeps it; norms f32 in both.
@@ -51,11 +52,14 @@ class Dims:
     inter: int
     top_k: int
     vocab: int
+    gguf_arch: str  # llama.cpp's architecture for the GGUF
 
 
 MODELS = {
-    "olmoe": Dims("olmoe-1b-7b", 16, 2048, 16, 16, 128, 64, 1024, 8, 50304),
-    "qwen3": Dims("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 128, 768, 8, 151936),
+    "tiny": Dims("tiny", 2, 256, 4, 4, 64, 8, 128, 2, 1024, "olmoe"),  # for checking this script
+    "tiny-gqa": Dims("tiny-gqa", 2, 256, 4, 2, 128, 8, 128, 2, 1024, "qwen3moe"),
+    "olmoe": Dims("olmoe-1b-7b", 16, 2048, 16, 16, 128, 64, 1024, 8, 50304, "olmoe"),
+    "qwen3": Dims("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 128, 768, 8, 151936, "qwen3moe"),
 }
 
 
@@ -170,7 +174,7 @@ def build_gguf(d: Dims, path: Path) -> None:
     import gguf
 
     rng = np.random.default_rng(1)
-    w = gguf.GGUFWriter(str(path), "olmoe")
+    w = gguf.GGUFWriter(str(path), d.gguf_arch)
     w.add_name(d.name)
     w.add_context_length(4096)
     w.add_embedding_length(d.hidden)
@@ -193,35 +197,44 @@ def build_gguf(d: Dims, path: Path) -> None:
     w.add_bos_token_id(1)
     w.add_eos_token_id(0)
     Q4 = gguf.GGMLQuantizationType.Q4_0
+    tensors = []  # (name, byte shape, dtype, raw dtype or None, make): streamed, one tensor in memory at a time
 
-    def q4(name, rows, cols, experts=None):
-        if experts is None:
-            w.add_tensor(name, q4_0_random(rng, rows, cols), raw_dtype=Q4)
-        else:
-            data = np.stack([q4_0_random(rng, rows, cols) for _ in range(experts)])
-            w.add_tensor(name, data, raw_dtype=Q4)
+    def q4(name, rows, cols, experts=1):
+        shape = (rows, cols // 32 * 18) if experts == 1 else (experts, rows, cols // 32 * 18)
+        tensors.append((name, shape, np.uint8, Q4, lambda: q4_0_random(rng, experts * rows, cols).reshape(shape)))
+
+    def f32(name, shape, make=None):
+        tensors.append((name, shape, np.float32, None, make or (lambda: np.ones(shape, np.float32))))
 
     H, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
     q4("token_embd.weight", d.vocab, H)
     for i in range(d.layers):
         b = f"blk.{i}."
-        w.add_tensor(b + "attn_norm.weight", np.ones(H, np.float32))
+        f32(b + "attn_norm.weight", (H,))
         q4(b + "attn_q.weight", q, H)
         q4(b + "attn_k.weight", kv, H)
         q4(b + "attn_v.weight", kv, H)
         q4(b + "attn_output.weight", H, q)
-        w.add_tensor(b + "attn_q_norm.weight", np.ones(q, np.float32))
-        w.add_tensor(b + "attn_k_norm.weight", np.ones(kv, np.float32))
-        w.add_tensor(b + "ffn_norm.weight", np.ones(H, np.float32))
-        w.add_tensor(b + "ffn_gate_inp.weight", (rng.standard_normal((d.experts, H), dtype=np.float32) * 0.05))
+        per_head = d.gguf_arch == "qwen3moe"  # Qwen3: q/k norm per head; OLMoE: over the full width
+        f32(b + "attn_q_norm.weight", (d.head_dim,) if per_head else (q,))
+        f32(b + "attn_k_norm.weight", (d.head_dim,) if per_head else (kv,))
+        f32(b + "ffn_norm.weight", (H,))
+        f32(b + "ffn_gate_inp.weight", (d.experts, H),
+            lambda: rng.standard_normal((d.experts, H), dtype=np.float32) * np.float32(0.05))
         q4(b + "ffn_gate_exps.weight", d.inter, H, d.experts)
         q4(b + "ffn_up_exps.weight", d.inter, H, d.experts)
         q4(b + "ffn_down_exps.weight", H, d.inter, d.experts)
-    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+    f32("output_norm.weight", (H,))
     q4("output.weight", d.vocab, H)
+    for name, shape, dtype, raw, _ in tensors:
+        w.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file(progress=True)
+    w.write_ti_data_to_file()
+    for i, (name, shape, dtype, raw, make) in enumerate(tensors):
+        w.write_tensor_data(make())
+        print(f"\rgguf {i + 1}/{len(tensors)}", end="", file=sys.stderr)
+    print(file=sys.stderr)
     w.close()
 
 
