@@ -459,3 +459,16 @@ def test_moe_combine_matches_reference_bit_for_bit():
         outs = rng.standard_normal((T, k, H)).astype(np.float32)
         w = rng.random((T, k)).astype(np.float32)
         assert_same_bits(kernels.moe_combine(outs, w), reference.moe_combine(outs, w))
+
+
+def test_bench_kernels_reports_every_kernel_beside_the_read_bandwidth():
+    """The machinery of `colibri bench kernels`, shrunk (no timing is asserted)."""
+    from colibri_core.bench import kernels as bench
+
+    result = bench.run(working_set=1 << 20, min_seconds=0.0, moe_experts=8)
+    assert result["machine"]["read_gbps"] > 0 and result["machine"]["simd"] == kernels.simd()
+    names = [r["name"] for r in result["kernels"]]
+    assert names[0] == "int4_matvec" and "moe_experts" in names and "int4_matmul" in names
+    for r in result["kernels"]:
+        assert r["gbps"] > 0 and r["fraction_of_read"] > 0 and ("gflops" in r) == (r["tokens"] > 1)
+    assert "int4_matvec" in bench.format_table(result)

@@ -59,7 +59,7 @@ def random_qtensor(rng: np.random.Generator, kind: str, rows: int, cols: int) ->
     return QTensor("f32", rows, cols, rng.standard_normal((rows, cols), dtype=np.float32))
 
 
-def _timed(fn, min_seconds: float = MIN_SECONDS) -> float:
+def _timed(fn, min_seconds: float) -> float:
     """Median seconds per call of fn() over at least `min_seconds` (after one warm-up call)."""
     fn()
     times, start = [], time.perf_counter()
@@ -70,17 +70,17 @@ def _timed(fn, min_seconds: float = MIN_SECONDS) -> float:
     return float(np.median(times))
 
 
-def read_bandwidth(nbytes: int = WORKING_SET) -> float:
+def read_bandwidth(nbytes: int = WORKING_SET, min_seconds: float = MIN_SECONDS) -> float:
     """Bytes per second the kernel threads read from RAM (median over repeated full passes)."""
     buf = np.ones(nbytes // 8, np.uint64)
     ptr = kernels.ffi.from_buffer(buf)
-    seconds = _timed(lambda: kernels.lib.mem_read(ptr, buf.nbytes))
+    seconds = _timed(lambda: kernels.lib.mem_read(ptr, buf.nbytes), min_seconds)
     return buf.nbytes / seconds
 
 
-def run_case(case: Case, rng: np.random.Generator) -> dict:
+def run_case(case: Case, rng: np.random.Generator, working_set: int, min_seconds: float) -> dict:
     w0 = random_qtensor(rng, case.kind, case.rows, case.cols)
-    copies = max(1, WORKING_SET // w0.nbytes)
+    copies = max(1, working_set // w0.nbytes)
     ws = [w0] + [random_qtensor(rng, case.kind, case.rows, case.cols) for _ in range(copies - 1)]
     x = rng.standard_normal((case.tokens, case.cols), dtype=np.float32)
     at = [0]
@@ -89,7 +89,7 @@ def run_case(case: Case, rng: np.random.Generator) -> dict:
         kernels.matmul(ws[at[0] % len(ws)], x, case.act)
         at[0] += 1
 
-    seconds = _timed(call)
+    seconds = _timed(call, min_seconds)
     row = {"name": case.name, "kind": case.kind, "activations": case.act, "rows": case.rows, "cols": case.cols,
            "tokens": case.tokens, "seconds": seconds, "gbps": w0.nbytes / seconds / 1e9}
     if case.tokens > 1:
@@ -97,12 +97,13 @@ def run_case(case: Case, rng: np.random.Generator) -> dict:
     return row
 
 
-def run_moe_case(rng: np.random.Generator, tokens: int) -> dict:
+def run_moe_case(rng: np.random.Generator, tokens: int, working_set: int, min_seconds: float,
+                 n_experts: int = 64) -> dict:
     """One OLMoE-1B-7B MoE layer (64 experts of 2048 -> 1024 -> 2048, int4, top-8) through
     moe_experts, `tokens` tokens routed at random, cycling over enough layers to leave the cache."""
-    hidden, inter, n_experts, k = 2048, 1024, 64, 8
+    hidden, inter, k = 2048, 1024, 8
     expert_bytes = 3 * random_qtensor(rng, "int4", inter, hidden).nbytes
-    layers = max(1, WORKING_SET // (n_experts * expert_bytes))
+    layers = max(1, working_set // (n_experts * expert_bytes))
     pool = [{e: (random_qtensor(rng, "int4", inter, hidden), random_qtensor(rng, "int4", inter, hidden),
                  random_qtensor(rng, "int4", hidden, inter)) for e in range(n_experts)} for _ in range(layers)]
     x = rng.standard_normal((tokens, hidden), dtype=np.float32)
@@ -119,7 +120,7 @@ def run_moe_case(rng: np.random.Generator, tokens: int) -> dict:
         used[0] = len(experts)
         at[0] += 1
 
-    seconds = _timed(call)
+    seconds = _timed(call, min_seconds)
     row = {"name": "moe_experts" if tokens == 1 else f"moe_experts_{tokens}tok", "kind": "int4", "activations": "int8",
            "rows": inter, "cols": hidden, "tokens": tokens, "experts": used[0], "seconds": seconds,
            "gbps": used[0] * expert_bytes / seconds / 1e9}
@@ -138,11 +139,13 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def run(seed: int = 0) -> dict:
-    """Measure everything once; returns the JSON-shaped result."""
+def run(seed: int = 0, working_set: int = WORKING_SET, min_seconds: float = MIN_SECONDS, moe_experts: int = 64) -> dict:
+    """Measure everything once; returns the JSON-shaped result. (The keyword arguments shrink the
+    run for a quick check of the machinery; the defaults are the benchmark.)"""
     rng = np.random.default_rng(seed)
-    read = read_bandwidth()
-    rows = [run_case(c, rng) for c in CASES] + [run_moe_case(rng, 1), run_moe_case(rng, 16)]
+    read = read_bandwidth(working_set, min_seconds)
+    rows = [run_case(c, rng, working_set, min_seconds) for c in CASES]
+    rows += [run_moe_case(rng, t, working_set, min_seconds, moe_experts) for t in (1, 16)]
     for r in rows:
         r["fraction_of_read"] = r["gbps"] * 1e9 / read
     return {"machine": {"read_gbps": read / 1e9, "threads": kernels.threads(), "simd": kernels.simd(),
