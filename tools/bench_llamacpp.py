@@ -312,6 +312,7 @@ def child(args) -> None:
         r = run_llama(Path(args.path), d, args.prompt, args.gen, args.threads)
     else:
         r = {"read_gbps": read_bandwidth(args.threads)}
+    r["load_average_after"] = os.getloadavg()[0]  # other work on the machine during the run
     print("RESULT " + json.dumps(r))
 
 
@@ -351,11 +352,12 @@ def main() -> None:
     if not gpath.is_file():
         build_gguf(d, gpath.with_suffix(".partial"))
         gpath.with_suffix(".partial").rename(gpath)
+    load_before = os.getloadavg()[0]
     read = in_child("read", cdir, args)["read_gbps"]
     ours = in_child("colibri", cdir, args)
     theirs = in_child("llama", gpath, args)
     result = {"model": asdict(d), "threads": args.threads, "prompt_tokens": args.prompt, "decode_tokens": args.gen,
-              "read_gbps": read, "colibri": ours, "llama_cpp": theirs,
+              "read_gbps": read, "load_average_before": load_before, "colibri": ours, "llama_cpp": theirs,
               "decode_ratio": ours["decode_tok_s"] / theirs["decode_tok_s"],
               "prefill_ratio": ours["prefill_tok_s"] / theirs["prefill_tok_s"]}
     print(json.dumps(result, indent=2))

@@ -11,6 +11,7 @@ JSON shape: {"machine": {"read_gbps": …, "threads": …, "simd": …, "cpu": �
 """
 from __future__ import annotations
 
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -149,13 +150,14 @@ def run(seed: int = 0, working_set: int = WORKING_SET, min_seconds: float = MIN_
     for r in rows:
         r["fraction_of_read"] = r["gbps"] * 1e9 / read
     return {"machine": {"read_gbps": read / 1e9, "threads": kernels.threads(), "simd": kernels.simd(),
-                        "cpu": cpu_name()},
+                        "cpu": cpu_name(), "load_average": os.getloadavg()[0]},
             "kernels": rows}
 
 
 def format_table(result: dict) -> str:
     m = result["machine"]
-    lines = [f"read bandwidth {m['read_gbps']:.1f} GB/s  ({m['threads']} threads, {m['simd']}, {m['cpu']})",
+    lines = [f"read bandwidth {m['read_gbps']:.1f} GB/s  ({m['threads']} threads, {m['simd']}, {m['cpu']}, "
+             f"load average {m['load_average']:.1f})",
              f"{'kernel':<22} {'shape':>16} {'tok':>4} {'ms':>8} {'GB/s':>7} {'% read':>7} {'GFLOP/s':>8}"]
     for r in result["kernels"]:
         shape = f"{r['rows']}x{r['cols']}" + (f" x{r['experts']}" if "experts" in r else "")
