@@ -16,15 +16,21 @@ from .errors import ColibriError
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Run Mixture-of-Experts language models larger than RAM, streaming experts from disk.")
 
-ModelOpt = typer.Option(None, "--model", "-m", envvar="COLIBRI_MODEL", help="Converted model directory [env: COLIBRI_MODEL].")
+ModelOpt = typer.Option(None, "--model", "-m", envvar="COLIBRI_MODEL", help="Converted model directory [env: COLIBRI_MODEL; default: the bundled demo model].")
 RamOpt = typer.Option(None, "--ram", help="RAM budget for weights and expert cache, e.g. 4GB (default: 80% of available).")
 SlotsOpt = typer.Option(None, "--cache-slots", help="Expert cache slots per layer (overrides --ram).")
 
 
+# The trained demo model shipped in the repository (see README): the default without --model.
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "demo" / "colibri-demo-kjv"
+
+
 def _model_dir(model: Optional[Path]) -> Path:
-    if model is None:
-        raise ColibriError("no model given: pass --model DIR or set COLIBRI_MODEL")
-    return model
+    if model is not None:
+        return model
+    if (DEFAULT_MODEL / "colibri.yaml").is_file():
+        return DEFAULT_MODEL
+    raise ColibriError("no model given: pass --model DIR or set COLIBRI_MODEL")
 
 
 def _open(model, ram, cache_slots):
@@ -74,6 +80,7 @@ def run(
         sys.stdout.write(decoder.push(token))
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
     print(stats_line(engine, time.perf_counter() - t0), file=sys.stderr)
 
 
