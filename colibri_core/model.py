@@ -77,6 +77,12 @@ class MoEModel:
         """Fresh per-sequence state (KV caches, …) with a `length` attribute (tokens seen)."""
         raise NotImplementedError
 
+    def predict_experts(self, layer: int, hidden: np.ndarray) -> np.ndarray | None:
+        """Router lookahead (optional): the expert ids (T, k) MoE layer `layer`'s router picks for the
+        residual stream `hidden` (T, H) of an earlier layer. The store calls it to prefetch; the
+        default, None, means no prediction. It never changes an output, only what is read early."""
+        return None
+
     def forward(self, ids: np.ndarray, state, last_only: bool = False) -> np.ndarray:
         """Run new tokens `ids` (T,) after the `state.length` tokens already in `state`.
 

@@ -123,6 +123,12 @@ class Olmoe(MoEModel):
     def new_state(self) -> State:
         return State(self.cfg)
 
+    def predict_experts(self, layer: int, hidden: np.ndarray) -> np.ndarray:
+        """Layer `layer`'s router applied to an earlier residual stream `hidden` (T, H) → ids (T, k)."""
+        L = self.layers[layer]
+        x = rms_norm(hidden, L["post_norm"], self.cfg.rms_norm_eps)
+        return softmax_topk(linear(x, L["router"]), self.cfg.num_experts_per_tok, False)[1]
+
     def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
         cfg = self.cfg
         T = len(ids)
@@ -144,7 +150,7 @@ class Olmoe(MoEModel):
             # ---- routed experts
             x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
             weights, experts = softmax_topk(linear(x, L["router"]), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-            h = h + moe_block(x, experts, weights, self.store, layer=i)
+            h = h + moe_block(x, experts, weights, self.store, layer=i, hidden=h)
         if last_only:
             h = h[-1:]
         return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head)  # (T, V)
