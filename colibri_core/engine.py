@@ -69,7 +69,8 @@ class Session:
 class Engine:
     def __init__(self, model_dir: str | Path, *, ram: int | str | None = None, cache_slots: int | None = None,
                  prefetch: bool = True, direct: bool = False, mirror: str | Path | None = None,
-                 pin_gb: float | None = None, policy: str = "lru", io_threads: int = 4, usage: bool = True):
+                 pin_gb: float | None = None, policy: str = "lru", io_threads: int = 4,
+                 usage: bool | str | Path = True):
         self.model_dir = Path(model_dir)
         registry = plugins.registry()
         self.arch = registry.resolve(read_config(model_dir), where=str(model_dir))  # a missing plugin first
@@ -88,7 +89,8 @@ class Engine:
         self.split = self._split(ram, cache_slots, pin_gb, usage)
         self.store = ExpertStore(self.container, self.split.cache_slots, pinned=self.split.pinned_experts,
                                  prefetch=prefetch, direct=direct, mirror=None if mirror is None else str(mirror),
-                                 policy=policy, io_threads=io_threads, record_usage=usage)
+                                 policy=policy, io_threads=io_threads, record_usage=usage is not False,
+                                 usage_path=None if isinstance(usage, bool) else str(usage))
         self.model = model_cls(cfg, weights, self.store)
         weights.check_all_taken()
         self.store.attach(self.model)
@@ -109,7 +111,7 @@ class Engine:
             return Split(0, self.resident_bytes, 0, slots, slots * len(c.moe_layers) * c.expert_nbytes,
                          pinned, pinned * c.expert_nbytes, slots >= c.n_experts)
         budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
-        history = usage and UsageHistory.enough(c)
+        history = usage is not False and UsageHistory.enough(c, None if isinstance(usage, bool) else usage)
         return split_budget(budget, self.resident_bytes, 0, c.expert_nbytes, len(c.moe_layers), c.n_experts,
                             pin_bytes, history)
 
@@ -203,14 +205,15 @@ class Engine:
 
 def load(model_dir: str | Path, *, ram: int | str | None = None, cache_slots: int | None = None,
          prefetch: bool = True, direct: bool = False, mirror: str | Path | None = None, pin_gb: float | None = None,
-         policy: str = "lru", io_threads: int = 4, usage: bool = True) -> Engine:
+         policy: str = "lru", io_threads: int = 4, usage: bool | str | Path = True) -> Engine:
     """Open a converted model directory.
 
     `ram`: budget in bytes or "2GB" (default 80% of available); `cache_slots`: experts cached per
     layer (overrides the budget); `prefetch`: router lookahead; `direct`: O_DIRECT reads; `mirror`:
     a byte-identical copy on another disk; `pin_gb`: hot-store size (default: half the expert
     budget once there is routing history); `policy`: cache eviction policy (`lru`, `lfu`, or a
-    plugin's); `io_threads`: I/O pool threads; `usage`: record routing history in .coli_usage.
+    plugin's); `io_threads`: I/O pool threads; `usage`: record routing history in .coli_usage
+    beside the model (True), in another file (a path), or not at all (False).
     None of these changes an output, only speed.
     """
     return Engine(model_dir, ram=ram, cache_slots=cache_slots, prefetch=prefetch, direct=direct, mirror=mirror,

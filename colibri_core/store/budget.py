@@ -42,8 +42,8 @@ def split_budget(budget: int, dense: int, state: int, expert_nbytes: int, moe_la
         need = dense + state + moe_layers * expert_nbytes
         from ..engine import format_bytes
 
-        raise ColibriError(f"RAM budget {format_bytes(budget)} is below this model's minimum {format_bytes(need)} "
-                           f"(resident weights + one expert per layer)")
+        what = "resident weights + state + one expert per layer" if state else "resident weights + one expert per layer"
+        raise ColibriError(f"RAM budget {format_bytes(budget)} is below this model's minimum {format_bytes(need)} ({what})")
     if fit >= moe_layers * n_experts:
         pinned, slots = 0, n_experts
     else:

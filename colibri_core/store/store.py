@@ -35,6 +35,7 @@ class StoreConfig:
     policy: str = "lru"  # eviction policy (colibri_register_cache_policies)
     io_threads: int = 4  # threads of the C I/O pool
     record_usage: bool = True  # count routing in .coli_usage beside the model
+    usage_path: str | None = None  # … or in this file instead
 
 
 class _Entry:
@@ -80,7 +81,7 @@ class ExpertStore:
             self.primary_share = bw[0] / (bw[0] + bw[1])
         else:
             self.sources[0].fd(layers[0]) if layers else None  # O_DIRECT refused: say so now
-        self.usage = UsageHistory(container) if cfg.record_usage else None
+        self.usage = UsageHistory(container, cfg.usage_path) if cfg.record_usage else None
         if cfg.pinned and self.usage is not None:
             self._repin()
 

@@ -51,8 +51,8 @@ def _counts_crc(counts: list) -> int:
 class UsageHistory:
     """Routing counts (MoE layers, experts) from earlier turns plus this session's."""
 
-    def __init__(self, container):
-        self.path = Path(container.path) / USAGE_FILE
+    def __init__(self, container, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path is not None else Path(container.path) / USAGE_FILE
         self.fingerprint = model_fingerprint(container)
         self.moe_layers = list(container.moe_layers)
         self.n_experts = container.n_experts
@@ -65,11 +65,11 @@ class UsageHistory:
         self.load()
 
     @staticmethod
-    def enough(container) -> bool:
-        """True if the history beside `container` is valid and holds MIN_HISTORY_TOKENS tokens."""
+    def enough(container, path: str | os.PathLike | None = None) -> bool:
+        """True if the history (beside `container`, or at `path`) is valid and holds MIN_HISTORY_TOKENS tokens."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the store warns once when it reads the file itself
-            return UsageHistory(container).tokens >= MIN_HISTORY_TOKENS
+            return UsageHistory(container, path).tokens >= MIN_HISTORY_TOKENS
 
     # -- reading
 

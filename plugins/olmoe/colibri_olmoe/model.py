@@ -99,6 +99,19 @@ class Olmoe(MoEModel):
             ),
         )
 
+    @classmethod
+    def resident_shapes(cls, cfg: OlmoeConfig) -> dict[str, tuple[int, ...]]:
+        H, V, E = cfg.hidden_size, cfg.vocab_size, cfg.num_experts
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        per_layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+                     "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+                     "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
+                     "self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,), "mlp.gate.weight": (E, H)}
+        shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+        for i in range(cfg.num_hidden_layers):
+            shapes.update({f"{LAYER}.{name}".format(layer=i): shape for name, shape in per_layer.items()})
+        return shapes
+
     def __init__(self, cfg: OlmoeConfig, weights, store):
         super().__init__(cfg, weights, store)
         self.embed_tokens = weights("model.embed_tokens.weight")  # (V, H)
