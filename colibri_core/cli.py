@@ -219,6 +219,8 @@ def plan(
     ram: Optional[str] = RamOpt,
     pin_gb: Optional[float] = PinOpt,
     context: int = typer.Option(4096, "--context", help="Tokens of state (KV cache) to reserve."),
+    disk_bw: Optional[str] = typer.Option(None, "--disk-bw", help="Disk bandwidth per second (e.g. 2GB) instead of measuring it."),
+    mem_bw: Optional[str] = typer.Option(None, "--mem-bw", help="Memory bandwidth per second (e.g. 20GB) instead of measuring it."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
     """Show how a model fits a RAM budget: resident bytes, experts, the budget split, expected bytes
@@ -229,21 +231,20 @@ def plan(
 
     if (model is None) == (config is None):
         raise ColibriError("plan needs exactly one of --model DIR or --config config.json")
+    given_disk = None if disk_bw is None else float(parse_size(disk_bw))
     if model is not None:
         sizes = sizes_from_container(model)
         from .container import Container
-
-        c = Container(model)
-        disk_bw, direct = bw.disk_bandwidth(c.expert_location(c.moe_layers[0], 0)[0])
         from .store.usage import UsageHistory
 
-        history = UsageHistory.enough(c)
-        where = str(model)
+        c = Container(model)
+        disk_bw, direct = (given_disk, None) if given_disk else bw.disk_bandwidth(c.expert_location(c.moe_layers[0], 0)[0])
+        history, where = UsageHistory.enough(c), str(model)
     else:
         sizes = sizes_from_config(config, quant)
-        disk_bw, direct = bw.disk_bandwidth_at(config.resolve().parent)
+        disk_bw, direct = (given_disk, None) if given_disk else bw.disk_bandwidth_at(config.resolve().parent)
         history, where = False, str(config)
-    mem_bw = bw.memory_bandwidth()
+    mem_bw = float(parse_size(mem_bw)) if mem_bw is not None else bw.memory_bandwidth()
     budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
     p = make_plan(sizes, budget, context, None if pin_gb is None else int(pin_gb * 1e9), history, disk_bw, mem_bw)
     p["disk_bandwidth_direct"] = direct
@@ -266,8 +267,8 @@ def plan(
     print(f"  experts resident           {100 * p['resident_expert_share']:.1f}%")
     print(f"per token: expected read {fb(p['expected_bytes_read_per_token'])} (uniform routing; skew and pinning "
           f"read less), touched in RAM {fb(p['bytes_touched_per_token'])}")
-    print(f"machine: disk {fb(disk_bw)}/s ({'O_DIRECT' if direct else 'page cache: may be optimistic'}), "
-          f"memory {fb(mem_bw)}/s")
+    how = "given" if direct is None else "O_DIRECT" if direct else "page cache: may be optimistic"
+    print(f"machine: disk {fb(disk_bw)}/s ({how}), memory {fb(mem_bw)}/s")
     print(f"floor per token: disk {f['disk']:.3f} s, memory {f['memory']:.3f} s → {f['floor']:.3f} s "
           f"({1 / f['floor'] if f['floor'] else float('inf'):.1f} tok/s at best)")
 

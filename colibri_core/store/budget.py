@@ -88,7 +88,7 @@ def disk_bandwidth(path: str | os.PathLike, nbytes: int = 256 << 20, chunk: int 
     return done / max(dt, 1e-9), refused is None
 
 
-def disk_bandwidth_at(directory: str | os.PathLike, nbytes: int = 128 << 20) -> tuple[float, bool]:
+def disk_bandwidth_at(directory: str | os.PathLike, nbytes: int = 64 << 20) -> tuple[float, bool]:
     """Disk bandwidth of the filesystem holding `directory`, through a temporary file written there
     (read back with O_DIRECT where allowed; removed afterwards)."""
     block = os.urandom(1 << 20)
@@ -100,7 +100,7 @@ def disk_bandwidth_at(directory: str | os.PathLike, nbytes: int = 128 << 20) -> 
         return disk_bandwidth(f.name, nbytes)
 
 
-def memory_bandwidth(nbytes: int = 256 << 20, repeats: int = 3) -> float:
+def memory_bandwidth(nbytes: int = 128 << 20, repeats: int = 3) -> float:
     """Bytes/s of reading memory: the best of `repeats` sums over a `nbytes` array (one core)."""
     import numpy as np
 

@@ -104,8 +104,7 @@ def open_expert_file(path: str, direct: bool, probe_bytes: int = 4096) -> tuple[
     """
     refused = None
     if direct:
-        fd = lib.io_open(path.encode(), 1)
-        err = -fd if fd < 0 else -lib.io_probe(fd, probe_bytes)
+        fd, err = _open_direct(path, probe_bytes)
         if err == 0:
             return fd, None
         if fd >= 0:
@@ -115,6 +114,12 @@ def open_expert_file(path: str, direct: bool, probe_bytes: int = 4096) -> tuple[
     if fd < 0:
         raise ColibriError(f"cannot open expert file {path}: {os.strerror(-fd)}")
     return fd, refused
+
+
+def _open_direct(path: str, probe_bytes: int) -> tuple[int, int]:
+    """(fd or -errno, errno of the open or of the probe read; 0 when O_DIRECT works)."""
+    fd = lib.io_open(path.encode(), 1)
+    return fd, (-fd if fd < 0 else -lib.io_probe(fd, probe_bytes))
 
 
 def direct_refused_message(path: str, why: str) -> str:
