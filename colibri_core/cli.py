@@ -238,7 +238,7 @@ def plan(
         from .store.usage import UsageHistory
 
         c = Container(model)
-        disk_bw, direct = (given_disk, None) if given_disk else bw.disk_bandwidth(c.expert_location(c.moe_layers[0], 0)[0])
+        disk_bw, direct = (given_disk, None) if given_disk else bw.disk_bandwidth([c.expert_location(layer, 0)[0] for layer in c.moe_layers])
         history, where = UsageHistory.enough(c), str(model)
     else:
         sizes = sizes_from_config(config, quant)

@@ -122,8 +122,8 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
 
     sizes = sizes_from_container(model_dir)
     c = Container(model_dir)
-    expert_file = c.expert_location(c.moe_layers[0], 0)[0]
-    disk_bw, direct_measured = disk_bandwidth(expert_file, 1 << 30)
+    expert_files = [c.expert_location(layer, 0)[0] for layer in c.moe_layers]
+    disk_bw, direct_measured = disk_bandwidth(expert_files, 1 << 30)  # 4 threads, as the store reads
     mem_bw = memory_bandwidth()
     can_drop = drop and drop_page_cache()
     say(f"machine: disk {format_bytes(disk_bw)}/s ({'O_DIRECT' if direct_measured else 'page cache'}), memory "

@@ -62,30 +62,40 @@ def split_budget(budget: int, dense: int, state: int, expert_nbytes: int, moe_la
 
 # ----------------------------------------------------------------------------- bandwidths
 
-def disk_bandwidth(path: str | os.PathLike, nbytes: int = 256 << 20, chunk: int = 4 << 20) -> tuple[float, bool]:
-    """(bytes/s reading `path` from its start, whether O_DIRECT was used): up to `nbytes`, in
-    `chunk`-byte preads on one thread. With O_DIRECT the page cache is bypassed, so this is the
-    device; where O_DIRECT is refused, a cold page cache is the caller's business."""
+def disk_bandwidth(paths, nbytes: int = 256 << 20, chunk: int = 4 << 20, threads: int = 4) -> tuple[float, bool]:
+    """(bytes/s reading up to `nbytes` from the start of `paths` (one path or several), whether O_DIRECT
+    was used for all of them): `chunk`-byte preads on the C I/O pool with `threads` threads, as
+    the store reads. With O_DIRECT the page cache is bypassed, so this is the device; where
+    O_DIRECT is refused, a cold page cache is the caller's business."""
     from . import io
 
-    size = min(nbytes, Path(path).stat().st_size) // 4096 * 4096
-    if size <= 0:
-        raise ColibriError(f"{path} is too small to measure disk bandwidth")
-    fd, refused = io.open_expert_file(str(path), True, probe_bytes=4096)
-    buf, ptr = io.aligned_buffer(chunk)
+    paths = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
+    pool = io.IOPool(threads)
+    fds, direct, jobs, total = [], True, [], 0
     try:
+        for path in paths:
+            size = min(nbytes - total, Path(path).stat().st_size) // 4096 * 4096
+            if size <= 0:
+                continue
+            fd, refused = io.open_expert_file(path, True, probe_bytes=4096)
+            fds.append(fd)
+            direct = direct and refused is None
+            jobs += [(fd, off, min(chunk, size - off)) for off in range(0, size, chunk)]
+            total += size
+        if not jobs:
+            raise ColibriError(f"{paths[0]} is too small to measure disk bandwidth")
         t0 = time.perf_counter()
+        reads = [pool.submit(fd, off, n) for fd, off, n in jobs]
         done = 0
-        while done < size:
-            n = min(chunk, size - done)
-            got = io.lib.io_pread_all(fd, ptr, n, done)
-            if got <= 0:
-                break
-            done += got
+        for r in reads:
+            pool.wait(r)
+            done += r.req.got
         dt = time.perf_counter() - t0
     finally:
-        io.close_fd(fd)
-    return done / max(dt, 1e-9), refused is None
+        pool.close()
+        for fd in fds:
+            io.close_fd(fd)
+    return done / max(dt, 1e-9), direct
 
 
 def disk_bandwidth_at(directory: str | os.PathLike, nbytes: int = 64 << 20) -> tuple[float, bool]:
