@@ -23,12 +23,18 @@ enum {
 };
 
 // One read: nbytes from fd at offset into buf. The caller keeps the request and its buffer alive
-// until the request is done (io_wait).
+// until the request is done (io_wait). With want_crc, the worker also computes the crc32 (zlib's
+// polynomial) of the bytes read, leaving out hole_len bytes at hole_offset (an extent's own crc
+// field), so verification costs the compute thread nothing.
 typedef struct IoRequest {
     int fd;
     void *buf;                // io_alloc'd, at least nbytes
     int64_t offset;
     int64_t nbytes;
+    int want_crc;             // compute crc below once read
+    int64_t hole_offset;      // bytes [hole_offset, hole_offset + hole_len) are left out of the crc
+    int64_t hole_len;
+    uint32_t crc;             // crc32 of the bytes read, less the hole (when want_crc)
     int64_t got;              // bytes read (== nbytes on success; less at end of file)
     int err;                  // errno of a failed read, 0 on success
     int state;                // IO_QUEUED | IO_RUNNING | IO_DONE (read under the pool's lock)
@@ -50,6 +56,7 @@ int io_open(const char *path, int direct);
 int io_close(int fd);
 // One aligned probe read (O_DIRECT can be accepted by open and refused by read): 0 or -errno.
 int io_probe(int fd, int64_t nbytes);
+uint32_t io_crc32(uint32_t crc, const void *data, int64_t nbytes);  // zlib.crc32(data, crc)
 void *io_alloc(int64_t nbytes);              // 4096-aligned, NULL when out of memory
 void io_free(void *buf);
 // Read nbytes at offset into buf on the calling thread (GIL released): bytes read or -errno.

@@ -511,3 +511,26 @@ def test_bench_protocol_smoke(model, tmp_path):
                 "floor_seconds_per_token", "vs_floor"):
         assert key in sess["cold"]
     assert not (m / USAGE_FILE).exists()  # the model's own history is never touched
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4095, 8192 + 13])
+def test_io_crc32_matches_zlib(n, tmp_path):
+    """The I/O threads' crc32 (csrc/io_pool.c) against its reference, zlib.crc32, at awkward sizes;
+    and the extent checksum a read computes (leaving out the trailer's crc field) against reader.extent_crc."""
+    import zlib
+
+    from colibri_core.container.reader import extent_crc
+
+    data = os.urandom(n)
+    assert io.lib.io_crc32(0, data, n) == zlib.crc32(data)
+    assert io.lib.io_crc32(7, data, n) == zlib.crc32(data, 7)
+    if n >= 16:
+        f = tmp_path / "extent.bin"
+        f.write_bytes(data)
+        pool = io.IOPool(1)
+        fd, _ = io.open_expert_file(str(f), False)
+        r = pool.submit(fd, 0, n, crc_hole=(n - 16, 4))
+        pool.wait(r)
+        assert r.req.crc == extent_crc(data)
+        io.close_fd(fd)
+        pool.close()

@@ -50,10 +50,15 @@ class IOPool:
             raise ColibriError(f"cannot start {threads} I/O threads")
         self._inflight: set[Read] = set()
 
-    def submit(self, fd: int, offset: int, nbytes: int, *, layer=-1, expert=-1, source=None, path="") -> Read:
+    def submit(self, fd: int, offset: int, nbytes: int, *, layer=-1, expert=-1, source=None, path="",
+               crc_hole: tuple[int, int] | None = None) -> Read:
+        """Start reading; with `crc_hole` (offset, length) the worker also computes the crc32 of
+        the bytes read less that hole (`Read.req.crc`)."""
         buf, ptr = aligned_buffer(nbytes)
         req = ffi.new("IoRequest *")
         req.fd, req.buf, req.offset, req.nbytes = fd, ptr, offset, nbytes
+        if crc_hole is not None:
+            req.want_crc, (req.hole_offset, req.hole_len) = 1, crc_hole
         read = Read(req, buf, ptr, layer, expert, source, path)
         if lib.io_submit(self._pool, req) != 0:
             raise ColibriError("the I/O pool is closed")

@@ -9,7 +9,8 @@ current hidden state (router lookahead) and queues reads for the experts it pred
 layer's reads overlap this layer's compute.
 
 Placement changes speed only: every expert is handed to the kernels as the same QTensor views of
-its extent, verified (crc32 trailer, layer and expert) on every read from disk, so an I/O error or
+its extent, verified (crc32 computed by the I/O thread against the trailer and the manifest, layer
+and expert) on every read from disk, so an I/O error or
 corruption raises an error (or falls back to the primary copy) and never produces a wrong token.
 """
 from __future__ import annotations
@@ -18,7 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import quant
+from ..container.reader import TRAILER, TRAILER_MAGIC, _proj_shape
 from ..errors import ColibriError
+from ..layout import PROJS
 from . import mirror as mirror_mod
 from .io import IOPool
 from .stats import StoreCounters
@@ -59,6 +63,8 @@ class ExpertStore:
         self.container = container
         self.slots = min(slots, container.n_experts)
         self.nbytes = container.expert_nbytes
+        self._extent_crcs = {f["layer"]: f["extent_crc32"] for f in container.manifest["experts"]["files"]}
+        self._shapes = [_proj_shape(p, container.hidden, container.intermediate) for p in PROJS]  # (rows, cols)
         layers = tuple(container.moe_layers)
         self.layer_index = {layer: i for i, layer in enumerate(layers)}
         self.next_layer = dict(zip(layers, layers[1:]))
@@ -150,7 +156,8 @@ class ExpertStore:
         which = 0 if primary_only or len(self.sources) == 1 else mirror_mod.choose(layer, expert, self.primary_share)
         src = self.sources[which]
         path, offset, nbytes = src.location(layer, expert)
-        read = self.pool.submit(src.fd(layer), offset, nbytes, layer=layer, expert=expert, source=src, path=path)
+        read = self.pool.submit(src.fd(layer), offset, nbytes, layer=layer, expert=expert, source=src, path=path,
+                                crc_hole=(nbytes - TRAILER.size, 4))  # the trailer's own crc field
         c.reads += 1
         c.bytes_read += nbytes
         c.mirror_reads += which
@@ -176,10 +183,7 @@ class ExpertStore:
         try:
             if err:
                 raise ColibriError(f"cannot read layer {layer} expert {expert} from {read.path}: {err}")
-            got_layer, got_expert, tensors = src.container._parse(buf)
-            if (got_layer, got_expert) != (layer, expert):
-                raise ColibriError(f"expert file {read.path} holds layer {got_layer} expert {got_expert} where "
-                                   f"layer {layer} expert {expert} belongs; reconvert the model")
+            tensors = self._verified_views(buf, read, layer, expert)
         except ColibriError as e:
             if src is self.sources[0]:
                 raise
@@ -191,6 +195,21 @@ class ExpertStore:
             return self._tensors(layer, expert, entry, stall)
         entry.tensors, entry.read = tensors, None
         return tensors
+
+    def _verified_views(self, buf, read, layer: int, expert: int):
+        """(gate, up, down) QTensor views of a read extent, after checking it: the crc32 the I/O thread
+        computed must equal both the trailer's and the manifest's, and the trailer must name this
+        (layer, expert). The same checks as `Container.parse_expert`, without hashing on this thread."""
+        c = self.container
+        crc, magic, got_layer, got_expert = TRAILER.unpack_from(buf, self.nbytes - TRAILER.size)
+        if magic != TRAILER_MAGIC or read.req.crc != crc or crc != self._extent_crcs[layer][expert]:
+            raise ColibriError(f"corrupt expert data in {read.path} layer {layer} expert {expert}: checksum "
+                               f"mismatch; run `colibri doctor --model {c.path} --deep` and reconvert the model")
+        if (got_layer, got_expert) != (layer, expert):
+            raise ColibriError(f"expert file {read.path} holds layer {got_layer} expert {got_expert} where "
+                               f"layer {layer} expert {expert} belongs; reconvert the model")
+        return tuple(quant.from_buffer(c.expert_kind, rows, cols, buf, off)[0]
+                     for (rows, cols), off in zip(self._shapes, c._offsets))
 
     def _settled(self, entry: _Entry) -> bool:
         return entry.read is None or self.pool.done(entry.read)
