@@ -534,3 +534,25 @@ def test_io_crc32_matches_zlib(n, tmp_path):
         assert r.req.crc == extent_crc(data)
         io.close_fd(fd)
         pool.close()
+
+
+def test_bench_callback_leaves_other_bench_subcommands_alone():
+    """`colibri bench --model DIR` is a callback on the bench group: `colibri bench kernels` (or any
+    other subcommand) runs as before, and a bare `colibri bench` shows help."""
+    import typer
+    from typer.testing import CliRunner
+
+    from colibri_core.bench import model as bench_model
+
+    app, bench_app = typer.Typer(), typer.Typer()
+    app.add_typer(bench_app, name="bench")
+    bench_model.register(bench_app)
+
+    @bench_app.command("kernels")
+    def kernels():
+        print("kernels ran")
+
+    r = CliRunner().invoke(app, ["bench", "kernels"], env={"COLIBRI_MODEL": ""})
+    assert r.exit_code == 0 and r.output.strip() == "kernels ran", r.output
+    r = CliRunner().invoke(app, ["bench"], env={"COLIBRI_MODEL": ""})
+    assert r.exit_code == 0 and "--model" in r.output
