@@ -28,10 +28,16 @@ def combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return out
 
 
-def moe_block(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, store, layer: int) -> np.ndarray:
-    """x (T, H), ids / weights (T, k) from the router → (T, H) = Σ_rank weight · expert(x)."""
+def moe_block(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, store, layer: int,
+              hidden: np.ndarray | None = None) -> np.ndarray:
+    """x (T, H), ids / weights (T, k) from the router → (T, H) = Σ_rank weight · expert(x).
+
+    The store reads the batch union once, yields the experts already resident first and each read
+    one as it arrives, so compute overlaps the reads. `hidden` (T, H), the residual stream entering
+    this block, lets the store predict and prefetch the next layer's experts (router lookahead).
+    """
     T, k = ids.shape
     outs = np.zeros((T, k, x.shape[1]), np.float32)  # (T, k, H): one slot per (token, rank)
-    for expert in np.unique(ids):  # the batch union, ascending expert id
-        run_experts(outs, x, ids, {int(expert): store.get(layer, int(expert))})
+    for ready in store.experts(layer, ids, hidden=hidden):  # {expert: (gate, up, down)}, resident first
+        run_experts(outs, x, ids, ready)
     return combine(outs, weights)

@@ -1,0 +1,1 @@
+"""Benchmarks behind `colibri bench` (results are measurements, never test gates)."""
