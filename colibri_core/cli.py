@@ -307,6 +307,22 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
     print(f"colibri: warning: {message}", file=sys.stderr)
 
 
+@bench_app.command("kernels")
+def bench_kernels(
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Kernel threads (default: COLIBRI_THREADS or all CPUs)."),
+):
+    """Each C kernel's GB/s (GFLOP/s for matrix-matrix) beside the machine's read bandwidth, measured in one run."""
+
+    from . import kernels
+    from .bench import kernels as bench
+
+    if threads is not None:
+        kernels.set_threads(threads)
+    result = bench.run()
+    print(json.dumps(result, indent=2) if json_out else bench.format_table(result))
+
+
 def main() -> None:
     import warnings
 

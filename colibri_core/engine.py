@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import os
 import re
 import resource
 import time
@@ -14,7 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
-from . import plugins
+from . import kernels, plugins
 from .container import Container
 from .convert import read_config
 from .errors import ColibriError
@@ -70,8 +71,12 @@ class Engine:
     def __init__(self, model_dir: str | Path, *, ram: int | str | None = None, cache_slots: int | None = None,
                  prefetch: bool = True, direct: bool = False, mirror: str | Path | None = None,
                  pin_gb: float | None = None, policy: str = "lru", io_threads: int = 4,
-                 usage: bool | str | Path = True):
+                 usage: bool | str | Path = True,
+                 activations: str | None = None):
         self.model_dir = Path(model_dir)
+        # "f32": exact (the oracle's arithmetic, the default); "int8": activations quantised per block
+        # of 64 for integer dot products, faster, an explicit choice (kernels module docstring)
+        self.activations = kernels._act_name(activations or os.environ.get("COLIBRI_ACTIVATIONS") or "f32")
         registry = plugins.registry()
         self.arch = registry.resolve(read_config(model_dir), where=str(model_dir))  # a missing plugin first
         self.container = Container(model_dir)
@@ -129,7 +134,8 @@ class Engine:
     def logits(self, ids) -> np.ndarray:
         """Teacher-forced logits, float32 (len(ids), vocab)."""
         ids = np.asarray(ids, np.int64)
-        out = self.model.forward(ids, self.model.new_state())
+        with kernels.activations(self.activations):
+            out = self.model.forward(ids, self.model.new_state())
         self.store.end_turn()
         return out
 
@@ -138,7 +144,8 @@ class Engine:
         n = len(session.ids)
         if not (n < len(ids) and ids[:n] == session.ids):
             session.state, session.ids, n = self.model.new_state(), [], 0
-        logits = self.model.forward(np.asarray(ids[n:], np.int64), session.state, last_only=True)
+        with kernels.activations(self.activations):
+            logits = self.model.forward(np.asarray(ids[n:], np.int64), session.state, last_only=True)
         session.ids = list(ids)
         return logits[-1]
 
@@ -205,7 +212,8 @@ class Engine:
 
 def load(model_dir: str | Path, *, ram: int | str | None = None, cache_slots: int | None = None,
          prefetch: bool = True, direct: bool = False, mirror: str | Path | None = None, pin_gb: float | None = None,
-         policy: str = "lru", io_threads: int = 4, usage: bool | str | Path = True) -> Engine:
+         policy: str = "lru", io_threads: int = 4, usage: bool | str | Path = True,
+         activations: str | None = None) -> Engine:
     """Open a converted model directory.
 
     `ram`: budget in bytes or "2GB" (default 80% of available); `cache_slots`: experts cached per
@@ -214,7 +222,9 @@ def load(model_dir: str | Path, *, ram: int | str | None = None, cache_slots: in
     budget once there is routing history); `policy`: cache eviction policy (`lru`, `lfu`, or a
     plugin's); `io_threads`: I/O pool threads; `usage`: record routing history in .coli_usage
     beside the model (True), in another file (a path), or not at all (False).
-    None of these changes an output, only speed.
+    None of these changes an output, only speed. `activations`: "f32" (exact, the default) or
+    "int8" (faster, changes the arithmetic; default from COLIBRI_ACTIVATIONS).
     """
     return Engine(model_dir, ram=ram, cache_slots=cache_slots, prefetch=prefetch, direct=direct, mirror=mirror,
-                  pin_gb=pin_gb, policy=policy, io_threads=io_threads, usage=usage)
+                  pin_gb=pin_gb, policy=policy, io_threads=io_threads, usage=usage,
+                  activations=activations)

@@ -44,6 +44,13 @@ def linear(x: np.ndarray, w) -> np.ndarray:
     return x @ w.T
 
 
+def linears(x: np.ndarray, ws) -> list[np.ndarray]:
+    """``[linear(x, w) for w in ws]``; quantised weights of one width go in one C call (same bits)."""
+    if all(isinstance(w, QTensor) for w in ws) and len({w.cols for w in ws}) == 1:
+        return kernels.matmul_multi(list(ws), x)
+    return [linear(x, w) for w in ws]
+
+
 def embed(ids: np.ndarray, table) -> np.ndarray:
     """Rows `ids` (T,) of an embedding table (QTensor or ndarray (V, H)) as float32 (T, H)."""
     if not isinstance(table, QTensor):

@@ -9,14 +9,24 @@
 //         (the last group of a row may be shorter); w = q * float32(scale).
 // Matrices are row-major [rows, cols] = [out, in]; activations are float32 row-major [n, dim].
 //
-// Determinism: each output element is reduced in one fixed order (sequentially over the input
-// dimension; for int4 group by group), so a result depends only on the inputs and the code path.
+// Activations reach the quantised products in one of two arithmetics (`act`):
+//   ACT_F32: float32 activations times the dequantised weights, in float32 — the exact mode, what
+//            the transformers oracle computes (up to the order of the additions);
+//   ACT_Q8:  activations quantised to int8 per block of 64 (scale = absmax/127, round half to
+//            even), integer dot products per block, then float32 scaling — the fast mode, an
+//            explicit option (f32 weights always use ACT_F32).
+//
+// Determinism: each output element is reduced by one thread in one fixed order (matmul.c states
+// it exactly), the same in the portable, AVX2 and AVX-512 code paths, so a result depends only on
+// the inputs and `act`: not on the code path, the thread count or the batch it came in.
+// colibri_core/kernels/reference.py models the same order in NumPy.
 //
 // This header is also cffi's cdef (colibri_core/kernels/_build.py drops the lines starting with
 // '#'): keep it to plain declarations — no macros inside declarations, no inline functions.
 #ifndef COLIBRI_H
 #define COLIBRI_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 // ----------------------------------------------------------------------------
@@ -29,11 +39,18 @@ enum {
     INT4_GROUP = 64,  // columns per int4 scale group
 };
 
+enum {
+    ACT_F32 = 0,    // float32 activations (exact mode)
+    ACT_Q8 = 1,     // activations quantised to int8 per block (fast mode)
+    Q8_BLOCK = 64,  // columns per activation block in ACT_Q8
+};
+
 // Status codes returned by the kernels.
 enum {
     COLI_OK = 0,
-    COLI_EINVAL = -1,  // unknown kind or mismatched shapes
-    COLI_ENOMEM = -2,  // a scratch buffer could not be allocated
+    COLI_EINVAL = -1,       // unknown kind or mismatched shapes
+    COLI_ENOMEM = -2,       // a scratch buffer could not be allocated
+    COLI_EUNSUPPORTED = -3, // a code path this CPU (or build) does not have
 };
 
 // A (possibly quantised) weight matrix [rows, cols]; the arrays are borrowed, never copied.
@@ -46,7 +63,7 @@ typedef struct {
 } QMatrix;
 
 // ----------------------------------------------------------------------------
-// matmul.c — quantised matrix products
+// matmul.c — quantised matrix products, code paths
 
 // IEEE half (its bit pattern) to float, exactly; handles zero, subnormals, inf and NaN.
 float f16_to_f32(uint16_t h);
@@ -55,26 +72,88 @@ float f16_to_f32(uint16_t h);
 // else COLI_EINVAL. w: QMatrix.
 int qmatrix_check(const QMatrix *w);
 
-// dot(row r of w, x): one output element, reduced in the fixed order described above.
-// w: QMatrix [rows, cols]; x: f32 [cols].
-float qmatrix_row_dot(const QMatrix *w, int r, const float *x);
+// y = x @ dequant(w).T, every token independently.
+// y: f32 [n, w->rows] (written); w: QMatrix [rows, cols]; x: f32 [n, w->cols]; act: ACT_F32|ACT_Q8.
+// Returns COLI_OK, COLI_EINVAL (bad w, n or act) or COLI_ENOMEM.
+int matmul(float *y, const QMatrix *w, const float *x, int n, int act);
 
-// y = x @ dequant(w).T, token by token.
-// y: f32 [n, w->rows] (written); w: QMatrix [rows, cols]; x: f32 [n, w->cols].
-// Returns COLI_OK, or COLI_EINVAL when qmatrix_check(w) fails.
-int matmul(float *y, const QMatrix *w, const float *x, int n);
+// Several products of one input in one call (e.g. q, k and v): y[i] = x @ dequant(w[i]).T.
+// y: count pointers to f32 [n, w[i]->rows]; w: count matrices with one cols; x: f32 [n, cols].
+// Each y[i] is exactly what matmul(y[i], w[i], x, n, act) writes.
+int matmul_multi(float *const *y, const QMatrix *const *w, int count, const float *x, int n, int act);
 
-// The name of the code path in use ("portable"; SIMD paths are chosen here later).
+// The code path in use: "portable", "avx2" or "avx512".
 const char *simd_name(void);
 
+// 1 if this CPU and build can run the named path, else 0.
+int simd_supported(const char *name);
+
+// Use the named path ("portable" | "avx2" | "avx512"), or the best one the CPU has for "auto".
+// COLI_EUNSUPPORTED for a path this CPU lacks, COLI_EINVAL for an unknown name; the path in use
+// is unchanged then. The first kernel call selects from the environment variable COLIBRI_SIMD
+// (unset: "auto"); an unusable value there makes simd_init_status() non-zero.
+int simd_select(const char *name);
+
+// COLI_OK, or the status of selecting COLIBRI_SIMD at start-up (the path fell back to "auto").
+int simd_init_status(void);
+
 // ----------------------------------------------------------------------------
-// expert_ffn.c — one routed expert, fused
+// threads.c — the kernels' thread pool
+
+// Threads the kernels use (the calling thread included); at start-up COLIBRI_THREADS, else the
+// CPUs this process may run on.
+int threads_get(void);
+
+// Use n threads (1..256); COLI_EINVAL otherwise. Never changes a result, only the speed.
+int threads_set(int n);
+
+// ----------------------------------------------------------------------------
+// expert_ffn.c — routed experts, fused
 
 // out = down( silu(gate x) * (up x) ), silu(a) = a / (1 + exp(-a)); the [n, inter] intermediate
 // lives in a scratch buffer owned by this call.
 // out: f32 [n, hidden] (written); gate, up: QMatrix [inter, hidden]; down: QMatrix [hidden, inter];
 // x: f32 [n, hidden]. Returns COLI_OK, COLI_EINVAL (shapes/kinds) or COLI_ENOMEM.
 int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix *down,
-               const float *x, int n);
+               const float *x, int n, int act);
+
+// Many experts of one MoE layer in one call, each exactly as expert_ffn computes it.
+// Slots are the flat (token, rank) positions t * k + r of the (T, k) routing table `ids`.
+// outs: f32 [T * k, hidden]: every slot whose expert is in `experts` is written, others untouched;
+// x: f32 [T, hidden]; mats: 3 * n_experts matrices, gate, up, down of experts[e] at 3e, 3e+1, 3e+2;
+// ids: int64 [T, k] expert of each slot; experts: int64 [n_experts] (distinct).
+int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
+                int n_experts, const int64_t *ids, const int64_t *experts, int act);
+
+// The same with the slots already grouped: those of expert e are slots[start[e] .. start[e+1]).
+int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
+                      int n_experts, const int32_t *slots, const int32_t *start, int act);
+
+// out[t] = Σ_r weights[t, r] · outs[t, r], summed in rank order (out = o0 w0; out += o_r w_r).
+// out: f32 [T, hidden]; outs: f32 [T, k, hidden]; weights: f32 [T, k].
+int moe_combine(float *out, const float *outs, const float *weights, int T, int k, int hidden);
+
+// ----------------------------------------------------------------------------
+// layers.c — per-token layers (references: colibri_core/kernels/reference.py)
+
+// out = x / sqrt(mean(x^2) + eps) * weight, row by row. out, x: f32 [n, dim]; weight: f32 [dim].
+int rms_norm(float *out, const float *x, const float *weight, int n, int dim, float eps);
+
+// out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x[half:], x[:half]].
+// out, x: f32 [T, heads, dim]; cos, sin: f32 [T, dim]; dim even.
+int rope_rotate_half(float *out, const float *x, const float *cos, const float *sin, int T, int heads, int dim);
+
+// Causal grouped-query attention of T new tokens (positions start .. start+T-1) over S cached ones.
+// out: f32 [T, H, D] (written); q: f32 [T, H, D]; k, v: f32 [S, Hkv, D] with S >= start + T, the new
+// tokens' keys and values already in place; H a multiple of Hkv; scale usually D^-0.5.
+int attention(float *out, const float *q, int T, int H, int D, const float *k, const float *v, int S, int Hkv,
+              int start, float scale);
+
+// ----------------------------------------------------------------------------
+// membench.c
+
+// Read nbytes of buf (8-byte aligned) on every kernel thread, each its own contiguous share, and
+// return the sum of its 64-bit words (so the reads cannot be skipped): the machine's read bandwidth.
+uint64_t mem_read(const void *buf, size_t nbytes);
 
 #endif  // COLIBRI_H

@@ -1,44 +1,248 @@
-// expert_ffn.c — one routed expert's SwiGLU feed-forward, fused into a single call:
+// expert_ffn.c — routed experts' SwiGLU feed-forward, fused, many experts per call:
 //   out = down( silu(gate x) * (up x) ),  silu(a) = a / (1 + exp(-a)).
-// gate and up are read row by row together, so the gated intermediate h [n, inter] is written
-// once, to a scratch buffer owned by the call, and never reaches Python. Every element is reduced
-// in the fixed order of qmatrix_row_dot / matmul (matmul.c), so results are deterministic.
+//
+// One call runs every expert of an MoE layer that is ready (moe_experts), in two parallel phases:
+//   1. gate and up rows of every expert, for that expert's tokens, read together: the gated
+//      intermediate h [n_e, inter] goes to a scratch buffer owned by the call, never to Python;
+//   2. down rows of every expert, written straight into each (token, rank) slot of outs.
+// Tasks are ranges of whole rows of one expert, so each output element is reduced by one thread in
+// the fixed order of matmul.c, and a token's result never depends on the other tokens or experts
+// in the call, on the thread count or on the code path.
 #include <math.h>
-#include <stddef.h>
 #include <stdlib.h>
+#include <string.h>
 
-#include "colibri.h"
+#include "impl/kernels_impl.h"
 
 static float silu(float a) { return a / (1.0f + expf(-a)); }
 
-int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix *down,
-               const float *x, int n) {
-    if (qmatrix_check(gate) != COLI_OK || qmatrix_check(up) != COLI_OK ||
-        qmatrix_check(down) != COLI_OK || n < 0) {
-        return COLI_EINVAL;
-    }
-    int inter = gate->rows, hidden = gate->cols;
-    if (up->rows != inter || up->cols != hidden || down->rows != hidden || down->cols != inter ||
-        up->kind != gate->kind || down->kind != gate->kind) {
-        return COLI_EINVAL;
-    }
+typedef struct {
+    const QMatrix *gate, *up, *down;
+    int n;              // tokens routed to this expert
+    int32_t *tok;       // [n] token (row of x) of each
+    float *h;           // [n, inter] silu(gate x) * (up x)
+    Acts h_acts;        // h laid out for down
+    float **yrow;       // [n] output row of each (a slot of outs)
+    int per_up, per_down;  // rows per task in phase 1 / 2
+} Expert;
 
-    size_t h_size = (size_t)n * (size_t)inter;
-    float *h = malloc(h_size * sizeof(float));  // [n, inter]
-    if (h == NULL && h_size > 0) return COLI_ENOMEM;
+typedef struct {
+    const Path *path;
+    int act;
+    Expert *e;          // [n_experts]
+    int n_experts;
+    const Acts *x_acts; // [3]: x laid out per weight kind
+    int *first;         // [n_experts + 1] first task of each expert in the current phase
+} MoeJob;
 
-    // h = silu(gate x) * (up x); row outer so each gate/up row is reused from cache by every token
-    for (size_t i = 0; i < (size_t)inter; i++) {
-        for (size_t t = 0; t < (size_t)n; t++) {
-            const float *xt = x + t * (size_t)hidden;  // [hidden]
-            float g = qmatrix_row_dot(gate, (int)i, xt);
-            float u = qmatrix_row_dot(up, (int)i, xt);
-            h[t * (size_t)inter + i] = silu(g) * u;
+static int find_expert(const MoeJob *m, int task) {
+    int lo = 0, hi = m->n_experts - 1;  // the last expert whose first task <= task
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (m->first[mid] <= task) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+static void gate_up_task(void *ctx, int task) {
+    const MoeJob *m = ctx;
+    int ei = find_expert(m, task);
+    const Expert *e = &m->e[ei];
+    const Acts *a = &m->x_acts[e->gate->kind];
+    dot_fn dg = path_dot(m->path, e->gate->kind, a->act), du = path_dot(m->path, e->up->kind, a->act);
+    int inter = e->gate->rows;
+    int r0 = (task - m->first[ei]) * e->per_up;
+    int r1 = r0 + e->per_up < inter ? r0 + e->per_up : inter;
+    for (int r = r0; r < r1; r++) {
+        for (int i = 0; i < e->n; i++) {
+            float g = dg(e->gate, r, a, e->tok[i]);
+            float u = du(e->up, r, a, e->tok[i]);
+            e->h[(size_t)i * (size_t)inter + (size_t)r] = silu(g) * u;
         }
     }
+}
 
-    // out = down h
-    int status = matmul(out, down, h, n);
+static void down_task(void *ctx, int task) {
+    const MoeJob *m = ctx;
+    int ei = find_expert(m, task);
+    const Expert *e = &m->e[ei];
+    RowsJob j = {path_dot(m->path, e->down->kind, e->h_acts.act), path_rows(m->path, e->down->kind, e->h_acts.act),
+                 e->down, &e->h_acts, e->n, NULL, e->yrow};
+    int hidden = e->down->rows;
+    int r0 = (task - m->first[ei]) * e->per_down;
+    rows_run(&j, r0, r0 + e->per_down < hidden ? r0 + e->per_down : hidden);
+}
+
+static void run_phase(MoeJob *m, void (*fn)(void *, int)) {
+    int ntasks = m->first[m->n_experts];
+    if (ntasks <= 1) {
+        for (int t = 0; t < ntasks; t++) fn(m, t);
+    } else {
+        pool_run(fn, m, ntasks);
+    }
+}
+
+static int check_expert(const QMatrix *gate, const QMatrix *up, const QMatrix *down, int hidden) {
+    if (qmatrix_check(gate) != COLI_OK || qmatrix_check(up) != COLI_OK || qmatrix_check(down) != COLI_OK) {
+        return COLI_EINVAL;
+    }
+    int inter = gate->rows;
+    if (gate->cols != hidden || up->rows != inter || up->cols != hidden || down->rows != hidden ||
+        down->cols != inter || up->kind != gate->kind || down->kind != gate->kind) {
+        return COLI_EINVAL;
+    }
+    return COLI_OK;
+}
+
+int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
+                      int n_experts, const int32_t *slots, const int32_t *start, int act) {
+    if (T < 0 || k < 1 || hidden < 0 || n_experts < 0 || (act != ACT_F32 && act != ACT_Q8)) return COLI_EINVAL;
+    if (n_experts == 0) return COLI_OK;
+    if (start[0] != 0) return COLI_EINVAL;
+    long long nslots = (long long)T * k;
+    for (int e = 0; e < n_experts; e++) {
+        if (check_expert(mats[3 * e], mats[3 * e + 1], mats[3 * e + 2], hidden) != COLI_OK) return COLI_EINVAL;
+        if (start[e + 1] < start[e] || start[e + 1] > nslots) return COLI_EINVAL;
+    }
+    int total = start[n_experts];
+    for (int s = 0; s < total; s++) {
+        if (slots[s] < 0 || slots[s] >= nslots) return COLI_EINVAL;
+    }
+    if (total == 0 || hidden == 0) {
+        for (int s = 0; s < total; s++) memset(outs + (size_t)slots[s] * (size_t)hidden, 0, (size_t)hidden * sizeof(float));
+        return COLI_OK;
+    }
+
+    MoeJob m = {path_current(), act, NULL, n_experts, NULL, NULL};
+    Acts x_acts[3];
+    int have[3] = {0, 0, 0};
+    int status = COLI_OK;
+    Expert *ex = calloc((size_t)n_experts, sizeof *ex);
+    int *first = calloc((size_t)n_experts + 1, sizeof *first);
+    int32_t *tok = malloc((size_t)total * sizeof *tok);
+    float **yrow = malloc((size_t)total * sizeof *yrow);
+    size_t h_size = 0;
+    for (int e = 0; e < n_experts; e++) h_size += (size_t)(start[e + 1] - start[e]) * (size_t)mats[3 * e]->rows;
+    float *h = malloc((h_size + 1) * sizeof *h);
+    if (ex == NULL || first == NULL || tok == NULL || yrow == NULL || h == NULL) status = COLI_ENOMEM;
+
+    // ---- lay out x once per weight kind; each expert's tokens, intermediate and output rows
+    size_t h_at = 0;
+    for (int e = 0; e < n_experts && status == COLI_OK; e++) {
+        Expert *E = &ex[e];
+        E->gate = mats[3 * e];
+        E->up = mats[3 * e + 1];
+        E->down = mats[3 * e + 2];
+        int kind = E->gate->kind;
+        if (!have[kind]) {
+            status = acts_prepare(&x_acts[kind], x, T, hidden, kind, act);
+            if (status != COLI_OK) break;
+            have[kind] = 1;
+        }
+        E->n = start[e + 1] - start[e];
+        E->tok = tok + start[e];
+        E->yrow = yrow + start[e];
+        for (int i = 0; i < E->n; i++) {
+            int s = slots[start[e] + i];
+            E->tok[i] = s / k;
+            E->yrow[i] = outs + (size_t)s * (size_t)hidden;
+        }
+        E->h = h + h_at;
+        h_at += (size_t)E->n * (size_t)E->gate->rows;
+        int inter = E->gate->rows;
+        int bytes_per_row = kind == QKIND_F32 ? 4 * hidden : kind == QKIND_INT8 ? hidden : hidden / 2;
+        E->per_up = rows_per_task(inter, n_experts * (2.0 * E->n * hidden + 2 * bytes_per_row));
+        E->per_down = rows_per_task(hidden, n_experts * ((double)E->n * inter + bytes_per_row * inter / (double)hidden));
+    }
+    m.e = ex;
+    m.x_acts = x_acts;
+    m.first = first;
+
+    // ---- phase 1: h = silu(gate x) * (up x), every expert
+    if (status == COLI_OK) {
+        for (int e = 0; e < n_experts; e++) {
+            first[e + 1] = first[e] + (ex[e].n > 0 && ex[e].gate->rows > 0 ? (ex[e].gate->rows + ex[e].per_up - 1) / ex[e].per_up : 0);
+        }
+        run_phase(&m, gate_up_task);
+    }
+    // ---- phase 2: outs[slot] = down h, every expert
+    for (int e = 0; e < n_experts && status == COLI_OK; e++) {
+        status = acts_prepare(&ex[e].h_acts, ex[e].h, ex[e].n, ex[e].gate->rows, ex[e].down->kind, act);
+    }
+    if (status == COLI_OK) {
+        for (int e = 0; e < n_experts; e++) {
+            first[e + 1] = first[e] + (ex[e].n > 0 ? (hidden + ex[e].per_down - 1) / ex[e].per_down : 0);
+            if (ex[e].n > 0 && ex[e].gate->rows == 0) {  // inter 0: down of nothing is zero
+                for (int i = 0; i < ex[e].n; i++) memset(ex[e].yrow[i], 0, (size_t)hidden * sizeof(float));
+                first[e + 1] = first[e];
+            }
+        }
+        run_phase(&m, down_task);
+    }
+
+    for (int e = 0; ex != NULL && e < n_experts; e++) acts_free(&ex[e].h_acts);
+    for (int kk = 0; kk < 3; kk++) {
+        if (have[kk]) acts_free(&x_acts[kk]);
+    }
+    free(ex);
+    free(first);
+    free(tok);
+    free(yrow);
     free(h);
     return status;
+}
+
+int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix *down,
+               const float *x, int n, int act) {
+    if (n < 0 || gate == NULL) return COLI_EINVAL;
+    if (check_expert(gate, up, down, gate->cols) != COLI_OK) return COLI_EINVAL;
+    int32_t *slots = malloc(((size_t)n + 1) * sizeof *slots);
+    if (slots == NULL) return COLI_ENOMEM;
+    for (int i = 0; i < n; i++) slots[i] = i;
+    int32_t start[2] = {0, n};
+    const QMatrix *mats[3] = {gate, up, down};
+    int status = moe_experts_slots(out, x, n, 1, gate->cols, mats, 1, slots, start, act);
+    free(slots);
+    return status;
+}
+
+int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
+                int n_experts, const int64_t *ids, const int64_t *experts, int act) {
+    if (T < 0 || k < 1 || n_experts < 0) return COLI_EINVAL;
+    size_t nslots = (size_t)T * (size_t)k;
+    int32_t *slots = malloc((nslots + 1) * sizeof *slots);
+    int32_t *start = malloc(((size_t)n_experts + 1) * sizeof *start);
+    if (slots == NULL || start == NULL) {
+        free(slots);
+        free(start);
+        return COLI_ENOMEM;
+    }
+    // the slots of each expert, in slot order, experts in the order given
+    int32_t at = 0;
+    for (int e = 0; e < n_experts; e++) {
+        start[e] = at;
+        for (size_t s = 0; s < nslots; s++) {
+            if (ids[s] == experts[e]) slots[at++] = (int32_t)s;
+        }
+    }
+    start[n_experts] = at;
+    int status = moe_experts_slots(outs, x, T, k, hidden, mats, n_experts, slots, start, act);
+    free(slots);
+    free(start);
+    return status;
+}
+
+int moe_combine(float *out, const float *outs, const float *weights, int T, int k, int hidden) {
+    if (T < 0 || k < 1 || hidden < 0) return COLI_EINVAL;
+    for (size_t t = 0; t < (size_t)T; t++) {
+        float *o = out + t * (size_t)hidden;
+        const float *w = weights + t * (size_t)k;
+        const float *slot = outs + t * (size_t)k * (size_t)hidden;  // [k, hidden]
+        for (int j = 0; j < hidden; j++) o[j] = slot[j] * w[0];
+        for (int r = 1; r < k; r++) {
+            for (int j = 0; j < hidden; j++) o[j] += slot[(size_t)r * (size_t)hidden + j] * w[r];
+        }
+    }
+    return COLI_OK;
 }

@@ -1,22 +1,42 @@
 // matmul.c — quantised matrix products: y = x @ dequant(w).T for f32, int8 and int4 weights.
 //
 // The weights are dequantised on the fly, never expanded in memory. Each output element is
-// reduced in one fixed order, so results are deterministic:
-//   f32:  sum_j w[j] * x[j], sequentially over j;
-//   int8: (sum_j q[j] * x[j], sequentially) * scale, the row's scale applied once;
-//   int4: for each group of 64 columns in order: acc = sum_j q[j] * x[j] sequentially,
-//         then sum += acc * float32(scale of the group).
-// All arithmetic is float32 with no contraction into FMA (built with -ffp-contract=off), so
-// the portable path gives the same bits on every machine.
+// reduced by one thread in this fixed order (all float32, no FMA: built with -ffp-contract=off),
+// identical in the portable, AVX2 and AVX-512 paths:
 //
-// Code paths: the three row dot products below are the portable reference. A SIMD path adds its
-// own versions of them (in its own file, compiled with function-level target attributes) and
-// `path` points at the best one the CPU supports; everything above the dot products is shared.
-#include <stddef.h>
-#include <stdint.h>
+//   tree16(L) = ((L[l] + L[l+8]) for l < 8, then + the lane 4 above, then 2, then 1) — a fixed
+//   pairwise tree over 16 lanes; tree8 the same from 8 lanes.
+//
+//   ACT_F32 (exact mode)
+//     f32:  L[l] = 0; L[l] += w[j] * x[j] for j = l, l+16, l+32, … in order; y = tree16(L).
+//     int8: the same with w[j] = float(q[j]); y = tree16(L) * scale.
+//     int4: per group g of 64 columns in order, with lo[i] = q[64g + 2i], hi[i] = q[64g + 2i + 1]
+//           (i < 32) and xe, xo the even and odd columns of the group:
+//             A[l] = lo[l]*xe[l]; A[l] += lo[l+16]*xe[l+16]; A[l] += hi[l]*xo[l];
+//             A[l] += hi[l+16]*xo[l+16];   S[l] += A[l] * float32(scale[g])   (S[l] = 0 first);
+//           y = tree16(S).
+//   ACT_Q8 (fast mode; x quantised per block of 64: xq, xs = absmax / 127, see acts_prepare)
+//     int4: isum[g] = Σ q * xq over group g (exact, integer); term[g] = float(isum[g]) *
+//           (float32(scale[g]) * xs[g]); L[l] = 0; L[l] += term[g] for g = l, l+8, … in order;
+//           y = tree8(L).
+//     int8: isum[b] = Σ q * xq over block b; term[b] = float(isum[b]) * xs[b]; y = tree8(L) * scale.
+//   Columns past `cols` count as zeros: they add +0.0 (0 * 0) to their lane, and groups/blocks
+//   past the last add a term of +0.0, exactly as the SIMD paths' zero padding does.
+//
+// Every lane sees the same float32 operations in the same order on every path, so the paths agree
+// bit for bit (NaN payloads aside); the integer sums are exact whatever order a path adds them in.
+// colibri_core/kernels/reference.py computes the same order in NumPy.
+//
+// Code paths: the dot products below are the portable reference; matmul_avx2.c and
+// matmul_avx512.c hold the SIMD versions (function-level target attributes, chosen at run time
+// from the CPU's features). Everything else — activation layout, the split into row tasks — is
+// shared, so the paths differ only in the dot products.
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
-#include "colibri.h"
+#include "impl/kernels_impl.h"
 
 // ----------------------------------------------------------------------------
 // float16 -> float32
@@ -47,66 +67,310 @@ float f16_to_f32(uint16_t h) {
 }
 
 // ----------------------------------------------------------------------------
-// Row dot products, portable C
+// Prepared activations
 
-// w: f32 [cols]; x: f32 [cols]
-static float dot_f32_portable(const float *w, const float *x, int cols) {
-    float sum = 0.0f;
-    for (int j = 0; j < cols; j++) {
-        sum += w[j] * x[j];
-    }
-    return sum;
+static size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
+
+void acts_free(Acts *a) {
+    free(a->xf);
+    free(a->xq);
+    free(a->xs);
+    free(a->xsum);
+    memset(a, 0, sizeof *a);
 }
 
-// w: int8 [cols]; scale: the row's f32 scale; x: f32 [cols]
-static float dot_int8_portable(const int8_t *w, float scale, const float *x, int cols) {
-    float sum = 0.0f;
-    for (int j = 0; j < cols; j++) {
-        sum += (float)w[j] * x[j];
+// One block of up to 64 values quantised to int8: q[pos(j)] = rint(x[j] * (127 / absmax)).
+// A block holding inf or NaN gets q = 0 and scale NaN, so every product it feeds is NaN.
+static void quantize_block(const float *x, int len, int even_odd, int8_t *q, float *scale, int32_t *sum) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int j = 0; j < len; j++) {
+        float v = fabsf(x[j]);
+        if (!(v <= 3.402823466e38f)) finite = 0;
+        else if (v > amax) amax = v;
     }
-    return sum * scale;
+    memset(q, 0, Q8_BLOCK);
+    if (!finite) {
+        *scale = NAN;
+        *sum = 0;
+        return;
+    }
+    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t s = 0;
+    for (int j = 0; j < len; j++) {
+        float r = nearbyintf(x[j] * inv);  // round half to even (the default rounding mode)
+        int v = r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r;
+        q[even_odd ? (j & 1) * 32 + j / 2 : j] = (int8_t)v;
+        s += v;
+    }
+    *scale = amax / 127.0f;
+    *sum = s;
 }
 
-// w: uint8 [ceil(cols/2)] nibbles q+8, even column low; scales: f16 bits [ceil(cols/64)];
-// x: f32 [cols]
-static float dot_int4_portable(const uint8_t *w, const uint16_t *scales, const float *x, int cols) {
-    float sum = 0.0f;
-    for (int g0 = 0; g0 < cols; g0 += INT4_GROUP) {
-        int g1 = cols - g0 < INT4_GROUP ? cols : g0 + INT4_GROUP;  // the last group may be shorter
-        float acc = 0.0f;
-        int j = g0;  // even: groups start at multiples of 64
-        for (; j + 1 < g1; j += 2) {
-            uint8_t b = w[j / 2];
-            acc += (float)((int)(b & 0x0f) - 8) * x[j];
-            acc += (float)((int)(b >> 4) - 8) * x[j + 1];
+int acts_prepare(Acts *a, const float *x, int n, int cols, int kind, int act) {
+    memset(a, 0, sizeof *a);
+    if (kind == QKIND_F32) act = ACT_F32;
+    a->act = act;
+    a->kind = kind;
+    a->cols = cols;
+    a->n = n;
+    size_t nt = (size_t)n;
+    if (act == ACT_F32) {
+        a->stride = kind == QKIND_INT4 ? round_up((size_t)cols, INT4_GROUP) : round_up((size_t)cols, 16);
+        a->xf = calloc(nt * a->stride + 1, sizeof(float));
+        if (a->xf == NULL) return COLI_ENOMEM;
+        for (size_t t = 0; t < nt; t++) {
+            const float *src = x + t * (size_t)cols;
+            float *dst = a->xf + t * a->stride;
+            if (kind == QKIND_INT4) {
+                for (int j = 0; j < cols; j++) dst[(j / 64) * 64 + (j & 1) * 32 + (j % 64) / 2] = src[j];
+            } else {
+                memcpy(dst, src, (size_t)cols * sizeof(float));
+            }
         }
-        if (j < g1) {  // odd cols: the last column sits alone in a low nibble
-            acc += (float)((int)(w[j / 2] & 0x0f) - 8) * x[j];
-        }
-        sum += acc * f16_to_f32(scales[g0 / INT4_GROUP]);
+        return COLI_OK;
     }
-    return sum;
+    int nblocks = (cols + Q8_BLOCK - 1) / Q8_BLOCK;
+    a->nb8 = (int)round_up((size_t)nblocks, 8);
+    a->stride = (size_t)a->nb8 * Q8_BLOCK;  // whole chunks of 8 blocks: SIMD paths may read a chunk
+    a->xq = calloc(nt * a->stride + 1, 1);
+    a->xs = calloc(nt * (size_t)a->nb8 + 1, sizeof(float));
+    a->xsum = calloc(nt * (size_t)a->nb8 + 1, sizeof(int32_t));
+    if (a->xq == NULL || a->xs == NULL || a->xsum == NULL) {
+        acts_free(a);
+        return COLI_ENOMEM;
+    }
+    for (size_t t = 0; t < nt; t++) {
+        const float *src = x + t * (size_t)cols;
+        for (int b = 0; b < nblocks; b++) {
+            int len = cols - b * Q8_BLOCK < Q8_BLOCK ? cols - b * Q8_BLOCK : Q8_BLOCK;
+            size_t at = t * (size_t)a->nb8 + (size_t)b;
+            quantize_block(src + (size_t)b * Q8_BLOCK, len, kind == QKIND_INT4,
+                           a->xq + t * a->stride + (size_t)b * Q8_BLOCK, &a->xs[at], &a->xsum[at]);
+        }
+    }
+    return COLI_OK;
 }
 
 // ----------------------------------------------------------------------------
-// Code paths
+// Row dot products, portable C: the reference order, written out lane by lane.
 
-typedef struct {
-    const char *name;
-    float (*dot_f32)(const float *w, const float *x, int cols);
-    float (*dot_int8)(const int8_t *w, float scale, const float *x, int cols);
-    float (*dot_int4)(const uint8_t *w, const uint16_t *scales, const float *x, int cols);
-} DotPath;
+static float tree16(float *L) {
+    for (int l = 0; l < 8; l++) L[l] = L[l] + L[l + 8];
+    for (int l = 0; l < 4; l++) L[l] = L[l] + L[l + 4];
+    for (int l = 0; l < 2; l++) L[l] = L[l] + L[l + 2];
+    return L[0] + L[1];
+}
 
-static const DotPath PORTABLE = {"portable", dot_f32_portable, dot_int8_portable, dot_int4_portable};
+static float tree8(float *L) {
+    for (int l = 0; l < 4; l++) L[l] = L[l] + L[l + 4];
+    for (int l = 0; l < 2; l++) L[l] = L[l] + L[l + 2];
+    return L[0] + L[1];
+}
 
-// The path in use. Run-time selection from the CPU's features goes here; for now only portable.
-static const DotPath *path = &PORTABLE;
+static float dot_f32_portable(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols;
+    const float *wr = (const float *)w->data + (size_t)r * (size_t)cols;  // [cols]
+    const float *x = a->xf + (size_t)t * a->stride;                      // [stride], zero padded
+    float L[16] = {0};
+    for (int j0 = 0; j0 < cols; j0 += 16) {
+        for (int l = 0; l < 16; l++) {
+            float wv = j0 + l < cols ? wr[j0 + l] : 0.0f;
+            L[l] += wv * x[j0 + l];
+        }
+    }
+    return tree16(L);
+}
 
-const char *simd_name(void) { return path->name; }
+static float dot_int8_f32_portable(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols;
+    const int8_t *wr = (const int8_t *)w->data + (size_t)r * (size_t)cols;  // [cols]
+    const float *x = a->xf + (size_t)t * a->stride;
+    float L[16] = {0};
+    for (int j0 = 0; j0 < cols; j0 += 16) {
+        for (int l = 0; l < 16; l++) {
+            float wv = j0 + l < cols ? (float)wr[j0 + l] : 0.0f;
+            L[l] += wv * x[j0 + l];
+        }
+    }
+    return tree16(L) * ((const float *)w->scales)[r];
+}
+
+static float dot_int8_q8_portable(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols;
+    const int8_t *wr = (const int8_t *)w->data + (size_t)r * (size_t)cols;  // [cols]
+    const int8_t *xq = a->xq + (size_t)t * a->stride;
+    const float *xs = a->xs + (size_t)t * (size_t)a->nb8;
+    int nblocks = (cols + Q8_BLOCK - 1) / Q8_BLOCK;
+    float L[8] = {0};
+    for (int b = 0; b < a->nb8; b++) {
+        float term = 0.0f;
+        if (b < nblocks) {
+            int32_t isum = 0;
+            int end = cols - b * Q8_BLOCK < Q8_BLOCK ? cols : (b + 1) * Q8_BLOCK;
+            for (int j = b * Q8_BLOCK; j < end; j++) isum += (int32_t)wr[j] * (int32_t)xq[j];
+            term = (float)isum * xs[b];
+        }
+        L[b % 8] += term;
+    }
+    return tree8(L) * ((const float *)w->scales)[r];
+}
+
+// The 32 bytes of int4 group g of a row, 0x88 (q = 0, 0) past the row's end.
+static const uint8_t *int4_group_bytes(const uint8_t *wr, int g, size_t row_bytes, uint8_t *tmp) {
+    size_t at = (size_t)g * 32;
+    if (at + 32 <= row_bytes) return wr + at;
+    memset(tmp, 0x88, 32);
+    memcpy(tmp, wr + at, row_bytes - at);
+    return tmp;
+}
+
+static float dot_int4_f32_portable(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
+    size_t row_bytes = ((size_t)cols + 1) / 2;
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;          // [row_bytes]
+    const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;  // [ngroups]
+    const float *x = a->xf + (size_t)t * a->stride;  // per group: 32 even, then 32 odd columns
+    float S[16] = {0};
+    uint8_t tmp[32];
+    for (int g = 0; g < ngroups; g++) {
+        const uint8_t *b = int4_group_bytes(wr, g, row_bytes, tmp);
+        const float *xe = x + (size_t)g * 64, *xo = xe + 32;
+        float sc = f16_to_f32(sr[g]);
+        for (int l = 0; l < 16; l++) {
+            float A = (float)((b[l] & 15) - 8) * xe[l];
+            A += (float)((b[l + 16] & 15) - 8) * xe[l + 16];
+            A += (float)((b[l] >> 4) - 8) * xo[l];
+            A += (float)((b[l + 16] >> 4) - 8) * xo[l + 16];
+            S[l] += A * sc;
+        }
+    }
+    return tree16(S);
+}
+
+static float dot_int4_q8_portable(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
+    size_t row_bytes = ((size_t)cols + 1) / 2;
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+    const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
+    const int8_t *xq = a->xq + (size_t)t * a->stride;  // per block: 32 even, then 32 odd columns
+    const float *xs = a->xs + (size_t)t * (size_t)a->nb8;
+    float L[8] = {0};
+    uint8_t tmp[32];
+    for (int g = 0; g < a->nb8; g++) {
+        float term = 0.0f;
+        if (g < ngroups) {
+            const uint8_t *b = int4_group_bytes(wr, g, row_bytes, tmp);
+            const int8_t *xe = xq + (size_t)g * 64, *xo = xe + 32;
+            int32_t isum = 0;
+            for (int i = 0; i < 32; i++) isum += ((b[i] & 15) - 8) * xe[i] + ((b[i] >> 4) - 8) * xo[i];
+            term = (float)isum * (f16_to_f32(sr[g]) * xs[g]);
+        }
+        L[g % 8] += term;
+    }
+    return tree8(L);
+}
+
+const Path PATH_PORTABLE = {"portable", dot_f32_portable, dot_int8_f32_portable, dot_int8_q8_portable,
+                            dot_int4_f32_portable, dot_int4_q8_portable, NULL};
 
 // ----------------------------------------------------------------------------
-// Matrix products
+// Code paths: chosen once from COLIBRI_SIMD / the CPU, changeable with simd_select.
+
+static const Path *current;
+static int init_status = COLI_OK;
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+
+static const Path *path_named(const char *name, int *status) {
+    *status = COLI_OK;
+    if (strcmp(name, "portable") == 0) return &PATH_PORTABLE;
+#if COLI_X86
+    if (strcmp(name, "avx2") == 0) {
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return &PATH_AVX2;
+        *status = COLI_EUNSUPPORTED;
+        return NULL;
+    }
+    if (strcmp(name, "avx512") == 0) {
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+            __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) {
+            return &PATH_AVX512;
+        }
+        *status = COLI_EUNSUPPORTED;
+        return NULL;
+    }
+#else
+    if (strcmp(name, "avx2") == 0 || strcmp(name, "avx512") == 0) {
+        *status = COLI_EUNSUPPORTED;
+        return NULL;
+    }
+#endif
+    if (strcmp(name, "auto") == 0) {
+        const Path *p = path_named("avx512", status);
+        if (p == NULL) p = path_named("avx2", status);
+        if (p == NULL) p = &PATH_PORTABLE;
+        *status = COLI_OK;
+        return p;
+    }
+    *status = COLI_EINVAL;
+    return NULL;
+}
+
+static void init_path(void) {
+    const char *env = getenv("COLIBRI_SIMD");
+    int status;
+    const Path *p = env != NULL && env[0] != '\0' ? path_named(env, &status) : NULL;
+    if (env != NULL && env[0] != '\0' && p == NULL) init_status = status;
+    current = p != NULL ? p : path_named("auto", &status);
+}
+
+const Path *path_current(void) {
+    pthread_once(&init_once, init_path);
+    return current;
+}
+
+int simd_init_status(void) {
+    pthread_once(&init_once, init_path);
+    return init_status;
+}
+
+const char *simd_name(void) { return path_current()->name; }
+
+int simd_supported(const char *name) {
+    int status;
+    return path_named(name, &status) != NULL;
+}
+
+int simd_select(const char *name) {
+    pthread_once(&init_once, init_path);
+    int status;
+    const Path *p = path_named(name, &status);
+    if (p == NULL) return status;
+    current = p;
+    return COLI_OK;
+}
+
+dot_fn path_dot(const Path *p, int kind, int act) {
+    switch (kind) {
+    case QKIND_F32:
+        return p->f32;
+    case QKIND_INT8:
+        return act == ACT_Q8 ? p->int8_q8 : p->int8_f32;
+    case QKIND_INT4:
+        return act == ACT_Q8 ? p->int4_q8 : p->int4_f32;
+    default:
+        return NULL;
+    }
+}
+
+rows_fn path_rows(const Path *p, int kind, int act) {
+    return kind == QKIND_INT4 && act == ACT_Q8 ? p->int4_q8_rows : NULL;
+}
+
+// ----------------------------------------------------------------------------
+// Rows jobs and the matrix products
 
 int qmatrix_check(const QMatrix *w) {
     if (w == NULL || w->rows < 0 || w->cols < 0 || w->data == NULL) return COLI_EINVAL;
@@ -121,40 +385,99 @@ int qmatrix_check(const QMatrix *w) {
     }
 }
 
-float qmatrix_row_dot(const QMatrix *w, int r, const float *x) {
-    size_t row = (size_t)r;
-    size_t cols = (size_t)w->cols;
-    switch (w->kind) {
-    case QKIND_F32: {
-        const float *data = w->data;  // [rows, cols]
-        return path->dot_f32(data + row * cols, x, w->cols);
+void rows_run(const RowsJob *j, int r0, int r1) {
+    // Row outer, token inner: a weight row is read from memory once and reused from cache by
+    // every token.
+    if (j->rows != NULL && j->n > 1) {
+        for (int r = r0; r < r1; r++) j->rows(j->w, r, j->a, j->tok, j->n, j->yrow);
+        return;
     }
-    case QKIND_INT8: {
-        const int8_t *data = w->data;   // [rows, cols]
-        const float *scales = w->scales;  // [rows]
-        return path->dot_int8(data + row * cols, scales[row], x, w->cols);
-    }
-    case QKIND_INT4: {
-        size_t row_bytes = (cols + 1) / 2;
-        size_t row_groups = (cols + INT4_GROUP - 1) / INT4_GROUP;
-        const uint8_t *data = w->data;     // [rows, row_bytes]
-        const uint16_t *scales = w->scales;  // [rows, row_groups]
-        return path->dot_int4(data + row * row_bytes, scales + row * row_groups, x, w->cols);
-    }
-    default:
-        return 0.0f;  // unreachable after qmatrix_check
+    for (int r = r0; r < r1; r++) {
+        for (int i = 0; i < j->n; i++) {
+            int t = j->tok != NULL ? j->tok[i] : i;
+            j->yrow[i][r] = j->dot(j->w, r, j->a, t);
+        }
     }
 }
 
-int matmul(float *y, const QMatrix *w, const float *x, int n) {
-    if (qmatrix_check(w) != COLI_OK || n < 0) return COLI_EINVAL;
-    size_t rows = (size_t)w->rows, cols = (size_t)w->cols;
-    // Row outer, token inner: one weight row is read from memory once and reused from cache by
-    // every token.
-    for (size_t r = 0; r < rows; r++) {
-        for (size_t t = 0; t < (size_t)n; t++) {
-            y[t * rows + r] = qmatrix_row_dot(w, (int)r, x + t * cols);
+int rows_per_task(int rows, double work_per_row) {
+    int threads = threads_get();
+    if (rows <= 0) return 1;
+    if (threads <= 1 || (double)rows * work_per_row < 65536.0) return rows;  // not worth a wake-up
+    int tasks = threads * 4;
+    int per = (rows + tasks - 1) / tasks;
+    if (per < 1) per = 1;
+    if (rows / per > 65535) per = rows / 65535 + 1;
+    return per;
+}
+
+// A list of (matrix, row range) tasks over one or more products of the same prepared input.
+typedef struct {
+    int count;
+    RowsJob *jobs;  // [count]
+    int *first;     // [count + 1]: tasks of job i are first[i] .. first[i+1]
+    int *per;       // [count]: rows per task of job i
+} MultiJob;
+
+static void multi_task(void *ctx, int task) {
+    const MultiJob *m = ctx;
+    int i = 0;
+    while (task >= m->first[i + 1]) i++;
+    int r0 = (task - m->first[i]) * m->per[i];
+    int r1 = r0 + m->per[i] < m->jobs[i].w->rows ? r0 + m->per[i] : m->jobs[i].w->rows;
+    rows_run(&m->jobs[i], r0, r1);
+}
+
+int matmul_multi(float *const *y, const QMatrix *const *w, int count, const float *x, int n, int act) {
+    if (count < 1 || n < 0 || (act != ACT_F32 && act != ACT_Q8)) return COLI_EINVAL;
+    int cols = w[0] != NULL ? w[0]->cols : -1;
+    for (int i = 0; i < count; i++) {
+        if (qmatrix_check(w[i]) != COLI_OK || w[i]->cols != cols) return COLI_EINVAL;
+    }
+    if (n == 0) return COLI_OK;
+    const Path *p = path_current();
+    Acts acts[3];  // one layout per weight kind present
+    int have[3] = {0, 0, 0};
+    int status = COLI_OK;
+    RowsJob *jobs = calloc((size_t)count, sizeof *jobs);
+    int *first = calloc((size_t)count + 1, sizeof *first);
+    int *per = calloc((size_t)count, sizeof *per);
+    float **yrow = calloc((size_t)count * (size_t)n, sizeof *yrow);
+    if (jobs == NULL || first == NULL || per == NULL || yrow == NULL) status = COLI_ENOMEM;
+    for (int i = 0; i < count && status == COLI_OK; i++) {
+        int kind = w[i]->kind;
+        if (!have[kind]) {
+            status = acts_prepare(&acts[kind], x, n, cols, kind, act);
+            if (status != COLI_OK) break;
+            have[kind] = 1;
+        }
+        for (int t = 0; t < n; t++) yrow[(size_t)i * n + t] = y[i] + (size_t)t * (size_t)w[i]->rows;
+        jobs[i] = (RowsJob){path_dot(p, kind, acts[kind].act), path_rows(p, kind, acts[kind].act), w[i], &acts[kind],
+                            n, NULL, yrow + (size_t)i * n};
+        int bytes_per_row = kind == QKIND_F32 ? 4 * cols : kind == QKIND_INT8 ? cols : cols / 2;
+        per[i] = rows_per_task(w[i]->rows, (double)n * cols + bytes_per_row);
+        first[i + 1] = first[i] + (w[i]->rows + per[i] - 1) / per[i];
+    }
+    if (status == COLI_OK) {
+        MultiJob m = {count, jobs, first, per};
+        if (cols == 0) {
+            for (int i = 0; i < count; i++) memset(y[i], 0, (size_t)n * (size_t)w[i]->rows * sizeof(float));
+        } else if (first[count] <= 1) {
+            for (int task = 0; task < first[count]; task++) multi_task(&m, task);
+        } else {
+            pool_run(multi_task, &m, first[count]);
         }
     }
-    return COLI_OK;
+    for (int k = 0; k < 3; k++) {
+        if (have[k]) acts_free(&acts[k]);
+    }
+    free(jobs);
+    free(first);
+    free(per);
+    free(yrow);
+    return status;
+}
+
+int matmul(float *y, const QMatrix *w, const float *x, int n, int act) {
+    return matmul_multi(&y, &w, 1, x, n, act);
 }

@@ -1,21 +1,32 @@
-"""The C kernels against their NumPy references, on awkward sizes, for every weight kind.
+"""The C kernels against their NumPy references, on awkward sizes, for every weight kind, activation
+arithmetic, SIMD code path and thread count.
 
-Tolerance: C sums sequentially and NumPy does not, so the two agree within float32 rounding.
-Each output element is allowed 1e-5 times its magnitude, the sum of |terms| it adds up
-(``|x| @ |W|.T``); for expert_ffn that magnitude is carried through the SwiGLU to first order.
+`matmul` must equal `reference.matmul` **bit for bit**: the reference computes the C kernels' fixed
+reduction order (csrc/matmul.c) with NumPy float32 operations, and the int8-activation sums are
+exact integers. expert_ffn applies silu, where NumPy's exp and C's expf may differ in the last bit,
+so it is compared within float32 rounding — and bit for bit across code paths, thread counts and
+batches, where C is compared with itself. The references themselves are checked against float64
+``x @ dequantize(w).T`` within 1e-5 of each element's magnitude (the sum of |terms|).
+
+A code path this CPU lacks is skipped with its reason in the summary (pytest -ra), never silently.
 """
 import itertools
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from colibri_core import kernels, quant
+from colibri_core.errors import ColibriError
 from colibri_core.kernels import reference
 from colibri_core.quant import KINDS, QTensor
 
 SIZES = (1, 3, 63, 65, 127, 130, 200)
 TOKENS = (1, 2, 5)
 EPS = 1e-5
+MODES = [("f32", "f32"), ("int8", "f32"), ("int8", "int8"), ("int4", "f32"), ("int4", "int8")]  # (kind, act)
 
 
 def random_weights(rng, rows, cols, kind) -> QTensor:
@@ -28,6 +39,14 @@ def random_weights(rng, rows, cols, kind) -> QTensor:
     return quant.quantize(w, kind)
 
 
+def random_x(rng, n, cols, scale=1.0) -> np.ndarray:
+    """Normal activations with a zero token (int8 blocks of scale 0) when there is room for one."""
+    x = (scale * rng.standard_normal((n, cols))).astype(np.float32)
+    if n >= 3:
+        x[1] = 0.0
+    return x
+
+
 def magnitude(w: QTensor, x: np.ndarray) -> np.ndarray:
     """float64 [n, rows]: sum_j |x_j| |w_rj|, what a rounding error is measured against."""
     return np.abs(x.astype(np.float64)) @ np.abs(quant.dequantize(w).astype(np.float64)).T
@@ -36,15 +55,21 @@ def magnitude(w: QTensor, x: np.ndarray) -> np.ndarray:
 def assert_close(got, want, bound):
     assert got.dtype == np.float32 and got.shape == want.shape
     err = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    worst = np.unravel_index(np.argmax(err - EPS * bound), err.shape) if err.size else None
-    assert np.all(err <= EPS * bound), (
-        f"off by {err[worst]:.3g} at {worst}, allowed {EPS * bound[worst]:.3g} "
-        f"(got {got[worst]!r}, want {want[worst]!r})"
+    worst = np.unravel_index(np.argmax(err - bound), err.shape) if err.size else None
+    assert np.all(err <= bound), (
+        f"off by {err[worst]:.3g} at {worst}, allowed {bound[worst]:.3g} (got {got[worst]!r}, want {want[worst]!r})"
     )
 
 
 def bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint32)
+
+
+def assert_same_bits(got, want, what=""):
+    assert got.shape == want.shape, what
+    diff = bits(got) != bits(want)
+    assert not diff.any(), f"{what}: {diff.sum()} of {diff.size} differ, first at {np.argwhere(diff)[0]}: " \
+                           f"{got[tuple(np.argwhere(diff)[0])]!r} vs {want[tuple(np.argwhere(diff)[0])]!r}"
 
 
 def read_only_copy(t: QTensor) -> QTensor:
@@ -54,6 +79,29 @@ def read_only_copy(t: QTensor) -> QTensor:
     ro, _ = quant.from_buffer(t.kind, t.rows, t.cols, bytes(buf))
     assert not ro.data.flags.writeable
     return ro
+
+
+@pytest.fixture(params=kernels.SIMD_PATHS)
+def simd_path(request):
+    """Each SIMD code path in turn (forced, as COLIBRI_SIMD does); the CPU's best one after."""
+    name = request.param
+    if not kernels.simd_supported(name):
+        pytest.skip(f"this CPU lacks the {name} path's instructions: it cannot be tested here")
+    kernels.set_simd(name)
+    yield name
+    kernels.set_simd("auto")
+
+
+@pytest.fixture
+def thread_counts():
+    """Yields the thread counts to try; restores the kernels' thread count after."""
+    before = kernels.threads()
+    yield (1, 2, 3, 7)
+    kernels.set_threads(before)
+
+
+def supported_paths():
+    return [p for p in kernels.SIMD_PATHS if kernels.simd_supported(p)]
 
 
 # ----------------------------------------------------------------------------
@@ -70,28 +118,73 @@ def test_f16_to_f32_every_bit_pattern():
 
 
 # ----------------------------------------------------------------------------
-# matmul
+# matmul: bit for bit against the reference, on every path
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows,cols", list(itertools.product(SIZES, SIZES)))
-def test_matmul_matches_reference(kind, rows, cols):
-    rng = np.random.default_rng([rows, cols, KINDS.index(kind)])
-    w = random_weights(rng, rows, cols, kind)
-    for n in TOKENS:
-        x = rng.standard_normal((n, cols)).astype(np.float32)
-        y = kernels.matmul(w, x)
-        assert_close(y, reference.matmul(w, x), magnitude(w, x))
+@pytest.mark.parametrize("kind,act", MODES)
+def test_matmul_matches_reference_bit_for_bit(simd_path, kind, act):
+    for rows, cols in itertools.product(SIZES, SIZES):
+        rng = np.random.default_rng([rows, cols, KINDS.index(kind)])
+        w = random_weights(rng, rows, cols, kind)
+        for n in TOKENS:
+            x = random_x(rng, n, cols)
+            assert_same_bits(kernels.matmul(w, x, act), reference.matmul(w, x, act),
+                             f"{simd_path} {kind} act={act} [{rows}, {cols}] n={n}")
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_reference_matches_dequantize(kind):
-    """The grouped float32 reference is x @ dequantize(w).T, the formats' one definition."""
+@pytest.mark.parametrize("kind,act", MODES)
+def test_matmul_model_sizes_bit_for_bit(simd_path, kind, act):
+    """Widths of real models (2048, 768, 1024) and a wide odd one, where the SIMD main loops run."""
+    rng = np.random.default_rng(5)
+    for rows, cols in [(70, 2048), (33, 768), (9, 1024), (5, 4097)]:
+        w = random_weights(rng, rows, cols, kind)
+        x = random_x(rng, 3, cols, scale=4.0)
+        assert_same_bits(kernels.matmul(w, x, act), reference.matmul(w, x, act), f"{simd_path} {kind} {act} [{rows}, {cols}]")
+
+
+@pytest.mark.parametrize("kind,act", MODES)
+def test_reference_matches_float64(kind, act):
+    """The fixed-order float32 reference is x @ dequantize(w).T (with x as int8 activations stand
+    it for) within float32 rounding."""
     rng = np.random.default_rng(7)
     w = random_weights(rng, 130, 200, kind)
-    x = rng.standard_normal((5, 200)).astype(np.float32)
-    exact = (x.astype(np.float64) @ quant.dequantize(w).astype(np.float64).T).astype(np.float32)
-    assert_close(reference.matmul(w, x), exact, magnitude(w, x))
+    x = random_x(rng, 5, 200)
+    xv = reference.dequantize_activations(x) if act == "int8" and kind != "f32" else x
+    assert_close(reference.matmul(w, x, act), reference.exact(w, x, act).astype(np.float32), EPS * magnitude(w, xv))
+
+
+def test_int8_activations_round_to_the_nearest_step():
+    rng = np.random.default_rng(8)
+    x = random_x(rng, 4, 130, scale=3.0)
+    x[0, 5] = 1e-30  # a tiny value in a normal block
+    q, xs = reference.quantize_activations(x)
+    assert q.shape == (4, 192) and xs.shape == (4, 3) and np.all(q[:, 130:] == 0)
+    step = np.repeat(xs, 64, axis=1)[:, :130]
+    assert np.all(np.abs(reference.dequantize_activations(x) - x) <= step / 2 * (1 + 1e-6))
+    assert np.all(np.abs(q) <= 127) and np.all(np.abs(q).reshape(4, 3, 64).max(axis=2)[[0, 2, 3]] == 127)
+    assert np.all(q[1] == 0) and np.all(xs[1] == 0)  # the zero token
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_int8_activations_with_inf_or_nan_give_nan(simd_path, kind):
+    rng = np.random.default_rng(9)
+    w = random_weights(rng, 4, 130, kind)
+    x = random_x(rng, 2, 130)
+    x[0, 70] = np.inf  # block 1 of token 0
+    y = kernels.matmul(w, x, "int8")
+    assert np.isnan(y[0]).all() and np.isfinite(y[1]).all()
+    assert_same_bits(y[1:], reference.matmul(w, x[1:], "int8"))
+
+
+@pytest.mark.parametrize("kind,act", MODES)
+def test_matmul_same_bits_on_every_thread_count(simd_path, thread_counts, kind, act):
+    rng = np.random.default_rng(11)
+    w = random_weights(rng, 301, 1000, kind)  # enough work to be split into tasks
+    x = random_x(rng, 3, 1000)
+    want = reference.matmul(w, x, act)
+    for n in thread_counts:
+        kernels.set_threads(n)
+        assert_same_bits(kernels.matmul(w, x, act), want, f"{n} threads")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -111,35 +204,93 @@ def test_matmul_is_deterministic_and_reads_weights_in_place(kind):
     assert np.array_equal(bits(kernels.matmul(w, x[2:3])), bits(y[2:3]))
 
 
+def test_matmul_multi_is_each_matmul():
+    rng = np.random.default_rng(12)
+    ws = [random_weights(rng, 130, 200, "int4"), random_weights(rng, 64, 200, "int8"),
+          random_weights(rng, 3, 200, "f32"), random_weights(rng, 200, 200, "int4")]
+    x = random_x(rng, 3, 200)
+    for act in kernels.ACTIVATIONS:
+        for y, w in zip(kernels.matmul_multi(ws, x, act), ws):
+            assert_same_bits(y, kernels.matmul(w, x, act))
+
+
+def test_activations_context_selects_the_arithmetic():
+    rng = np.random.default_rng(13)
+    w = random_weights(rng, 65, 200, "int4")
+    x = random_x(rng, 2, 200)
+    with kernels.activations("int8"):
+        assert_same_bits(kernels.matmul(w, x), reference.matmul(w, x, "int8"))
+    assert_same_bits(kernels.matmul(w, x), reference.matmul(w, x, "f32"))
+    with pytest.raises(ColibriError, match="unknown activation arithmetic 'q4'"):
+        with kernels.activations("q4"):
+            pass
+
+
 def test_matmul_no_tokens():
     w = quant.quantize(np.ones((3, 65), np.float32), "int4")
     assert kernels.matmul(w, np.zeros((0, 65), np.float32)).shape == (0, 3)
 
 
 # ----------------------------------------------------------------------------
-# expert_ffn
+# expert_ffn and moe_experts
 
 
-def ffn_magnitude(gate, up, down, x) -> np.ndarray:
-    """First-order bound on how far a float32 expert_ffn may drift, per output: errors of
-    EPS * magnitude in gate x and up x, carried through silu (|silu'| < 1.1) and down."""
-    g, u = reference.matmul(gate, x).astype(np.float64), reference.matmul(up, x).astype(np.float64)
+def ffn_bound(gate, up, down, x, act) -> np.ndarray:
+    """How far expert_ffn may drift from the reference, per output: errors of EPS * magnitude in
+    gate x and up x, carried through silu (|silu'| < 1.1) and down; with int8 activations also one
+    quantisation step of h (a last-bit difference in silu can move h across a rounding boundary)."""
+    g, u = reference.matmul(gate, x, act).astype(np.float64), reference.matmul(up, x, act).astype(np.float64)
     s = g / (1 + np.exp(-np.clip(g, -80, 80)))
-    h_mag = 1.1 * magnitude(gate, x) * np.abs(u) + np.abs(s) * magnitude(up, x) + np.abs(s * u)
-    return h_mag @ np.abs(quant.dequantize(down).astype(np.float64)).T
+    xv = reference.dequantize_activations(x) if act == "int8" else x
+    h_mag = 1.1 * magnitude(gate, xv) * np.abs(u) + np.abs(s) * magnitude(up, xv) + np.abs(s * u)
+    d = np.abs(quant.dequantize(down).astype(np.float64))
+    bound = EPS * (h_mag @ d.T)
+    if act == "int8":
+        _, hs = reference.quantize_activations((s * u).astype(np.float32))
+        step = np.repeat(hs, 64, axis=1)[:, : down.cols].astype(np.float64)
+        bound += 1e-3 * np.abs(h_mag @ d.T) + step @ d.T
+    return bound
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind,act", MODES)
 @pytest.mark.parametrize("hidden,inter", [(1, 1), (3, 5), (65, 63), (130, 127), (200, 3), (64, 200)])
-def test_expert_ffn_matches_reference(kind, hidden, inter):
+def test_expert_ffn_matches_reference(kind, act, hidden, inter):
     rng = np.random.default_rng([hidden, inter, KINDS.index(kind)])
     gate = random_weights(rng, inter, hidden, kind)
     up = random_weights(rng, inter, hidden, kind)
     down = random_weights(rng, hidden, inter, kind)
     for n in TOKENS:
-        x = (3 * rng.standard_normal((n, hidden))).astype(np.float32)  # silu far into both tails
-        y = kernels.expert_ffn(gate, up, down, x)
-        assert_close(y, reference.expert_ffn(gate, up, down, x), ffn_magnitude(gate, up, down, x))
+        x = random_x(rng, n, hidden, scale=3.0)  # silu far into both tails
+        y = kernels.expert_ffn(gate, up, down, x, act)
+        assert_close(y, reference.expert_ffn(gate, up, down, x, act), ffn_bound(gate, up, down, x, act))
+
+
+def expert_set(rng, n_experts, hidden, inter, kind):
+    return {e: (random_weights(rng, inter, hidden, kind), random_weights(rng, inter, hidden, kind),
+                random_weights(rng, hidden, inter, kind)) for e in range(n_experts)}
+
+
+@pytest.mark.parametrize("kind,act", MODES)
+def test_moe_experts_is_expert_ffn_per_slot_on_every_path_and_thread_count(kind, act, thread_counts):
+    """One batched call fills exactly the slots of its experts, each bit for bit what expert_ffn
+    gives for that token alone — on every code path and thread count."""
+    rng = np.random.default_rng(14)
+    T, k, E, hidden, inter = 5, 3, 6, 130, 200
+    experts = expert_set(rng, E, hidden, inter, kind)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)])  # (T, k), distinct per token
+    x = random_x(rng, T, hidden)
+    ready = {e: experts[e] for e in (4, 0, 2)}  # a subset, in no particular order
+    want = np.full((T, k, hidden), 7.0, np.float32)
+    for t, r in itertools.product(range(T), range(k)):
+        if ids[t, r] in ready:
+            want[t, r] = kernels.expert_ffn(*ready[ids[t, r]], x[t:t + 1], act)[0]
+    for path, n in itertools.product(supported_paths(), thread_counts):
+        kernels.set_simd(path)
+        kernels.set_threads(n)
+        outs = np.full((T, k, hidden), 7.0, np.float32)
+        kernels.moe_experts(outs, x, ids, ready, act)
+        assert_same_bits(outs, want, f"{path}, {n} threads")
+    kernels.set_simd("auto")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -183,6 +334,8 @@ def test_matmul_rejects_bad_arguments():
     with pytest.raises(ValueError, match="C-contiguous"):
         f = np.ones((65, 4), np.float32).T
         kernels.matmul(QTensor("f32", 4, 65, f), x)
+    with pytest.raises(ColibriError, match="unknown activation arithmetic"):
+        kernels.matmul(w, x, "int4")
 
 
 def test_expert_ffn_rejects_bad_arguments():
@@ -198,7 +351,124 @@ def test_expert_ffn_rejects_bad_arguments():
         kernels.expert_ffn(gate, quant.quantize(rng.standard_normal((5, 4)), "int8"), down, x)
     with pytest.raises(ValueError, match=r"\[n, 3\], got \[2, 5\]"):
         kernels.expert_ffn(gate, up, down, np.ones((2, 5), np.float32))
+    outs = np.zeros((2, 1, 3), np.float32)
+    with pytest.raises(ValueError, match=r"down \[3, 6\]"):
+        kernels.moe_experts(outs, x, np.zeros((2, 1), np.int64),
+                            {0: (gate, up, quant.quantize(rng.standard_normal((3, 6)), "int8"))})
 
 
-def test_simd_names_the_portable_path():
-    assert kernels.simd() == "portable"
+# ----------------------------------------------------------------------------
+# Code paths and threads: chosen at run time, forced by the environment
+
+
+def test_the_best_path_the_cpu_has_is_the_default():
+    assert kernels.simd() == supported_paths()[-1]
+    assert "portable" in supported_paths()
+
+
+def test_set_simd_and_set_threads_reject_what_cannot_run():
+    with pytest.raises(ColibriError, match="unknown SIMD path 'sse9'"):
+        kernels.set_simd("sse9")
+    missing = [p for p in kernels.SIMD_PATHS if not kernels.simd_supported(p)]
+    for p in missing:
+        with pytest.raises(ColibriError, match=f"SIMD path '{p}' needs .*which this CPU lacks"):
+            kernels.set_simd(p)
+    with pytest.raises(ColibriError, match="from 1 to 256"):
+        kernels.set_threads(0)
+
+
+def _run_python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env})
+
+
+def test_environment_forces_the_path_and_the_threads():
+    r = _run_python("from colibri_core import kernels; print(kernels.simd(), kernels.threads())",
+                    COLIBRI_SIMD="portable", COLIBRI_THREADS="3")
+    assert r.returncode == 0 and r.stdout.split() == ["portable", "3"], r.stderr
+
+
+@pytest.mark.parametrize("value,message", [("sse9", "unknown SIMD path"), ("", None)])
+def test_environment_rejects_an_unknown_path(value, message):
+    r = _run_python("from colibri_core import kernels; print(kernels.simd())", COLIBRI_SIMD=value)
+    if message is None:
+        assert r.returncode == 0 and r.stdout.strip() == supported_paths()[-1]
+    else:
+        assert r.returncode != 0 and f"COLIBRI_SIMD={value}: {message}" in r.stderr
+
+
+def test_environment_rejects_a_path_this_cpu_lacks_or_bad_threads():
+    missing = [p for p in kernels.SIMD_PATHS if not kernels.simd_supported(p)]
+    for p in missing:
+        r = _run_python("import colibri_core.kernels", COLIBRI_SIMD=p)
+        assert r.returncode != 0 and f"COLIBRI_SIMD={p}: SIMD path '{p}' needs" in r.stderr
+    r = _run_python("import colibri_core.kernels", COLIBRI_THREADS="many")
+    assert r.returncode != 0 and "COLIBRI_THREADS='many'" in r.stderr
+
+
+# ----------------------------------------------------------------------------
+# Per-token layers: RMSNorm, RoPE, attention
+
+
+def test_rms_norm_matches_reference():
+    rng = np.random.default_rng(20)
+    for shape in [(1, 1), (3, 63), (5, 2048), (2, 3, 130)]:
+        x = (3 * rng.standard_normal(shape)).astype(np.float32)
+        w = rng.standard_normal(shape[-1]).astype(np.float32)
+        got, want = kernels.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5)
+        assert_close(got, want, 1e-6 * np.abs(want) + 1e-30)
+
+
+def test_rope_matches_reference_bit_for_bit():
+    rng = np.random.default_rng(21)
+    for T, heads, dim in [(1, 1, 2), (3, 4, 64), (5, 16, 128)]:
+        x = rng.standard_normal((T, heads, dim)).astype(np.float32)
+        ang = rng.standard_normal((T, dim)).astype(np.float32)
+        cos, sin = np.cos(ang), np.sin(ang)
+        assert_same_bits(kernels.rope_rotate_half(x, cos, sin), reference.rope_rotate_half(x, cos, sin))
+
+
+@pytest.mark.parametrize("T,H,Hkv,D,start", [(1, 1, 1, 1, 0), (1, 16, 16, 128, 37), (5, 8, 2, 64, 0),
+                                             (3, 32, 4, 128, 1500), (7, 6, 3, 20, 9)])
+def test_attention_matches_reference_on_every_thread_count(thread_counts, T, H, Hkv, D, start):
+    rng = np.random.default_rng([T, H, D, start])
+    S = start + T
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    k, v = (rng.standard_normal((S, Hkv, D)).astype(np.float32) for _ in range(2))
+    want = reference.attention(q, k, v, start, D ** -0.5)
+    got = kernels.attention(q, k, v, start, D ** -0.5)
+    assert_close(got, want, 1e-5 * (np.abs(v).max() + np.abs(want)))
+    for n in thread_counts:
+        kernels.set_threads(n)
+        assert_same_bits(kernels.attention(q, k, v, start, D ** -0.5), got, f"{n} threads")
+    assert_same_bits(kernels.attention(q[-1:], k, v, S - 1, D ** -0.5), got[-1:], "one token alone")
+
+
+def test_layers_reject_bad_shapes():
+    with pytest.raises(ValueError, match="rms_norm: weight must be"):
+        kernels.rms_norm(np.ones((2, 4), np.float32), np.ones(3, np.float32), 1e-5)
+    with pytest.raises(ValueError, match="rope"):
+        kernels.rope_rotate_half(np.ones((1, 2, 3), np.float32), np.ones((1, 3), np.float32), np.ones((1, 3), np.float32))
+    with pytest.raises(ValueError, match="start \\+ T <= S"):
+        kernels.attention(np.ones((2, 4, 8), np.float32), np.ones((1, 2, 8), np.float32), np.ones((1, 2, 8), np.float32), 0, 1.0)
+
+
+def test_moe_combine_matches_reference_bit_for_bit():
+    rng = np.random.default_rng(22)
+    for T, k, H in [(1, 1, 1), (1, 8, 2048), (5, 3, 65)]:
+        outs = rng.standard_normal((T, k, H)).astype(np.float32)
+        w = rng.random((T, k)).astype(np.float32)
+        assert_same_bits(kernels.moe_combine(outs, w), reference.moe_combine(outs, w))
+
+
+def test_bench_kernels_reports_every_kernel_beside_the_read_bandwidth():
+    """The machinery of `colibri bench kernels`, shrunk (no timing is asserted)."""
+    from colibri_core.bench import kernels as bench
+
+    result = bench.run(working_set=1 << 20, min_seconds=0.0, moe_experts=8)
+    assert result["machine"]["read_gbps"] > 0 and result["machine"]["simd"] == kernels.simd()
+    names = [r["name"] for r in result["kernels"]]
+    assert names[0] == "int4_matvec" and "moe_experts" in names and "int4_matmul" in names
+    for r in result["kernels"]:
+        assert r["gbps"] > 0 and r["fraction_of_read"] > 0 and ("gflops" in r) == (r["tokens"] > 1)
+    assert "int4_matvec" in bench.format_table(result)

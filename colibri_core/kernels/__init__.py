@@ -2,21 +2,40 @@
 
     from colibri_core import kernels
     y = kernels.matmul(w, x)                   # x f32 [n, w.cols] -> f32 [n, w.rows] = x @ dequant(w).T
+    q, k, v = kernels.matmul_multi([wq, wk, wv], x)   # one call, one input, several weights
     y = kernels.expert_ffn(gate, up, down, x)  # x f32 [n, H] -> f32 [n, H] = down(silu(gate x) * (up x))
-    kernels.simd()                             # the C code path in use: "portable"
+    kernels.moe_experts(outs, x, ids, experts) # every ready expert of an MoE layer in one call
+    with kernels.activations("int8"): ...      # the fast arithmetic (default "f32", the exact one)
+    kernels.simd(), kernels.set_simd("avx2")   # the C code path: "portable" | "avx2" | "avx512"
+    kernels.threads(), kernels.set_threads(2)  # threads inside the kernels
     kernels.reference.matmul(w, x)             # the NumPy reference of each kernel
 
 Weights are `QTensor`s (colibri_core.quant). Their arrays go to C by pointer and are never copied,
 so they may be read-only views of a buffer (``np.frombuffer`` of bytes, an mmap). Everything is
 checked here before C sees it: a wrong shape, dtype or kind raises ValueError. The C calls release
-the GIL, and each output element is reduced in one fixed order, so results are deterministic.
+the GIL. Each output element is reduced by one thread in one fixed order (csrc/matmul.c), the same
+on every code path, so a result depends only on the inputs and the activation arithmetic — not on
+the code path, the thread count, or which other tokens or experts shared the call.
+
+Activation arithmetic (``act``): ``"f32"`` multiplies float32 activations by the dequantised
+weights (what the `transformers` oracle computes; the conformance kit's mode); ``"int8"`` quantises
+the activations to int8 per block of 64 and takes integer dot products (about 3x faster on int4
+weights, the arithmetic llama.cpp uses; `reference` models it exactly). f32 weights always use
+``"f32"``. Choose it per call (``act=``) or for a block of code (``with kernels.activations(...)``).
+
+Environment: ``COLIBRI_SIMD=portable|avx2|avx512`` forces a code path (one this CPU lacks is an
+error), ``COLIBRI_THREADS=N`` sets the kernel threads (default: the CPUs this process may use).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+import os
 
 import numpy as np
 
+from colibri_core.errors import ColibriError
 from colibri_core.kernels import reference
 from colibri_core.quant import KINDS, QTensor, layout
 
@@ -28,54 +47,225 @@ except ImportError as e:  # pragma: no cover - only without a build
         "install the package (`pip install -e .` in a checkout) to compile csrc/"
     ) from e
 
-__all__ = ["matmul", "expert_ffn", "simd", "reference"]
+__all__ = ["matmul", "matmul_multi", "expert_ffn", "moe_experts", "moe_combine", "rms_norm", "rope_rotate_half", "attention",
+           "activations", "ACTIVATIONS",
+           "simd", "set_simd", "simd_supported", "SIMD_PATHS", "threads", "set_threads", "reference"]
 
+SIMD_PATHS = ("portable", "avx2", "avx512")
+ACTIVATIONS = ("f32", "int8")
+_ACT_CODES = {"f32": lib.ACT_F32, "int8": lib.ACT_Q8}
 _KIND_CODES = {"f32": lib.QKIND_F32, "int8": lib.QKIND_INT8, "int4": lib.QKIND_INT4}
 _INT_MAX = 2**31 - 1  # C takes the dimensions as int
 _layout = functools.lru_cache(maxsize=1024)(layout)  # a model has few distinct weight shapes
+_act = contextvars.ContextVar("colibri_activations", default="f32")
+_SIMD_NEEDS = {"avx2": "AVX2 and F16C", "avx512": "AVX-512 F, BW, VL and VNNI"}
+
+
+# ----------------------------------------------------------------------------
+# Configuration: code path, threads, activation arithmetic
 
 
 def simd() -> str:
-    """The name of the C code path in use (for now always ``"portable"``)."""
+    """The name of the C code path in use: ``"portable"``, ``"avx2"`` or ``"avx512"``."""
     return ffi.string(lib.simd_name()).decode("ascii")
 
 
-def matmul(w: QTensor, x: np.ndarray) -> np.ndarray:
+def simd_supported(name: str) -> bool:
+    """Whether this CPU (and build) can run code path `name`."""
+    return name in SIMD_PATHS and bool(lib.simd_supported(name.encode("ascii")))
+
+
+def set_simd(name: str) -> None:
+    """Use code path `name` (``"auto"``: the best this CPU has). Never changes a result."""
+    status = lib.simd_select(name.encode("ascii"))
+    if status == lib.COLI_EINVAL:
+        raise ColibriError(f"unknown SIMD path {name!r} (expected one of {', '.join(SIMD_PATHS)}, or auto)")
+    if status == lib.COLI_EUNSUPPORTED:
+        raise ColibriError(f"SIMD path {name!r} needs {_SIMD_NEEDS[name]}, which this CPU lacks "
+                           f"(it has: {', '.join(p for p in SIMD_PATHS if simd_supported(p))})")
+
+
+def threads() -> int:
+    """Threads the kernels use, the calling thread included."""
+    return lib.threads_get()
+
+
+def set_threads(n: int) -> None:
+    """Use `n` threads inside the kernels (1..256). Never changes a result."""
+    if not isinstance(n, int) or lib.threads_set(n) != lib.COLI_OK:
+        raise ColibriError(f"kernel threads must be an integer from 1 to 256, got {n!r}")
+
+
+@contextlib.contextmanager
+def activations(mode: str):
+    """Use activation arithmetic `mode` (``"f32"`` exact, ``"int8"`` fast) for kernel calls inside."""
+    token = _act.set(_act_name(mode))
+    try:
+        yield
+    finally:
+        _act.reset(token)
+
+
+def _act_name(mode) -> str:
+    if mode not in _ACT_CODES:
+        raise ColibriError(f"unknown activation arithmetic {mode!r} (expected one of {', '.join(ACTIVATIONS)})")
+    return mode
+
+
+def _act_code(act) -> int:
+    return _ACT_CODES[_act.get() if act is None else _act_name(act)]
+
+
+def _check_environment() -> None:
+    """COLIBRI_SIMD / COLIBRI_THREADS: an unusable value is a clear error, not a silent fallback."""
+    forced = os.environ.get("COLIBRI_SIMD", "")
+    if forced and lib.simd_init_status() != lib.COLI_OK:
+        try:
+            set_simd(forced)
+        except ColibriError as e:
+            raise ColibriError(f"COLIBRI_SIMD={forced}: {e}") from None
+    n = os.environ.get("COLIBRI_THREADS", "")
+    if n and not (n.isdigit() and 1 <= int(n) <= 256):
+        raise ColibriError(f"COLIBRI_THREADS={n!r}: expected an integer from 1 to 256")
+
+
+_check_environment()
+
+
+# ----------------------------------------------------------------------------
+# Kernels
+
+
+def matmul(w: QTensor, x: np.ndarray, act: str | None = None) -> np.ndarray:
     """``y = x @ dequant(w).T``: x float32 ``[n, w.cols]`` -> y float32 ``[n, w.rows]``."""
-    keep = []  # the cffi buffers: they keep the arrays alive while C reads them
-    wm = _qmatrix(w, "w", keep)
-    x = _activations(x, w.cols, "matmul: x")
+    return matmul_multi([w], x, act)[0]
+
+
+def matmul_multi(ws: list[QTensor], x: np.ndarray, act: str | None = None) -> list[np.ndarray]:
+    """``[x @ dequant(w).T for w in ws]`` in one C call (weights with one ``cols``); each result is
+    bit for bit what `matmul` gives."""
+    mats = [_qmatrix(w, "w") for w in ws]
+    cols = ws[0].cols
+    if any(w.cols != cols for w in ws):
+        raise ValueError(f"matmul_multi: every weight needs {cols} columns, got {[w.cols for w in ws]}")
+    x = _activations(x, cols, "matmul: x")
     n = x.shape[0]
-    if n == 0 or w.rows == 0 or w.cols == 0:
-        return np.zeros((n, w.rows), np.float32)
-    y = np.empty((n, w.rows), np.float32)
-    _check(lib.matmul(_floats(y, writable=True), wm, _floats(x), n), "matmul")
-    return y
+    ys = [np.empty((n, w.rows), np.float32) for w in ws]
+    if n == 0 or cols == 0:
+        for y in ys:
+            y.fill(0)
+        return ys
+    yp = ffi.new("float *[]", [_floats(y, writable=True) for y in ys])
+    status = lib.matmul_multi(yp, ffi.new("QMatrix *[]", mats), len(mats), _floats(x), n, _act_code(act))
+    _check(status, "matmul")
+    return ys
 
 
-def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray) -> np.ndarray:
+def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: str | None = None) -> np.ndarray:
     """``down(silu(gate x) * (up x))``, ``silu(a) = a / (1 + exp(-a))``, fused in one C call.
 
     gate, up: ``[I, H]``; down: ``[H, I]``, all of one kind; x float32 ``[n, H]`` -> float32 ``[n, H]``.
     """
-    keep = []
-    gm, um, dm = (_qmatrix(t, name, keep) for t, name in ((gate, "gate"), (up, "up"), (down, "down")))
-    if not gate.kind == up.kind == down.kind:
-        raise ValueError(
-            f"expert_ffn: gate, up and down must have one kind, got {gate.kind}, {up.kind}, {down.kind}"
-        )
-    inter, hidden = gate.rows, gate.cols
-    if (up.rows, up.cols) != (inter, hidden) or (down.rows, down.cols) != (hidden, inter):
-        raise ValueError(
-            f"expert_ffn: expected gate, up [I, H] and down [H, I]; got gate [{gate.rows}, {gate.cols}], "
-            f"up [{up.rows}, {up.cols}], down [{down.rows}, {down.cols}]"
-        )
-    x = _activations(x, hidden, "expert_ffn: x")
+    _check_expert(gate, up, down)
+    gm, um, dm = _qmatrix(gate, "gate"), _qmatrix(up, "up"), _qmatrix(down, "down")
+    x = _activations(x, gate.cols, "expert_ffn: x")
     n = x.shape[0]
-    if n == 0 or hidden == 0 or inter == 0:
-        return np.zeros((n, hidden), np.float32)
-    out = np.empty((n, hidden), np.float32)
-    _check(lib.expert_ffn(_floats(out, writable=True), gm, um, dm, _floats(x), n), "expert_ffn")
+    out = np.zeros((n, gate.cols), np.float32)
+    if n == 0 or gate.cols == 0:
+        return out
+    _check(lib.expert_ffn(_floats(out, writable=True), gm, um, dm, _floats(x), n, _act_code(act)), "expert_ffn")
+    return out
+
+
+def moe_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, act: str | None = None) -> None:
+    """Every expert of `experts` ({expert id: (gate, up, down)}) in one C call.
+
+    outs float32 ``(T, k, H)``, C-contiguous: ``outs[t, r] = expert_ffn(*experts[ids[t, r]], x[t])``
+    for every slot (t, r) whose expert is in `experts`; other slots are left as they are.
+    x float32 ``(T, H)``; ids integer ``(T, k)``.
+    """
+    ids = np.asarray(ids)
+    if ids.ndim != 2:
+        raise ValueError(f"moe_experts: ids must be (T, k), got {list(ids.shape)}")
+    T, k = ids.shape
+    hidden = outs.shape[-1] if outs.ndim == 3 else -1
+    if outs.dtype != np.float32 or outs.shape != (T, k, hidden) or not outs.flags.c_contiguous:
+        raise ValueError(f"moe_experts: outs must be C-contiguous float32 ({T}, {k}, H), got {outs.dtype} {list(outs.shape)}")
+    x = _activations(x, hidden, "moe_experts: x")
+    if x.shape[0] != T:
+        raise ValueError(f"moe_experts: x has {x.shape[0]} tokens, ids {T}")
+    if not experts or T == 0:
+        return
+    if ids.dtype != np.int64 or not ids.flags.c_contiguous:
+        ids = np.ascontiguousarray(ids, np.int64)
+    keys = np.fromiter(experts, np.int64, len(experts))  # the experts of this call, in dict order
+    mats = []
+    for gate, up, down in experts.values():
+        mats += (_qmatrix(gate, "gate"), _qmatrix(up, "up"), _qmatrix(down, "down"))
+    status = lib.moe_experts(_floats(outs, writable=True), _floats(x), T, k, hidden, ffi.new("QMatrix *[]", mats),
+                             len(keys), ffi.from_buffer("int64_t[]", ids), ffi.from_buffer("int64_t[]", keys),
+                             _act_code(act))
+    if status == lib.COLI_EINVAL:
+        for gate, up, down in experts.values():
+            _check_expert(gate, up, down, hidden)
+    _check(status, "moe_experts")
+
+
+def moe_combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """``Σ_rank weights[t, r] · outs[t, r]`` in rank order: outs (T, k, H), weights (T, k) -> (T, H)
+    (the same float32 operations as the NumPy ``out = o0 w0; out += o_r w_r``, so the same bits)."""
+    outs = np.ascontiguousarray(outs, np.float32)
+    weights = np.ascontiguousarray(weights, np.float32)
+    T, k, H = outs.shape
+    if weights.shape != (T, k):
+        raise ValueError(f"moe_combine: weights must be ({T}, {k}), got {list(weights.shape)}")
+    out = np.empty((T, H), np.float32)
+    if out.size:
+        _check(lib.moe_combine(_floats(out, writable=True), _floats(outs), _floats(weights), T, k, H), "moe_combine")
+    return out
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """``x / sqrt(mean(x²) + eps) * weight`` over the last axis: x (..., D), weight (D,) -> float32 (..., D)."""
+    x = np.ascontiguousarray(x, np.float32)
+    weight = np.ascontiguousarray(weight, np.float32)
+    D = x.shape[-1]
+    if weight.shape != (D,) or D == 0:
+        raise ValueError(f"rms_norm: weight must be ({D},), got {list(weight.shape)}")
+    out = np.empty_like(x)
+    if x.size:
+        _check(lib.rms_norm(_floats(out, writable=True), _floats(x), _floats(weight), x.size // D, D, eps), "rms_norm")
+    return out
+
+
+def rope_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """``x * cos + rotate_half(x) * sin``: x (T, heads, D), cos / sin (T, D) -> float32 (T, heads, D)."""
+    x = np.ascontiguousarray(x, np.float32)
+    cos, sin = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
+    T, heads, D = x.shape
+    if cos.shape != (T, D) or sin.shape != (T, D) or D % 2:
+        raise ValueError(f"rope: x (T, heads, D) with D even and cos, sin (T, D); got {list(x.shape)}, {list(cos.shape)}")
+    out = np.empty_like(x)
+    if x.size:
+        _check(lib.rope_rotate_half(_floats(out, writable=True), _floats(x), _floats(cos), _floats(sin), T, heads, D),
+               "rope")
+    return out
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float) -> np.ndarray:
+    """Causal GQA attention: q (T, H, D) for positions start..start+T-1 over k, v (S, Hkv, D), the
+    new tokens' keys and values included (S >= start + T). Returns float32 (T, H * D)."""
+    q = np.ascontiguousarray(q, np.float32)
+    T, H, D = q.shape
+    S, Hkv, Dk = k.shape
+    if v.shape != k.shape or Dk != D or H % Hkv or not 0 <= start <= S - T:
+        raise ValueError(f"attention: q (T, H, D), k and v (S, Hkv, D) with H a multiple of Hkv and "
+                         f"start + T <= S; got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, start {start}")
+    k, v = (np.ascontiguousarray(a, np.float32) for a in (k, v))
+    out = np.empty((T, H * D), np.float32)
+    if T:
+        _check(lib.attention(_floats(out, writable=True), _floats(q), T, H, D, _floats(k), _floats(v), S, Hkv,
+                             start, scale), "attention")
     return out
 
 
@@ -83,8 +273,28 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray) -> np.n
 # Argument checks and conversion to C
 
 
-def _qmatrix(t: QTensor, name: str, keep: list):
-    """A C ``QMatrix *`` viewing `t`'s arrays (no copy), after checking them against quant.layout."""
+def _check_expert(gate: QTensor, up: QTensor, down: QTensor, hidden: int | None = None) -> None:
+    if not gate.kind == up.kind == down.kind:
+        raise ValueError(
+            f"expert_ffn: gate, up and down must have one kind, got {gate.kind}, {up.kind}, {down.kind}"
+        )
+    inter, h = gate.rows, gate.cols if hidden is None else hidden
+    if (gate.cols, up.rows, up.cols) != (h, inter, h) or (down.rows, down.cols) != (h, inter):
+        raise ValueError(
+            f"expert_ffn: expected gate, up [I, H] and down [H, I] with H = {h}; got gate [{gate.rows}, {gate.cols}], "
+            f"up [{up.rows}, {up.cols}], down [{down.rows}, {down.cols}]"
+        )
+
+
+def _qmatrix(t: QTensor, name: str):
+    """A C ``QMatrix *`` viewing `t`'s arrays (no copy), after checking them against quant.layout.
+
+    Built once per tensor and kept on it (with the buffers that keep its arrays alive), so a weight
+    used every token costs one attribute lookup here, not a check and a conversion.
+    """
+    c = getattr(t, "__dict__", {}).get("_coli_qmatrix")
+    if c is not None:
+        return c[0]
     kind = getattr(t, "kind", None)
     if kind not in _KIND_CODES:
         raise ValueError(f"{name}: unknown quantisation {kind!r} (expected one of {', '.join(KINDS)})")
@@ -94,6 +304,7 @@ def _qmatrix(t: QTensor, name: str, keep: list):
     if kind == "f32" and t.scales is not None:
         raise ValueError(f"{name}: f32 weights have no scales, got an array")
     m = ffi.new("QMatrix *")
+    keep = [m]
     m.kind, m.rows, m.cols = _KIND_CODES[kind], rows, cols
     for part, dtype, shape in _layout(kind, rows, cols):
         arr = getattr(t, part)
@@ -103,10 +314,11 @@ def _qmatrix(t: QTensor, name: str, keep: list):
         flags = arr.flags
         if not (flags.c_contiguous and flags.aligned):
             raise ValueError(f"{name}: {kind} {part} must be C-contiguous and aligned (weights are never copied)")
-        if arr.size:
-            buf = ffi.from_buffer(arr)  # read-only is fine: C only reads weights
-            keep.append(buf)
-            setattr(m, part, buf)
+        buf = ffi.from_buffer(arr if arr.size else np.zeros(1, dtype))  # read-only is fine: C only reads
+        keep.append(buf)
+        setattr(m, part, buf)
+    if hasattr(t, "__dict__"):
+        object.__setattr__(t, "_coli_qmatrix", (m, keep))  # QTensor is frozen; this is a cache only
     return m
 
 
@@ -125,6 +337,8 @@ def _activations(x, cols: int, what: str) -> np.ndarray:
 
 
 def _floats(a: np.ndarray, writable: bool = False):
+    if a.size == 0:
+        return ffi.NULL
     return ffi.from_buffer("float[]", a, require_writable=writable)
 
 

@@ -42,7 +42,7 @@ if sys.platform == "win32":
     LIBRARIES = []
 else:
     # -ffp-contract=off: no fused multiply-add, so each reduction rounds the same on every target.
-    COMPILE_ARGS = ["-O3", "-std=c11", "-ffp-contract=off"]
+    COMPILE_ARGS = ["-O3", "-std=c11", "-ffp-contract=off", "-pthread"]
     LIBRARIES = ["m", "pthread"]
 
 ffibuilder = cffi.FFI()
@@ -52,7 +52,7 @@ ffibuilder.set_source(
     "".join(f'#include "{name}"\n' for name in HEADERS),
     sources=[_path(p) for p in sorted(glob.glob(os.path.join(CSRC, "*.c")))],
     include_dirs=[_path(CSRC)],
-    depends=[_path(p) for p in sorted(glob.glob(os.path.join(CSRC, "*.h")))],
+    depends=[_path(p) for p in sorted(glob.glob(os.path.join(CSRC, "*.h")) + glob.glob(os.path.join(CSRC, "impl", "*.h")))],
     extra_compile_args=COMPILE_ARGS,
     libraries=LIBRARIES,
 )

@@ -1,19 +1,23 @@
-"""NumPy references for the C kernels in csrc/, computed in float32 in the C kernels' grouping.
+"""NumPy references for the C kernels in csrc/: the same float32 operations in the same order.
 
-Each function computes what its C kernel computes, with the same float32 operations in the same
-grouping:
+csrc/matmul.c fixes the order in which every output element is reduced (16 interleaved lanes and a
+fixed pairwise tree for ``act="f32"``; exact integer sums per block of 64 and 8 lanes for
+``act="int8"``). The functions here compute exactly that order with NumPy's elementwise float32
+operations, so for `matmul` the C kernels (every code path) must agree **bit for bit**:
 
-- ``f32``:  ``y = x @ W.T``
-- ``int8``: ``y = (x @ q.T) * scale`` — the row's scale applied once, after the dot product
-- ``int4``: ``y = sum over groups g, in order, of (x[:, g] @ q[:, g].T) * float32(scale[:, g])``
-- ``expert_ffn``: ``down(silu(gate x) * (up x))`` from the three products above,
-  ``silu(a) = a / (1 + exp(-a))`` in float32.
+- ``f32``, ``act="f32"``:  ``L[l] += w[j] * x[j]`` for ``j ≡ l (mod 16)``; ``y = tree16(L)``
+- ``int8``, ``act="f32"``: the same with ``w = q``, then ``y = tree16(L) * scale``
+- ``int4``, ``act="f32"``: per group of 64 (in order) ``A[l] = lo[l] xe[l] + lo[l+16] xe[l+16]
+  + hi[l] xo[l] + hi[l+16] xo[l+16]`` (left to right; lo/hi the even/odd columns),
+  ``S[l] += A[l] * scale[g]``; ``y = tree16(S)``
+- ``act="int8"``: x quantised per block of 64 (`quantize_activations`); ``isum`` per block is an
+  exact integer; int4: ``L[g % 8] += float(isum[g]) * (scale[g] * xs[g])``, ``y = tree8(L)``;
+  int8: ``L[b % 8] += float(isum[b]) * xs[b]``, ``y = tree8(L) * scale``.
 
-Only the order of the additions inside one row (f32, int8) or one group (int4) differs — NumPy's
-(BLAS) here, strictly sequential in C — so C and reference agree within float32 rounding, not bit
-for bit. The numbers come from `colibri_core.quant` (`dequantize`, `int4_values`), the one
-definition of the formats; tests/test_kernels.py also checks these references against a float64
-``x @ dequantize(w).T``.
+``expert_ffn`` applies ``silu(a) = a / (1 + exp(-a))``; NumPy's float32 ``exp`` and C's ``expf``
+may differ in the last bit, so C and reference agree within float32 rounding there. The numbers
+come from `colibri_core.quant` (`int4_values`), the one definition of the formats;
+tests/test_kernels.py also checks these references against float64 ``x @ dequantize(w).T``.
 """
 from __future__ import annotations
 
@@ -21,24 +25,88 @@ import numpy as np
 
 from colibri_core.quant import INT4_GROUP, QTensor, dequantize, int4_values
 
+Q8_BLOCK = 64  # columns per activation block in act="int8"
 
-def matmul(w: QTensor, x: np.ndarray) -> np.ndarray:
-    """``x @ dequantize(w).T``: x float32 ``[n, w.cols]`` -> float32 ``[n, w.rows]``."""
+
+def tree(L: np.ndarray) -> np.ndarray:
+    """The fixed pairwise tree over the last axis (16 or 8 lanes): l + l+half, repeatedly."""
+    while L.shape[-1] > 1:
+        half = L.shape[-1] // 2
+        L = L[..., :half] + L[..., half:]
+    return L[..., 0]
+
+
+def _pad_cols(a: np.ndarray, multiple: int) -> np.ndarray:
+    pad = -a.shape[-1] % multiple
+    return np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]) if pad else a
+
+
+def _lanes(terms: np.ndarray, lanes: int) -> np.ndarray:
+    """L[l] = 0, += terms[..., j] for j ≡ l (mod lanes) in order (zero terms pad the end); tree(L)."""
+    t = _pad_cols(terms, lanes)
+    L = np.zeros(t.shape[:-1] + (lanes,), np.float32)
+    for j0 in range(0, t.shape[-1], lanes):
+        L = L + t[..., j0:j0 + lanes]
+    return tree(L)
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x float32 ``[n, cols]`` -> q int8 ``[n, nblocks * 64]`` (zeros past cols), xs float32 ``[n, nblocks]``.
+
+    Per block of 64: ``xs = absmax / 127``, ``q = rint(x * (127 / absmax))`` (half to even), 0 for a
+    zero block; a block holding inf or NaN gets q = 0 and xs = NaN.
+    """
     x = np.asarray(x, np.float32)
-    if w.kind == "f32":
-        return x @ dequantize(w).T
-    if w.kind == "int8":
-        q = w.data.astype(np.float32)  # [rows, cols]
-        return (x @ q.T) * w.scales.astype(np.float32)
-    if w.kind == "int4":
-        q = int4_values(w).astype(np.float32)  # [rows, cols]
-        scales = w.scales.astype(np.float32)  # [rows, ngroups]
-        y = np.zeros((x.shape[0], w.rows), np.float32)
+    n, cols = x.shape
+    blocks = _pad_cols(x, Q8_BLOCK).reshape(n, -1, Q8_BLOCK)  # (n, nblocks, 64)
+    finite = np.isfinite(blocks).all(axis=-1)
+    amax = np.where(np.isfinite(blocks), np.abs(blocks), np.float32(0)).max(axis=-1, initial=np.float32(0))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        q = np.clip(np.rint(blocks * inv[..., None]), -127, 127)
+    q = np.where(finite[..., None], q, 0).astype(np.int8).reshape(n, -1)
+    xs = np.where(finite, amax / np.float32(127), np.float32(np.nan)).astype(np.float32)
+    return q, xs
+
+
+def dequantize_activations(x: np.ndarray) -> np.ndarray:
+    """The float32 values ``act="int8"`` stands x for: q * xs per block, ``[n, cols]``."""
+    q, xs = quantize_activations(x)
+    return (q.reshape(len(q), -1, Q8_BLOCK) * xs[..., None]).reshape(len(q), -1)[:, : np.shape(x)[1]].astype(np.float32)
+
+
+def matmul(w: QTensor, x: np.ndarray, act: str = "f32") -> np.ndarray:
+    """``x @ dequantize(w).T`` in the C kernels' order: x float32 ``[n, w.cols]`` -> float32 ``[n, w.rows]``."""
+    x = np.asarray(x, np.float32)
+    if w.kind == "f32" or (act == "f32" and w.kind == "int8"):
+        q = np.asarray(w.data, np.float32) if w.kind == "f32" else w.data.astype(np.float32)  # [rows, cols]
+        y = _lanes(x[:, None, :] * q[None, :, :], 16)  # (n, rows)
+        return y if w.kind == "f32" else y * w.scales.astype(np.float32)
+    if act == "f32" and w.kind == "int4":
+        q = _pad_cols(int4_values(w).astype(np.float32), INT4_GROUP).reshape(w.rows, -1, 64)  # (rows, G, 64)
+        xg = _pad_cols(x, INT4_GROUP).reshape(len(x), 1, -1, 64)  # (n, 1, G, 64)
+        lo, hi, xe, xo = q[..., 0::2], q[..., 1::2], xg[..., 0::2], xg[..., 1::2]  # even / odd columns
+        A = lo[..., :16] * xe[..., :16]
+        A = A + lo[..., 16:] * xe[..., 16:]
+        A = A + hi[..., :16] * xo[..., :16]
+        A = A + hi[..., 16:] * xo[..., 16:]  # (n, rows, G, 16)
+        scales = w.scales.astype(np.float32)  # (rows, G)
+        S = np.zeros((len(x), w.rows, 16), np.float32)
         for g in range(scales.shape[1]):
-            cols = slice(g * INT4_GROUP, min((g + 1) * INT4_GROUP, w.cols))
-            y += (x[:, cols] @ q[:, cols].T) * scales[:, g]
-        return y
-    raise ValueError(f"unknown quantisation {w.kind!r}")
+            S = S + A[:, :, g, :] * scales[None, :, g, None]
+        return tree(S)
+    if act == "int8":
+        xq, xs = quantize_activations(x)  # (n, B * 64), (n, B)
+        if w.kind == "int8":
+            q = _pad_cols(w.data.astype(np.int64), Q8_BLOCK)
+            isum = np.einsum("rbj,nbj->nrb", q.reshape(w.rows, -1, 64), xq.astype(np.int64).reshape(len(x), -1, 64))
+            return _lanes(isum.astype(np.float32) * xs[:, None, :], 8) * w.scales.astype(np.float32)
+        if w.kind == "int4":
+            q = _pad_cols(int4_values(w).astype(np.int64), INT4_GROUP)
+            isum = np.einsum("rgj,ngj->nrg", q.reshape(w.rows, -1, 64), xq.astype(np.int64).reshape(len(x), -1, 64))
+            c = w.scales.astype(np.float32)[None, :, :] * xs[:, None, :]  # (n, rows, G)
+            return _lanes(isum.astype(np.float32) * c, 8)
+    raise ValueError(f"unknown quantisation {w.kind!r} or activation arithmetic {act!r}")
 
 
 def silu(a: np.ndarray) -> np.ndarray:
@@ -48,8 +116,52 @@ def silu(a: np.ndarray) -> np.ndarray:
         return a / (np.float32(1) + np.exp(-a))
 
 
-def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray) -> np.ndarray:
+def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: str = "f32") -> np.ndarray:
     """``down(silu(gate x) * (up x))``: x float32 ``[n, H]`` -> float32 ``[n, H]``;
     gate, up ``[I, H]``, down ``[H, I]``."""
-    h = silu(matmul(gate, x)) * matmul(up, x)  # [n, I]
-    return matmul(down, h)
+    h = silu(matmul(gate, x, act)) * matmul(up, x, act)  # [n, I]
+    return matmul(down, h, act)
+
+
+def exact(w: QTensor, x: np.ndarray, act: str = "f32") -> np.ndarray:
+    """float64 ``x @ dequantize(w).T`` (x as ``act`` stands it for): what every order approximates."""
+    xv = dequantize_activations(x) if act == "int8" and w.kind != "f32" else np.asarray(x, np.float32)
+    return xv.astype(np.float64) @ dequantize(w).astype(np.float64).T
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis: x / sqrt(mean(x²) + eps) * weight.  x (..., D), weight (D,)."""
+    x = x.astype(np.float32, copy=False)
+    var = np.mean(x * x, axis=-1, keepdims=True, dtype=np.float32)
+    return (x * (np.float32(1) / np.sqrt(var + np.float32(eps)))) * weight
+
+
+def rope_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x (T, heads, dim) rotated by cos/sin (T, dim): x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, scale: float) -> np.ndarray:
+    """Causal GQA attention: q (T, H, D) at positions start.., keys / values (S, Hkv, D) -> (T, H * D)."""
+    T, H, D = q.shape
+    S, Hkv, _ = keys.shape
+    group = H // Hkv
+    qg = q.reshape(T, Hkv, group, D).transpose(1, 2, 0, 3)  # (Hkv, group, T, D)
+    scores = np.matmul(qg, keys.transpose(1, 2, 0)[:, None]) * np.float32(scale)  # (Hkv, group, T, S)
+    future = np.arange(S)[None, :] > (start + np.arange(T))[:, None]  # (T, S): key after query
+    scores[..., future] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = np.matmul(probs, values.transpose(1, 0, 2)[:, None])  # (Hkv, group, T, D)
+    return out.transpose(2, 0, 1, 3).reshape(T, H * D).astype(np.float32, copy=False)
+
+
+def moe_combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Σ_rank weights[t, r] · outs[t, r], summed in rank order. outs (T, k, H), weights (T, k) → (T, H)."""
+    out = outs[:, 0] * weights[:, :1]
+    for r in range(1, outs.shape[1]):
+        out += outs[:, r] * weights[:, r : r + 1]
+    return out

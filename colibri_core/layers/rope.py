@@ -1,6 +1,8 @@
 """Rotary position embeddings (the default / ``rotate_half`` layout)."""
 import numpy as np
 
+from .. import kernels
+
 
 class Rope:
     """Default RoPE for heads of width `dim`, computed in float32 as `transformers` does."""
@@ -16,7 +18,6 @@ class Rope:
 
 
 def apply_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x (T, heads, dim) rotated by cos/sin (T, dim): x*cos + rotate_half(x)*sin."""
-    half = x.shape[-1] // 2
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """x (T, heads, dim) rotated by cos/sin (T, dim): x*cos + rotate_half(x)*sin (one C call, the same
+    float32 operations as kernels.reference.rope_rotate_half, so the same bits)."""
+    return kernels.rope_rotate_half(x, cos, sin)

@@ -113,7 +113,7 @@ class ConformanceSuite:
         """32 greedy tokens identical to transformers (ties in the oracle itself are reported)."""
         self._check(f"greedy_{q}")
         expected = oracle.hf_greedy(q, self.new_tokens)
-        with load(oracle.container(q)) as engine:
+        with load(oracle.container(q), activations="f32") as engine:
             got = engine.generate(oracle.prompt, self.new_tokens, stop_ids=())
         if got != expected:
             i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
@@ -131,7 +131,7 @@ class ConformanceSuite:
         rng = np.random.default_rng(self.seed + 2)
         ids = oracle.prompt + [int(i) for i in rng.integers(0, self.hf_config.vocab_size, self.new_tokens)]
         ref = oracle.hf_logits(q, ids)
-        with load(oracle.container(q)) as engine:
+        with load(oracle.container(q), activations="f32") as engine:
             got = engine.logits(ids)
         assert got.shape == ref.shape and got.dtype == np.float32
         err, tol = np.abs(got - ref).max(), self.rel_tol * np.abs(ref).max()
@@ -146,7 +146,7 @@ class ConformanceSuite:
         ids = oracle.prompt * 2
         results = []
         for slots in sorted({1, max(1, n_experts // 3), n_experts}):
-            with load(oracle.container(q), cache_slots=slots) as engine:
+            with load(oracle.container(q), cache_slots=slots, activations="f32") as engine:
                 results.append((slots, engine.logits(ids), engine.generate(oracle.prompt, 16, stop_ids=()),
                                 engine.stats()))
         _, base_logits, base_tokens, base_stats = results[-1]
@@ -175,7 +175,7 @@ class ConformanceSuite:
         oracle.convert(oracle.fused_checkpoint, tmp_path / "fused", q)
         fused = dequantize(tmp_path / "fused")
         assert Container(tmp_path / "fused").resident().keys() == Container(oracle.container(q)).resident().keys()
-        with load(tmp_path / "fused") as a, load(oracle.container(q)) as b:
+        with load(tmp_path / "fused", activations="f32") as a, load(oracle.container(q), activations="f32") as b:
             assert np.array_equal(a.logits(oracle.prompt), b.logits(oracle.prompt)), "fused and per-expert containers differ"
         assert sum(v.size for v in fused.values()) == sum(v.size for v in got.values())
 

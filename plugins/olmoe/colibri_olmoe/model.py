@@ -19,7 +19,7 @@ from colibri_core.layers.norm import rms_norm
 from colibri_core.layers.rope import Rope, apply_rotate_half
 from colibri_core.layers.router import softmax_topk
 from colibri_core.layout import ContainerLayout, ExpertNames
-from colibri_core.model import MoEModel, embed, linear
+from colibri_core.model import MoEModel, embed, linear, linears
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class OlmoeConfig:
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
             num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
-            num_key_value_heads=c.get("num_key_value_heads") or heads, head_dim=c["hidden_size"] // heads,
+            num_key_value_heads=c.get("num_key_value_heads") or heads, head_dim=c.get("head_dim") or c["hidden_size"] // heads,
             num_experts=c["num_experts"], num_experts_per_tok=c["num_experts_per_tok"],
             norm_topk_prob=bool(c.get("norm_topk_prob", False)), rms_norm_eps=c.get("rms_norm_eps", 1e-5),
             rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)), clip_qkv=c.get("clip_qkv"),
@@ -150,9 +150,10 @@ class Olmoe(MoEModel):
         for i, L in enumerate(self.layers):
             # ---- attention
             x = rms_norm(h, L["input_norm"], cfg.rms_norm_eps)
-            q = rms_norm(linear(x, L["q_proj"]), L["q_norm"], cfg.rms_norm_eps)  # (T, heads * D)
-            k = rms_norm(linear(x, L["k_proj"]), L["k_norm"], cfg.rms_norm_eps)  # (T, kv_heads * D)
-            v = linear(x, L["v_proj"])  # (T, kv_heads * D)
+            q, k, v = linears(x, (L["q_proj"], L["k_proj"], L["v_proj"]))  # one kernel call
+            q = rms_norm(q, L["q_norm"], cfg.rms_norm_eps)  # (T, heads * D)
+            k = rms_norm(k, L["k_norm"], cfg.rms_norm_eps)  # (T, kv_heads * D)
+            # v (T, kv_heads * D)
             if cfg.clip_qkv is not None:
                 q, k, v = (np.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
             q = apply_rotate_half(q.reshape(T, cfg.num_attention_heads, cfg.head_dim), cos, sin)

@@ -1,0 +1,165 @@
+"""`colibri bench kernels`: each C kernel's speed beside the machine's read bandwidth, one run.
+
+Decode is bound by memory bandwidth, so a matrix-vector kernel is judged by the bytes of weights it
+streams per second against what the machine can read (measured here, in the same run, with the
+same threads). Prefill is bound by arithmetic, so matrix-matrix kernels also report GFLOP/s
+(2 · rows · cols · tokens per call). Weights are random and larger than the last-level cache, and
+the calls cycle through several copies, so every byte comes from RAM as in a real decode.
+
+JSON shape: {"machine": {"read_gbps": …, "threads": …, "simd": …, "cpu": …},
+             "kernels": [{"name": "int4_matvec", "gbps": …, "fraction_of_read": …, …}, …]}
+"""
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from colibri_core import kernels
+from colibri_core.quant import INT4_GROUP, QTensor
+
+MIN_SECONDS = 0.6  # per measurement: repeat calls at least this long
+WORKING_SET = 512 * 2**20  # bytes of weights each kernel cycles through (≫ any last-level cache)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str  # e.g. "int4_matvec"
+    kind: str  # weight quantisation
+    act: str  # activation arithmetic
+    rows: int
+    cols: int
+    tokens: int  # 1: matrix-vector; more: matrix-matrix
+    what: str  # one line for the table
+
+
+CASES = (
+    Case("int4_matvec", "int4", "int8", 4096, 4096, 1, "int4 weights, int8 activations (fast mode)"),
+    Case("int4_matvec_f32act", "int4", "f32", 4096, 4096, 1, "int4 weights, f32 activations (exact mode)"),
+    Case("int8_matvec", "int8", "int8", 4096, 4096, 1, "int8 weights, int8 activations"),
+    Case("int8_matvec_f32act", "int8", "f32", 4096, 4096, 1, "int8 weights, f32 activations"),
+    Case("f32_matvec", "f32", "f32", 2048, 4096, 1, "f32 weights"),
+    Case("int4_matmul", "int4", "int8", 4096, 4096, 32, "32 tokens (prefill), int8 activations"),
+    Case("int4_matmul_f32act", "int4", "f32", 4096, 4096, 32, "32 tokens, f32 activations"),
+    Case("int8_matmul", "int8", "int8", 4096, 4096, 32, "32 tokens, int8 activations"),
+)
+
+
+def random_qtensor(rng: np.random.Generator, kind: str, rows: int, cols: int) -> QTensor:
+    """Random weights of the format's full range, made without float quantisation (fast)."""
+    if kind == "int4":
+        data = rng.integers(0, 256, (rows, (cols + 1) // 2), dtype=np.uint8)
+        scales = (rng.random((rows, -(-cols // INT4_GROUP)), dtype=np.float32) * 0.02 + 0.001).astype(np.float16)
+        return QTensor("int4", rows, cols, data, scales)
+    if kind == "int8":
+        data = rng.integers(-127, 128, (rows, cols), dtype=np.int8)
+        return QTensor("int8", rows, cols, data, (rng.random(rows, dtype=np.float32) * 0.01 + 0.001))
+    return QTensor("f32", rows, cols, rng.standard_normal((rows, cols), dtype=np.float32))
+
+
+def _timed(fn, min_seconds: float) -> float:
+    """Median seconds per call of fn() over at least `min_seconds` (after one warm-up call)."""
+    fn()
+    times, start = [], time.perf_counter()
+    while time.perf_counter() - start < min_seconds or len(times) < 5:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def read_bandwidth(nbytes: int = WORKING_SET, min_seconds: float = MIN_SECONDS) -> float:
+    """Bytes per second the kernel threads read from RAM (median over repeated full passes)."""
+    buf = np.ones(nbytes // 8, np.uint64)
+    ptr = kernels.ffi.from_buffer(buf)
+    seconds = _timed(lambda: kernels.lib.mem_read(ptr, buf.nbytes), min_seconds)
+    return buf.nbytes / seconds
+
+
+def run_case(case: Case, rng: np.random.Generator, working_set: int, min_seconds: float) -> dict:
+    w0 = random_qtensor(rng, case.kind, case.rows, case.cols)
+    copies = max(1, working_set // w0.nbytes)
+    ws = [w0] + [random_qtensor(rng, case.kind, case.rows, case.cols) for _ in range(copies - 1)]
+    x = rng.standard_normal((case.tokens, case.cols), dtype=np.float32)
+    at = [0]
+
+    def call():
+        kernels.matmul(ws[at[0] % len(ws)], x, case.act)
+        at[0] += 1
+
+    seconds = _timed(call, min_seconds)
+    row = {"name": case.name, "kind": case.kind, "activations": case.act, "rows": case.rows, "cols": case.cols,
+           "tokens": case.tokens, "seconds": seconds, "gbps": w0.nbytes / seconds / 1e9}
+    if case.tokens > 1:
+        row["gflops"] = 2.0 * case.rows * case.cols * case.tokens / seconds / 1e9
+    return row
+
+
+def run_moe_case(rng: np.random.Generator, tokens: int, working_set: int, min_seconds: float,
+                 n_experts: int = 64) -> dict:
+    """One OLMoE-1B-7B MoE layer (64 experts of 2048 -> 1024 -> 2048, int4, top-8) through
+    moe_experts, `tokens` tokens routed at random, cycling over enough layers to leave the cache."""
+    hidden, inter, k = 2048, 1024, 8
+    expert_bytes = 3 * random_qtensor(rng, "int4", inter, hidden).nbytes
+    layers = max(1, working_set // (n_experts * expert_bytes))
+    pool = [{e: (random_qtensor(rng, "int4", inter, hidden), random_qtensor(rng, "int4", inter, hidden),
+                 random_qtensor(rng, "int4", hidden, inter)) for e in range(n_experts)} for _ in range(layers)]
+    x = rng.standard_normal((tokens, hidden), dtype=np.float32)
+    routes = [np.stack([rng.permutation(n_experts)[:k] for _ in range(tokens)]) for _ in range(16)]
+    outs = np.zeros((tokens, k, hidden), np.float32)
+    at = [0]
+    used = [0]
+
+    def call():
+        ids = routes[at[0] % len(routes)]
+        layer = pool[at[0] % len(pool)]
+        experts = {int(e): layer[int(e)] for e in np.unique(ids)}
+        kernels.moe_experts(outs, x, ids, experts, "int8")
+        used[0] = len(experts)
+        at[0] += 1
+
+    seconds = _timed(call, min_seconds)
+    row = {"name": "moe_experts" if tokens == 1 else f"moe_experts_{tokens}tok", "kind": "int4", "activations": "int8",
+           "rows": inter, "cols": hidden, "tokens": tokens, "experts": used[0], "seconds": seconds,
+           "gbps": used[0] * expert_bytes / seconds / 1e9}
+    if tokens > 1:
+        row["gflops"] = 2.0 * 3 * inter * hidden * tokens * k / seconds / 1e9
+    return row
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run(seed: int = 0, working_set: int = WORKING_SET, min_seconds: float = MIN_SECONDS, moe_experts: int = 64) -> dict:
+    """Measure everything once; returns the JSON-shaped result. (The keyword arguments shrink the
+    run for a quick check of the machinery; the defaults are the benchmark.)"""
+    rng = np.random.default_rng(seed)
+    read = read_bandwidth(working_set, min_seconds)
+    rows = [run_case(c, rng, working_set, min_seconds) for c in CASES]
+    rows += [run_moe_case(rng, t, working_set, min_seconds, moe_experts) for t in (1, 16)]
+    for r in rows:
+        r["fraction_of_read"] = r["gbps"] * 1e9 / read
+    return {"machine": {"read_gbps": read / 1e9, "threads": kernels.threads(), "simd": kernels.simd(),
+                        "cpu": cpu_name()},
+            "kernels": rows}
+
+
+def format_table(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"read bandwidth {m['read_gbps']:.1f} GB/s  ({m['threads']} threads, {m['simd']}, {m['cpu']})",
+             f"{'kernel':<22} {'shape':>16} {'tok':>4} {'ms':>8} {'GB/s':>7} {'% read':>7} {'GFLOP/s':>8}"]
+    for r in result["kernels"]:
+        shape = f"{r['rows']}x{r['cols']}" + (f" x{r['experts']}" if "experts" in r else "")
+        gflops = f"{r['gflops']:8.1f}" if "gflops" in r else f"{'':>8}"
+        lines.append(f"{r['name']:<22} {shape:>16} {r['tokens']:>4} {r['seconds'] * 1e3:8.3f} {r['gbps']:7.1f} "
+                     f"{100 * r['fraction_of_read']:6.0f}% {gflops}")
+    return "\n".join(lines)

@@ -1,0 +1,100 @@
+// kernels_impl.h — what the kernel files share inside the library (not part of cffi's cdef).
+//
+// Prepared activations (Acts), the row dot products every code path implements (Path), the jobs
+// that split a product into tasks of whole rows, and the thread pool.
+#ifndef COLIBRI_KERNELS_IMPL_H
+#define COLIBRI_KERNELS_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../colibri.h"
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define COLI_X86 1
+#else
+#define COLI_X86 0
+#endif
+
+// ----------------------------------------------------------------------------
+// Prepared activations: x laid out once per call the way the row dot products read it.
+
+typedef struct {
+    int act;        // ACT_F32 | ACT_Q8
+    int kind;       // QKIND_*: the weights these activations are laid out for
+    int cols;       // columns of x
+    int n;          // tokens (rows of x)
+    size_t stride;  // elements per token in xf / xq
+    int nb8;        // elements per token in xs / xsum: blocks of 64, padded to a multiple of 8
+    // ACT_F32, f32 and int8 weights: x, then zeros up to a multiple of 16 columns;
+    // ACT_F32, int4 weights: per group of 64 columns the 32 even then the 32 odd ones, zeros past cols.
+    float *xf;      // [n, stride] or NULL
+    // ACT_Q8: q = rint(x * (127 / absmax)) per block of 64; int4 weights: per block the 32 even
+    // then the 32 odd columns; int8 weights: natural order; zeros past cols.
+    int8_t *xq;     // [n, stride] or NULL
+    float *xs;      // [n, nb8] block scale absmax / 127 (NaN for a block holding inf/NaN), zeros past
+    int32_t *xsum;  // [n, nb8] sum of the block's q, zeros past
+} Acts;
+
+// Lay out x f32 [n, cols] for weights of `kind` in arithmetic `act` (f32 weights: always ACT_F32).
+// Returns COLI_OK or COLI_ENOMEM. The same code for every path, so every path sees the same bits.
+int acts_prepare(Acts *a, const float *x, int n, int cols, int kind, int act);
+void acts_free(Acts *a);
+
+// ----------------------------------------------------------------------------
+// Code paths: row r of w dotted with token t of a, in the fixed order of matmul.c.
+
+typedef float (*dot_fn)(const QMatrix *w, int r, const Acts *a, int t);
+
+// Row r of w for n tokens at once (token i is row tok[i] of a, NULL: row i; it writes yrow[i][r]):
+// the weights are unpacked once for several tokens. Bit for bit what the dot_fn of its kind gives.
+typedef void (*rows_fn)(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow);
+
+typedef struct {
+    const char *name;
+    dot_fn f32;       // f32 weights
+    dot_fn int8_f32;  // int8 weights, ACT_F32
+    dot_fn int8_q8;   // int8 weights, ACT_Q8
+    dot_fn int4_f32;  // int4 weights, ACT_F32
+    dot_fn int4_q8;   // int4 weights, ACT_Q8
+    rows_fn int4_q8_rows;  // optional (NULL): int4 weights, ACT_Q8, several tokens per row pass
+} Path;
+
+extern const Path PATH_PORTABLE;
+#if COLI_X86
+extern const Path PATH_AVX2;    // matmul_avx2.c
+extern const Path PATH_AVX512;  // matmul_avx512.c
+#endif
+
+const Path *path_current(void);
+dot_fn path_dot(const Path *p, int kind, int act);
+rows_fn path_rows(const Path *p, int kind, int act);
+
+// ----------------------------------------------------------------------------
+// Rows jobs: the unit a task works on is a range of whole output rows, for every token.
+
+typedef struct {
+    dot_fn dot;
+    rows_fn rows;           // NULL, or the several-token version of dot
+    const QMatrix *w;
+    const Acts *a;
+    int n;                  // tokens
+    const int32_t *tok;     // token i reads row tok[i] of a (NULL: row i)
+    float *const *yrow;     // token i writes yrow[i][r] for row r
+} RowsJob;
+
+void rows_run(const RowsJob *j, int r0, int r1);
+
+// Rows per task so that a product of `rows` rows x `work_per_row` multiply-adds splits well over
+// the pool (whole rows only; the split never changes a result).
+int rows_per_task(int rows, double work_per_row);
+
+// ----------------------------------------------------------------------------
+// threads.c
+
+// Run fn(ctx, i) for i in [0, ntasks) on the pool's threads and the caller; returns when all ran.
+// Each task runs on exactly one thread. Called while the pool is busy (from another thread), the
+// tasks run on the caller alone.
+void pool_run(void (*fn)(void *ctx, int task), void *ctx, int ntasks);
+
+#endif  // COLIBRI_KERNELS_IMPL_H

@@ -1,0 +1,101 @@
+// layers.c — the small per-token layers in C, so a decode step does not pay NumPy's per-call
+// overhead many times per layer: RMSNorm, rotate-half RoPE and causal GQA attention over a KV cache.
+// Each has a NumPy reference in colibri_core/kernels/reference.py; results agree within float32
+// rounding (RoPE exactly), and none depends on the thread count (each output row is one task).
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "impl/kernels_impl.h"
+
+// Σ a[j] b[j] over 16 interleaved lanes and the fixed tree of matmul.c.
+static float dot16(const float *a, const float *b, int n) {
+    float L[16] = {0};
+    int j0 = 0;
+    for (; j0 + 16 <= n; j0 += 16) {
+        for (int l = 0; l < 16; l++) L[l] += a[j0 + l] * b[j0 + l];
+    }
+    for (int l = 0; j0 + l < n; l++) L[l] += a[j0 + l] * b[j0 + l];
+    for (int l = 0; l < 8; l++) L[l] += L[l + 8];
+    for (int l = 0; l < 4; l++) L[l] += L[l + 4];
+    for (int l = 0; l < 2; l++) L[l] += L[l + 2];
+    return L[0] + L[1];
+}
+
+int rms_norm(float *out, const float *x, const float *weight, int n, int dim, float eps) {
+    if (n < 0 || dim < 1) return COLI_EINVAL;
+    for (size_t t = 0; t < (size_t)n; t++) {
+        const float *xt = x + t * (size_t)dim;
+        float *ot = out + t * (size_t)dim;
+        float inv = 1.0f / sqrtf(dot16(xt, xt, dim) / (float)dim + eps);
+        for (int j = 0; j < dim; j++) ot[j] = (xt[j] * inv) * weight[j];
+    }
+    return COLI_OK;
+}
+
+int rope_rotate_half(float *out, const float *x, const float *cos, const float *sin, int T, int heads, int dim) {
+    if (T < 0 || heads < 0 || dim < 0 || dim % 2) return COLI_EINVAL;
+    int half = dim / 2;
+    for (size_t t = 0; t < (size_t)T; t++) {
+        const float *c = cos + t * (size_t)dim, *s = sin + t * (size_t)dim;
+        for (size_t h = 0; h < (size_t)heads; h++) {
+            const float *xh = x + (t * (size_t)heads + h) * (size_t)dim;
+            float *oh = out + (t * (size_t)heads + h) * (size_t)dim;
+            for (int i = 0; i < half; i++) oh[i] = xh[i] * c[i] + (-xh[i + half]) * s[i];
+            for (int i = half; i < dim; i++) oh[i] = xh[i] * c[i] + xh[i - half] * s[i];
+        }
+    }
+    return COLI_OK;
+}
+
+typedef struct {
+    float *out;
+    const float *q, *k, *v;
+    int T, H, D, S, Hkv, start;
+    float scale;
+} AttnJob;
+
+static void attn_task(void *ctx, int task) {
+    const AttnJob *j = ctx;
+    int t = task / j->H, h = task % j->H, kvh = h / (j->H / j->Hkv);
+    int len = j->start + t + 1;  // causal: keys 0 .. start + t
+    const float *q = j->q + ((size_t)t * j->H + h) * (size_t)j->D;
+    float *out = j->out + ((size_t)t * j->H + h) * (size_t)j->D;
+    float stack[1024];
+    float *p = len <= 1024 ? stack : malloc((size_t)len * sizeof(float));
+    if (p == NULL) {  // no memory for the scores: the row is NaN rather than wrong
+        for (int d = 0; d < j->D; d++) out[d] = NAN;
+        return;
+    }
+    size_t row = (size_t)j->Hkv * (size_t)j->D;  // floats per cached token
+    float m = -INFINITY;
+    for (int s = 0; s < len; s++) {
+        p[s] = dot16(q, j->k + (size_t)s * row + (size_t)kvh * j->D, j->D) * j->scale;
+        if (p[s] > m) m = p[s];
+    }
+    float sum = 0.0f;
+    for (int s = 0; s < len; s++) {
+        p[s] = expf(p[s] - m);
+        sum += p[s];
+    }
+    for (int s = 0; s < len; s++) p[s] = p[s] / sum;
+    for (int d = 0; d < j->D; d++) out[d] = 0.0f;
+    for (int s = 0; s < len; s++) {
+        const float *vs = j->v + (size_t)s * row + (size_t)kvh * j->D;
+        for (int d = 0; d < j->D; d++) out[d] += p[s] * vs[d];
+    }
+    if (p != stack) free(p);
+}
+
+int attention(float *out, const float *q, int T, int H, int D, const float *k, const float *v, int S, int Hkv,
+              int start, float scale) {
+    if (T < 0 || H < 1 || D < 1 || Hkv < 1 || H % Hkv || start < 0 || start + T > S) return COLI_EINVAL;
+    AttnJob j = {out, q, k, v, T, H, D, S, Hkv, start, scale};
+    int tasks = T * H;
+    if ((double)tasks * (start + T) * D < 65536.0 || threads_get() <= 1) {
+        for (int i = 0; i < tasks; i++) attn_task(&j, i);
+    } else {
+        pool_run(attn_task, &j, tasks);
+    }
+    return COLI_OK;
+}

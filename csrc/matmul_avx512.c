@@ -1,0 +1,183 @@
+// matmul_avx512.c — the AVX-512 (F, BW, VL, VNNI) row dot products, in the fixed order of matmul.c.
+//
+// Function-level target attributes, chosen at run time (matmul.c checks cpuid). ACT_F32: one
+// 16-float accumulator is matmul.c's 16 lanes. ACT_Q8: vpdpbusd (u8 x s8, 4-way sums into int32,
+// no saturation) per 64 bytes; int4 nibbles unsigned (q + 8) minus 8 Σxq, int8 weights as w + 128
+// (w ^ 0x80) minus 128 Σxq — exact in int32, then the float part exactly as the other paths.
+#include "impl/kernels_impl.h"
+
+#if COLI_X86
+#include <string.h>
+#ifdef COLIBRI_SIMDE  // tools/check_avx512.sh: the same code over SIMDe's portable intrinsics
+#include "simde_shims.h"
+#define AVX512
+#else
+#include <immintrin.h>
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")))
+#endif
+
+AVX512 static inline float tree8_512(__m256 v) {
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+    return _mm_cvtss_f32(s1);
+}
+
+AVX512 static inline float tree16_512(__m512 v) {
+    __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));  // l + l+8
+    return tree8_512(s8);
+}
+
+AVX512 static inline __m256i hsum8_512(const __m256i *v) {
+    __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+    __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+    __m256i h0123 = _mm256_hadd_epi32(h01, h23), h4567 = _mm256_hadd_epi32(h45, h67);
+    __m256i lo = _mm256_permute2x128_si256(h0123, h4567, 0x20);
+    __m256i hi = _mm256_permute2x128_si256(h0123, h4567, 0x31);
+    return _mm256_add_epi32(lo, hi);
+}
+
+// 16 int32 lanes -> 8 (lane i + lane i+8), exact
+AVX512 static inline __m256i fold16(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+static inline __mmask64 bytes_mask(size_t n) { return n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1); }
+static inline __mmask16 lanes_mask(int n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+// ----------------------------------------------------------------------------
+// ACT_F32
+
+AVX512 static float dot_f32_avx512(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols;
+    const float *wr = (const float *)w->data + (size_t)r * (size_t)cols;
+    const float *x = a->xf + (size_t)t * a->stride;  // zero padded to a multiple of 16
+    __m512 A = _mm512_setzero_ps();
+    for (int j = 0; j < cols; j += 16) {
+        __m512 wv = _mm512_maskz_loadu_ps(lanes_mask(cols - j), wr + j);
+        A = _mm512_add_ps(A, _mm512_mul_ps(wv, _mm512_loadu_ps(x + j)));
+    }
+    return tree16_512(A);
+}
+
+AVX512 static float dot_int8_f32_avx512(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols;
+    const int8_t *wr = (const int8_t *)w->data + (size_t)r * (size_t)cols;
+    const float *x = a->xf + (size_t)t * a->stride;
+    __m512 A = _mm512_setzero_ps();
+    for (int j = 0; j < cols; j += 16) {
+        __m128i b = _mm_maskz_loadu_epi8(lanes_mask(cols - j), wr + j);
+        __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+        A = _mm512_add_ps(A, _mm512_mul_ps(wv, _mm512_loadu_ps(x + j)));
+    }
+    return tree16_512(A) * ((const float *)w->scales)[r];
+}
+
+AVX512 static inline __m512 cvt16(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
+
+AVX512 static float dot_int4_f32_avx512(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
+    size_t row_bytes = ((size_t)cols + 1) / 2;
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+    const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
+    const float *x = a->xf + (size_t)t * a->stride;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8), pad = _mm256_set1_epi8((char)0x88);
+    __m512 S = _mm512_setzero_ps();
+    for (int g = 0; g < ngroups; g++) {
+        size_t left = row_bytes - (size_t)g * 32;
+        __m256i b = _mm256_mask_loadu_epi8(pad, (__mmask32)bytes_mask(left < 32 ? left : 32), wr + (size_t)g * 32);
+        __m256i lo = _mm256_sub_epi8(_mm256_and_si256(b, low4), eight);
+        __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4), eight);
+        const float *xe = x + (size_t)g * 64, *xo = xe + 32;
+        // lane l: lo[l], lo[l+16], hi[l], hi[l+16]
+        __m512 A = _mm512_mul_ps(cvt16(_mm256_castsi256_si128(lo)), _mm512_loadu_ps(xe));
+        A = _mm512_add_ps(A, _mm512_mul_ps(cvt16(_mm256_extracti128_si256(lo, 1)), _mm512_loadu_ps(xe + 16)));
+        A = _mm512_add_ps(A, _mm512_mul_ps(cvt16(_mm256_castsi256_si128(hi)), _mm512_loadu_ps(xo)));
+        A = _mm512_add_ps(A, _mm512_mul_ps(cvt16(_mm256_extracti128_si256(hi, 1)), _mm512_loadu_ps(xo + 16)));
+        __m512 sc = _mm512_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(sr[g]))));
+        S = _mm512_add_ps(S, _mm512_mul_ps(A, sc));
+    }
+    return tree16_512(S);
+}
+
+// ----------------------------------------------------------------------------
+// ACT_Q8
+
+AVX512 static float dot_int8_q8_avx512(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols, nblocks = (cols + Q8_BLOCK - 1) / Q8_BLOCK;
+    const int8_t *wr = (const int8_t *)w->data + (size_t)r * (size_t)cols;
+    const int8_t *xq = a->xq + (size_t)t * a->stride;
+    const float *xs = a->xs + (size_t)t * (size_t)a->nb8;
+    const int32_t *xsum = a->xsum + (size_t)t * (size_t)a->nb8;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m256 L = _mm256_setzero_ps();
+    for (int b0 = 0; b0 < a->nb8; b0 += 8) {
+        __m256i acc[8];
+        for (int i = 0; i < 8; i++) {
+            int b = b0 + i;
+            if (b >= nblocks) {
+                acc[i] = _mm256_setzero_si256();
+                continue;
+            }
+            // masked-off bytes load as 0 and flip to 128, against xq = 0 past cols: no contribution
+            __m512i wv = _mm512_maskz_loadu_epi8(bytes_mask((size_t)(cols - b * 64)), wr + (size_t)b * 64);
+            __m512i xv = _mm512_loadu_si512(xq + (size_t)b * 64);
+            acc[i] = fold16(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(wv, flip), xv));
+        }
+        // isum[b] = Σ (w + 128) xq - 128 Σ xq
+        __m256i isum = _mm256_sub_epi32(hsum8_512(acc), _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xsum + b0)), 7));
+        L = _mm256_add_ps(L, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_loadu_ps(xs + b0)));
+    }
+    return tree8_512(L) * ((const float *)w->scales)[r];
+}
+
+AVX512 static float dot_int4_q8_avx512(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
+    size_t row_bytes = ((size_t)cols + 1) / 2;
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+    const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
+    const int8_t *xq = a->xq + (size_t)t * a->stride;  // per block: 32 even, 32 odd; nb8 blocks
+    const float *xs = a->xs + (size_t)t * (size_t)a->nb8;
+    const int32_t *xsum = a->xsum + (size_t)t * (size_t)a->nb8;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m256 L = _mm256_setzero_ps();
+    uint16_t stmp[8];
+    for (int g0 = 0; g0 < a->nb8; g0 += 8) {
+        __m256i acc[8];
+        for (int p = 0; p < 4; p++) {
+            int g = g0 + 2 * p;  // groups g and g + 1 in one 64-byte load
+            if (g >= ngroups) {
+                acc[2 * p] = acc[2 * p + 1] = _mm256_setzero_si256();
+                continue;
+            }
+            // bytes past the row load as 0: nibble 0 against xq = 0 there (and 8 Σxq counts real
+            // columns only), so they add nothing
+            __m512i b = _mm512_maskz_loadu_epi8(bytes_mask(row_bytes - (size_t)g * 32), wr + (size_t)g * 32);
+            __m512i lo = _mm512_and_si512(b, low4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+            __m512i x0 = _mm512_loadu_si512(xq + (size_t)g * 64);        // [xe_g | xo_g]
+            __m512i x1 = _mm512_loadu_si512(xq + (size_t)g * 64 + 64);   // [xe_g+1 | xo_g+1]
+            __m512i xe = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(1, 0, 1, 0));  // [xe_g | xe_g+1]
+            __m512i xo = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 2, 3, 2));  // [xo_g | xo_g+1]
+            __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
+            acc[2 * p] = _mm512_castsi512_si256(s);           // group g
+            acc[2 * p + 1] = _mm512_extracti64x4_epi64(s, 1);  // group g + 1 (zero past ngroups)
+        }
+        __m256i isum = _mm256_sub_epi32(hsum8_512(acc), _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xsum + g0)), 3));
+        const uint16_t *sp = sr + g0;
+        if (g0 + 8 > ngroups) {
+            memset(stmp, 0, sizeof stmp);
+            memcpy(stmp, sp, (size_t)(ngroups - g0) * sizeof(uint16_t));
+            sp = stmp;
+        }
+        __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sp));
+        __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(xs + g0));
+        L = _mm256_add_ps(L, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), c));
+    }
+    return tree8_512(L);
+}
+
+const Path PATH_AVX512 = {"avx512", dot_f32_avx512, dot_int8_f32_avx512, dot_int8_q8_avx512,
+                          dot_int4_f32_avx512, dot_int4_q8_avx512, NULL};
+
+#endif  // COLI_X86

@@ -1,0 +1,34 @@
+"""The engine's int8-activation arithmetic (`activations="int8"`, COLIBRI_ACTIVATIONS): an explicit
+choice, off by default and off for the oracle. It must stay deterministic and placement-invariant,
+and close to the exact arithmetic (it quantises activations, so not within the oracle tolerance)."""
+import numpy as np
+import pytest
+
+import colibri_core
+from colibri_core.errors import ColibriError
+
+
+def test_int8_activations_are_placement_invariant_and_close_to_exact(tiny_model):
+    ids = [5, 17, 3, 99, 42, 7, 8, 250]
+    with colibri_core.load(tiny_model) as exact:
+        assert exact.activations == "f32"
+        want = exact.logits(ids)
+    got = {}
+    for slots in (1, 3, 8):
+        with colibri_core.load(tiny_model, cache_slots=slots, activations="int8") as e:
+            got[slots] = (e.logits(ids), e.generate(ids, 6, stop_ids=()))
+    for slots in (3, 8):
+        assert np.array_equal(got[slots][0].view(np.uint32), got[1][0].view(np.uint32))
+        assert got[slots][1] == got[1][1]
+    assert not np.array_equal(got[1][0], want)  # a different arithmetic, really in use
+    assert np.abs(got[1][0] - want).max() <= 0.05 * np.abs(want).max()
+
+
+def test_activations_option_and_environment(tiny_model, monkeypatch):
+    monkeypatch.setenv("COLIBRI_ACTIVATIONS", "int8")
+    with colibri_core.load(tiny_model) as e:
+        assert e.activations == "int8"
+    with colibri_core.load(tiny_model, activations="f32") as e:
+        assert e.activations == "f32"
+    with pytest.raises(ColibriError, match="unknown activation arithmetic 'int3'"):
+        colibri_core.load(tiny_model, activations="int3")
