@@ -18,6 +18,7 @@ import yaml
 from .. import quant
 from ..errors import ColibriError
 from ..layout import PROJS
+from ..probe import timed
 
 FORMAT = "colibri-container"
 FORMAT_VERSION = 1
@@ -392,6 +393,7 @@ class Container:
                         for (r, c), off in zip(shapes, self._offsets))
         return layer, expert, tensors
 
+    @timed("disk")  # a synchronous read: the forward pass waits for it
     def read_expert(self, layer: int, expert: int) -> tuple[quant.QTensor, quant.QTensor, quant.QTensor]:
         """(gate, up, down) of one expert: one pread of its extent, then `parse_expert`."""
         path, offset, nbytes = self.expert_location(layer, expert)

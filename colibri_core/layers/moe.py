@@ -7,6 +7,7 @@ fixed slot (its top-k rank), and the weighted sum over ranks is taken in rank or
 import numpy as np
 
 from .. import kernels
+from ..probe import route, timed
 
 
 def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict) -> None:
@@ -28,8 +29,10 @@ def combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return out
 
 
+@timed("moe")
 def moe_block(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, store, layer: int) -> np.ndarray:
     """x (T, H), ids / weights (T, k) from the router → (T, H) = Σ_rank weight · expert(x)."""
+    route(layer, ids)
     T, k = ids.shape
     outs = np.zeros((T, k, x.shape[1]), np.float32)  # (T, k, H): one slot per (token, rank)
     for expert in np.unique(ids):  # the batch union, ascending expert id

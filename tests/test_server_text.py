@@ -1,0 +1,78 @@
+"""Stop strings in streamed text, the request checks, and the engine's timing and routing probe."""
+import random
+
+import numpy as np
+import pytest
+
+from colibri_core.server.schemas import ApiError, parse_chat, parse_completion
+from colibri_core.server.text import StopMatcher
+
+
+def run(stops, pieces):
+    m = StopMatcher(stops)
+    out = "".join(m.push(p) for p in pieces) + m.flush()
+    return out, m.stopped
+
+
+def test_stop_split_across_pieces_is_hidden():
+    assert run(["END"], ["ab", "cE", "N", "Dxyz"]) == ("abc", True)
+    assert run(["END"], ["ab", "cE", "Nx"]) == ("abcENx", False)  # a false start is released
+    assert run(["\n\n", "##"], ["a\n", "\n#"]) == ("a", True)
+
+
+def test_stop_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(500):
+        text = "".join(rng.choice("abAB\n") for _ in range(rng.randint(0, 30)))
+        stops = ["".join(rng.choice("abAB\n") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 8))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        want = text[: min(hits)] if hits else text
+        assert run(stops, pieces) == (want, bool(hits)), (text, stops, pieces)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_k": -2}, "top_k"),
+    ({"messages": [{"role": "user", "content": "x"}], "seed": 1.5}, "seed"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_chat_checks(body, param):
+    with pytest.raises(ApiError) as e:
+        parse_chat(body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_chat_accepts_text_parts_and_neutral_knobs():
+    r = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                    "presence_penalty": 0, "n": 1, "top_k": -1, "stop": "x", "logprobs": False})
+    assert r.messages[0]["content"] == "ab" and r.sampling.top_k == 0 and r.sampling.stop == ["x"]
+
+
+def test_completion_prompt_forms():
+    assert parse_completion({"prompt": ["one"]}).prompt == "one"
+    assert parse_completion({"prompt": [[1, 2]]}).prompt == [1, 2]
+    with pytest.raises(ApiError):
+        parse_completion({"prompt": ["one", "two"]})
+
+
+def test_probe_times_sections_and_counts_routing(tiny_model):
+    from colibri_core import load
+
+    with load(tiny_model, cache_slots=1) as engine:
+        engine.generate(list(range(3, 20)), 5, stop_ids=())
+        s = engine.stats()
+        assert s["attention_seconds"] > 0 and s["moe_seconds"] > 0 and s["disk_seconds"] > 0
+        assert s["moe_seconds"] >= s["disk_seconds"]  # the reads happen inside the MoE blocks
+        routed = engine.probe.routed
+        assert sorted(routed) == [0, 1]
+        # every token of every pass is routed to top-2 experts in each layer: 17 prompt + 4 decode passes
+        assert all(int(c.sum()) == (17 + 4) * 2 for c in routed.values())
+        assert engine.probe.passes == 5 and all(len(v) == 2 for v in engine.probe.latest.values())
+        # without a listener the layers record nothing
+        before = {k: v.copy() for k, v in routed.items()}
+        engine.logits(list(range(3, 10)))
+        assert all(np.array_equal(before[k], routed[k]) for k in routed)
