@@ -174,7 +174,7 @@ class Engine:
             **c,
             "decode_tokens_per_second": decoded / c["decode_seconds"] if c["decode_seconds"] else 0.0,
             **self.store.stats(),
-            **{f"{name}_seconds": s for name, s in self.probe.seconds.items()},  # attention, moe, disk
+            **{f"{name}_seconds": s for name, s in list(self.probe.seconds.items())},  # attention, moe, disk
             "resident_bytes": self.resident_bytes,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }

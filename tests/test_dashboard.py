@@ -139,12 +139,12 @@ def test_dashboard_chats_and_draws_the_brain(browser, web, tmp_path, tiny_model)
     assert colours >= 4, f"the brain canvas is nearly blank ({colours} colours)"
     tiers = b.js("document.querySelector('.brain-legend').textContent")
     assert "on disk" in tiers and "cached" in tiers
-    b.wait_for("document.getElementById('hit-chart').width > 0", "the hit-rate chart")
-    time.sleep(1.2)  # let one more stats poll land, so the screenshot shows the hit-rate history
+    b.wait_for("+document.getElementById('hit-chart').dataset.samples >= 2", "the hit-rate history")
     png = b.screenshot(tmp_path / "dashboard.png", ARTIFACTS / "dashboard.png")
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
     b.js("location.hash = '#brain'; true")
     b.wait_for("!document.getElementById('view-brain').hidden && "
                "document.getElementById('brain-full').dataset.cells === '16'", "the Brain page")
+    b.wait_for("document.getElementById('brain-hottest').textContent.includes('Most routed')", "the hottest experts")
     b.screenshot(tmp_path / "brain.png", ARTIFACTS / "brain.png")

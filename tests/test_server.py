@@ -4,6 +4,7 @@ One server process for the module (queue of 4 waiting requests). Every check tha
 generates the right thing compares it with the engine run directly in this process.
 """
 import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -248,6 +249,23 @@ def test_disconnect_cancels_generation(server, tiny_model):
     assert server.json("/api/stats")["queue"]["running"] == 1
     stream.close()  # the client goes away mid-answer
     wait_idle(server)  # the worker stopped at the next token
+    last = server.json("/api/stats")["turns"][-1]
+    assert last["finish_reason"] == "cancelled" and last["completion_tokens"] < 4000
+
+
+def test_disconnect_cancels_a_non_streamed_request(server, tiny_model):
+    wait_idle(server)
+    body = json.dumps({"model": model_id(tiny_model), "prompt": "b", "max_tokens": 4000, "ignore_eos": True}).encode()
+    host, port = server.url[len("http://"):].split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 60
+    while not server.json("/api/stats")["live"]:  # wait until it generates
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    sock.close()
+    wait_idle(server)
     last = server.json("/api/stats")["turns"][-1]
     assert last["finish_reason"] == "cancelled" and last["completion_tokens"] < 4000
 

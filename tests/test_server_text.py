@@ -76,3 +76,25 @@ def test_probe_times_sections_and_counts_routing(tiny_model):
         before = {k: v.copy() for k, v in routed.items()}
         engine.logits(list(range(3, 10)))
         assert all(np.array_equal(before[k], routed[k]) for k in routed)
+
+
+def test_generation_config_supplies_defaults():
+    from types import SimpleNamespace
+
+    from colibri_core.server.app import Server, ServerConfig
+    from colibri_core.server.schemas import parse_sampling
+
+    server = Server(ServerConfig("unused"))
+    server.engine = SimpleNamespace(generation={"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                "eos_token_id": [7, 8], "max_new_tokens": 50})
+    server.context_length = 100
+    p = server.resolve(parse_sampling({}), 10, "prompt")
+    assert (p.temperature, p.top_p, p.top_k, p.stop_ids, p.max_tokens) == (0.6, 0.95, 20, (7, 8), 50)
+    p = server.resolve(parse_sampling({"temperature": 0, "top_k": -1, "ignore_eos": True}), 95, "prompt")
+    assert (p.temperature, p.top_k, p.stop_ids, p.max_tokens) == (0.0, 0, (), 5)  # what the context leaves
+    server.engine.generation = {"eos_token_id": []}
+    p = server.resolve(parse_sampling({}), 10, "prompt")
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (1.0, 1.0, 0, 90)  # OpenAI's defaults
+    with pytest.raises(ApiError) as e:
+        server.resolve(parse_sampling({}), 100, "prompt")
+    assert e.value.code == "context_length_exceeded"

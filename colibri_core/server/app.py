@@ -462,7 +462,10 @@ async def api_stats(request: Request) -> Response:
     """Everything the dashboard shows but the brain map: one JSON document."""
     server = server_of(request)
     server.authorize(request)
-    since = float(request.query_params.get("since", 0) or 0)
+    try:
+        since = float(request.query_params.get("since") or 0)
+    except ValueError:
+        raise invalid("since", "'since' must be a number (a time in seconds since the epoch)") from None
     snap = server.metrics.snapshot()
     out = {"model": server.model_id, "model_dir": str(server.cfg.model_dir), "loaded": server.engine is not None,
            "load_error": server.load_error, "context_length": server.context_length,

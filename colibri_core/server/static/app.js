@@ -206,6 +206,9 @@ function renderStats(s) {
   $("ttft").textContent = last ? secs(last.time_to_first_token) : "–";
   $("queue").textContent = s.queue.running + " · " + s.queue.waiting;
   $("hit").textContent = s.engine ? pct(s.engine.hit_rate) : "–";
+  const rates = s.engine && s.engine.layer_hit_rate;
+  if (rates) $("layer-rates").textContent = "Cache hit rate per layer: " +
+    Object.entries(rates).map(([layer, r]) => layer + ": " + pct(r)).join(" · ");
 
   if (last) {
     const sp = last.split;
@@ -225,7 +228,8 @@ function renderStats(s) {
   if (m) {
     const used = m.resident_bytes + m.pinned_bytes + m.cache_capacity_bytes;
     const budget = Math.max(m.budget_bytes || 0, used);
-    $("budget").textContent = "budget " + bytes(m.budget_bytes) + " · experts on disk " + bytes(m.disk_bytes);
+    $("budget").textContent = (m.budget_bytes ? "budget " + bytes(m.budget_bytes) : "no RAM budget (--cache-slots)") +
+      " · " + bytes(m.expert_bytes) + " per expert · " + bytes(m.disk_bytes) + " of experts on disk";
     bar($("ram-bar"), $("ram-legend"), [
       { label: "dense weights", value: m.resident_bytes, color: css("--dense"), text: bytes(m.resident_bytes) },
       { label: "pinned experts", value: m.pinned_bytes, color: css("--pinned"), text: bytes(m.pinned_bytes) },
@@ -260,6 +264,7 @@ function drawHitChart() {
     ctx.fillText((y * 100).toFixed(0) + "%", 2, py + 3);
   }
   const pts = state.history;
+  c.dataset.samples = String(pts.length);
   if (pts.length < 2) { ctx.fillText("waiting for samples…", 40, H / 2); return; }
   const t0 = pts[0].t, t1 = pts[pts.length - 1].t || t0 + 1;
   const x = (t) => 30 + (W - 60) * (t - t0) / Math.max(1, t1 - t0);
@@ -268,19 +273,23 @@ function drawHitChart() {
   const line = (get, color, dash) => {
     ctx.strokeStyle = color; ctx.setLineDash(dash || []); ctx.lineWidth = 1.5; ctx.beginPath();
     let pen = false;
-    for (const p of pts) {
+    pts.forEach((p, i) => {
       const v = get(p);
-      if (v == null) { pen = false; continue; }
+      if (v == null) { pen = false; return; }
       if (pen) ctx.lineTo(x(p.t), y(v)); else ctx.moveTo(x(p.t), y(v));
+      const prev = i > 0 ? get(pts[i - 1]) : null, next = i + 1 < pts.length ? get(pts[i + 1]) : null;
+      if (prev == null && next == null) ctx.arc(x(p.t), y(v), 1.5, 0, 2 * Math.PI);  // an isolated second
       pen = true;
-    }
+    });
     ctx.stroke(); ctx.setLineDash([]);
   };
   line((p) => p.tokens_per_second / maxTps, css("--attention"), [3, 3]);
   line((p) => p.hit_rate_total, css("--dim"), [6, 3]);
   line((p) => p.hit_rate, css("--accent"));
   ctx.fillStyle = css("--attention");
-  ctx.fillText(maxTps.toFixed(0) + " tok/s", W - 28, pad - 4);
+  ctx.textAlign = "right";
+  ctx.fillText(maxTps.toFixed(0) + " tok/s", W - 2, pad - 6);
+  ctx.textAlign = "left";
   ctx.fillStyle = css("--dim");
   ctx.fillText(Math.round(t1 - t0) + " s", W - 50, H - 4);
 }
@@ -317,10 +326,12 @@ function drawBrain(c, maxCell) {
   for (const row of b.heat) for (const h of row) if (h > maxHeat) maxHeat = h;
   const flash = Math.max(0, 1 - (performance.now() - state.flashAt) / 900);
   let lit = 0;
-  ctx.font = Math.min(11, cell) + "px system-ui";
+  const font = Math.min(11, cell);
+  ctx.font = font + "px system-ui";
+  ctx.textBaseline = "middle";
   for (let i = 0; i < L; i++) {
     if (cell >= 8 || i % Math.ceil(10 / cell) === 0) {
-      ctx.fillStyle = css("--dim"); ctx.fillText(String(b.layers[i]), 0, i * cell + cell - 1);
+      ctx.fillStyle = css("--dim"); ctx.fillText(String(b.layers[i]), 0, i * cell + cell / 2);
     }
     const latest = new Set(b.latest[i] || []);
     for (let e = 0; e < E; e++) {
@@ -331,9 +342,15 @@ function drawBrain(c, maxCell) {
       ctx.fillStyle = `hsl(${hue} ${sat}% ${light}%)`;
       const x = label + e * cell, y = i * cell;
       ctx.fillRect(x, y, cell - gap, cell - gap);
-      if (flash > 0 && latest.has(e)) {
-        ctx.fillStyle = `rgba(255,255,255,${0.85 * flash})`;
-        ctx.fillRect(x, y, cell - gap, cell - gap);
+      if (latest.has(e)) {
+        if (flash > 0) {
+          ctx.fillStyle = `rgba(255,255,255,${0.85 * flash})`;
+          ctx.fillRect(x, y, cell - gap, cell - gap);
+        }
+        if (cell >= 6) {
+          ctx.strokeStyle = "rgba(255,255,255,.9)"; ctx.lineWidth = Math.max(1, Math.min(3, cell / 16));
+          ctx.strokeRect(x + ctx.lineWidth / 2, y + ctx.lineWidth / 2, cell - gap - ctx.lineWidth, cell - gap - ctx.lineWidth);
+        }
       }
     }
   }
@@ -344,8 +361,8 @@ function drawBrain(c, maxCell) {
 }
 
 function drawBrains() {
-  drawBrain($("brain-mini"), 14);
-  drawBrain($("brain-full"), 28);
+  drawBrain($("brain-mini"), 36);
+  drawBrain($("brain-full"), 56);
   const b = state.brain;
   if (!b) return;
   const counts = [0, 0, 0];
@@ -353,9 +370,14 @@ function drawBrains() {
   const names = ["on disk", "cached", "pinned"];
   const legend = names.map((n, t) =>
     `<span><i class="sw" style="background:hsl(${TIER_HUE[t][0]} ${TIER_HUE[t][1]}% 50%)"></i>${n} <b>${counts[t]}</b></span>`).join("") +
-    '<span><i class="sw" style="background:#fff"></i>latest token</span><span>brighter = routed more often</span>';
+    '<span><i class="sw" style="background:#fff"></i>latest token (flashes, then outlined)</span><span>brighter = routed more often</span>';
   document.querySelectorAll(".brain-legend").forEach((el) => { el.innerHTML = legend; });
   $("brain-caption").textContent = `${b.layers.length} layers × ${b.n_experts} experts · ${b.passes} forward passes`;
+  const hottest = [];
+  b.heat.forEach((row, i) => row.forEach((h, e) => { if (h > 0) hottest.push([h, b.layers[i], e]); }));
+  hottest.sort((p, q) => q[0] - p[0]);
+  $("brain-hottest").textContent = hottest.length ? "Most routed: " +
+    hottest.slice(0, 8).map(([h, layer, e]) => `layer ${layer} expert ${e} (${h}×)`).join(" · ") : "No token routed yet.";
 }
 
 async function refreshBrain() {
