@@ -48,8 +48,9 @@ class DevTools:
         return r["result"].get("value")
 
     def wait_for(self, expression: str, what: str):
+        """Poll until `expression` is true (an exception, as on a page still loading, counts as false)."""
         deadline = time.monotonic() + WAIT
-        while not self.js(expression):
+        while not self.js(f"(() => {{ try {{ return !!({expression}); }} catch (e) {{ return false; }} }})()"):
             if time.monotonic() > deadline:
                 raise AssertionError(f"the dashboard never showed {what} ({expression})")
             time.sleep(0.05)
@@ -104,8 +105,8 @@ def web(tiny_model):
 def test_dashboard_chats_and_draws_the_brain(browser, web, tmp_path, tiny_model):
     b = browser
     b.call("Page.navigate", url=web.url + "/")
-    b.wait_for("document.readyState === 'complete' && document.getElementById('status').textContent === 'ready'",
-               "the model as ready")
+    b.wait_for(f"location.href.startsWith({json.dumps(web.url)}) && document.readyState === 'complete' && "
+               "document.getElementById('status').textContent === 'ready'", "the model as ready")
     # every change of the answer's text is recorded, so the test sees tokens arrive one by one
     b.js("""document.getElementById('max-tokens').value = '40';
             document.getElementById('temperature').value = '0';

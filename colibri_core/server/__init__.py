@@ -8,6 +8,7 @@ See `app.py` for the endpoints, `worker.py` for the queue, `static/` for the das
 from __future__ import annotations
 
 import copy
+import logging
 import socket
 import sys
 
@@ -35,6 +36,12 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _quiet_polls(record: logging.LogRecord) -> bool:
+    """Access-log filter: leave out the dashboard's own polling (/api/…) when it succeeds."""
+    args = record.args  # (client, method, path, http version, status)
+    return not (isinstance(args, tuple) and len(args) == 5 and str(args[2]).startswith("/api/") and args[4] < 400)
+
+
 def serve(cfg: ServerConfig, host: str = "127.0.0.1", port: int = 8000, access_log: bool = True) -> None:
     """Listen, load the model in the background, serve until interrupted. A model that fails to
     load stops the server and raises ColibriError with the reason."""
@@ -51,6 +58,7 @@ def serve(cfg: ServerConfig, host: str = "127.0.0.1", port: int = 8000, access_l
     logs["loggers"]["uvicorn.error"]["level"] = "WARNING"  # our own lines say where and when; keep access logs
     logs["loggers"]["uvicorn.access"]["level"] = "INFO" if access_log else "WARNING"
     server = uvicorn.Server(uvicorn.Config(app, log_level=None, log_config=logs, timeout_graceful_shutdown=3))
+    logging.getLogger("uvicorn.access").addFilter(_quiet_polls)
     state = app.state.server
 
     def loaded(s):
