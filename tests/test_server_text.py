@@ -98,3 +98,53 @@ def test_generation_config_supplies_defaults():
     with pytest.raises(ApiError) as e:
         server.resolve(parse_sampling({}), 100, "prompt")
     assert e.value.code == "context_length_exceeded"
+
+
+class FakeEngine:
+    """Yields token 1 then fails, as an engine meeting a damaged expert file does."""
+
+    def __init__(self):
+        self.tokenizer = type("T", (), {"decode": staticmethod(lambda ids: "x" * len(ids))})()
+        self.gate = __import__("threading").Event()
+
+    def stats(self):
+        return {"generated_tokens": 0}
+
+    def stream(self, ids, max_new_tokens, *args, **kw):
+        from colibri_core.errors import ColibriError
+
+        self.gate.wait(30)
+        yield 1
+        raise ColibriError("expert file experts/layer0.bin is truncated; reconvert the model")
+
+
+def test_worker_queue_bounds_and_engine_failures():
+    import asyncio
+
+    from colibri_core.server.worker import Delta, Failed, Job, Params, QueueFull, Worker
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        engine = FakeEngine()
+        worker = Worker(engine, max_queue=2)
+        params = Params(max_tokens=5, temperature=0, top_p=1, top_k=0, seed=None, stop=[], stop_ids=())
+        jobs = [Job("completion", [1], params, loop)]
+        worker.submit(jobs[0])
+        while worker.running is None:  # the first job is taken at once and blocks on the gate
+            await asyncio.sleep(0.01)
+        jobs += [Job("completion", [1], params, loop) for _ in range(2)]
+        for job in jobs[1:]:
+            worker.submit(job)
+        with pytest.raises(QueueFull) as e:  # running 1 + 2 waiting: the next is refused
+            worker.submit(Job("completion", [1], params, loop))
+        assert e.value.retry_after >= 1
+        worker.cancel(jobs[2])  # a client that leaves frees its place at once
+        assert len(worker.waiting) == 1
+        worker.submit(Job("completion", [1], params, loop))
+        engine.gate.set()
+        first = [await jobs[0].events.get() for _ in range(2)]
+        assert isinstance(first[0], Delta) and first[0].text == "x"
+        assert isinstance(first[1], Failed) and "truncated" in first[1].message
+        worker.stop()
+
+    asyncio.run(main())

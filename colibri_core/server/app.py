@@ -37,7 +37,7 @@ from starlette.staticfiles import StaticFiles
 from ..errors import ColibriError
 from . import brain, metrics as metrics_mod
 from .schemas import ApiError, Sampling, invalid, parse_chat, parse_completion, parse_json
-from .worker import Delta, End, Failed, Job, Params, QueueFull, Worker, _number_stats
+from .worker import Delta, End, Job, Params, QueueFull, Worker, _number_stats
 
 log = logging.getLogger("colibri.server")
 STATIC = Path(__file__).parent / "static"
@@ -195,6 +195,8 @@ class Generation:
                  echo: str = ""):
         self.server, self.kind, self.sampling, self.echo = server, kind, sampling, echo
         self.endpoint = "chat" if kind == "chat" else "completions"
+        self.object = "chat.completion" if kind == "chat" else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.finished = False  # the job has ended (End or Failed received)
@@ -216,11 +218,9 @@ class Generation:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            obj = "chat.completion.chunk"
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        chunk = {"id": self.id, "object": obj, "created": self.created, "model": self.server.model_id,
+        chunk = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.server.model_id,
                  "system_fingerprint": None, "choices": [choice]}
         if self.sampling.include_usage:
             chunk["usage"] = None
@@ -244,7 +244,7 @@ class Generation:
                 self.finished = True
                 self.server.metrics.count(self.endpoint, "ok")
                 if self.sampling.include_usage:
-                    yield sse({"id": self.id, "object": self._chunk("", None)["object"], "created": self.created,
+                    yield sse({"id": self.id, "object": self.chunk_object, "created": self.created,
                                "model": self.server.model_id, "system_fingerprint": None, "choices": [],
                                "usage": _usage(event.turn)})
                 break
@@ -285,17 +285,15 @@ class Generation:
         if self.kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": finish}
-            obj = "chat.completion"
         else:
             choice = {"index": 0, "text": self.echo + text, "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        return JSONResponse({"id": self.id, "object": obj, "created": self.created, "model": self.server.model_id,
+        return JSONResponse({"id": self.id, "object": self.object, "created": self.created, "model": self.server.model_id,
                              "system_fingerprint": None, "choices": [choice], "usage": _usage(event.turn)})
 
-    def respond(self, request: Request) -> Response:
+    async def respond(self, request: Request) -> Response:
         if self.sampling.stream:
             return EventStream(self)
-        return self.answer(request)
+        return await self.answer(request)
 
 
 class EventStream(Response):
@@ -379,7 +377,7 @@ async def chat_completions(request: Request) -> Response:
         raise invalid("messages", str(e)) from None
     ids = engine.tokenizer.encode(text, add_special_tokens=False)
     params = server.resolve(req.sampling, len(ids), "messages")
-    return await _respond(Generation(server, "chat", ids, params, req.sampling), request)
+    return await Generation(server, "chat", ids, params, req.sampling).respond(request)
 
 
 async def completions(request: Request) -> Response:
@@ -389,18 +387,12 @@ async def completions(request: Request) -> Response:
     engine = server.ready()
     server.check_model(req.sampling.model)
     if isinstance(req.prompt, str):
-        ids, echo = engine.tokenizer.encode(req.prompt), req.prompt
+        ids = engine.tokenizer.encode(req.prompt)
     else:
         ids = _check_ids(req.prompt, engine, "prompt")
-        echo = engine.tokenizer.decode(ids) if req.echo else ""
+    echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(ids)
     params = server.resolve(req.sampling, len(ids), "prompt")
-    return await _respond(Generation(server, "completion", ids, params, req.sampling, echo if req.echo else ""),
-                          request)
-
-
-async def _respond(generation: Generation, request: Request) -> Response:
-    response = generation.respond(request)
-    return await response if asyncio.iscoroutine(response) else response
+    return await Generation(server, "completion", ids, params, req.sampling, echo).respond(request)
 
 
 def _check_ids(ids, engine, param: str) -> list[int]:

@@ -22,7 +22,6 @@ from .text import TextStream
 
 log = logging.getLogger("colibri.server")
 
-SPLIT = ("attention", "experts", "disk", "other")  # where a turn's time goes (see `time_split`)
 
 
 @dataclass
