@@ -74,6 +74,10 @@ def test_health_and_models(server, client, tiny_model):
     models = client.models.list()
     assert [m.id for m in models.data] == [model_id(tiny_model)]
     assert client.models.retrieve(model_id(tiny_model)).id == model_id(tiny_model)
+    status, body = server.get("/")  # `serve` has no dashboard: the root says what there is
+    assert status == 200 and "/v1/chat/completions" in json.loads(body)["endpoints"]
+    status, body = server.get("/api/stats?since=yesterday")
+    assert status == 400 and json.loads(body)["error"]["param"] == "since"
 
 
 def test_chat_streamed_equals_not_streamed(client, tiny_model, engine):

@@ -167,9 +167,14 @@ class Server:
 
 
 async def read_json(request: Request, server: Server) -> dict:
+    limit = server.cfg.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:  # refused before it is read
+        raise ApiError(413, f"the request body is {declared} bytes; at most {limit} are accepted",
+                       code="request_too_large")
     raw = await request.body()
-    if len(raw) > server.cfg.max_body_bytes:
-        raise ApiError(413, f"the request body is {len(raw)} bytes; at most {server.cfg.max_body_bytes} are accepted",
+    if len(raw) > limit:
+        raise ApiError(413, f"the request body is {len(raw)} bytes; at most {limit} are accepted",
                        code="request_too_large")
     return parse_json(raw)
 

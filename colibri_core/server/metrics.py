@@ -2,6 +2,7 @@
 hit rate and token rate over time, and their Prometheus text form (`colibri_` prefix)."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import deque
@@ -133,7 +134,8 @@ def prometheus(metrics: Metrics, stats: dict | None, queue: dict, model: str) ->
     for key, value in sorted(stats.items()):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or key == "time_to_first_token":
             continue
-        name, kind, text = counters.get(key, (f"colibri_{key}", "gauge", f"Engine statistic {key}."))
+        name, kind, text = counters.get(key, ("colibri_" + re.sub(r"[^a-zA-Z0-9_]", "_", key), "gauge",
+                                              f"Engine statistic {key}."))
         _help(lines, name, kind, text)
         lines.append(f"{name} {value}")
     per_layer = stats.get("layer_hit_rate")
