@@ -174,6 +174,39 @@ def chat(
         print(stats_line(engine, time.perf_counter() - t0), file=sys.stderr)
 
 
+HostOpt = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface).")
+PortOpt = typer.Option(8000, "--port", help="Port to listen on (0: any free port).")
+ApiKeyOpt = typer.Option(None, "--api-key", envvar="COLIBRI_API_KEY",
+                         help="Require 'Authorization: Bearer KEY' on the API [env: COLIBRI_API_KEY].")
+QueueOpt = typer.Option(16, "--queue", min=0, help="Requests that may wait behind the running one; more get 429.")
+NameOpt = typer.Option(None, "--model-name", help="Model id clients send (default: the model directory's name).")
+
+
+def _serve(dashboard, model, host, port, api_key, queue, model_name, ram, cache_slots):
+    from .server import ServerConfig, serve
+
+    serve(ServerConfig(_model_dir(model), model_name=model_name, ram=ram, cache_slots=cache_slots, max_queue=queue,
+                       api_key=api_key, dashboard=dashboard), host=host, port=port)
+
+
+@app.command()
+def serve(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
+          queue: int = QueueOpt, model_name: Optional[str] = NameOpt, ram: Optional[str] = RamOpt,
+          cache_slots: Optional[int] = SlotsOpt):
+    """Serve the model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
+    /v1/models, /health, /tokenize, /detokenize, /metrics (Prometheus)."""
+    _serve(False, model, host, port, api_key, queue, model_name, ram, cache_slots)
+
+
+@app.command()
+def web(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
+        queue: int = QueueOpt, model_name: Optional[str] = NameOpt, ram: Optional[str] = RamOpt,
+        cache_slots: Optional[int] = SlotsOpt):
+    """Serve the API and a live dashboard at / : chat, tok/s, time to first token, where the time
+    goes, the RAM budget, hit rate over time, and the Brain map of every expert."""
+    _serve(True, model, host, port, api_key, queue, model_name, ram, cache_slots)
+
+
 @app.command()
 def convert(
     src: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json + safetensors)."),

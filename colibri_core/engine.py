@@ -21,6 +21,7 @@ from .convert import read_config
 from .errors import ColibriError
 from .generate import sample
 from .model import Weights
+from .probe import Probe
 from .store import ExpertStore
 from .store.budget import Split, split_budget
 from .store.usage import UsageHistory
@@ -101,6 +102,7 @@ class Engine:
         self.store.attach(self.model)
         self.generation = generation_defaults(model_dir)
         self._tokenizer: Tokenizer | None = None
+        self.probe = Probe(self.container.n_experts)  # seconds per section, routing per (layer, expert)
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_seconds": 0.0,
                          "decode_seconds": 0.0, "time_to_first_token": 0.0}
 
@@ -144,7 +146,7 @@ class Engine:
         n = len(session.ids)
         if not (n < len(ids) and ids[:n] == session.ids):
             session.state, session.ids, n = self.model.new_state(), [], 0
-        with kernels.activations(self.activations):
+        with kernels.activations(self.activations), self.probe.listening():
             logits = self.model.forward(np.asarray(ids[n:], np.int64), session.state, last_only=True)
         session.ids = list(ids)
         return logits[-1]
@@ -195,6 +197,7 @@ class Engine:
             **c,
             "decode_tokens_per_second": decoded / c["decode_seconds"] if c["decode_seconds"] else 0.0,
             **self.store.stats(),
+            **{f"{name}_seconds": s for name, s in list(self.probe.seconds.items())},  # attention, moe, disk
             "resident_bytes": self.resident_bytes,
             "ram_budget": self.split.budget,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

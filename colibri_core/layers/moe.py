@@ -7,6 +7,7 @@ fixed slot (its top-k rank), and the weighted sum over ranks is taken in rank or
 import numpy as np
 
 from .. import kernels
+from ..probe import route, timed
 
 
 def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict) -> None:
@@ -23,6 +24,7 @@ def combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return kernels.moe_combine(outs, weights)  # one C call, the same float32 operations as NumPy's
 
 
+@timed("moe")
 def moe_block(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, store, layer: int,
               hidden: np.ndarray | None = None) -> np.ndarray:
     """x (T, H), ids / weights (T, k) from the router → (T, H) = Σ_rank weight · expert(x).
@@ -31,6 +33,7 @@ def moe_block(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, store, layer:
     one as it arrives, so compute overlaps the reads. `hidden` (T, H), the residual stream entering
     this block, lets the store predict and prefetch the next layer's experts (router lookahead).
     """
+    route(layer, ids)
     T, k = ids.shape
     outs = np.zeros((T, k, x.shape[1]), np.float32)  # (T, k, H): one slot per (token, rank)
     for ready in store.experts(layer, ids, hidden=hidden):  # {expert: (gate, up, down)}, resident first
