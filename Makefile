@@ -2,7 +2,6 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-DEMO := models/demo-olmoe
 PROMPT ?= Once upon a time
 
 .PHONY: run test setup setup-test clean
@@ -18,11 +17,9 @@ setup: $(BIN)/python
 setup-test: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]' -e plugins/olmoe
 
-$(DEMO)/colibri.yaml:
-	$(BIN)/python tools/make_demo_model.py $(DEMO)
-
-run: setup $(DEMO)/colibri.yaml
-	$(BIN)/colibri run --model $(DEMO) --max-tokens 40 "$(PROMPT)"
+# The bundled demo model (demo/colibri-demo-kjv) is the default when no --model is given.
+run: setup
+	$(BIN)/colibri run --max-tokens 60 --temperature 0 "$(PROMPT)"
 
 test: setup-test
 	$(BIN)/python -m pytest -q

@@ -16,21 +16,49 @@ from .errors import ColibriError
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Run Mixture-of-Experts language models larger than RAM, streaming experts from disk.")
 
-ModelOpt = typer.Option(None, "--model", "-m", envvar="COLIBRI_MODEL", help="Converted model directory [env: COLIBRI_MODEL].")
+ModelOpt = typer.Option(None, "--model", "-m", envvar="COLIBRI_MODEL", help="Converted model directory [env: COLIBRI_MODEL; default: the bundled demo model].")
 RamOpt = typer.Option(None, "--ram", help="RAM budget for weights and expert cache, e.g. 4GB (default: 80% of available).")
 SlotsOpt = typer.Option(None, "--cache-slots", help="Expert cache slots per layer (overrides --ram).")
+PrefetchOpt = typer.Option(True, "--prefetch/--no-prefetch", help="Router lookahead: read the next layer's predicted experts early.")
+DirectOpt = typer.Option(False, "--direct", help="Read experts with O_DIRECT (bypass the page cache; falls back with a warning where refused).")
+MirrorOpt = typer.Option(None, "--mirror", help="A byte-identical copy of the model on another disk to read experts from too.")
+PinOpt = typer.Option(None, "--pin-gb", help="Hot-store size in GB for the most-routed experts (default: half the expert budget once there is routing history; 0: off).")
+PolicyOpt = typer.Option("lru", "--policy", help="Expert cache eviction policy: lru, lfu, or one a plugin registers.")
+StatsOpt = typer.Option(False, "--stats", help="After the stats line, print every expert-store counter.")
+
+
+# The trained demo model shipped in the repository (see README): the default without --model.
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "demo" / "colibri-demo-kjv"
 
 
 def _model_dir(model: Optional[Path]) -> Path:
-    if model is None:
-        raise ColibriError("no model given: pass --model DIR or set COLIBRI_MODEL")
-    return model
+    if model is not None:
+        return model
+    if (DEFAULT_MODEL / "colibri.yaml").is_file():
+        return DEFAULT_MODEL
+    raise ColibriError("no model given: pass --model DIR or set COLIBRI_MODEL")
 
 
-def _open(model, ram, cache_slots):
+def _open(model, ram, cache_slots, **store):
     from .engine import load
 
-    return load(_model_dir(model), ram=ram, cache_slots=cache_slots)
+    return load(_model_dir(model), ram=ram, cache_slots=cache_slots, **store)
+
+
+def store_report(engine) -> str:
+    """Every expert-store counter, a few lines (`run --stats`, `chat` /stats)."""
+    from .engine import format_bytes
+
+    s = engine.stats()
+    layers = " ".join(f"{layer}:{100 * r:.0f}%" for layer, r in s["layer_hit_rate"].items())
+    return (f"expert_hits {s['expert_hits']} · expert_misses {s['expert_misses']} · bytes_read "
+            f"{format_bytes(s['bytes_read'])} ({s['reads']} reads) · prefetch_issued {s['prefetch_issued']} · "
+            f"prefetch_used {s['prefetch_used']} · prefetch_recall {100 * s['prefetch_recall']:.1f}% · "
+            f"io_stall_seconds {s['io_stall_seconds']:.3f}\n"
+            f"cache {s['cache_slots_per_layer']} slots/layer ({s['policy']}) · pinned {s['pinned_experts']} experts "
+            f"({format_bytes(s['pinned_bytes'])}) · direct I/O {'on' if s['direct_io'] else 'off'} · mirror "
+            f"{s['mirror'] if s['mirror_in_use'] else 'off'} · history {s['history_tokens']} tokens\n"
+            f"per-layer hit rate {layers}")
 
 
 def stats_line(engine, seconds: float) -> str:
@@ -55,13 +83,20 @@ def run(
     ram: Optional[str] = RamOpt,
     cache_slots: Optional[int] = SlotsOpt,
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template as a user turn."),
+    prefetch: bool = PrefetchOpt,
+    direct: bool = DirectOpt,
+    mirror: Optional[Path] = MirrorOpt,
+    pin_gb: Optional[float] = PinOpt,
+    policy: str = PolicyOpt,
+    stats: bool = StatsOpt,
 ):
-    """Generate a completion of PROMPT, print it, then one stats line."""
+    """Generate a completion of PROMPT, print it, then one stats line (--stats: every store counter)."""
     from .chat_template import ChatTemplate
     from .tokenizer import StreamDecoder
 
     t0 = time.perf_counter()
-    engine = _open(model, ram, cache_slots)
+    engine = _open(model, ram, cache_slots, prefetch=prefetch, direct=direct, mirror=mirror, pin_gb=pin_gb,
+                   policy=policy)
     text = prompt
     if chat:
         template = ChatTemplate.from_dir(engine.model_dir)
@@ -74,7 +109,11 @@ def run(
         sys.stdout.write(decoder.push(token))
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
     print(stats_line(engine, time.perf_counter() - t0), file=sys.stderr)
+    if stats:
+        print(store_report(engine), file=sys.stderr)
+    engine.close()
 
 
 @app.command()
@@ -87,12 +126,18 @@ def chat(
     seed: Optional[int] = typer.Option(None),
     ram: Optional[str] = RamOpt,
     cache_slots: Optional[int] = SlotsOpt,
+    prefetch: bool = PrefetchOpt,
+    direct: bool = DirectOpt,
+    mirror: Optional[Path] = MirrorOpt,
+    pin_gb: Optional[float] = PinOpt,
+    policy: str = PolicyOpt,
 ):
     """Chat interactively, streaming tokens. Commands: /reset, /stats, /exit."""
     from .chat_template import ChatTemplate
     from .tokenizer import StreamDecoder
 
-    engine = _open(model, ram, cache_slots)
+    engine = _open(model, ram, cache_slots, prefetch=prefetch, direct=direct, mirror=mirror, pin_gb=pin_gb,
+                   policy=policy)
     template = ChatTemplate.from_dir(engine.model_dir)
     session, messages = engine.new_session(), []
     print(f"colibri chat · {engine.model_dir} · /reset /stats /exit", file=sys.stderr)
@@ -127,6 +172,39 @@ def chat(
         print()
         messages.append({"role": "assistant", "content": engine.tokenizer.decode(answer)})
         print(stats_line(engine, time.perf_counter() - t0), file=sys.stderr)
+
+
+HostOpt = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface).")
+PortOpt = typer.Option(8000, "--port", help="Port to listen on (0: any free port).")
+ApiKeyOpt = typer.Option(None, "--api-key", envvar="COLIBRI_API_KEY",
+                         help="Require 'Authorization: Bearer KEY' on the API [env: COLIBRI_API_KEY].")
+QueueOpt = typer.Option(16, "--queue", min=0, help="Requests that may wait behind the running one; more get 429.")
+NameOpt = typer.Option(None, "--model-name", help="Model id clients send (default: the model directory's name).")
+
+
+def _serve(dashboard, model, host, port, api_key, queue, model_name, ram, cache_slots):
+    from .server import ServerConfig, serve
+
+    serve(ServerConfig(_model_dir(model), model_name=model_name, ram=ram, cache_slots=cache_slots, max_queue=queue,
+                       api_key=api_key, dashboard=dashboard), host=host, port=port)
+
+
+@app.command()
+def serve(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
+          queue: int = QueueOpt, model_name: Optional[str] = NameOpt, ram: Optional[str] = RamOpt,
+          cache_slots: Optional[int] = SlotsOpt):
+    """Serve the model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
+    /v1/models, /health, /tokenize, /detokenize, /metrics (Prometheus)."""
+    _serve(False, model, host, port, api_key, queue, model_name, ram, cache_slots)
+
+
+@app.command()
+def web(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
+        queue: int = QueueOpt, model_name: Optional[str] = NameOpt, ram: Optional[str] = RamOpt,
+        cache_slots: Optional[int] = SlotsOpt):
+    """Serve the API and a live dashboard at / : chat, tok/s, time to first token, where the time
+    goes, the RAM budget, hit rate over time, and the Brain map of every expert."""
+    _serve(True, model, host, port, api_key, queue, model_name, ram, cache_slots)
 
 
 @app.command()
@@ -173,8 +251,93 @@ def install(target: str = typer.Argument(..., help="A plugin directory, a wheel,
         raise ColibriError(f"pip could not install {target} (exit status {rc})")
 
 
+@app.command()
+def plan(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", envvar="COLIBRI_MODEL", help="Converted model directory."),
+    config: Optional[Path] = typer.Option(None, "--config", help="A config.json alone (a model not downloaded yet)."),
+    quant: str = typer.Option("int4", "--quant", "-q", help="With --config: f32, int8 or int4."),
+    ram: Optional[str] = RamOpt,
+    pin_gb: Optional[float] = PinOpt,
+    context: int = typer.Option(4096, "--context", help="Tokens of state (KV cache) to reserve."),
+    disk_bw: Optional[str] = typer.Option(None, "--disk-bw", help="Disk bandwidth per second (e.g. 2GB) instead of measuring it."),
+    mem_bw: Optional[str] = typer.Option(None, "--mem-bw", help="Memory bandwidth per second (e.g. 20GB) instead of measuring it."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """Show how a model fits a RAM budget: resident bytes, experts, the budget split, expected bytes
+    read per token and the floor times from this machine's measured disk and memory bandwidth."""
+    from .engine import available_memory, format_bytes, parse_size
+    from .store import budget as bw
+    from .store.plan import make_plan, sizes_from_config, sizes_from_container
+
+    if (model is None) == (config is None):
+        raise ColibriError("plan needs exactly one of --model DIR or --config config.json")
+    given_disk = None if disk_bw is None else float(parse_size(disk_bw))
+    if model is not None:
+        sizes = sizes_from_container(model)
+        from .container import Container
+        from .store.usage import UsageHistory
+
+        c = Container(model)
+        disk_bw, direct = (given_disk, None) if given_disk else bw.disk_bandwidth([c.expert_location(layer, 0)[0] for layer in c.moe_layers])
+        history, where = UsageHistory.enough(c), str(model)
+    else:
+        sizes = sizes_from_config(config, quant)
+        disk_bw, direct = (given_disk, None) if given_disk else bw.disk_bandwidth_at(config.resolve().parent)
+        history, where = False, str(config)
+    mem_bw = float(parse_size(mem_bw)) if mem_bw is not None else bw.memory_bandwidth()
+    budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
+    p = make_plan(sizes, budget, context, None if pin_gb is None else int(pin_gb * 1e9), history, disk_bw, mem_bw)
+    p["disk_bandwidth_direct"] = direct
+    if as_json:
+        print(json.dumps(p, indent=2))
+        return
+    m, sp, f = p["model"], p["split"], p["floor_seconds_per_token"]
+    fb = format_bytes
+    print(f"{where}: {m['architecture']}, {m['quant']}")
+    print(f"  resident (dense) weights   {fb(m['dense_bytes'])}")
+    print(f"  bytes per expert           {fb(m['expert_nbytes'])}")
+    print(f"  experts in all             {p['experts_total']} ({m['moe_layers']} MoE layers × {m['n_experts']}, "
+          f"top-{m['top_k']}) = {fb(p['experts_bytes_total'])}")
+    print(f"  state per token            {fb(m['state_bytes_per_token'])}")
+    print(f"budget {fb(budget)}:")
+    print(f"  dense                      {fb(sp['dense'])}")
+    print(f"  {f'state ({context} tokens)':27}{fb(sp['state'])}")
+    print(f"  expert cache               {fb(sp['cache_bytes'])} ({sp['cache_slots']} slots per layer)")
+    print(f"  pinned (hot-store)         {fb(sp['pinned_bytes'])} ({sp['pinned_experts']} experts)")
+    print(f"  experts resident           {100 * p['resident_expert_share']:.1f}%")
+    print(f"per token: expected read {fb(p['expected_bytes_read_per_token'])} (uniform routing; skew and pinning "
+          f"read less), touched in RAM {fb(p['bytes_touched_per_token'])}")
+    how = "given" if direct is None else "O_DIRECT" if direct else "page cache: may be optimistic"
+    print(f"machine: disk {fb(disk_bw)}/s ({how}), memory {fb(mem_bw)}/s")
+    print(f"floor per token: disk {f['disk']:.3f} s, memory {f['memory']:.3f} s → {f['floor']:.3f} s "
+          f"({1 / f['floor'] if f['floor'] else float('inf'):.1f} tok/s at best)")
+
+
+@app.command()
+def doctor(
+    model: Optional[Path] = ModelOpt,
+    deep: bool = typer.Option(False, "--deep", help="Also verify every checksum (reads every expert file)."),
+):
+    """Read-only checks, one PASS/WARN/FAIL line each: kernels and SIMD path, plugin, files and sizes,
+    free disk and RAM, O_DIRECT support (--deep: every checksum). Exit status 1 on any FAIL."""
+    from .doctor import run_checks
+
+    checks = run_checks(_model_dir(model), deep=deep)
+    for c in checks:
+        print(c.line())
+    if any(c.status == "FAIL" for c in checks):
+        raise typer.Exit(1)
+
+
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (results are measurements, never test gates).")
 app.add_typer(bench_app, name="bench")
+from .bench import model as _bench_model  # noqa: E402  `colibri bench --model DIR` and `colibri bench model`
+
+_bench_model.register(bench_app)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"colibri: warning: {message}", file=sys.stderr)
 
 
 @bench_app.command("kernels")
@@ -194,6 +357,9 @@ def bench_kernels(
 
 
 def main() -> None:
+    import warnings
+
+    warnings.showwarning = _show_warning
     try:
         from . import plugins
 

@@ -21,7 +21,10 @@ from .convert import read_config
 from .errors import ColibriError
 from .generate import sample
 from .model import Weights
+from .probe import Probe
 from .store import ExpertStore
+from .store.budget import Split, split_budget
+from .store.usage import UsageHistory
 from .tokenizer import Tokenizer, generation_defaults
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -67,6 +70,9 @@ class Session:
 
 class Engine:
     def __init__(self, model_dir: str | Path, *, ram: int | str | None = None, cache_slots: int | None = None,
+                 prefetch: bool = True, direct: bool = False, mirror: str | Path | None = None,
+                 pin_gb: float | None = None, policy: str = "lru", io_threads: int = 4,
+                 usage: bool | str | Path = True,
                  activations: str | None = None):
         self.model_dir = Path(model_dir)
         # "f32": exact (the oracle's arithmetic, the default); "int8": activations quantised per block
@@ -78,33 +84,43 @@ class Engine:
         if self.arch.name != self.container.architecture:
             raise ColibriError(f"{model_dir}: container is for architecture {self.container.architecture}, "
                                f"but config.json is served by {self.arch.name} ({self.arch.plugin})")
+        registry.cache_policy(policy)  # an unknown policy before anything is read
+        if pin_gb is not None and pin_gb < 0:
+            raise ColibriError(f"--pin-gb must be 0 or more, got {pin_gb}")
         model_cls = registry.model_class(self.arch)
         cfg = model_cls.parse_config(self.container.config)
         resident = self.container.resident()
         self.resident_bytes = sum(t.nbytes for t in resident.values())
         weights = Weights(resident, str(model_dir))
-        self.store = ExpertStore(self.container, self._cache_slots(ram, cache_slots))
+        self.split = self._split(ram, cache_slots, pin_gb, usage)
+        self.store = ExpertStore(self.container, self.split.cache_slots, pinned=self.split.pinned_experts,
+                                 prefetch=prefetch, direct=direct, mirror=None if mirror is None else str(mirror),
+                                 policy=policy, io_threads=io_threads, record_usage=usage is not False,
+                                 usage_path=None if isinstance(usage, bool) else str(usage))
         self.model = model_cls(cfg, weights, self.store)
         weights.check_all_taken()
+        self.store.attach(self.model)
         self.generation = generation_defaults(model_dir)
         self._tokenizer: Tokenizer | None = None
+        self.probe = Probe(self.container.n_experts)  # seconds per section, routing per (layer, expert)
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_seconds": 0.0,
                          "decode_seconds": 0.0, "time_to_first_token": 0.0}
 
-    def _cache_slots(self, ram, cache_slots) -> int:
+    def _split(self, ram, cache_slots, pin_gb, usage: bool) -> Split:
+        """The budget split (store/budget.py); `cache_slots` overrides the cache part."""
         c = self.container
+        pin_bytes = None if pin_gb is None else int(pin_gb * 1e9)
         if cache_slots is not None:
             if cache_slots < 1:
                 raise ColibriError(f"--cache-slots must be at least 1, got {cache_slots}")
-            return min(cache_slots, c.n_experts)
-        per_slot = len(c.moe_layers) * c.expert_nbytes  # one more slot in every MoE layer
+            slots = min(cache_slots, c.n_experts)
+            pinned = 0 if slots >= c.n_experts else int((pin_bytes or 0) // c.expert_nbytes)
+            return Split(0, self.resident_bytes, 0, slots, slots * len(c.moe_layers) * c.expert_nbytes,
+                         pinned, pinned * c.expert_nbytes, slots >= c.n_experts)
         budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
-        slots = (budget - self.resident_bytes) // per_slot
-        if slots < 1:
-            need = self.resident_bytes + per_slot
-            raise ColibriError(f"RAM budget {format_bytes(budget)} is below this model's minimum "
-                               f"{format_bytes(need)} (resident weights + one expert per layer)")
-        return int(min(slots, c.n_experts))
+        history = usage is not False and UsageHistory.enough(c, None if isinstance(usage, bool) else usage)
+        return split_budget(budget, self.resident_bytes, 0, c.expert_nbytes, len(c.moe_layers), c.n_experts,
+                            pin_bytes, history)
 
     # ---- text ------------------------------------------------------------------------------
     @property
@@ -121,14 +137,16 @@ class Engine:
         """Teacher-forced logits, float32 (len(ids), vocab)."""
         ids = np.asarray(ids, np.int64)
         with kernels.activations(self.activations):
-            return self.model.forward(ids, self.model.new_state())
+            out = self.model.forward(ids, self.model.new_state())
+        self.store.end_turn()
+        return out
 
     def _feed(self, session: Session, ids: list[int]) -> np.ndarray:
         """Bring `session` to `ids` (reusing the longest cached prefix); logits of the last token (V,)."""
         n = len(session.ids)
         if not (n < len(ids) and ids[:n] == session.ids):
             session.state, session.ids, n = self.model.new_state(), [], 0
-        with kernels.activations(self.activations):
+        with kernels.activations(self.activations), self.probe.listening():
             logits = self.model.forward(np.asarray(ids[n:], np.int64), session.state, last_only=True)
         session.ids = list(ids)
         return logits[-1]
@@ -165,6 +183,7 @@ class Engine:
             t1 = time.perf_counter()
             logits = self._feed(session, ids)
             self.counters["decode_seconds"] += time.perf_counter() - t1
+        self.store.end_turn()  # only after a whole turn: routing history, hot-store revision
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, *, stop_ids=None) -> list[int]:
@@ -178,12 +197,14 @@ class Engine:
             **c,
             "decode_tokens_per_second": decoded / c["decode_seconds"] if c["decode_seconds"] else 0.0,
             **self.store.stats(),
+            **{f"{name}_seconds": s for name, s in list(self.probe.seconds.items())},  # attention, moe, disk
             "resident_bytes": self.resident_bytes,
+            "ram_budget": self.split.budget,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
 
     def close(self) -> None:
-        self.store.cache.clear()
+        self.store.close()
 
     def __enter__(self):
         return self
@@ -193,7 +214,20 @@ class Engine:
 
 
 def load(model_dir: str | Path, *, ram: int | str | None = None, cache_slots: int | None = None,
+         prefetch: bool = True, direct: bool = False, mirror: str | Path | None = None, pin_gb: float | None = None,
+         policy: str = "lru", io_threads: int = 4, usage: bool | str | Path = True,
          activations: str | None = None) -> Engine:
-    """Open a converted model directory. `ram`: budget in bytes or "2GB"; `cache_slots`: experts per layer;
-    `activations`: "f32" (exact, default) or "int8" (faster; default from COLIBRI_ACTIVATIONS)."""
-    return Engine(model_dir, ram=ram, cache_slots=cache_slots, activations=activations)
+    """Open a converted model directory.
+
+    `ram`: budget in bytes or "2GB" (default 80% of available); `cache_slots`: experts cached per
+    layer (overrides the budget); `prefetch`: router lookahead; `direct`: O_DIRECT reads; `mirror`:
+    a byte-identical copy on another disk; `pin_gb`: hot-store size (default: half the expert
+    budget once there is routing history); `policy`: cache eviction policy (`lru`, `lfu`, or a
+    plugin's); `io_threads`: I/O pool threads; `usage`: record routing history in .coli_usage
+    beside the model (True), in another file (a path), or not at all (False).
+    None of these changes an output, only speed. `activations`: "f32" (exact, the default) or
+    "int8" (faster, changes the arithmetic; default from COLIBRI_ACTIVATIONS).
+    """
+    return Engine(model_dir, ram=ram, cache_slots=cache_slots, prefetch=prefetch, direct=direct, mirror=mirror,
+                  pin_gb=pin_gb, policy=policy, io_threads=io_threads, usage=usage,
+                  activations=activations)

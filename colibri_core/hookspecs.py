@@ -46,3 +46,14 @@ def colibri_register_commands(app):
 
     :param app: the `typer.Typer` application; use ``@app.command()``.
     """
+
+
+@hookspec
+def colibri_register_cache_policies(register):
+    """Register eviction policies for the per-layer expert cache (``--policy NAME``).
+
+    :param register: call ``register(name, factory, description="")`` once per policy. ``name``
+        is lower_snake_case and unique; ``factory(slots=..., n_experts=...)`` returns a
+        `colibri_core.store.policies.CachePolicy` (one per MoE layer). The core's own ``lru``
+        (the default) and ``lfu`` are registered through this same hook.
+    """

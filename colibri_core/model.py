@@ -76,6 +76,21 @@ class MoEModel:
         """Which checkpoint tensors are resident, which are routed experts, which stay f32."""
         raise NotImplementedError
 
+    @classmethod
+    def resident_shapes(cls, cfg) -> dict[str, tuple[int, ...]] | None:
+        """Optional, for `colibri plan --config`: the shape of every resident tensor of the layout.
+        None (the default) means a model can be planned only from a converted directory."""
+        return None
+
+    @classmethod
+    def state_bytes_per_token(cls, cfg) -> int:
+        """Bytes of per-sequence state each token adds (default: a float32 K and V cache in every
+        layer, from the config's num_hidden_layers, num_key_value_heads and head_dim)."""
+        try:
+            return 2 * 4 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+        except AttributeError:
+            return 0
+
     def __init__(self, cfg, weights: Weights, store):
         self.cfg = cfg
         self.store = store
@@ -83,6 +98,12 @@ class MoEModel:
     def new_state(self):
         """Fresh per-sequence state (KV caches, …) with a `length` attribute (tokens seen)."""
         raise NotImplementedError
+
+    def predict_experts(self, layer: int, hidden: np.ndarray) -> np.ndarray | None:
+        """Router lookahead (optional): the expert ids (T, k) MoE layer `layer`'s router picks for the
+        residual stream `hidden` (T, H) of an earlier layer. The store calls it to prefetch; the
+        default, None, means no prediction. It never changes an output, only what is read early."""
+        return None
 
     def forward(self, ids: np.ndarray, state, last_only: bool = False) -> np.ndarray:
         """Run new tokens `ids` (T,) after the `state.length` tokens already in `state`.

@@ -51,6 +51,11 @@ class Registry:
         self.plugins: dict[str, PluginInfo] = {}
         self.architectures: dict[str, Architecture] = {}
         self.skipped: list[str] = []  # installed plugins left out by COLIBRI_LOAD_PLUGINS
+        self._policies = None  # name -> PolicyInfo, collected on first use
+        from .store import policies  # the core's own cache policies, registered like a plugin's
+
+        self._core_policies = policies
+        self.pm.register(policies, name="colibri-core-policies")
         if os.environ.get("COLIBRI_TRACE_PLUGINS"):
             self.pm.trace.root.setwriter(lambda msg: print(msg, end="", file=sys.stderr))
             self.pm.enable_tracing()
@@ -145,6 +150,42 @@ class Registry:
             return getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as e:
             raise ColibriError(f"plugin {arch.plugin} {arch.version}: cannot import {arch.model}: {e}") from e
+
+    # ---- cache policies ------------------------------------------------------------------
+    def cache_policies(self) -> dict:
+        """Every registered cache policy by name (`colibri_core.store.policies.PolicyInfo`)."""
+        if self._policies is not None:
+            return self._policies
+        from .store.policies import PolicyInfo
+
+        found: dict[str, PolicyInfo] = {}
+        sources = [("colibri", "", self._core_policies)] + [
+            (p.distribution, p.version, p.module) for p in self.plugins.values()]
+        for dist, version, module in sources:
+            where = f"plugin {dist} {version}".rstrip()
+
+            def register(name, factory, description="", where=where, dist=dist) -> None:
+                if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+                    raise ColibriError(f"{where}: cache policy name {name!r} must be lower_snake_case")
+                if not callable(factory):
+                    raise ColibriError(f"{where}: cache policy {name}: factory {factory!r} is not callable")
+                if not isinstance(description, str):
+                    raise ColibriError(f"{where}: cache policy {name}: description must be a string")
+                if name in found:
+                    raise ColibriError(f"{where}: cache policy {name} is already registered by {found[name].plugin}")
+                found[name] = PolicyInfo(name, factory, description, dist)
+
+            others = [p for p in self.pm.get_plugins() if p is not module]
+            self.pm.subset_hook_caller("colibri_register_cache_policies", remove_plugins=others)(register=register)
+        self._policies = found
+        return found
+
+    def cache_policy(self, name: str):
+        """The PolicyInfo registered as `name`, or a ColibriError listing the known ones."""
+        policies = self.cache_policies()
+        if name not in policies:
+            raise ColibriError(f"unknown cache policy {name!r}: choose one of {', '.join(sorted(policies))}")
+        return policies[name]
 
     def call_commands(self, app) -> None:
         self.pm.hook.colibri_register_commands(app=app)

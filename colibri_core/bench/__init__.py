@@ -1,1 +1,1 @@
-"""Benchmarks behind `colibri bench …`: measurements, never test gates."""
+"""Benchmarks behind `colibri bench` (results are measurements, never test gates)."""

@@ -386,7 +386,7 @@ class Container:
                      if layer in self._layers and expert < self.n_experts and magic == TRAILER_MAGIC
                      else f"{self.path} (an extent with an unreadable trailer)")
             raise ColibriError(f"corrupt expert data in {where}: checksum mismatch; "
-                               f"run `colibri verify --deep` and reconvert the model")
+                               f"run `colibri doctor --deep` and reconvert the model")
         shapes = [_proj_shape(p, self.hidden, self.intermediate) for p in PROJS]
         tensors = tuple(quant.from_buffer(self.expert_kind, r, c, mv, off)[0]
                         for (r, c), off in zip(shapes, self._offsets))

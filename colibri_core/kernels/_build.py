@@ -26,9 +26,15 @@ def _path(p: str) -> str:
     return os.path.relpath(p, ROOT) if os.path.realpath(os.getcwd()) == ROOT else p
 
 
+HEADERS = ("colibri.h", "io_pool.h")  # the kernels; the I/O thread pool of the expert store
+
+
 def _cdef() -> str:
-    with open(os.path.join(CSRC, "colibri.h"), encoding="utf-8") as f:
-        return "".join(line for line in f if not line.lstrip().startswith("#"))
+    text = ""
+    for name in HEADERS:
+        with open(os.path.join(CSRC, name), encoding="utf-8") as f:
+            text += "".join(line for line in f if not line.lstrip().startswith("#"))
+    return text
 
 
 if sys.platform == "win32":
@@ -43,7 +49,7 @@ ffibuilder = cffi.FFI()
 ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
     "colibri_core.kernels._colibri_kernels",
-    '#include "colibri.h"\n',
+    "".join(f'#include "{name}"\n' for name in HEADERS),
     sources=[_path(p) for p in sorted(glob.glob(os.path.join(CSRC, "*.c")))],
     include_dirs=[_path(CSRC)],
     depends=[_path(p) for p in sorted(glob.glob(os.path.join(CSRC, "*.h")) + glob.glob(os.path.join(CSRC, "impl", "*.h")))],

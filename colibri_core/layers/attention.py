@@ -3,8 +3,10 @@ import numpy as np
 
 from .. import kernels
 from ..kv.cache import KVCache
+from ..probe import timed
 
 
+@timed("attention")
 def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, scale: float) -> np.ndarray:
     """Causal attention of new tokens over everything cached so far.
 

@@ -7,6 +7,7 @@ fixed slot (its top-k rank), and the weighted sum over ranks is taken in rank or
 import numpy as np
 
 from .. import kernels
+from ..probe import route, timed
 
 
 def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict) -> None:
@@ -23,10 +24,18 @@ def combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return kernels.moe_combine(outs, weights)  # one C call, the same float32 operations as NumPy's
 
 
-def moe_block(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, store, layer: int) -> np.ndarray:
-    """x (T, H), ids / weights (T, k) from the router → (T, H) = Σ_rank weight · expert(x)."""
+@timed("moe")
+def moe_block(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, store, layer: int,
+              hidden: np.ndarray | None = None) -> np.ndarray:
+    """x (T, H), ids / weights (T, k) from the router → (T, H) = Σ_rank weight · expert(x).
+
+    The store reads the batch union once, yields the experts already resident first and each read
+    one as it arrives, so compute overlaps the reads. `hidden` (T, H), the residual stream entering
+    this block, lets the store predict and prefetch the next layer's experts (router lookahead).
+    """
+    route(layer, ids)
     T, k = ids.shape
     outs = np.zeros((T, k, x.shape[1]), np.float32)  # (T, k, H): one slot per (token, rank)
-    experts = {int(e): store.get(layer, int(e)) for e in np.unique(ids)}  # the batch union, ascending id
-    run_experts(outs, x, ids, experts)
+    for ready in store.experts(layer, ids, hidden=hidden):  # {expert: (gate, up, down)}, resident first
+        run_experts(outs, x, ids, ready)
     return combine(outs, weights)

@@ -99,6 +99,19 @@ class Olmoe(MoEModel):
             ),
         )
 
+    @classmethod
+    def resident_shapes(cls, cfg: OlmoeConfig) -> dict[str, tuple[int, ...]]:
+        H, V, E = cfg.hidden_size, cfg.vocab_size, cfg.num_experts
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        per_layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+                     "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+                     "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
+                     "self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,), "mlp.gate.weight": (E, H)}
+        shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+        for i in range(cfg.num_hidden_layers):
+            shapes.update({f"{LAYER}.{name}".format(layer=i): shape for name, shape in per_layer.items()})
+        return shapes
+
     def __init__(self, cfg: OlmoeConfig, weights, store):
         super().__init__(cfg, weights, store)
         self.embed_tokens = weights("model.embed_tokens.weight")  # (V, H)
@@ -123,6 +136,12 @@ class Olmoe(MoEModel):
     def new_state(self) -> State:
         return State(self.cfg)
 
+    def predict_experts(self, layer: int, hidden: np.ndarray) -> np.ndarray:
+        """Layer `layer`'s router applied to an earlier residual stream `hidden` (T, H) → ids (T, k)."""
+        L = self.layers[layer]
+        x = rms_norm(hidden, L["post_norm"], self.cfg.rms_norm_eps)
+        return softmax_topk(linear(x, L["router"]), self.cfg.num_experts_per_tok, False)[1]
+
     def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
         cfg = self.cfg
         T = len(ids)
@@ -145,7 +164,7 @@ class Olmoe(MoEModel):
             # ---- routed experts
             x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
             weights, experts = softmax_topk(linear(x, L["router"]), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-            h = h + moe_block(x, experts, weights, self.store, layer=i)
+            h = h + moe_block(x, experts, weights, self.store, layer=i, hidden=h)
         if last_only:
             h = h[-1:]
         return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head)  # (T, V)

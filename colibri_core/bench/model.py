@@ -1,0 +1,252 @@
+"""`colibri bench --model DIR` (also `colibri bench model --model DIR`): the decode benchmark protocol.
+
+1. Measure the machine: disk bandwidth (O_DIRECT reads of an expert file) and memory bandwidth.
+2. Resident compute time: every prompt run twice with every expert cached; the second pass reads
+   nothing, so its decode time per token is pure compute on this machine, in this run.
+3. For each budget (dense weights + 25 % / 50 % of the experts), with a fresh routing history:
+   - session 1, cold: page cache dropped (where permitted) and experts read with O_DIRECT (where
+     the filesystem allows it), then a few different prompts; then a warm repeat of the first
+     prompt in the same session (warm: the expert cache holds what the session read);
+   - session 2, learned: page cache dropped again, a new engine with the history session 1 wrote
+     (so the hot-store pins the experts this workload routes to most), the same prompts.
+4. Per run: tok/s, time to first token, hit rate, bytes read per token, prefetch recall, and the
+   decode time per token next to the floor max(bytes read ÷ disk bandwidth, resident compute time).
+Generation samples at temperature 1 with a fixed seed per prompt: decode visits varied tokens (and
+so varied experts), and every engine replays exactly the same tokens.
+
+The model directory's own `.coli_usage` is never touched: sessions record into a scratch file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+MODEL_HELP = "Converted model directory to benchmark [env: COLIBRI_MODEL]."
+
+
+def drop_page_cache() -> bool:
+    """sync + echo 3 > /proc/sys/vm/drop_caches; False where not permitted."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _prompts(engine, n: int, length: int, seed: int) -> list[list[int]]:
+    """`n` different prompts of `length` tokens: from text when the model has a tokenizer, else
+    deterministic random token ids (synthetic models have none)."""
+    import numpy as np
+
+    texts = ["The history of the hummingbird begins in", "def stream_experts(layer, budget):\n    ",
+             "Mixture-of-experts models route each token to", "Once upon a time, on a small island,",
+             "The capital of France is", "In 1969 the first"]
+    if (engine.model_dir / "tokenizer.json").exists():
+        out = []
+        for t in texts[:n]:
+            ids = engine.tokenizer.encode(t)
+            out.append((ids * (length // max(1, len(ids)) + 1))[:length])
+        if len(out) == n:
+            return out
+    rng = np.random.default_rng(seed)
+    vocab = engine.model.cfg.vocab_size if hasattr(engine.model.cfg, "vocab_size") else 256
+    return [[int(i) for i in rng.integers(0, vocab, length)] for _ in range(n)]
+
+
+_COUNTERS = ("expert_hits", "expert_misses", "bytes_read", "prefetch_issued", "prefetch_used", "io_stall_seconds")
+
+
+def _run(engine, prompt: list[int], new_tokens: int, seed: int) -> dict:
+    """One generation, sampled at temperature 1 with `seed` (so decode visits varied tokens and
+    routes, as text does, and every placement replays the same tokens): time to first token, then
+    decode time and the store counters it moved."""
+    t0 = time.perf_counter()
+    s0 = first = None
+    n = 0
+    for _ in engine.stream(prompt, new_tokens, temperature=1.0, seed=seed, stop_ids=()):
+        n += 1
+        if first is None:
+            first = time.perf_counter()
+            s0 = engine.store.stats()
+            c0 = engine.store.counters
+            pred0 = (c0.predicted_needed, c0.needed_after_prediction)
+    end = time.perf_counter()
+    s1 = engine.store.stats()
+    c1 = engine.store.counters
+    d = {k: s1[k] - s0[k] for k in _COUNTERS}
+    decoded = n - 1
+    lookups = d["expert_hits"] + d["expert_misses"]
+    pred_total = c1.needed_after_prediction - pred0[1]
+    return {
+        "prompt_tokens": len(prompt), "decoded_tokens": decoded,
+        "ttft_seconds": first - t0, "decode_seconds": end - first,
+        "seconds_per_token": (end - first) / decoded if decoded else 0.0,
+        "tokens_per_second": decoded / (end - first) if decoded and end > first else 0.0,
+        "hit_rate": d["expert_hits"] / lookups if lookups else 0.0,
+        "bytes_read_per_token": d["bytes_read"] / decoded if decoded else 0.0,
+        "prefetch_recall": (c1.predicted_needed - pred0[0]) / pred_total if pred_total else 0.0,
+        **{f"decode_{k}": v for k, v in d.items()},
+    }
+
+
+def _floor(run: dict, resident_spt: float, disk_bw: float) -> None:
+    disk = run["bytes_read_per_token"] / disk_bw
+    run["floor_seconds_per_token"] = max(disk, resident_spt)
+    run["floor_disk_seconds"], run["resident_compute_seconds"] = disk, resident_spt
+    run["vs_floor"] = run["seconds_per_token"] / run["floor_seconds_per_token"] if run["floor_seconds_per_token"] else 0.0
+
+
+def _session_summary(runs: list[dict]) -> dict:
+    tok = sum(r["decoded_tokens"] for r in runs)
+    secs = sum(r["decode_seconds"] for r in runs)
+    floor = sum(r["floor_seconds_per_token"] * r["decoded_tokens"] for r in runs)
+    return {"decoded_tokens": tok, "seconds_per_token": secs / tok, "tokens_per_second": tok / secs,
+            "floor_seconds_per_token": floor / tok, "vs_floor": secs / floor if floor else 0.0,
+            "ttft_seconds": sum(r["ttft_seconds"] for r in runs) / len(runs),
+            "hit_rate": sum(r["hit_rate"] for r in runs) / len(runs),
+            "bytes_read_per_token": sum(r["bytes_read_per_token"] * r["decoded_tokens"] for r in runs) / tok,
+            "prefetch_recall": sum(r["prefetch_recall"] for r in runs) / len(runs)}
+
+
+def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, prompt_tokens: int = 8,
+                 new_tokens: int = 8, seed: int = 0, say=print, drop: bool = True) -> dict:
+    """The protocol above; `drop=False` never drops the page cache (cold runs use O_DIRECT)."""
+    from ..container import Container
+    from ..engine import format_bytes, load
+    from ..store.budget import disk_bandwidth, memory_bandwidth
+    from ..store.plan import sizes_from_container
+
+    sizes = sizes_from_container(model_dir)
+    c = Container(model_dir)
+    expert_files = [c.expert_location(layer, 0)[0] for layer in c.moe_layers]
+    disk_bw, direct_measured = disk_bandwidth(expert_files, 1 << 30)  # 4 threads, as the store reads
+    mem_bw = memory_bandwidth()
+    can_drop = drop and drop_page_cache()
+    say(f"machine: disk {format_bytes(disk_bw)}/s ({'O_DIRECT' if direct_measured else 'page cache'}), memory "
+        f"{format_bytes(mem_bw)}/s; sessions start with the page cache {'dropped' if can_drop else 'not dropped'}, "
+        f"experts read with O_DIRECT where allowed")
+    result = {"model": str(model_dir), "sizes": sizes.__dict__, "disk_bandwidth": disk_bw,
+              "disk_bandwidth_o_direct": direct_measured, "memory_bandwidth": mem_bw,
+              "page_cache_dropped": can_drop, "prompt_tokens": prompt_tokens,
+              "new_tokens": new_tokens, "budgets": []}
+
+    # -- resident compute time: second pass over each prompt with every expert cached
+    with load(model_dir, cache_slots=sizes.n_experts, usage=False, prefetch=False) as engine:
+        prompts = _prompts(engine, n_prompts, prompt_tokens, seed)
+        resident = []
+        for i, p in enumerate(prompts):
+            _run(engine, p, new_tokens, seed + i)
+            r = _run(engine, p, new_tokens, seed + i)
+            assert r["decode_bytes_read"] == 0, "the resident pass read from disk"
+            resident.append(r["seconds_per_token"])
+    # Compute per token does not depend on the prompt (same dense work, top-k experts per layer):
+    # the median over prompts is the resident compute time, robust to a noisy neighbour.
+    resident_spt = sorted(resident)[len(resident) // 2]
+    result["resident_seconds_per_token_runs"] = resident
+    result["resident_seconds_per_token"] = resident_spt
+    say(f"resident compute: {resident_spt:.3f} s/token (median of {', '.join(f'{t:.3f}' for t in resident)})")
+
+    for frac in fractions:
+        budget = sizes.dense_bytes + int(frac * sizes.experts_total * sizes.expert_nbytes)
+        entry = {"fraction": frac, "ram": budget, "sessions": {}}
+        with tempfile.TemporaryDirectory(prefix="colibri-bench-") as tmp:
+            history = Path(tmp) / "usage.json"
+            for name in ("cold", "learned"):
+                if can_drop:
+                    drop_page_cache()
+                # O_DIRECT whenever the filesystem allows it: every byte counted as read came from the
+                # device (not from the page cache), so the disk floor is exact for every prompt.
+                with load(model_dir, ram=budget, usage=history, direct=True) as engine:
+                    runs = []
+                    for i, p in enumerate(prompts):
+                        r = _run(engine, p, new_tokens, seed + i)
+                        _floor(r, resident_spt, disk_bw)
+                        runs.append(r)
+                    s = engine.stats()
+                    sess = {"runs": runs, **_session_summary(runs), "pinned_experts": s["pinned_experts"],
+                            "cache_slots_per_layer": s["cache_slots_per_layer"], "direct_io": s["direct_io"]}
+                    if name == "cold":  # the warm repeat: the first prompt again, same session
+                        w = _run(engine, prompts[0], new_tokens, seed)
+                        _floor(w, resident_spt, disk_bw)
+                        sess["warm_repeat"] = w
+                entry["sessions"][name] = sess
+                say(f"budget {100 * frac:.0f}% of experts ({format_bytes(budget)}), {name}: "
+                    f"{sess['tokens_per_second']:.2f} tok/s, {sess['seconds_per_token']:.3f} s/token vs floor "
+                    f"{sess['floor_seconds_per_token']:.3f} ({sess['vs_floor']:.2f}×), TTFT {sess['ttft_seconds']:.2f} s, "
+                    f"hit rate {100 * sess['hit_rate']:.1f}%, read {format_bytes(sess['bytes_read_per_token'])}/token, "
+                    f"recall {100 * sess['prefetch_recall']:.1f}%, pinned {sess['pinned_experts']}, "
+                    f"{sess['cache_slots_per_layer']} slots/layer")
+                if name == "cold":
+                    w = sess["warm_repeat"]
+                    say(f"    warm repeat: {w['tokens_per_second']:.2f} tok/s, {w['seconds_per_token']:.3f} s/token, "
+                        f"hit rate {100 * w['hit_rate']:.1f}%, read {format_bytes(w['bytes_read_per_token'])}/token")
+        result["budgets"].append(entry)
+    return result
+
+
+def register(bench_app: typer.Typer) -> None:
+    """Wire `colibri bench --model DIR` (a callback, so `colibri bench kernels` and other
+    subcommands still work) and its explicit spelling `colibri bench model --model DIR`."""
+
+    def bench(model: Path, fractions: str, prompts: int, prompt_tokens: int, new_tokens: int,
+              as_json: bool, out: Optional[Path], no_drop: bool) -> None:
+        from ..errors import ColibriError
+
+        try:
+            fr = tuple(float(f) for f in fractions.split(","))
+        except ValueError:
+            raise ColibriError(f"--budgets takes fractions like 0.25,0.5, got {fractions!r}") from None
+        if not fr or not all(0 < f <= 1 for f in fr) or min(prompts, prompt_tokens, new_tokens) < 1 or new_tokens < 2:
+            raise ColibriError("--budgets must be fractions in (0, 1]; --prompts, --prompt-tokens ≥ 1; --new-tokens ≥ 2")
+        say = (lambda msg: print(msg, file=sys.stderr)) if as_json else print
+        result = run_protocol(model, fr, prompts, prompt_tokens, new_tokens, say=say, drop=not no_drop)
+        if out is not None:
+            out.write_text(json.dumps(result, indent=2))
+        if as_json:
+            print(json.dumps(result, indent=2))
+
+    opts = dict(
+        fractions=typer.Option("0.25,0.5", "--budgets", help="Expert budgets as fractions of all experts."),
+        prompts=typer.Option(3, "--prompts", help="Different prompts per session."),
+        prompt_tokens=typer.Option(8, "--prompt-tokens", help="Tokens per prompt."),
+        new_tokens=typer.Option(8, "--new-tokens", help="Tokens generated per prompt."),
+        as_json=typer.Option(False, "--json", help="Print the results as JSON (progress goes to stderr)."),
+        out=typer.Option(None, "--out", help="Also write the JSON results to this file."),
+        no_drop=typer.Option(False, "--no-drop", help="Never drop the page cache: cold runs read with O_DIRECT."),
+    )
+
+    @bench_app.callback(invoke_without_command=True)
+    def bench_callback(ctx: typer.Context,
+                       model: Optional[Path] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+                       fractions: str = opts["fractions"], prompts: int = opts["prompts"],
+                       prompt_tokens: int = opts["prompt_tokens"], new_tokens: int = opts["new_tokens"],
+                       as_json: bool = opts["as_json"], out: Optional[Path] = opts["out"],
+                       no_drop: bool = opts["no_drop"]):
+        """Benchmarks. `colibri bench --model DIR` runs the decode protocol (cold, warm repeat, learned
+        hot-store; at 25% and 50% of the experts) against the disk/compute floor."""
+        if ctx.invoked_subcommand is not None:
+            return
+        if model is None:
+            model = os.environ.get("COLIBRI_MODEL")
+            if not model:
+                print(ctx.get_help())
+                raise typer.Exit(0)
+        bench(Path(model), fractions, prompts, prompt_tokens, new_tokens, as_json, out, no_drop)
+
+    @bench_app.command("model")
+    def bench_model(model: Path = typer.Option(..., "--model", "-m", envvar="COLIBRI_MODEL", help=MODEL_HELP),
+                    fractions: str = opts["fractions"], prompts: int = opts["prompts"],
+                    prompt_tokens: int = opts["prompt_tokens"], new_tokens: int = opts["new_tokens"],
+                    as_json: bool = opts["as_json"], out: Optional[Path] = opts["out"],
+                    no_drop: bool = opts["no_drop"]):
+        """The decode benchmark protocol (same as `colibri bench --model DIR`)."""
+        bench(model, fractions, prompts, prompt_tokens, new_tokens, as_json, out, no_drop)

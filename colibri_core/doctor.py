@@ -1,0 +1,93 @@
+"""`colibri doctor`: read-only checks of the installation and of one model directory.
+
+Each check is one line, PASS / WARN / FAIL and what was found; any FAIL makes the exit status 1.
+Nothing is written (not even the routing history).
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ColibriError
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "PASS" | "WARN" | "FAIL"
+    detail: str
+
+    def line(self) -> str:
+        return f"{self.status:4}  {self.name}: {self.detail}"
+
+
+def run_checks(model_dir: str | Path, deep: bool = False) -> list[Check]:
+    model_dir = Path(model_dir)
+    checks: list[Check] = []
+
+    def add(name, ok, detail, warn=False):
+        checks.append(Check(name, "PASS" if ok else ("WARN" if warn else "FAIL"), detail))
+
+    try:
+        from . import kernels
+
+        add("kernels", True, f"C kernels built, SIMD path {kernels.simd()}")
+    except ImportError as e:
+        add("kernels", False, f"not built ({e})")
+
+    from . import plugins
+    from .convert import read_config
+
+    container = None
+    try:
+        config = read_config(model_dir)
+        arch = plugins.registry().resolve(config, where=str(model_dir))
+        add("plugin", True, f"{arch.name} served by {arch.plugin} {arch.version}")
+    except ColibriError as e:
+        add("plugin", False, str(e))
+    try:
+        from .container import Container
+
+        container = Container(model_dir)
+        add("files", True, f"every file the manifest lists is present with its recorded size; small files' "
+                           f"checksums match ({len(container.moe_layers)} expert files)")
+    except ColibriError as e:
+        add("files", False, str(e))
+
+    from .engine import available_memory, format_bytes
+
+    free = shutil.disk_usage(model_dir if model_dir.is_dir() else model_dir.parent).free
+    add("free disk", free >= 100 * 10**6, f"{format_bytes(free)} free beside the model", warn=True)
+    ram = available_memory()
+    if container is not None:
+        from .store.plan import _tensor_bytes
+
+        need = sum(_tensor_bytes(k, s) for k, s in container._resident.values()) + \
+            len(container.moe_layers) * container.expert_nbytes
+        add("RAM", ram >= need, f"{format_bytes(ram)} available; the model needs at least {format_bytes(need)} "
+                                f"(resident weights + one expert per layer)")
+        from .store import io
+
+        path, _, nbytes = container.expert_location(container.moe_layers[0], 0)
+        fd, refused = io.open_expert_file(path, True, probe_bytes=nbytes)
+        io.close_fd(fd)
+        add("O_DIRECT", refused is None, "supported: --direct reads bypass the page cache" if refused is None
+            else f"refused by the filesystem ({refused}): --direct falls back to the page cache", warn=True)
+        from .store.usage import USAGE_FILE, UsageHistory
+        import warnings
+
+        if (model_dir / USAGE_FILE).exists():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                h = UsageHistory(container)
+            add("routing history", not caught, f"{h.tokens} tokens recorded" if not caught
+                else str(caught[0].message), warn=True)
+        if deep:
+            problems = container.verify(deep=True)
+            add("checksums (deep)", not problems, "every expert extent and file matches the manifest" if not problems
+                else f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+        container.close()
+    else:
+        add("RAM", True, f"{format_bytes(ram)} available", warn=True)
+    return checks

@@ -1,0 +1,80 @@
+"""`colibri serve` and `colibri web`: the OpenAI-compatible HTTP API (and the dashboard) on uvicorn.
+
+    from colibri_core.server import ServerConfig, serve
+    serve(ServerConfig(model_dir="models/olmoe"), host="127.0.0.1", port=8000)
+
+See `app.py` for the endpoints, `worker.py` for the queue, `static/` for the dashboard.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import socket
+import sys
+
+from ..errors import ColibriError
+from .app import ServerConfig, create_app
+
+__all__ = ["ServerConfig", "create_app", "serve"]
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: any free port), or a one-line ColibriError."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ColibriError(f"cannot resolve host {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ColibriError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _quiet_polls(record: logging.LogRecord) -> bool:
+    """Access-log filter: leave out the dashboard's own polling (/api/…) when it succeeds."""
+    args = record.args  # (client, method, path, http version, status)
+    return not (isinstance(args, tuple) and len(args) == 5 and str(args[2]).startswith("/api/") and args[4] < 400)
+
+
+def serve(cfg: ServerConfig, host: str = "127.0.0.1", port: int = 8000, access_log: bool = True) -> None:
+    """Listen, load the model in the background, serve until interrupted. A model that fails to
+    load stops the server and raises ColibriError with the reason."""
+    import uvicorn
+
+    from .. import plugins
+    from ..convert import read_config
+
+    # the cheap checks first, so a wrong directory is one line before anything listens
+    plugins.registry().resolve(read_config(cfg.model_dir), where=str(cfg.model_dir))
+    sock = bind(host, port)
+    app = create_app(cfg)
+    logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    logs["loggers"]["uvicorn.error"]["level"] = "WARNING"  # our own lines say where and when; keep access logs
+    logs["loggers"]["uvicorn.access"]["level"] = "INFO" if access_log else "WARNING"
+    server = uvicorn.Server(uvicorn.Config(app, log_level=None, log_config=logs, timeout_graceful_shutdown=3))
+    logging.getLogger("uvicorn.access").addFilter(_quiet_polls)
+    state = app.state.server
+
+    def loaded(s):
+        if s.load_error:
+            server.should_exit = True
+        else:
+            print(f"colibri: model {s.model_id} loaded; ready", file=sys.stderr, flush=True)
+
+    state.on_loaded = loaded
+    bound_host, bound_port = sock.getsockname()[:2]
+    url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
+    print(f"colibri: serving {state.model_id} on {url}" + (f" (dashboard: {url}/)" if cfg.dashboard else "")
+          + f"; loading {cfg.model_dir}", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if state.load_error:
+        raise ColibriError(state.load_error)

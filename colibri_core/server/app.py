@@ -1,0 +1,580 @@
+"""The HTTP server: an OpenAI-compatible API, health, tokenizer, Prometheus metrics, and the dashboard.
+
+    GET  /health                   503 while the model loads, then 200
+    GET  /v1/models                the one model this server serves
+    POST /v1/chat/completions      chat (the model's own template), streamed as SSE or not
+    POST /v1/completions           completion of a prompt (text or token ids), streamed or not
+    POST /tokenize  /detokenize    text ↔ token ids with the model's tokenizer
+    GET  /metrics                  Prometheus text (colibri_ prefix)
+    GET  /api/stats  /api/brain    JSON the dashboard draws (queue, timings, memory, the expert map)
+    GET  /                         the dashboard (`colibri web`)
+
+The model loads on a thread after the server starts listening; requests are validated on the
+event loop, then run one at a time by the `Worker`. Every error is a JSON body of the OpenAI form
+with a 4xx status (503 while loading); a 500 is a bug.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from ..errors import ColibriError
+from . import brain, metrics as metrics_mod
+from .schemas import ApiError, Sampling, invalid, parse_chat, parse_completion, parse_json
+from .worker import Delta, End, Job, Params, QueueFull, Worker, _number_stats
+
+log = logging.getLogger("colibri.server")
+STATIC = Path(__file__).parent / "static"
+CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "n_ctx")
+
+
+@dataclass
+class ServerConfig:
+    model_dir: Path
+    model_name: str | None = None  # the model id clients send (default: the directory's name)
+    ram: str | None = None  # RAM budget, as `colibri run --ram`
+    cache_slots: int | None = None  # expert cache slots per layer (overrides ram)
+    max_queue: int = 16  # requests that may wait behind the running one; more get 429
+    api_key: str | None = None  # if set, /v1, /tokenize, /detokenize and /api need "Bearer KEY"
+    dashboard: bool = False  # serve the dashboard at / (`colibri web`)
+    max_body_bytes: int = 16 << 20
+
+
+class Server:
+    """Everything the handlers share: the engine (None while loading), its worker, the metrics."""
+
+    def __init__(self, cfg: ServerConfig):
+        self.cfg = cfg
+        self.model_id = cfg.model_name or Path(cfg.model_dir).resolve().name
+        self.engine = None
+        self.worker: Worker | None = None
+        self.template = None
+        self.context_length: int | None = None
+        self.ram_budget: int | None = None
+        self.load_error: str | None = None
+        self.loaded = threading.Event()
+        self.on_loaded = None  # called (loader thread) once loading ends, well or not
+        self.metrics = metrics_mod.Metrics()
+        self.created = int(time.time())
+
+    # ---- loading ------------------------------------------------------------------------------
+    def load(self) -> None:
+        from ..chat_template import ChatTemplate
+        from ..engine import available_memory, load, parse_size
+
+        cfg = self.cfg
+        try:
+            engine = load(cfg.model_dir, ram=cfg.ram, cache_slots=cfg.cache_slots)
+            engine.tokenizer  # noqa: B018 — read tokenizer.json now, not on the first request
+            self.template = ChatTemplate.from_dir(engine.model_dir)
+            config = engine.container.config
+            self.context_length = next((int(config[k]) for k in CONTEXT_KEYS if isinstance(config.get(k), int)), None)
+            self.ram_budget = getattr(engine, "ram_budget", None) or (
+                parse_size(cfg.ram) if cfg.ram is not None else
+                None if cfg.cache_slots is not None else int(0.8 * available_memory()))
+            self.worker = Worker(engine, cfg.max_queue, on_turn=self.metrics.add_turn)
+            self.engine = engine
+        except ColibriError as e:
+            self.load_error = str(e)
+        except Exception as e:  # a bug, but the server must still say why it cannot serve
+            log.error("loading failed:\n%s", traceback.format_exc())
+            self.load_error = f"cannot load {cfg.model_dir}: {type(e).__name__}: {e}"
+        finally:
+            self.loaded.set()
+            if self.on_loaded:
+                self.on_loaded(self)
+
+    def ready(self):
+        if self.engine is None:
+            if self.load_error:
+                raise ApiError(503, f"the model failed to load: {self.load_error}", type="server_error",
+                               code="model_load_failed")
+            raise ApiError(503, "the model is loading; retry shortly", type="server_error", code="model_loading",
+                           headers={"Retry-After": "1"})
+        return self.engine
+
+    # ---- request checks -------------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        key = self.cfg.api_key
+        if not key:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def check_model(self, model: str | None) -> None:
+        if model is None or model == self.model_id:
+            return
+        d = Path(self.cfg.model_dir)
+        if model in (str(self.cfg.model_dir), str(d.resolve())):
+            return
+        raise ApiError(404, f"the model '{model}' does not exist: this server serves '{self.model_id}'",
+                       param="model", code="model_not_found")
+
+    def resolve(self, s: Sampling, n_prompt: int, param: str) -> Params:
+        """The request's sampling, with generation_config.json's defaults, checked against the context."""
+        gen = self.engine.generation
+        ctx = self.context_length
+        if n_prompt == 0:
+            raise invalid(param, f"'{param}' is empty: there is nothing to complete")
+        if ctx is not None and n_prompt >= ctx:
+            raise invalid(param, f"this model's maximum context length is {ctx} tokens, but the prompt has "
+                          f"{n_prompt} tokens", "context_length_exceeded")
+        max_tokens = s.max_tokens
+        if max_tokens is None:
+            room = ctx - n_prompt if ctx is not None else 2048
+            max_tokens = min(room, gen["max_new_tokens"]) if isinstance(gen.get("max_new_tokens"), int) else room
+        elif ctx is not None and n_prompt + max_tokens > ctx:
+            raise invalid("max_tokens", f"this model's maximum context length is {ctx} tokens, but {n_prompt + max_tokens} "
+                          f"were requested ({n_prompt} in the prompt, {max_tokens} to generate)",
+                          "context_length_exceeded")
+
+        def default(value, key, fallback):
+            return value if value is not None else gen.get(key, fallback)
+
+        return Params(
+            max_tokens=max_tokens,
+            temperature=float(default(s.temperature, "temperature", 1.0)),
+            top_p=float(default(s.top_p, "top_p", 1.0)),
+            top_k=int(default(s.top_k, "top_k", 0)),
+            seed=s.seed,
+            stop=s.stop,
+            stop_ids=() if s.ignore_eos else tuple(gen.get("eos_token_id", [])),
+        )
+
+    def queue_state(self) -> dict:
+        w = self.worker
+        return {"waiting": len(w.waiting) if w else 0, "running": int(bool(w and w.running)),
+                "capacity": self.cfg.max_queue}
+
+
+async def read_json(request: Request, server: Server) -> dict:
+    limit = server.cfg.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:  # refused before it is read
+        raise ApiError(413, f"the request body is {declared} bytes; at most {limit} are accepted",
+                       code="request_too_large")
+    raw = await request.body()
+    if len(raw) > limit:
+        raise ApiError(413, f"the request body is {len(raw)} bytes; at most {limit} are accepted",
+                       code="request_too_large")
+    return parse_json(raw)
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Return once the client has gone away (after the body has been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# ---- generation responses -----------------------------------------------------------------------
+def _usage(turn: dict) -> dict:
+    return {"prompt_tokens": turn["prompt_tokens"], "completion_tokens": turn["completion_tokens"],
+            "total_tokens": turn["prompt_tokens"] + turn["completion_tokens"]}
+
+
+class Generation:
+    """One accepted request: its job in the worker's queue, and how its answer is shaped."""
+
+    def __init__(self, server: Server, kind: str, prompt_ids: list[int], params: Params, sampling: Sampling,
+                 echo: str = ""):
+        self.server, self.kind, self.sampling, self.echo = server, kind, sampling, echo
+        self.endpoint = "chat" if kind == "chat" else "completions"
+        self.object = "chat.completion" if kind == "chat" else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.finished = False  # the job has ended (End or Failed received)
+        self.job = Job(kind, prompt_ids, params, asyncio.get_running_loop())
+        try:
+            server.worker.submit(self.job)
+        except QueueFull as e:
+            server.metrics.count(self.endpoint, "rejected")
+            raise ApiError(429, str(e), type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+
+    def cancel(self) -> None:
+        """The client has gone: drop the job from the queue, or stop it at the next token."""
+        if not self.finished and not self.job.cancelled.is_set():
+            self.server.worker.cancel(self.job)
+            self.server.metrics.count(self.endpoint, "cancelled")
+
+    def _chunk(self, text: str | None, finish: str | None, first: bool = False) -> dict:
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        chunk = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.server.model_id,
+                 "system_fingerprint": None, "choices": [choice]}
+        if self.sampling.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    async def events(self):
+        """The server-sent events of a streamed answer, ending with `data: [DONE]`."""
+        def sse(obj) -> bytes:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+        if self.kind == "chat":
+            yield sse(self._chunk(None, None, first=True))
+        elif self.echo:
+            yield sse(self._chunk(self.echo, None))
+        while True:
+            event = await self.job.events.get()
+            if isinstance(event, Delta):
+                if event.text or event.finish:
+                    yield sse(self._chunk(event.text, event.finish))
+            elif isinstance(event, End):
+                self.finished = True
+                self.server.metrics.count(self.endpoint, "ok")
+                if self.sampling.include_usage:
+                    yield sse({"id": self.id, "object": self.chunk_object, "created": self.created,
+                               "model": self.server.model_id, "system_fingerprint": None, "choices": [],
+                               "usage": _usage(event.turn)})
+                break
+            else:  # Failed: the engine could not go on (e.g. a damaged expert file)
+                self.finished = True
+                self.server.metrics.count(self.endpoint, "error")
+                yield sse(ApiError(500, event.message, type="server_error", code="generation_failed").body())
+                break
+        yield b"data: [DONE]\n\n"
+
+    async def answer(self, request: Request) -> Response:
+        """The whole answer as one JSON response (cancelled if the client leaves first)."""
+        gone = asyncio.create_task(wait_disconnect(request))
+        texts, finish = [], None
+        try:
+            while True:
+                get = asyncio.ensure_future(self.job.events.get())
+                done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    self.cancel()
+                    return Response(status_code=499)  # nobody is listening any more
+                event = get.result()
+                if isinstance(event, Delta):
+                    texts.append(event.text)
+                    finish = event.finish or finish
+                elif isinstance(event, End):
+                    self.finished = True
+                    break
+                else:
+                    self.finished = True
+                    self.server.metrics.count(self.endpoint, "error")
+                    raise ApiError(500, event.message, type="server_error", code="generation_failed")
+        finally:
+            gone.cancel()
+        self.server.metrics.count(self.endpoint, "ok")
+        text = "".join(texts)
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": self.echo + text, "logprobs": None, "finish_reason": finish}
+        return JSONResponse({"id": self.id, "object": self.object, "created": self.created, "model": self.server.model_id,
+                             "system_fingerprint": None, "choices": [choice], "usage": _usage(event.turn)})
+
+    async def respond(self, request: Request) -> Response:
+        if self.sampling.stream:
+            return EventStream(self)
+        return await self.answer(request)
+
+
+class EventStream(Response):
+    """A server-sent event stream that cancels its generation the moment the client disconnects."""
+
+    def __init__(self, generation: Generation):
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                            (b"x-accel-buffering", b"no")]  # no content-length: the body is open-ended
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def stream():
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.generation.events():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await asyncio.sleep(0)  # let the loop notice a lost connection (and serve others) between chunks
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        streaming, watching = asyncio.ensure_future(stream()), asyncio.ensure_future(watch())
+        try:
+            done, _ = await asyncio.wait({streaming, watching}, return_when=asyncio.FIRST_COMPLETED)
+            if streaming in done:
+                streaming.result()  # re-raise a failure of our own
+        except OSError:  # the connection broke while sending
+            pass
+        finally:
+            for task in (streaming, watching):
+                task.cancel()
+            self.generation.cancel()  # a no-op once the job has ended
+
+
+# ---- handlers -------------------------------------------------------------------------------------
+def server_of(request: Request) -> Server:
+    return request.app.state.server
+
+
+async def health(request: Request) -> Response:
+    server = server_of(request)
+    if server.engine is not None:
+        return JSONResponse({"status": "ok", "model": server.model_id})
+    status = "error" if server.load_error else "loading"
+    return JSONResponse({"status": status, "model": server.model_id, "error": server.load_error}, status_code=503)
+
+
+def _model_card(server: Server) -> dict:
+    return {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "colibri",
+            "root": str(server.cfg.model_dir), "max_model_len": server.context_length}
+
+
+async def list_models(request: Request) -> Response:
+    server = server_of(request)
+    server.authorize(request)
+    return JSONResponse({"object": "list", "data": [_model_card(server)]})
+
+
+async def get_model(request: Request) -> Response:
+    server = server_of(request)
+    server.authorize(request)
+    server.check_model(request.path_params["model"])
+    return JSONResponse(_model_card(server))
+
+
+async def chat_completions(request: Request) -> Response:
+    server = server_of(request)
+    server.authorize(request)
+    req = parse_chat(await read_json(request, server))
+    engine = server.ready()
+    server.check_model(req.sampling.model)
+    if server.template is None:
+        raise invalid("messages", "this model has no chat template (chat_template.jinja or tokenizer_config.json); "
+                      "use /v1/completions", "no_chat_template")
+    try:
+        text = server.template.render(req.messages, add_generation_prompt=True, tools=req.tools)
+    except ColibriError as e:  # the template refused the conversation (raise_exception)
+        raise invalid("messages", str(e)) from None
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    params = server.resolve(req.sampling, len(ids), "messages")
+    return await Generation(server, "chat", ids, params, req.sampling).respond(request)
+
+
+async def completions(request: Request) -> Response:
+    server = server_of(request)
+    server.authorize(request)
+    req = parse_completion(await read_json(request, server))
+    engine = server.ready()
+    server.check_model(req.sampling.model)
+    if isinstance(req.prompt, str):
+        ids = engine.tokenizer.encode(req.prompt)
+    else:
+        ids = _check_ids(req.prompt, engine, "prompt")
+    echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(ids)
+    params = server.resolve(req.sampling, len(ids), "prompt")
+    return await Generation(server, "completion", ids, params, req.sampling, echo).respond(request)
+
+
+def _check_ids(ids, engine, param: str) -> list[int]:
+    vocab = engine.tokenizer.tok.get_vocab_size(with_added_tokens=True)
+    bad = next((t for t in ids if not (0 <= t < vocab)), None)
+    if bad is not None:
+        raise invalid(param, f"token id {bad} is outside this model's vocabulary (0 … {vocab - 1})")
+    return list(ids)
+
+
+async def tokenize(request: Request) -> Response:
+    server = server_of(request)
+    server.authorize(request)
+    body = await read_json(request, server)
+    engine = server.ready()
+    server.check_model(body.get("model") if isinstance(body.get("model"), str) else None)
+    special = body.get("add_special_tokens", body.get("add_special", True))
+    if not isinstance(special, bool):
+        raise invalid("add_special_tokens", "'add_special_tokens' must be a boolean", "invalid_type")
+    if "messages" in body:
+        req = parse_chat({"messages": body["messages"]})
+        if server.template is None:
+            raise invalid("messages", "this model has no chat template", "no_chat_template")
+        try:
+            text = server.template.render(req.messages, add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+        except ColibriError as e:
+            raise invalid("messages", str(e)) from None
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        text = body.get("content", body.get("prompt"))
+        if not isinstance(text, str):
+            raise invalid("content", "send the text to tokenize as 'content' (or 'prompt'), a string, or 'messages'",
+                          "invalid_type" if text is not None else "missing_required_parameter")
+        ids = engine.tokenizer.encode(text, add_special_tokens=special)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": server.context_length})
+
+
+async def detokenize(request: Request) -> Response:
+    server = server_of(request)
+    server.authorize(request)
+    body = await read_json(request, server)
+    engine = server.ready()
+    ids = body.get("tokens")
+    if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise invalid("tokens", "'tokens' must be an array of token ids",
+                      "invalid_type" if ids is not None else "missing_required_parameter")
+    text = engine.tokenizer.decode(_check_ids(ids, engine, "tokens"))
+    return JSONResponse({"content": text, "prompt": text})  # llama-server's name, and vLLM's
+
+
+async def prometheus_metrics(request: Request) -> Response:
+    server = server_of(request)
+    stats = server.engine.stats() if server.engine is not None else None
+    text = metrics_mod.prometheus(server.metrics, stats, server.queue_state(), server.model_id)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def api_stats(request: Request) -> Response:
+    """Everything the dashboard shows but the brain map: one JSON document."""
+    server = server_of(request)
+    server.authorize(request)
+    try:
+        since = float(request.query_params.get("since") or 0)
+    except ValueError:
+        raise invalid("since", "'since' must be a number (a time in seconds since the epoch)") from None
+    snap = server.metrics.snapshot()
+    out = {"model": server.model_id, "model_dir": str(server.cfg.model_dir), "loaded": server.engine is not None,
+           "load_error": server.load_error, "context_length": server.context_length,
+           "uptime_seconds": time.time() - server.metrics.started, "queue": server.queue_state(),
+           "requests": [{"endpoint": e, "outcome": o, "count": n} for (e, o), n in sorted(snap["requests"].items())],
+           "turns": snap["turns"][-20:], "history": [h for h in snap["history"] if h["t"] > since], "live": None}
+    engine = server.engine
+    if engine is not None:
+        stats = engine.stats()
+        out["architecture"] = engine.arch.name
+        out["engine"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool, dict))}
+        out["memory"] = brain.memory(engine, server.ram_budget)
+        live = server.worker.live
+        if live is not None:
+            now = time.perf_counter()
+            first = live["first_token"]
+            out["live"] = {"kind": live["kind"], "prompt_tokens": live["prompt_tokens"], "tokens": live["tokens"],
+                           "seconds": now - live["started"], "prefilling": first is None,
+                           "tokens_per_second": (live["tokens"] - 1) / (now - first)
+                           if first is not None and live["tokens"] > 1 and now > first else 0.0}
+    return JSONResponse(out)
+
+
+async def api_brain(request: Request) -> Response:
+    """The expert map: tiers, routing heat and the latest token's experts, per (layer, expert)."""
+    server = server_of(request)
+    server.authorize(request)
+    engine = server.ready()
+    since = request.query_params.get("since")
+    if since is not None and since.isdigit() and int(since) == engine.probe.passes:
+        return JSONResponse({"passes": engine.probe.passes, "unchanged": True})
+    return JSONResponse(brain.brain(engine))
+
+
+async def dashboard(request: Request) -> Response:
+    return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+async def root(request: Request) -> Response:
+    server = server_of(request)
+    return JSONResponse({"name": "colibri", "model": server.model_id, "status": "ok" if server.engine else "loading",
+                         "endpoints": ["/health", "/v1/models", "/v1/chat/completions", "/v1/completions", "/tokenize",
+                                       "/detokenize", "/metrics", "/api/stats", "/api/brain"],
+                         "dashboard": "run `colibri web` for the dashboard"})
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+async def api_error(request: Request, exc: ApiError) -> Response:
+    if exc.status != 429 and exc.status < 500 and request.url.path.startswith("/v1/"):
+        endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(request.url.path)
+        if endpoint:
+            server_of(request).metrics.count(endpoint, "invalid")
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    message = {404: f"no such endpoint: {request.method} {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+    return JSONResponse(ApiError(exc.status_code, message, code=codes.get(exc.status_code)).body(),
+                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    log.error("internal error on %s %s:\n%s", request.method, request.url.path, traceback.format_exc())
+    body = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
+    return JSONResponse(body.body(), status_code=500)
+
+
+# ---- the app --------------------------------------------------------------------------------------
+def create_app(cfg: ServerConfig) -> Starlette:
+    """The ASGI app; the model starts loading (on a thread) when the app starts up."""
+    server = Server(cfg)
+    routes = [
+        Route("/health", health),
+        Route("/v1/models", list_models),
+        Route("/v1/models/{model:path}", get_model),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/metrics", prometheus_metrics),
+        Route("/api/stats", api_stats),
+        Route("/api/brain", api_brain),
+    ]
+    if cfg.dashboard:
+        routes += [Route("/", dashboard), Mount("/static", StaticFiles(directory=STATIC), name="static")]
+    else:
+        routes.append(Route("/", root))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        threading.Thread(target=server.load, name="colibri-load", daemon=True).start()
+        sampler = asyncio.ensure_future(_sample_every_second(server))
+        try:
+            yield
+        finally:
+            sampler.cancel()
+            if server.worker is not None:
+                await asyncio.get_running_loop().run_in_executor(None, server.worker.stop)
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        ApiError: api_error, HTTPException: http_error, Exception: internal_error})
+    app.state.server = server
+    return app
+
+
+async def _sample_every_second(server: Server) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        if server.engine is not None:
+            try:
+                server.metrics.sample(_number_stats(server.engine))
+            except Exception:  # a sample lost is no reason to stop sampling
+                log.warning("metrics sample failed:\n%s", traceback.format_exc())

@@ -1,0 +1,223 @@
+"""One generation at a time: a bounded first-in-first-out queue in front of a worker thread.
+
+The engine is not thread-safe, so one thread runs every generation; HTTP handlers (on the event
+loop) submit a `Job` and read its events back through an asyncio queue. Beyond `max_queue`
+waiting jobs a request is refused at once (`QueueFull` → 429 with Retry-After). A job whose client
+went away is cancelled: dropped from the queue if it has not started, stopped between two tokens
+if it has.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..errors import ColibriError
+from .text import TextStream
+
+log = logging.getLogger("colibri.server")
+
+
+
+@dataclass
+class Params:
+    """A request resolved against the model's defaults: exactly what the engine runs."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]  # stop strings
+    stop_ids: tuple[int, ...]  # end-of-sequence ids (empty with ignore_eos)
+
+
+@dataclass
+class Delta:
+    """New text of a running job; `finish` ("stop" | "length") on its last delta."""
+
+    text: str
+    finish: str | None = None
+
+
+@dataclass
+class End:
+    """The job is over; `turn` is its record (tokens, timings, expert traffic)."""
+
+    turn: dict
+
+
+@dataclass
+class Failed:
+    """The job failed inside the engine: a server-side problem (e.g. a damaged expert file)."""
+
+    message: str
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__(f"the server is busy: the request queue is full; retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+@dataclass
+class Job:
+    kind: str  # "chat" | "completion"
+    prompt_ids: list[int]
+    params: Params
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Delta… then End or Failed
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+
+    def emit(self, event) -> None:
+        """From the worker thread: hand `event` to the handler waiting on the event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed: the server is shutting down
+            self.cancelled.set()
+
+
+def _number_stats(engine) -> dict:
+    """The engine's numeric counters (other engineers add counters: read whatever is there)."""
+    return {k: v for k, v in engine.stats().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def time_split(before: dict, after: dict, total: float) -> dict:
+    """Seconds of one turn spent in attention, expert compute, waiting for disk, and everything else.
+
+    "disk" is the store's I/O stall time (reads overlapped with compute do not count); expert
+    compute is the MoE blocks' time without that wait; attention is the attention kernel over the KV cache (projections,
+    norms and routers are "other").
+    """
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    disk = d.get("io_stall_seconds", 0.0)
+    attention = d.get("attention_seconds", 0.0)
+    experts = max(0.0, d.get("moe_seconds", 0.0) - disk)
+    other = max(0.0, total - attention - experts - disk)
+    return {"attention": attention, "experts": experts, "disk": disk, "other": other}
+
+
+class Worker:
+    """Runs jobs one by one on its own thread; at most `max_queue` wait behind the running one."""
+
+    def __init__(self, engine, max_queue: int, on_turn=None):
+        self.engine = engine
+        self.max_queue = max_queue
+        self.on_turn = on_turn or (lambda turn: None)  # called (worker thread) with each turn record
+        self.waiting: deque[Job] = deque()
+        self.running: Job | None = None
+        self.live: dict | None = None  # progress of the running job: tokens, started, first_token
+        self.turn_seconds: deque[float] = deque(maxlen=20)  # recent turn durations, for Retry-After
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="colibri-generate", daemon=True)
+        self._thread.start()
+
+    # ---- the event-loop side ----------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            room = self.max_queue + (1 if self.running is None and not self.waiting else 0)
+            if len(self.waiting) >= room:
+                raise QueueFull(self.retry_after())
+            self.waiting.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        with self._cv:
+            job.cancelled.set()
+            if job in self.waiting:
+                self.waiting.remove(job)
+
+    def retry_after(self) -> int:
+        """Seconds until a queue slot is likely free: one average turn (at least 1 s)."""
+        recent = list(self.turn_seconds)
+        return max(1, min(600, math.ceil(sum(recent) / len(recent)))) if recent else 1
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            for job in [*self.waiting, *([self.running] if self.running else [])]:
+                job.cancelled.set()
+            self.waiting.clear()
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    # ---- the worker thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self.waiting and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                job = self.running = self.waiting.popleft()
+            try:
+                if not job.cancelled.is_set():
+                    self._generate(job)
+            except ColibriError as e:
+                job.emit(Failed(str(e)))
+            except Exception as e:  # a bug: report it, keep serving
+                log.error("generation failed:\n%s", traceback.format_exc())
+                job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
+            finally:
+                with self._cv:
+                    self.running, self.live = None, None
+
+    def _generate(self, job: Job) -> None:
+        engine, p = self.engine, job.params
+        before = _number_stats(engine)
+        started = time.perf_counter()
+        self.live = {"kind": job.kind, "prompt_tokens": len(job.prompt_ids), "tokens": 0,
+                     "started": started, "first_token": None}
+        text = TextStream(engine.tokenizer, p.stop)
+        finish, n, first = "cancelled", 0, None
+        # persistent sessions (issue 5) plug in here: a request's session → engine.stream(session=...)
+        tokens = engine.stream(job.prompt_ids, p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed,
+                               stop_ids=p.stop_ids, session=None)
+        try:
+            for token in tokens:
+                n += 1
+                if first is None:
+                    first = self.live["first_token"] = time.perf_counter()
+                self.live["tokens"] = n
+                piece = text.push(token)
+                done = ("stop" if text.stopped or token in p.stop_ids
+                        else "length" if n >= p.max_tokens else None)
+                if done:
+                    finish = done
+                    job.emit(Delta(piece + text.flush(), finish))
+                    break
+                if piece:
+                    job.emit(Delta(piece))
+                if job.cancelled.is_set():
+                    break
+        finally:
+            tokens.close()
+        end = time.perf_counter()
+        after = _number_stats(engine)
+        self.turn_seconds.append(end - job.arrived)
+        decode = end - first if first is not None and n > 1 else 0.0
+        turn = {
+            "kind": job.kind,
+            "finish_reason": finish,
+            "prompt_tokens": len(job.prompt_ids),
+            "completion_tokens": n,
+            "queue_seconds": started - job.arrived,
+            "time_to_first_token": (first - job.arrived) if first is not None else None,
+            "prefill_seconds": (first - started) if first is not None else None,
+            "seconds": end - started,
+            "decode_tokens_per_second": (n - 1) / decode if decode > 0 else 0.0,
+            "split": time_split(before, after, end - started),
+            "expert_hits": after.get("expert_hits", 0) - before.get("expert_hits", 0),
+            "expert_misses": after.get("expert_misses", 0) - before.get("expert_misses", 0),
+            "bytes_read": after.get("bytes_read", 0) - before.get("bytes_read", 0),
+            "finished_at": time.time(),
+        }
+        self.on_turn(turn)
+        job.emit(End(turn))

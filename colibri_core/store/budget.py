@@ -1,0 +1,123 @@
+"""The RAM budget split (dense / state / expert cache / pinned) and the machine's bandwidths.
+
+`split_budget` is the one rule the engine and `colibri plan` both use:
+
+- dense: the resident weights (embeddings, attention, norms, routers), always in RAM;
+- state: per-sequence state (KV caches, …) at the planned context length;
+- the rest holds experts. If every expert fits, all are cached. Otherwise the hot-store pins
+  ``pin_bytes`` worth of experts (default: half the expert budget once the routing history has
+  enough tokens, none before), and the cache gets the remainder, at least one slot per MoE layer.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import ColibriError
+
+
+@dataclass
+class Split:
+    budget: int  # bytes in all
+    dense: int  # resident weights
+    state: int  # per-sequence state reserved
+    cache_slots: int  # cache slots per MoE layer
+    cache_bytes: int  # cache_slots × MoE layers × bytes per expert
+    pinned_experts: int  # hot-store capacity (experts over all layers)
+    pinned_bytes: int
+    all_resident: bool  # every expert fits in the cache
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def split_budget(budget: int, dense: int, state: int, expert_nbytes: int, moe_layers: int, n_experts: int,
+                 pin_bytes: int | None = None, history: bool = False) -> Split:
+    """Split `budget` bytes; a ColibriError if it cannot hold one expert per MoE layer."""
+    fit = (budget - dense - state) // expert_nbytes  # experts the budget holds
+    if fit < moe_layers:
+        need = dense + state + moe_layers * expert_nbytes
+        from ..engine import format_bytes
+
+        what = "resident weights + state + one expert per layer" if state else "resident weights + one expert per layer"
+        raise ColibriError(f"RAM budget {format_bytes(budget)} is below this model's minimum {format_bytes(need)} ({what})")
+    if fit >= moe_layers * n_experts:
+        pinned, slots = 0, n_experts
+    else:
+        if pin_bytes is None:
+            pinned = fit // 2 if history else 0
+        else:
+            pinned = int(pin_bytes // expert_nbytes)
+            if pinned > fit - moe_layers:
+                raise ColibriError(f"--pin-gb {pin_bytes / 1e9:g} leaves no cache slot in some layer: the budget "
+                                   f"holds {fit} experts and the cache needs {moe_layers} (one per MoE layer)")
+        pinned = min(pinned, fit - moe_layers)
+        slots = min(n_experts, (fit - pinned) // moe_layers)
+    return Split(budget, dense, state, slots, slots * moe_layers * expert_nbytes, pinned, pinned * expert_nbytes,
+                 slots >= n_experts)
+
+
+# ----------------------------------------------------------------------------- bandwidths
+
+def disk_bandwidth(paths, nbytes: int = 256 << 20, chunk: int = 4 << 20, threads: int = 4) -> tuple[float, bool]:
+    """(bytes/s reading up to `nbytes` from the start of `paths` (one path or several), whether O_DIRECT
+    was used for all of them): `chunk`-byte preads on the C I/O pool with `threads` threads, as
+    the store reads. With O_DIRECT the page cache is bypassed, so this is the device; where
+    O_DIRECT is refused, a cold page cache is the caller's business."""
+    from . import io
+
+    paths = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
+    pool = io.IOPool(threads)
+    fds, direct, jobs, total = [], True, [], 0
+    try:
+        for path in paths:
+            size = min(nbytes - total, Path(path).stat().st_size) // 4096 * 4096
+            if size <= 0:
+                continue
+            fd, refused = io.open_expert_file(path, True, probe_bytes=4096)
+            fds.append(fd)
+            direct = direct and refused is None
+            jobs += [(fd, off, min(chunk, size - off)) for off in range(0, size, chunk)]
+            total += size
+        if not jobs:
+            raise ColibriError(f"{paths[0]} is too small to measure disk bandwidth")
+        t0 = time.perf_counter()
+        reads = [pool.submit(fd, off, n) for fd, off, n in jobs]
+        done = 0
+        for r in reads:
+            pool.wait(r)
+            done += r.req.got
+        dt = time.perf_counter() - t0
+    finally:
+        pool.close()
+        for fd in fds:
+            io.close_fd(fd)
+    return done / max(dt, 1e-9), direct
+
+
+def disk_bandwidth_at(directory: str | os.PathLike, nbytes: int = 64 << 20) -> tuple[float, bool]:
+    """Disk bandwidth of the filesystem holding `directory`, through a temporary file written there
+    (read back with O_DIRECT where allowed; removed afterwards)."""
+    block = os.urandom(1 << 20)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".colibri-bw-") as f:
+        for _ in range(nbytes >> 20):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+        return disk_bandwidth(f.name, nbytes)
+
+
+def memory_bandwidth(nbytes: int = 128 << 20, repeats: int = 3) -> float:
+    """Bytes/s of reading memory: the best of `repeats` sums over a `nbytes` array (one core)."""
+    import numpy as np
+
+    a = np.ones(nbytes // 8, np.float64)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best

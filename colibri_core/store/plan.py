@@ -1,0 +1,124 @@
+"""`colibri plan`: how a model would sit in a RAM budget, from a converted directory or from its
+config.json alone (a model you have not downloaded), and the floor times the machine allows.
+
+Expected bytes read per token assume uniform routing (each of a token's layers × top-k experts is
+resident with probability cached / all experts): an upper bound, since real routing is skewed and
+the hot-store pins the popular experts. The floors: disk = those bytes ÷ disk bandwidth; memory =
+the bytes the kernels touch per token (dense weights + layers × top-k experts) ÷ memory bandwidth.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .. import plugins, quant
+from ..container.reader import ARRAY, expert_extent
+from ..errors import ColibriError
+from .budget import split_budget
+
+
+@dataclass
+class ModelSizes:
+    architecture: str
+    quant: str
+    dense_bytes: int  # resident weights
+    expert_nbytes: int  # one expert's extent on disk (and in RAM)
+    moe_layers: int
+    n_experts: int  # per MoE layer
+    top_k: int  # experts per token per layer
+    state_bytes_per_token: int
+
+    @property
+    def experts_total(self) -> int:
+        return self.moe_layers * self.n_experts
+
+
+def _tensor_bytes(kind: str, shape) -> int:
+    if kind == ARRAY:
+        n = 1
+        for d in shape:
+            n *= d
+        return 4 * n
+    return sum(dtype.itemsize * _prod(s) for _, dtype, s in quant.layout(kind, *shape))
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _top_k(cfg, config: dict) -> int:
+    for key in ("num_experts_per_tok", "moe_topk", "top_k"):
+        v = getattr(cfg, key, None) or config.get(key)
+        if isinstance(v, int) and v > 0:
+            return v
+    raise ColibriError("cannot tell experts per token from config.json (num_experts_per_tok)")
+
+
+def sizes_from_container(model_dir: str | Path) -> ModelSizes:
+    from ..container import Container
+
+    c = Container(model_dir)
+    reg = plugins.registry()
+    arch = reg.resolve(c.config, where=str(model_dir))
+    model_cls = reg.model_class(arch)
+    cfg = model_cls.parse_config(c.config)
+    dense = sum(_tensor_bytes(kind, shape) for kind, shape in c._resident.values())
+    return ModelSizes(arch.name, c.quant, dense, c.expert_nbytes, len(c.moe_layers), c.n_experts,
+                      _top_k(cfg, c.config), model_cls.state_bytes_per_token(cfg))
+
+
+def sizes_from_config(config_path: str | Path, quant_kind: str) -> ModelSizes:
+    if quant_kind not in quant.KINDS:
+        raise ColibriError(f"unknown quantisation {quant_kind!r}: choose one of {', '.join(quant.KINDS)}")
+    try:
+        config = json.loads(Path(config_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ColibriError(f"cannot read {config_path}: {e}") from None
+    reg = plugins.registry()
+    arch = reg.resolve(config, where=str(config_path))
+    model_cls = reg.model_class(arch)
+    try:
+        cfg = model_cls.parse_config(config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ColibriError(f"{config_path}: {arch.name} cannot parse it ({type(e).__name__}: {e})") from None
+    layout = model_cls.layout(cfg)
+    shapes = model_cls.resident_shapes(cfg)
+    if shapes is None:
+        raise ColibriError(f"plugin {arch.plugin} cannot plan {arch.name} from config.json alone; "
+                           f"convert the model and use --model")
+    dense = sum(_tensor_bytes(ARRAY if layout.stays_f32(n, len(s)) else quant_kind, s) for n, s in shapes.items())
+    _, nbytes = expert_extent(quant_kind, layout.hidden, layout.intermediate)
+    return ModelSizes(arch.name, quant_kind, dense, nbytes, len(layout.moe_layers), layout.n_experts,
+                      _top_k(cfg, config), model_cls.state_bytes_per_token(cfg))
+
+
+def make_plan(sizes: ModelSizes, budget: int, context: int, pin_bytes: int | None, history: bool,
+              disk_bw: float, mem_bw: float) -> dict:
+    """The budget split, expected bytes read per token, and floor times (seconds per token)."""
+    state = sizes.state_bytes_per_token * context
+    split = split_budget(budget, sizes.dense_bytes, state, sizes.expert_nbytes, sizes.moe_layers,
+                         sizes.n_experts, pin_bytes, history)
+    resident_experts = min(sizes.experts_total, split.cache_slots * sizes.moe_layers + split.pinned_experts)
+    resident_share = resident_experts / sizes.experts_total
+    needed = sizes.moe_layers * sizes.top_k  # expert uses per token
+    read_per_token = needed * (1 - resident_share) * sizes.expert_nbytes
+    touched = sizes.dense_bytes + needed * sizes.expert_nbytes
+    disk_floor = read_per_token / disk_bw if disk_bw else 0.0
+    mem_floor = touched / mem_bw if mem_bw else 0.0
+    return {
+        "model": asdict(sizes),
+        "experts_total": sizes.experts_total,
+        "experts_bytes_total": sizes.experts_total * sizes.expert_nbytes,
+        "context_tokens": context,
+        "split": split.as_dict(),
+        "resident_expert_share": resident_share,
+        "expected_bytes_read_per_token": read_per_token,
+        "bytes_touched_per_token": touched,
+        "disk_bandwidth": disk_bw,
+        "memory_bandwidth": mem_bw,
+        "floor_seconds_per_token": {"disk": disk_floor, "memory": mem_floor, "floor": max(disk_floor, mem_floor)},
+    }

@@ -1,0 +1,59 @@
+"""The expert store's counters.
+
+- ``expert_hits`` / ``expert_misses``: experts a layer needed that were resident (cached, pinned,
+  or already being read by a prefetch) / that had to be read when the layer asked for them.
+- ``bytes_read``: bytes read from disk for experts (demand reads, prefetches and pinning).
+- ``prefetch_issued``: reads started by router lookahead; ``prefetch_used``: those a layer then
+  needed; ``prefetch_recall``: of the experts layers needed, the share the lookahead predicted.
+- ``io_stall_seconds``: time a layer waited for reads after computing everything else it could.
+- ``layer_hit_rate``: hits / lookups per MoE layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StoreCounters:
+    expert_hits: int = 0
+    expert_misses: int = 0
+    bytes_read: int = 0
+    reads: int = 0
+    read_seconds: float = 0.0  # summed wall time of the reads themselves (in the I/O threads)
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    predicted_needed: int = 0  # needed experts the lookahead had predicted
+    needed_after_prediction: int = 0  # needed experts in layers that had a prediction
+    io_stall_seconds: float = 0.0
+    mirror_reads: int = 0
+    layer_hits: dict = field(default_factory=dict)
+    layer_misses: dict = field(default_factory=dict)
+
+    def lookup(self, layer: int, hit: bool) -> None:
+        if hit:
+            self.expert_hits += 1
+            self.layer_hits[layer] = self.layer_hits.get(layer, 0) + 1
+        else:
+            self.expert_misses += 1
+            self.layer_misses[layer] = self.layer_misses.get(layer, 0) + 1
+
+    def as_dict(self, layers) -> dict:
+        lookups = self.expert_hits + self.expert_misses
+        return {
+            "expert_hits": self.expert_hits,
+            "expert_misses": self.expert_misses,
+            "hit_rate": self.expert_hits / lookups if lookups else 0.0,
+            "bytes_read": self.bytes_read,
+            "reads": self.reads,
+            "read_seconds": self.read_seconds,
+            "prefetch_issued": self.prefetch_issued,
+            "prefetch_used": self.prefetch_used,
+            "prefetch_recall": (self.predicted_needed / self.needed_after_prediction
+                                if self.needed_after_prediction else 0.0),
+            "io_stall_seconds": self.io_stall_seconds,
+            "mirror_reads": self.mirror_reads,
+            "layer_hit_rate": {
+                layer: self.layer_hits.get(layer, 0) / max(1, self.layer_hits.get(layer, 0) + self.layer_misses.get(layer, 0))
+                for layer in layers
+            },
+        }

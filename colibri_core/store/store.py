@@ -1,0 +1,330 @@
+"""ExpertStore: where a layer's routed experts come from.
+
+Per MoE layer: a cache of `slots` experts under an eviction policy, plus the experts pinned in the
+hot-store (chosen from the routing history, revised at turn boundaries with hysteresis). A layer
+asks for the *batch union* of its experts (`experts`): each one is read at most once; the reads
+start at once on the C I/O pool, and the layer computes the experts already resident while they
+run, then each read expert as it arrives. Before that it applies the next layer's router to the
+current hidden state (router lookahead) and queues reads for the experts it predicts, so the next
+layer's reads overlap this layer's compute.
+
+Placement changes speed only: every expert is handed to the kernels as the same QTensor views of
+its extent, verified (crc32 computed by the I/O thread against the trailer and the manifest, layer
+and expert) on every read from disk, so an I/O error or
+corruption raises an error (or falls back to the primary copy) and never produces a wrong token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import quant
+from ..container.reader import TRAILER, TRAILER_MAGIC, _proj_shape
+from ..errors import ColibriError
+from ..layout import PROJS
+from . import mirror as mirror_mod
+from .io import IOPool
+from .stats import StoreCounters
+from .usage import UsageHistory, hot_set, warn
+
+
+@dataclass
+class StoreConfig:
+    slots: int  # cache slots per MoE layer (pinned experts are not counted here)
+    pinned: int = 0  # hot-store capacity in experts, over all MoE layers (0: no pinning)
+    prefetch: bool = True  # router lookahead prefetch of the next layer's experts
+    direct: bool = False  # read with O_DIRECT (falls back, with a warning, where refused)
+    mirror: str | None = None  # a byte-identical copy of the container on another disk
+    policy: str = "lru"  # eviction policy (colibri_register_cache_policies)
+    io_threads: int = 4  # threads of the C I/O pool
+    record_usage: bool = True  # count routing in .coli_usage beside the model
+    usage_path: str | None = None  # … or in this file instead
+
+
+class _Entry:
+    """An expert in a cache or the hot-store: being read (`read`) or parsed (`tensors`)."""
+
+    __slots__ = ("read", "tensors", "prefetched")
+
+    def __init__(self, read=None, tensors=None, prefetched=False):
+        self.read, self.tensors, self.prefetched = read, tensors, prefetched
+
+
+class ExpertStore:
+    """Per-layer expert caches and hot-store over the container (and its mirror), with counters."""
+
+    def __init__(self, container, slots: int, **options):
+        if slots < 1:
+            raise ValueError("the expert cache needs at least one slot per layer")
+        from .. import plugins
+
+        self.config = cfg = StoreConfig(slots=slots, **options)
+        self.container = container
+        self.slots = min(slots, container.n_experts)
+        self.nbytes = container.expert_nbytes
+        self._extent_crcs = {f["layer"]: f["extent_crc32"] for f in container.manifest["experts"]["files"]}
+        self._shapes = [_proj_shape(p, container.hidden, container.intermediate) for p in PROJS]  # (rows, cols)
+        layers = tuple(container.moe_layers)
+        self.layer_index = {layer: i for i, layer in enumerate(layers)}
+        self.next_layer = dict(zip(layers, layers[1:]))
+        info = plugins.registry().cache_policy(cfg.policy)
+        self.policy_info = info
+        self.policies = {layer: info.factory(slots=self.slots, n_experts=container.n_experts) for layer in layers}
+        self.cache: dict[int, dict[int, _Entry]] = {layer: {} for layer in layers}
+        self.pinned: dict[int, dict[int, _Entry]] = {layer: {} for layer in layers}
+        self.counters = StoreCounters()
+        self.model = None  # set by `attach`: the model whose routers predict the next layer
+        self._predicted: dict[int, set[int]] = {}  # layer -> experts the lookahead predicted for it
+        self.pool = IOPool(cfg.io_threads)
+        self.sources = [mirror_mod.Source(container, cfg.direct, "primary")]
+        self.primary_share = 1.0
+        self._retired = []  # a mirror that failed (its files are closed with the others)
+        if cfg.mirror is not None:
+            m = mirror_mod.open_mirror(container, cfg.mirror)
+            self.sources.append(mirror_mod.Source(m, cfg.direct, "mirror"))
+            bw = [s.measure() for s in self.sources]
+            self.primary_share = bw[0] / (bw[0] + bw[1])
+        else:
+            self.sources[0].fd(layers[0]) if layers else None  # O_DIRECT refused: say so now
+        self.usage = UsageHistory(container, cfg.usage_path) if cfg.record_usage else None
+        if cfg.pinned and self.usage is not None:
+            self._repin()
+
+    def attach(self, model) -> None:
+        """The model whose `predict_experts` drives router lookahead."""
+        self.model = model
+
+    # ---- a layer's experts ---------------------------------------------------------------
+    def experts(self, layer: int, ids: np.ndarray, hidden: np.ndarray | None = None):
+        """Yield {expert: (gate, up, down)} groups covering the batch union of `ids` (T, k).
+
+        First the experts already resident, then each read one as it arrives. `hidden` (T, H), the
+        residual stream entering this layer's MoE, drives the lookahead for the next layer. Call
+        `next` only after computing the group yielded before: its experts may then be evicted.
+        """
+        c = self.counters
+        if self.usage is not None:
+            self.usage.record(self.layer_index[layer], ids)
+        need = [int(e) for e in np.unique(ids)]  # the batch union, ascending
+        predicted = self._predicted.pop(layer, None)
+        if predicted is not None:
+            c.needed_after_prediction += len(need)
+            c.predicted_needed += len(predicted.intersection(need))
+        cache, pinned, policy = self.cache[layer], self.pinned[layer], self.policies[layer]
+        protected = set(need)  # never evicted until computed
+        ready, waiting = {}, []
+        for e in need:
+            entry = pinned.get(e) or cache.get(e)
+            c.lookup(layer, entry is not None)
+            if entry is None:
+                waiting.append(e)
+                continue
+            if e in cache:
+                policy.on_hit(e)
+            if entry.prefetched:
+                c.prefetch_used += 1
+                entry.prefetched = False
+            if entry.read is None or self.pool.done(entry.read):
+                ready[e] = self._tensors(layer, e, entry, stall=False)
+            else:
+                waiting.append(e)
+        for e in waiting:  # demand reads first, as many as the cache has room for now
+            if e not in cache and e not in pinned and self._make_room(layer, protected, block=False):
+                self._insert(layer, e, prefetched=False)
+        if hidden is not None:
+            self._lookahead(layer, hidden)  # queued behind this layer's reads
+        if ready:
+            yield ready
+            protected.difference_update(ready)
+        for i, e in enumerate(waiting):
+            entry = pinned.get(e) or cache.get(e)
+            if entry is None:  # deferred: the cache was full of experts this layer still needed
+                self._make_room(layer, protected, block=True)
+                entry = self._insert(layer, e, prefetched=False)
+            yield {e: self._tensors(layer, e, entry, stall=True)}
+            protected.discard(e)
+
+    def get(self, layer: int, expert: int):
+        """(gate, up, down) QTensors of one expert (reads it if it is not resident)."""
+        for group in self.experts(layer, np.array([[expert]])):
+            return group[expert]
+
+    # ---- reads ---------------------------------------------------------------------------
+    def _submit(self, layer: int, expert: int, primary_only: bool = False):
+        c = self.counters
+        which = 0 if primary_only or len(self.sources) == 1 else mirror_mod.choose(layer, expert, self.primary_share)
+        src = self.sources[which]
+        path, offset, nbytes = src.location(layer, expert)
+        read = self.pool.submit(src.fd(layer), offset, nbytes, layer=layer, expert=expert, source=src, path=path,
+                                crc_hole=(nbytes - TRAILER.size, 4))  # the trailer's own crc field
+        c.reads += 1
+        c.bytes_read += nbytes
+        c.mirror_reads += which
+        return read
+
+    def _insert(self, layer: int, expert: int, prefetched: bool) -> _Entry:
+        entry = _Entry(read=self._submit(layer, expert), prefetched=prefetched)
+        self.cache[layer][expert] = entry
+        self.policies[layer].on_insert(expert)
+        return entry
+
+    def _tensors(self, layer: int, expert: int, entry: _Entry, stall: bool):
+        """The parsed, verified tensors of `entry`, waiting for its read if need be."""
+        if entry.tensors is not None:
+            return entry.tensors
+        read = entry.read
+        waited = self.pool.wait(read)
+        if stall:
+            self.counters.io_stall_seconds += waited
+        self.counters.read_seconds += read.req.seconds
+        buf, err = self.pool.result(read)
+        src = read.source
+        try:
+            if err:
+                raise ColibriError(f"cannot read layer {layer} expert {expert} from {read.path}: {err}")
+            tensors = self._verified_views(buf, read, layer, expert)
+        except ColibriError as e:
+            if src is self.sources[0]:
+                raise
+            if len(self.sources) > 1:  # the first mirror failure: one warning, then primary only
+                warn(f"reading from mirror {src.container.path} failed ({e}); reading from the primary "
+                     f"{self.container.path} instead, and not using the mirror again this session")
+                self._retired.append(self.sources.pop())
+            entry.read = self._submit(layer, expert, primary_only=True)
+            return self._tensors(layer, expert, entry, stall)
+        entry.tensors, entry.read = tensors, None
+        return tensors
+
+    def _verified_views(self, buf, read, layer: int, expert: int):
+        """(gate, up, down) QTensor views of a read extent, after checking it: the crc32 the I/O thread
+        computed must equal both the trailer's and the manifest's, and the trailer must name this
+        (layer, expert). The same checks as `Container.parse_expert`, without hashing on this thread."""
+        c = self.container
+        crc, magic, got_layer, got_expert = TRAILER.unpack_from(buf, self.nbytes - TRAILER.size)
+        if magic != TRAILER_MAGIC or read.req.crc != crc or crc != self._extent_crcs[layer][expert]:
+            raise ColibriError(f"corrupt expert data in {read.path} layer {layer} expert {expert}: checksum "
+                               f"mismatch; run `colibri doctor --model {c.path} --deep` and reconvert the model")
+        if (got_layer, got_expert) != (layer, expert):
+            raise ColibriError(f"expert file {read.path} holds layer {got_layer} expert {got_expert} where "
+                               f"layer {layer} expert {expert} belongs; reconvert the model")
+        return tuple(quant.from_buffer(c.expert_kind, rows, cols, buf, off)[0]
+                     for (rows, cols), off in zip(self._shapes, c._offsets))
+
+    def _settled(self, entry: _Entry) -> bool:
+        return entry.read is None or self.pool.done(entry.read)
+
+    def _evict(self, layer: int, expert: int) -> None:
+        entry = self.cache[layer].pop(expert)
+        if entry.read is not None:
+            self.pool.wait(entry.read)  # done already (only settled entries are evicted): releases it
+        self.policies[layer].on_evict(expert)
+
+    def _make_room(self, layer: int, protected: set[int], block: bool) -> bool:
+        """Evict until the layer's cache has a free slot; False if that needs waiting and not `block`."""
+        cache = self.cache[layer]
+        while len(cache) >= self.slots:
+            candidates = [e for e, entry in cache.items() if e not in protected and self._settled(entry)]
+            if candidates:
+                victim = self.policies[layer].victim(candidates)
+                if victim not in candidates:
+                    info = self.policy_info
+                    raise ColibriError(f"cache policy {info.name} ({info.plugin}) chose expert {victim!r}, "
+                                       f"which is not one of the evictable experts {candidates}")
+                self._evict(layer, victim)
+                continue
+            if not block:
+                return False
+            loading = [entry for e, entry in cache.items() if e not in protected]
+            if not loading:
+                raise AssertionError("the expert cache is full of experts the layer still needs")
+            self.counters.io_stall_seconds += self.pool.wait(loading[0].read)
+        return True
+
+    # ---- router lookahead ----------------------------------------------------------------
+    def _lookahead(self, layer: int, hidden: np.ndarray) -> None:
+        """Predict the next MoE layer's experts from `hidden` with its router; start reading them."""
+        nxt = self.next_layer.get(layer)
+        if not self.config.prefetch or nxt is None or self.model is None:
+            return
+        ids = self.model.predict_experts(nxt, hidden)
+        if ids is None:
+            return
+        votes = np.bincount(np.asarray(ids).ravel(), minlength=self.container.n_experts)
+        order = [int(e) for e in np.argsort(-votes, kind="stable") if votes[e] > 0]
+        self._predicted[nxt] = set(order)
+        wanted = order[: self.slots]  # never more than the cache holds
+        protected = set(wanted)
+        cache, pinned = self.cache[nxt], self.pinned[nxt]
+        for e in wanted:
+            if e in cache or e in pinned:
+                continue
+            if not self._make_room(nxt, protected, block=False):
+                break
+            self._insert(nxt, e, prefetched=True)
+            self.counters.prefetch_issued += 1
+
+    # ---- hot-store and history -----------------------------------------------------------
+    def _repin(self) -> None:
+        """Revise the pinned set from the routing history (hysteresis: see usage.hot_set)."""
+        if self.usage is None or not self.config.pinned:
+            return
+        layers = list(self.layer_index)
+        current = {(self.layer_index[layer], e) for layer in layers for e in self.pinned[layer]}
+        want = hot_set(self.usage.counts, self.config.pinned, current)
+        for li, e in sorted(current - want):  # demote: into the cache if it has room, else drop
+            layer = layers[li]
+            entry = self.pinned[layer].pop(e)
+            if len(self.cache[layer]) < self.slots:
+                self.cache[layer][e] = entry
+                self.policies[layer].on_insert(e)
+            elif entry.read is not None:
+                self.pool.wait(entry.read)
+        for li, e in sorted(want - current):  # promote: from the cache, or read it now
+            layer = layers[li]
+            if e in self.cache[layer]:
+                self.pinned[layer][e] = self.cache[layer].pop(e)
+                self.policies[layer].on_evict(e)
+            else:
+                self.pinned[layer][e] = _Entry(read=self._submit(layer, e))
+
+    def end_turn(self) -> None:
+        """A turn finished well: save the routing history and revise the hot-store."""
+        if self.usage is None:
+            return
+        self.usage.end_turn()
+        self.usage.save()
+        self._repin()
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes the expert cache and the hot-store hold now."""
+        n = sum(len(c) for c in self.cache.values()) + sum(len(p) for p in self.pinned.values())
+        return n * self.nbytes
+
+    def stats(self) -> dict:
+        pinned = sum(len(p) for p in self.pinned.values())
+        return {
+            **self.counters.as_dict(self.cache),
+            "cache_slots_per_layer": self.slots,
+            "cache_bytes": sum(len(c) for c in self.cache.values()) * self.nbytes,
+            "pinned_experts": pinned,
+            "pinned_bytes": pinned * self.nbytes,
+            "pin_capacity": self.config.pinned,
+            "policy": self.config.policy,
+            "prefetch": self.config.prefetch,
+            "direct_io": self.sources[0].direct,
+            "mirror": str(self.config.mirror) if self.config.mirror else None,
+            "mirror_in_use": len(self.sources) > 1,
+            "io_threads": self.config.io_threads,
+            "history_tokens": self.usage.tokens if self.usage is not None else 0,
+        }
+
+    def close(self) -> None:
+        """Wait for reads in flight, drop every cached expert, close the files."""
+        self.pool.close()
+        for d in (*self.cache.values(), *self.pinned.values()):
+            d.clear()
+        for s in (*self.sources, *self._retired):
+            s.close()

@@ -1,0 +1,187 @@
+"""The routing history ``.coli_usage`` beside the model, and the hot set chosen from it.
+
+Every turn adds how often each (MoE layer, expert) was routed to. The file is JSON:
+
+    {"format": "colibri-usage", "version": 1, "fingerprint": "sha256:…",   # of the model
+     "moe_layers": [0, 1, …], "n_experts": 64, "turns": 12, "tokens": 873,
+     "counts": [[…n_experts ints…] per MoE layer], "crc32": crc32 of the counts' JSON}
+
+written atomically (a temporary file renamed over the old one). A history from another model,
+another version, or a corrupt file is ignored with one warning, never half-used; a model directory
+that cannot be written is warned about once and the engine goes on without saving.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+USAGE_FILE = ".coli_usage"
+FORMAT = "colibri-usage"
+VERSION = 1
+MIN_HISTORY_TOKENS = 32  # tokens of history before the hot-store pins experts by itself
+HYSTERESIS = 1.5  # a newcomer replaces a pinned expert only when routed this many times more often
+MARGIN = 2  # … and at least this many more times
+
+
+class ColibriWarning(UserWarning):
+    """Something colibri worked around (shown as one `colibri: warning:` line by the CLI)."""
+
+
+def warn(message: str) -> None:
+    warnings.warn(message, ColibriWarning, stacklevel=3)
+
+
+def model_fingerprint(container) -> str:
+    """What a routing history belongs to: the source weights and the expert layout."""
+    source = container.manifest.get("source") or {}
+    key = json.dumps([source.get("fingerprint"), list(container.moe_layers), container.n_experts])
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def _counts_crc(counts: list) -> int:
+    return zlib.crc32(json.dumps(counts, separators=(",", ":")).encode())
+
+
+class UsageHistory:
+    """Routing counts (MoE layers, experts) from earlier turns plus this session's."""
+
+    def __init__(self, container, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path is not None else Path(container.path) / USAGE_FILE
+        self.fingerprint = model_fingerprint(container)
+        self.moe_layers = list(container.moe_layers)
+        self.n_experts = container.n_experts
+        self.past = np.zeros((len(self.moe_layers), self.n_experts), np.int64)  # from the file
+        self.past_turns = self.past_tokens = 0
+        self.session = np.zeros_like(self.past)  # this session's counts, not yet saved
+        self.session_tokens = 0  # tokens routed through the first MoE layer this session
+        self.session_turns = 0
+        self._save_failed = False
+        self.load()
+
+    @staticmethod
+    def enough(container, path: str | os.PathLike | None = None) -> bool:
+        """True if the history (beside `container`, or at `path`) is valid and holds MIN_HISTORY_TOKENS tokens."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the store warns once when it reads the file itself
+            return UsageHistory(container, path).tokens >= MIN_HISTORY_TOKENS
+
+    # -- reading
+
+    def load(self) -> None:
+        """Read the file if there is one; ignore it with one warning if it is not ours or damaged."""
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return
+        except (OSError, UnicodeDecodeError) as e:
+            warn(f"ignoring routing history {self.path}: cannot read it ({e})")
+            return
+        problem = self._check(text)
+        if problem:
+            warn(f"ignoring routing history {self.path}: {problem}")
+            return
+        d = json.loads(text)
+        self.past = np.asarray(d["counts"], np.int64)
+        self.past_turns, self.past_tokens = d["turns"], d["tokens"]
+
+    def _check(self, text: str) -> str | None:
+        try:
+            d = json.loads(text)
+        except ValueError:
+            return "it is corrupt (not JSON)"
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            return "it is not a colibri routing history"
+        if d.get("version") != VERSION:
+            return f"version {d.get('version')!r}, this colibri reads version {VERSION}"
+        if d.get("fingerprint") != self.fingerprint:
+            return "it was recorded with another model"
+        counts = d.get("counts")
+        shape_ok = (d.get("moe_layers") == self.moe_layers and d.get("n_experts") == self.n_experts
+                    and isinstance(counts, list) and len(counts) == len(self.moe_layers)
+                    and all(isinstance(row, list) and len(row) == self.n_experts
+                            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in row)
+                            for row in counts))
+        if not shape_ok or not all(isinstance(d.get(k), int) and d[k] >= 0 for k in ("turns", "tokens")):
+            return "it is corrupt (bad counts)"
+        if d.get("crc32") != _counts_crc(counts):
+            return "it is corrupt (checksum mismatch)"
+        return None
+
+    # -- recording
+
+    def record(self, layer_index: int, ids: np.ndarray) -> None:
+        """Count one batch's routing (ids (T, k)) in the MoE layer at `layer_index`."""
+        self.session[layer_index] += np.bincount(ids.ravel(), minlength=self.n_experts)[: self.n_experts]
+        if layer_index == 0:
+            self.session_tokens += ids.shape[0]
+
+    @property
+    def counts(self) -> np.ndarray:
+        """All counts known: the file's and this session's, (MoE layers, experts) int64."""
+        return self.past + self.session
+
+    @property
+    def tokens(self) -> int:
+        return self.past_tokens + self.session_tokens
+
+    def end_turn(self) -> None:
+        self.session_turns += 1
+
+    def save(self) -> bool:
+        """Write past + session counts atomically. False (with one warning, once) if it cannot."""
+        counts = self.counts.tolist()
+        d = {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint,
+             "moe_layers": self.moe_layers, "n_experts": self.n_experts,
+             "turns": self.past_turns + self.session_turns, "tokens": self.tokens,
+             "counts": counts, "crc32": _counts_crc(counts)}
+        tmp = self.path.with_name(f"{USAGE_FILE}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(d, f, separators=(",", ":"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if not self._save_failed:
+                warn(f"cannot save routing history {self.path} ({e.strerror or e}); going on without it")
+            self._save_failed = True
+            return False
+        return True
+
+
+def hot_set(counts: np.ndarray, capacity: int, current: set[tuple[int, int]] | None = None) -> set[tuple[int, int]]:
+    """The (layer index, expert) pairs to pin: the `capacity` most routed ones, with hysteresis.
+
+    Starting from `current`, a pair outside it replaces the least routed pinned pair only when routed
+    more than HYSTERESIS × as often and MARGIN more times, so the set does not thrash between turns.
+    Never-routed experts are never pinned. Ties go to the lower (layer, expert).
+    """
+    if capacity <= 0:
+        return set()
+    flat = counts.ravel()
+    E = counts.shape[1]
+    order = sorted((i for i in range(flat.size) if flat[i] > 0), key=lambda i: (-flat[i], i))
+    pairs = [(i // E, i % E) for i in order]
+    if not current:
+        return set(pairs[:capacity])
+    count = lambda p: int(counts[p])  # noqa: E731
+    pinned = sorted((p for p in current if count(p) > 0), key=lambda p: (count(p), p))[:capacity]
+    pinned_set = set(pinned)
+    newcomers = [p for p in pairs if p not in pinned_set]
+    while len(pinned) < capacity and newcomers:  # room left: take the hottest
+        pinned.append(newcomers.pop(0))
+    pinned.sort(key=lambda p: (count(p), p))
+    for new in newcomers:
+        if not pinned or not (count(new) > HYSTERESIS * count(pinned[0]) and count(new) >= count(pinned[0]) + MARGIN):
+            break
+        pinned.pop(0)
+        pinned.append(new)
+        pinned.sort(key=lambda p: (count(p), p))
+    return set(pinned)

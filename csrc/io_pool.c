@@ -1,0 +1,216 @@
+// io_pool.c — the I/O thread pool declared in io_pool.h.
+#define _GNU_SOURCE
+#include "io_pool.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef O_DIRECT
+#define O_DIRECT 0  // platforms without it: the caller's probe sees no difference
+#endif
+
+struct IoPool {
+    pthread_mutex_t lock;
+    pthread_cond_t work;     // signalled when a request is queued or the pool stops
+    pthread_cond_t done;     // broadcast when a request finishes
+    IoRequest *head, *tail;  // FIFO of queued requests
+    int running;             // requests being read
+    int stopping;
+    int n_threads;
+    pthread_t *threads;
+};
+
+// ---- crc32 (zlib's polynomial, reflected), slicing by 8: no zlib headers needed to build
+
+static uint32_t crc_table[8][256];
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+
+static void crc_init(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0xEDB88320u & (0u - (c & 1u)));
+        crc_table[0][i] = c;
+    }
+    for (int t = 1; t < 8; t++)
+        for (int i = 0; i < 256; i++)
+            crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xFF];
+}
+
+uint32_t io_crc32(uint32_t crc, const void *data, int64_t nbytes) {
+    pthread_once(&crc_once, crc_init);
+    const unsigned char *p = data;
+    uint32_t c = ~crc;
+    while (nbytes >= 8) {  // little-endian words, as the tables assume
+        uint32_t lo = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+        uint32_t hi = (uint32_t)p[4] | (uint32_t)p[5] << 8 | (uint32_t)p[6] << 16 | (uint32_t)p[7] << 24;
+        lo ^= c;
+        c = crc_table[7][lo & 0xFF] ^ crc_table[6][(lo >> 8) & 0xFF] ^ crc_table[5][(lo >> 16) & 0xFF] ^
+            crc_table[4][lo >> 24] ^ crc_table[3][hi & 0xFF] ^ crc_table[2][(hi >> 8) & 0xFF] ^
+            crc_table[1][(hi >> 16) & 0xFF] ^ crc_table[0][hi >> 24];
+        p += 8;
+        nbytes -= 8;
+    }
+    while (nbytes-- > 0) c = (c >> 8) ^ crc_table[0][(c ^ *p++) & 0xFF];
+    return ~c;
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+int64_t io_pread_all(int fd, void *buf, int64_t nbytes, int64_t offset) {
+    int64_t got = 0;
+    while (got < nbytes) {
+        ssize_t n = pread(fd, (char *)buf + got, (size_t)(nbytes - got), (off_t)(offset + got));
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (n == 0) break;  // end of file: the caller sees a short read
+        got += n;
+    }
+    return got;
+}
+
+static void *worker(void *arg) {
+    IoPool *p = arg;
+    pthread_mutex_lock(&p->lock);
+    for (;;) {
+        while (!p->head && !p->stopping) pthread_cond_wait(&p->work, &p->lock);
+        if (!p->head) break;  // stopping and nothing left to read
+        IoRequest *r = p->head;
+        p->head = r->next;
+        if (!p->head) p->tail = NULL;
+        r->state = IO_RUNNING;
+        p->running++;
+        pthread_mutex_unlock(&p->lock);
+
+        double t0 = now();
+        int64_t n = io_pread_all(r->fd, r->buf, r->nbytes, r->offset);
+        uint32_t crc = 0;
+        if (n > 0 && r->want_crc) {
+            int64_t hole = r->hole_offset < n ? r->hole_offset : n;
+            int64_t after = hole + r->hole_len < n ? hole + r->hole_len : n;
+            crc = io_crc32(io_crc32(0, r->buf, hole), (const char *)r->buf + after, n - after);
+        }
+        double dt = now() - t0;
+
+        pthread_mutex_lock(&p->lock);
+        r->got = n < 0 ? 0 : n;
+        r->err = n < 0 ? (int)-n : 0;
+        r->seconds = dt;
+        r->crc = crc;
+        r->state = IO_DONE;
+        p->running--;
+        pthread_cond_broadcast(&p->done);
+    }
+    pthread_mutex_unlock(&p->lock);
+    return NULL;
+}
+
+IoPool *io_pool_new(int threads) {
+    if (threads < 1) return NULL;
+    IoPool *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->threads = calloc((size_t)threads, sizeof *p->threads);
+    if (!p->threads) {
+        free(p);
+        return NULL;
+    }
+    pthread_mutex_init(&p->lock, NULL);
+    pthread_cond_init(&p->work, NULL);
+    pthread_cond_init(&p->done, NULL);
+    for (int i = 0; i < threads; i++) {
+        if (pthread_create(&p->threads[i], NULL, worker, p) != 0) break;
+        p->n_threads++;
+    }
+    if (p->n_threads == 0) {
+        io_pool_free(p);
+        return NULL;
+    }
+    return p;
+}
+
+void io_pool_free(IoPool *p) {
+    if (!p) return;
+    pthread_mutex_lock(&p->lock);
+    p->stopping = 1;
+    pthread_cond_broadcast(&p->work);
+    pthread_mutex_unlock(&p->lock);
+    for (int i = 0; i < p->n_threads; i++) pthread_join(p->threads[i], NULL);
+    pthread_cond_destroy(&p->work);
+    pthread_cond_destroy(&p->done);
+    pthread_mutex_destroy(&p->lock);
+    free(p->threads);
+    free(p);
+}
+
+int io_submit(IoPool *p, IoRequest *r) {
+    pthread_mutex_lock(&p->lock);
+    if (p->stopping) {
+        pthread_mutex_unlock(&p->lock);
+        return -1;
+    }
+    r->state = IO_QUEUED;
+    r->got = 0;
+    r->err = 0;
+    r->next = NULL;
+    if (p->tail) p->tail->next = r;
+    else p->head = r;
+    p->tail = r;
+    pthread_cond_signal(&p->work);
+    pthread_mutex_unlock(&p->lock);
+    return 0;
+}
+
+void io_wait(IoPool *p, IoRequest *r) {
+    pthread_mutex_lock(&p->lock);
+    while (r->state != IO_DONE) pthread_cond_wait(&p->done, &p->lock);
+    pthread_mutex_unlock(&p->lock);
+}
+
+int io_done(IoPool *p, IoRequest *r) {
+    pthread_mutex_lock(&p->lock);
+    int d = r->state == IO_DONE;
+    pthread_mutex_unlock(&p->lock);
+    return d;
+}
+
+int io_pending(IoPool *p) {
+    pthread_mutex_lock(&p->lock);
+    int n = p->running;
+    for (IoRequest *r = p->head; r; r = r->next) n++;
+    pthread_mutex_unlock(&p->lock);
+    return n;
+}
+
+int io_open(const char *path, int direct) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
+    return fd < 0 ? -errno : fd;
+}
+
+int io_close(int fd) { return close(fd) < 0 ? -errno : 0; }
+
+int io_probe(int fd, int64_t nbytes) {
+    void *buf = io_alloc(nbytes);
+    if (!buf) return -ENOMEM;
+    int64_t n = io_pread_all(fd, buf, nbytes, 0);
+    io_free(buf);
+    return n < 0 ? (int)n : 0;
+}
+
+void *io_alloc(int64_t nbytes) {
+    void *buf = NULL;
+    if (nbytes < IO_ALIGN) nbytes = IO_ALIGN;
+    if (posix_memalign(&buf, IO_ALIGN, (size_t)nbytes) != 0) return NULL;
+    return buf;
+}
+
+void io_free(void *buf) { free(buf); }

@@ -1,0 +1,151 @@
+"""`colibri web`: headless Chromium opens the dashboard, sends a message, sees the tokens stream in
+and the brain map render, and saves screenshots (pytest's tmp dir and ./artifacts/).
+
+Chromium is driven over the Chrome DevTools protocol. It must be Debian's `chromium`; CI installs
+it (.ci/run). Where it is missing this test fails and says so: it never skips.
+"""
+import base64
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import websocket
+
+from live_server import LiveServer, post_json
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--remote-debugging-port=0", "--remote-allow-origins=*", "--window-size=1500,1000", "--hide-scrollbars"]
+WAIT = 60  # seconds: a bound on waiting for the page, never a performance assertion
+
+
+class DevTools:
+    """The smallest Chrome DevTools protocol client: call a method, wait for its answer."""
+
+    def __init__(self, ws_url: str):
+        self.ws = websocket.create_connection(ws_url, timeout=WAIT, suppress_origin=True)
+        self.next_id = 0
+
+    def call(self, method: str, **params):
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv())
+            if msg.get("id") == self.next_id:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg["result"]
+
+    def js(self, expression: str):
+        r = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in r:
+            raise RuntimeError(f"{expression!r} threw: {r['exceptionDetails']}")
+        return r["result"].get("value")
+
+    def wait_for(self, expression: str, what: str):
+        """Poll until `expression` is true (an exception, as on a page still loading, counts as false)."""
+        deadline = time.monotonic() + WAIT
+        while not self.js(f"(() => {{ try {{ return !!({expression}); }} catch (e) {{ return false; }} }})()"):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the dashboard never showed {what} ({expression})")
+            time.sleep(0.05)
+
+    def screenshot(self, *paths: Path) -> bytes:
+        png = base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"])
+        for p in paths:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(png)
+        return png
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    exe = shutil.which("chromium")
+    if exe is None:
+        pytest.fail("Debian's chromium is not installed, so the dashboard cannot be tested: "
+                    "apt-get install -y chromium (CI's .ci/run installs it)", pytrace=False)
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    proc = subprocess.Popen([exe, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    port_file = profile / "DevToolsActivePort"
+    deadline = time.monotonic() + WAIT
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"chromium did not start: {proc.stderr.read().decode(errors='replace')[-2000:]}")
+        time.sleep(0.05)
+    port = port_file.read_text().split()[0]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=WAIT) as r:
+        page = next(t for t in json.load(r) if t["type"] == "page")
+    tools = DevTools(page["webSocketDebuggerUrl"])
+    tools.call("Page.enable")
+    tools.call("Runtime.enable")
+    yield tools
+    tools.ws.close()
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def web(tiny_model):
+    s = LiveServer("web", tiny_model, "--cache-slots", "3")  # 3 of 8 experts per layer: some cached, some not
+    yield s
+    s.stop()
+    assert "Traceback" not in s.text_log(), s.text_log()
+
+
+def test_dashboard_chats_and_draws_the_brain(browser, web, tmp_path, tiny_model):
+    b = browser
+    b.call("Page.navigate", url=web.url + "/")
+    b.wait_for(f"location.href.startsWith({json.dumps(web.url)}) && document.readyState === 'complete' && "
+               "document.getElementById('status').textContent === 'ready'", "the model as ready")
+    # every change of the answer's text is recorded, so the test sees tokens arrive one by one
+    b.js("""document.getElementById('max-tokens').value = '40';
+            document.getElementById('temperature').value = '0';
+            window.__seen = [];
+            new MutationObserver(() => {
+              const m = document.querySelector('.msg.assistant');
+              if (m && m.dataset.state === 'streaming') window.__seen.push(m.textContent.length);
+            }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true});
+            document.getElementById('prompt').value = 'the quick brown fox';
+            document.getElementById('send').click(); true""")
+    b.wait_for("document.querySelector('.msg.assistant')?.dataset.state === 'done'", "the answer finish")
+    answer = b.js("document.querySelector('.msg.assistant').childNodes[0].nodeValue")
+    seen = b.js("window.__seen")
+    assert len(set(seen)) >= 3 and seen == sorted(seen), f"tokens did not stream in: {seen}"
+    # what the page shows is what the API answers for the same conversation
+    status, body = post_json(web.url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "the quick brown fox"}], "max_tokens": 40, "temperature": 0})
+    want = body["choices"][0]["message"]["content"]
+    assert answer == want
+    # the live figures and the brain map
+    b.wait_for("document.getElementById('tps').textContent !== '–' && document.getElementById('ttft').textContent !== '–'",
+               "tok/s and time to first token")
+    b.wait_for("document.getElementById('split-legend').textContent.includes('waiting for disk')", "the time split")
+    b.wait_for("document.getElementById('tier-legend').textContent.includes('cached')", "the tier bar")
+    b.wait_for("document.getElementById('brain-mini').dataset.cells === '16' && "
+               "+document.getElementById('brain-mini').dataset.lit > 0", "the brain map (2 layers × 8 experts, lit)")
+    colours = b.js("""(() => { const c = document.getElementById('brain-mini');
+                       const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                       const s = new Set(); for (let i = 0; i < d.length; i += 4) s.add(d[i] + ',' + d[i+1] + ',' + d[i+2]);
+                       return s.size; })()""")
+    assert colours >= 4, f"the brain canvas is nearly blank ({colours} colours)"
+    tiers = b.js("document.querySelector('.brain-legend').textContent")
+    assert "on disk" in tiers and "cached" in tiers
+    b.wait_for("+document.getElementById('hit-chart').dataset.samples >= 2", "the hit-rate history")
+    png = b.screenshot(tmp_path / "dashboard.png", ARTIFACTS / "dashboard.png")
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+    b.js("location.hash = '#brain'; true")
+    b.wait_for("!document.getElementById('view-brain').hidden && "
+               "document.getElementById('brain-full').dataset.cells === '16'", "the Brain page")
+    b.wait_for("document.getElementById('brain-hottest').textContent.includes('Most routed')", "the hottest experts")
+    b.screenshot(tmp_path / "brain.png", ARTIFACTS / "brain.png")

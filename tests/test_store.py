@@ -1,0 +1,558 @@
+"""The tiered expert store: placement never changes an output; history, hot-store, prefetch,
+O_DIRECT, mirror and policies; faults give a warning or a clear error, never a wrong token."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from colibri_core import load, plugins
+from colibri_core.errors import ColibriError
+from colibri_core.store import io
+from colibri_core.store.usage import USAGE_FILE, ColibriWarning, hot_set
+
+from conftest import colibri
+
+PROMPT = list(range(3, 23))  # 20 tokens: prefill routes a batch union per layer
+N_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """4 MoE layers × 16 experts, top-2: enough experts for eviction and prediction to matter."""
+    from colibri_core.convert import convert_checkpoint
+    from colibri_olmoe.demo import write_checkpoint
+
+    d = tmp_path_factory.mktemp("store")
+    write_checkpoint(d / "hf", vocab_size=300, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
+                     num_experts=16, num_experts_per_tok=2, seed=3)
+    convert_checkpoint(d / "hf", d / "m", "int4", progress=False)
+    return d / "m"
+
+
+@pytest.fixture(scope="module")
+def baseline(model):
+    """Logits and greedy tokens with every expert resident, no prefetch, no history."""
+    with load(model, cache_slots=16, prefetch=False, usage=False) as e:
+        return e.logits(PROMPT), e.generate(PROMPT, N_NEW, stop_ids=())
+
+
+def copy_model(model: Path, dst: Path) -> Path:
+    shutil.copytree(model, dst)
+    return dst
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def check_same(engine, baseline, turns: int = 2) -> None:
+    """Bit-identical logits and identical tokens, over `turns` turns (the hot-store is revised between)."""
+    logits, tokens = baseline
+    for _ in range(turns):
+        got = engine.logits(PROMPT)
+        assert got.dtype == np.float32 and np.array_equal(got, logits)
+        assert engine.generate(PROMPT, N_NEW, stop_ids=()) == tokens
+
+
+# ---- placement invariance: every axis ------------------------------------------------------------
+
+PLACEMENTS = {
+    "1-slot": dict(cache_slots=1),
+    "3-slots": dict(cache_slots=3),
+    "all-resident": dict(cache_slots=16),
+    "prefetch-off-1-slot": dict(cache_slots=1, prefetch=False),
+    "prefetch-on-3-slots": dict(cache_slots=3, prefetch=True),
+    "direct": dict(cache_slots=2, direct=True),
+    "lru": dict(cache_slots=2, policy="lru"),
+    "lfu": dict(cache_slots=2, policy="lfu"),
+    "io-1-thread": dict(cache_slots=2, io_threads=1),
+    "io-2-threads": dict(cache_slots=2, io_threads=2),
+    "ram-budget": dict(ram="budget-30%"),
+}
+
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_placement_invariance(model, baseline, name):
+    kw = dict(PLACEMENTS[name])
+    if kw.get("ram") == "budget-30%":
+        with load(model, cache_slots=1, usage=False) as e:
+            c = e.container
+            kw["ram"] = e.resident_bytes + int(0.3 * len(c.moe_layers) * c.n_experts * c.expert_nbytes)
+    with load(model, usage=False, **kw) as e:
+        check_same(e, baseline)
+        s = e.stats()
+    if kw.get("cache_slots", 16) < 16:
+        assert s["expert_misses"] > 0  # the placement really streamed experts
+
+
+def test_pinning_on_gives_the_same_outputs(model, baseline, tmp_path):
+    """The hot-store pins after the first turn; outputs stay identical across revisions."""
+    history = tmp_path / "usage.json"
+    with load(model, cache_slots=1, pin_gb=12 * 8192 / 1e9, usage=history) as e:
+        assert e.stats()["pinned_experts"] == 0  # no history yet
+        check_same(e, baseline, turns=3)
+        s = e.stats()
+        assert 0 < s["pinned_experts"] <= s["pin_capacity"]
+    with load(model, cache_slots=1, pin_gb=12 * 8192 / 1e9, usage=history) as e:
+        assert e.stats()["pinned_experts"] > 0  # pinned at start from the saved history
+        check_same(e, baseline)
+
+
+def test_everything_at_once(model, baseline, tmp_path):
+    mirror = copy_model(model, tmp_path / "mirror")
+    history = tmp_path / "usage.json"
+    with load(model, cache_slots=1, pin_gb=0.0001, policy="lfu", direct=True, mirror=mirror, usage=history,
+              io_threads=3) as e:
+        e.store.primary_share = 0.5  # half the experts from each copy, whatever the measured bandwidths
+        check_same(e, baseline, turns=3)
+        s = e.stats()
+    assert s["mirror_reads"] > 0 and s["mirror_in_use"] and s["pinned_experts"] > 0
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_kernel_thread_count_invariance(model, baseline, threads, tmp_path):
+    """COLIBRI_THREADS (the kernels' thread count) changes nothing: a fresh process per count."""
+    code = ("import sys, numpy as np; from colibri_core import load\n"
+            f"e = load(sys.argv[1], cache_slots=2, usage=False)\n"
+            f"np.save(sys.argv[2], e.logits({PROMPT}))\n"
+            f"print(e.generate({PROMPT}, {N_NEW}, stop_ids=()))\n")
+    out = tmp_path / "logits.npy"
+    r = subprocess.run([sys.executable, "-c", code, str(model), str(out)], capture_output=True, text=True,
+                       env={**os.environ, "COLIBRI_THREADS": threads})
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(np.load(out), baseline[0])
+    assert r.stdout.strip() == str(baseline[1])
+
+
+# ---- counters and prefetch -----------------------------------------------------------------------
+
+def test_counters_and_lookahead_prefetch(model):
+    with load(model, cache_slots=4, usage=False) as e:
+        e.generate(PROMPT, N_NEW, stop_ids=())
+        s = e.stats()
+    for key in ("expert_hits", "expert_misses", "bytes_read", "prefetch_issued", "prefetch_used",
+                "prefetch_recall", "io_stall_seconds", "layer_hit_rate"):
+        assert key in s
+    assert s["prefetch_issued"] > 0 and 0 < s["prefetch_used"] <= s["prefetch_issued"]
+    assert 0 < s["prefetch_recall"] <= 1
+    assert s["bytes_read"] == s["reads"] * e.container.expert_nbytes
+    assert set(s["layer_hit_rate"]) == set(e.container.moe_layers)
+    with load(model, cache_slots=4, usage=False, prefetch=False) as e:
+        e.generate(PROMPT, N_NEW, stop_ids=())
+        assert e.stats()["prefetch_issued"] == 0
+
+
+def test_batch_union_reads_each_expert_once(model):
+    """A prefill of many tokens reads each needed expert of a layer once, even with a 1-slot cache
+    that cannot hold them together (reads are issued as slots free up, never twice)."""
+    with load(model, cache_slots=1, usage=False, prefetch=False) as e:
+        e.logits(PROMPT)
+        s = e.stats()
+    assert s["expert_hits"] == 0 and s["reads"] == s["expert_misses"]
+    assert s["expert_misses"] <= len(e.container.moe_layers) * e.container.n_experts
+
+
+def test_run_stats_prints_every_counter(tiny_model, tmp_path):
+    m = copy_model(tiny_model, tmp_path / "m")
+    r = colibri("run", "--model", m, "--cache-slots", "2", "--max-tokens", "4", "--stats", "--policy", "lfu", "hi")
+    assert r.returncode == 0, r.stderr
+    for word in ("expert_hits", "expert_misses", "bytes_read", "prefetch_issued", "prefetch_used",
+                 "prefetch_recall", "io_stall_seconds", "per-layer hit rate", "(lfu)"):
+        assert word in r.stderr
+
+
+# ---- routing history and hot-store ---------------------------------------------------------------
+
+def test_usage_file_is_written_atomically_with_a_fingerprint(model, tmp_path):
+    m = copy_model(model, tmp_path / "m")
+    with load(m, cache_slots=2) as e:
+        e.generate(PROMPT, 4, stop_ids=())
+        e.generate(PROMPT[:5], 3, stop_ids=())
+    d = json.loads((m / USAGE_FILE).read_text())
+    assert d["format"] == "colibri-usage" and d["version"] == 1 and d["fingerprint"].startswith("sha256:")
+    assert d["turns"] == 2 and d["tokens"] == (20 + 3) + (5 + 2)  # prompt + decoded tokens fed
+    assert [sum(row) for row in d["counts"]] == [2 * d["tokens"]] * 4  # top-2 in every MoE layer
+    assert sorted(p.name for p in m.iterdir() if p.name.startswith(".coli")) == [USAGE_FILE]  # no temporaries
+    with load(m, cache_slots=2) as e:  # the next session continues the history
+        assert e.stats()["history_tokens"] == d["tokens"]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "flipped-count", "foreign", "version"])
+def test_bad_usage_file_is_ignored_with_one_warning(model, baseline, tmp_path, damage):
+    m = copy_model(model, tmp_path / "m")
+    with load(m, cache_slots=2) as e:
+        e.generate(PROMPT, 2, stop_ids=())
+    path = m / USAGE_FILE
+    d = json.loads(path.read_text())
+    if damage == "garbage":
+        path.write_bytes(b"\x00\x01 not json")
+    elif damage == "flipped-count":
+        d["counts"][0][0] += 1
+        path.write_text(json.dumps(d))
+    elif damage == "foreign":
+        d["fingerprint"] = "sha256:" + "0" * 64
+        path.write_text(json.dumps(d))
+    else:
+        d["version"] = 99
+        path.write_text(json.dumps(d))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with load(m, cache_slots=2, pin_gb=0.001) as e:
+            assert e.stats()["history_tokens"] == 0 and e.stats()["pinned_experts"] == 0
+            check_same(e, baseline, turns=1)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, ColibriWarning)]
+    assert len(msgs) == 1 and "ignoring routing history" in msgs[0], msgs
+    assert json.loads(path.read_text())["fingerprint"] != "sha256:" + "0" * 64  # replaced by a good one
+
+
+def test_hot_store_pins_automatically_with_enough_history(model, tmp_path):
+    m = copy_model(model, tmp_path / "m")
+    with load(m, cache_slots=16) as e:
+        c = e.container
+        budget = e.resident_bytes + int(0.5 * len(c.moe_layers) * c.n_experts * c.expert_nbytes)
+    with load(m, ram=budget) as e:
+        assert e.stats()["pin_capacity"] == 0  # no history: the whole expert budget is cache
+        slots_before = e.stats()["cache_slots_per_layer"]
+        for i in range(3):
+            e.generate([i + 3, *PROMPT], 4, stop_ids=())
+    with load(m, ram=budget) as e:
+        s = e.stats()
+    assert s["history_tokens"] >= 32 and s["pin_capacity"] > 0 and s["pinned_experts"] > 0
+    assert s["cache_slots_per_layer"] < slots_before
+    assert s["cache_bytes"] + s["pin_capacity"] * c.expert_nbytes + e.resident_bytes <= budget
+
+
+def test_hot_set_hysteresis():
+    counts = np.array([[10, 9, 1, 0], [8, 0, 0, 7]])
+    assert hot_set(counts, 3) == {(0, 0), (0, 1), (1, 0)}
+    assert hot_set(counts, 0) == set()
+    assert hot_set(np.zeros((2, 4), int), 3) == set()  # never-routed experts are never pinned
+    current = {(0, 0), (0, 1), (1, 0)}
+    counts[1, 3] = 11  # a newcomer a bit hotter than the coldest pinned (8): no swap
+    assert hot_set(counts, 3, current) == current
+    counts[1, 3] = 30  # far hotter: it replaces the coldest
+    assert hot_set(counts, 3, current) == {(0, 0), (0, 1), (1, 3)}
+
+
+# ---- policies as plugins -------------------------------------------------------------------------
+
+def policy_plugin(name, factory, *more):
+    import types
+
+    from colibri_core.hookspecs import hookimpl
+
+    @hookimpl
+    def colibri_register_cache_policies(register):
+        register(name, factory, "a test policy")
+        for args in more:
+            register(*args)
+
+    module = types.ModuleType(f"colibri_policy_{name.replace(' ', '_')}")
+    module.colibri_register_cache_policies = colibri_register_cache_policies
+    return module
+
+
+def test_core_policies_are_registered_through_the_hook():
+    reg = plugins.Registry()
+    policies = reg.cache_policies()
+    assert {"lru", "lfu"} <= set(policies) and policies["lru"].plugin == "colibri"
+    with pytest.raises(ColibriError, match="unknown cache policy 'nope': choose one of lfu, lru"):
+        reg.cache_policy("nope")
+
+
+@pytest.mark.parametrize("name, factory, fragment", [
+    ("Bad Name", lambda **kw: None, "lower_snake_case"),
+    ("fine", "not callable", "not callable"),
+    ("lru", lambda **kw: None, "already registered by colibri"),
+])
+def test_bad_policy_registrations_name_the_plugin(name, factory, fragment):
+    reg = plugins.Registry()
+    reg.add("pol", "colibri-pol", "1.2", policy_plugin(name, factory))
+    with pytest.raises(ColibriError, match=f"plugin colibri-pol 1.2.*{fragment}"):
+        reg.cache_policies()
+
+
+def test_a_plugin_policy_runs_and_a_bad_victim_is_refused(model, baseline, monkeypatch):
+    from colibri_core.store.policies import CachePolicy
+
+    class MRU(CachePolicy):  # most recently used: a deliberately different placement
+        def __init__(self, slots, n_experts):
+            super().__init__(slots, n_experts)
+            self.order = []
+
+        def on_hit(self, e):
+            self.order = [x for x in self.order if x != e] + [e]
+
+        on_insert = on_hit
+
+        def victim(self, candidates):
+            return max(candidates, key=lambda e: self.order.index(e) if e in self.order else -1)
+
+    class Wrong(CachePolicy):
+        def victim(self, candidates):
+            return 999
+
+    reg = plugins.Registry()
+    reg.load_entry_points()
+    reg.add("pol", "colibri-pol", "1.0", policy_plugin("mru", MRU, ("wrong", Wrong)))
+    monkeypatch.setattr(plugins, "_registry", reg)
+    with load(model, cache_slots=2, policy="mru", usage=False) as e:
+        check_same(e, baseline, turns=1)
+        assert e.stats()["policy"] == "mru"
+    with load(model, cache_slots=1, policy="wrong", usage=False) as e:
+        with pytest.raises(ColibriError, match="cache policy wrong \\(colibri-pol\\) chose expert 999"):
+            e.generate(PROMPT, 2, stop_ids=())
+
+
+# ---- O_DIRECT ------------------------------------------------------------------------------------
+
+def test_direct_io_on_disk(model, baseline, tmp_path):
+    """O_DIRECT where the filesystem allows it; where it refuses, the one-line fallback warning."""
+    m = copy_model(model, tmp_path / "m")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with load(m, cache_slots=2, direct=True, usage=False) as e:
+            check_same(e, baseline, turns=1)
+            direct = e.stats()["direct_io"]
+    refusals = [str(w.message) for w in caught if "O_DIRECT refused" in str(w.message)]
+    assert refusals == ([] if direct else refusals[:1]) and (direct or len(refusals) == 1)
+
+
+@pytest.mark.parametrize("where", ["tmpfs", "refusing-filesystem"])
+def test_direct_io_refused_falls_back_with_a_message(model, baseline, tmp_path, monkeypatch, where):
+    """Where the filesystem refuses O_DIRECT: one warning, page-cache reads, the same outputs.
+
+    tmpfs refused O_DIRECT before Linux 6.6 and accepts it since; where this machine's /dev/shm
+    accepts it, the refusal is exercised through a filesystem that answers EINVAL, as old tmpfs does.
+    """
+    shm = Path("/dev/shm")
+    if where == "tmpfs":
+        if not shm.is_dir():
+            pytest.skip("no /dev/shm on this machine")
+        m = shm / f"colibri-test-{os.getpid()}"
+        shutil.rmtree(m, ignore_errors=True)
+        copy_model(model, m)
+        fd, err = io._open_direct(str(m / "experts" / "layer-000.bin"), 4096)
+        if fd >= 0:
+            io.close_fd(fd)
+        if err == 0:
+            shutil.rmtree(m)
+            pytest.skip(f"this kernel's tmpfs accepts O_DIRECT (Linux {os.uname().release}); the refusal is "
+                        f"tested by the refusing-filesystem case")
+    else:
+        m = copy_model(model, tmp_path / "m")
+        import errno
+
+        monkeypatch.setattr(io, "_open_direct", lambda path, probe: (-errno.EINVAL, errno.EINVAL))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with load(m, cache_slots=2, direct=True, usage=False) as e:
+                check_same(e, baseline, turns=1)
+                assert e.stats()["direct_io"] is False
+        msgs = [str(w.message) for w in caught if issubclass(w.category, ColibriWarning)]
+        assert len(msgs) == 1 and "O_DIRECT refused" in msgs[0] and "page cache" in msgs[0]
+    finally:
+        shutil.rmtree(m, ignore_errors=True)
+
+
+def test_io_pool_reads_what_python_reads(tmp_path):
+    data = os.urandom(5 * 4096 + 100)
+    f = tmp_path / "data.bin"
+    f.write_bytes(data)
+    pool = io.IOPool(threads=2)
+    fd, refused = io.open_expert_file(str(f), False)
+    reads = [pool.submit(fd, off, 4096) for off in (0, 8192, 4096 * 4)]
+    reads.append(pool.submit(fd, 4096 * 5, 8192))  # past the end of the file
+    for r in reads[:3]:
+        pool.wait(r)
+        buf, err = pool.result(r)
+        assert err is None and bytes(buf) == data[r.req.offset: r.req.offset + 4096]
+        assert int(io.ffi.cast("uintptr_t", r.ptr)) % 4096 == 0
+    pool.wait(reads[3])
+    assert "short read" in pool.result(reads[3])[1]
+    bad = pool.submit(-1, 0, 4096)
+    pool.wait(bad)
+    assert pool.result(bad)[1] == os.strerror(9)  # EBADF
+    io.close_fd(fd)
+    pool.close()
+
+
+# ---- mirror --------------------------------------------------------------------------------------
+
+def test_mirror_with_different_contents_is_refused(model, tmp_path):
+    from colibri_core.convert import convert_checkpoint
+    from colibri_olmoe.demo import write_checkpoint
+
+    write_checkpoint(tmp_path / "hf", vocab_size=300, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
+                     num_experts=16, num_experts_per_tok=2, seed=4)  # another model of the same shape
+    convert_checkpoint(tmp_path / "hf", tmp_path / "other", "int4", progress=False)
+    with pytest.raises(ColibriError, match="is not a copy of .*manifest differs"):
+        load(model, cache_slots=2, mirror=tmp_path / "other", usage=False)
+    m = copy_model(model, tmp_path / "mirror")
+    flip_byte(m / "experts" / "layer-002.bin", 5 * 8192 + 100)  # an extent the start-up check samples
+    with pytest.raises(ColibriError, match="mirror .* differs from .*layer-002.bin expert 5"):
+        load(model, cache_slots=2, mirror=m, usage=False)
+    with pytest.raises(ColibriError, match="mirror refused"):
+        load(model, cache_slots=2, mirror=tmp_path / "missing", usage=False)
+
+
+def test_mirror_read_error_falls_back_to_the_primary_with_one_warning(model, baseline, tmp_path):
+    m = copy_model(model, tmp_path / "mirror")
+    for layer in range(4):  # corrupt experts the start-up check does not sample (it checks 0, 5, 10, 15)
+        for e in (1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14):
+            flip_byte(m / "experts" / f"layer-{layer:03d}.bin", e * 8192 + 10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with load(model, cache_slots=2, mirror=m, usage=False) as e:
+            e.store.primary_share = 0.0  # every read goes to the mirror first
+            check_same(e, baseline)
+            s = e.stats()
+    msgs = [str(w.message) for w in caught if issubclass(w.category, ColibriWarning)]
+    assert len(msgs) == 1 and "mirror" in msgs[0] and "primary" in msgs[0], msgs
+    assert s["mirror_reads"] >= 1 and not s["mirror_in_use"]
+
+
+def test_mirror_choice_is_deterministic_and_weighted(model, tmp_path):
+    from colibri_core.store.mirror import choose
+
+    picks = [choose(layer, e, 0.75) for layer in range(40) for e in range(64)]
+    assert picks == [choose(layer, e, 0.75) for layer in range(40) for e in range(64)]
+    assert 0.7 < picks.count(0) / len(picks) < 0.8
+    m = copy_model(model, tmp_path / "mirror")
+    with load(model, cache_slots=2, mirror=m, usage=False) as e:
+        assert 0 < e.store.primary_share < 1 and e.store.sources[1].bandwidth > 0
+
+
+# ---- I/O errors and corruption never give a wrong token ------------------------------------------
+
+def test_corrupt_expert_on_disk_is_an_error_not_a_wrong_token(model, tmp_path):
+    m = copy_model(model, tmp_path / "m")
+    with load(m, cache_slots=1, usage=False) as e:
+        for layer in range(4):
+            for x in range(16):
+                flip_byte(m / "experts" / f"layer-{layer:03d}.bin", x * 8192 + 200)
+        with pytest.raises(ColibriError, match="corrupt expert data .* checksum mismatch"):
+            e.generate(PROMPT, 4, stop_ids=())
+    assert not (m / USAGE_FILE).exists()
+
+
+def test_truncated_expert_file_after_start_is_a_clear_error(model, tmp_path):
+    m = copy_model(model, tmp_path / "m")
+    with load(m, cache_slots=1, usage=False, prefetch=False) as e:
+        for layer in range(4):
+            os.truncate(m / "experts" / f"layer-{layer:03d}.bin", 8192)  # only expert 0 is left
+        with pytest.raises(ColibriError, match="cannot read layer .* expert .*short read"):
+            e.generate(PROMPT, 4, stop_ids=())
+
+
+# ---- plan and doctor -----------------------------------------------------------------------------
+
+def test_plan_from_a_directory_and_from_config_alone(model, tmp_path):
+    r = colibri("plan", "--model", model, "--ram", "20MB", "--context", "128", "--json")
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    sp = p["split"]
+    assert p["model"]["moe_layers"] == 4 and p["experts_total"] == 64 and p["model"]["expert_nbytes"] == 8192
+    assert sp["dense"] + sp["state"] + sp["cache_bytes"] + sp["pinned_bytes"] <= 20 * 10**6
+    assert p["disk_bandwidth"] > 0 and p["memory_bandwidth"] > 0 and p["floor_seconds_per_token"]["floor"] >= 0
+    with load(model, cache_slots=1, usage=False) as e:
+        assert p["model"]["dense_bytes"] == e.resident_bytes
+    cfg = tmp_path / "config.json"
+    shutil.copy(model / "config.json", cfg)  # no weights beside it
+    r2 = colibri("plan", "--config", cfg, "--quant", "int4", "--ram", "20MB", "--context", "128", "--json",
+                 "--disk-bw", "2GB", "--mem-bw", "10GB")
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads(r2.stdout)["model"] == p["model"]
+    assert json.loads(r2.stdout)["disk_bandwidth"] == 2e9
+    r3 = colibri("plan", "--config", cfg, "--quant", "int4", "--ram", "200KB", "--disk-bw", "1GB", "--mem-bw", "1GB")
+    assert r3.returncode == 1 and "below this model's minimum" in r3.stderr
+    text = colibri("plan", "--model", model, "--ram", "1MB", "--context", "16", "--disk-bw", "1GB", "--mem-bw", "1GB")
+    assert text.returncode == 0 and "expert cache" in text.stdout and "floor per token" in text.stdout
+    assert colibri("plan").returncode == 1
+
+
+def test_doctor_deep_catches_one_flipped_byte_and_writes_nothing(model, tmp_path):
+    m = copy_model(model, tmp_path / "m")
+    before = sorted(p.name for p in m.rglob("*"))
+    r = colibri("doctor", "--model", m, "--deep")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for check in ("kernels", "plugin", "files", "free disk", "RAM", "O_DIRECT", "checksums (deep)"):
+        assert check in r.stdout
+    flip_byte(m / "experts" / "layer-003.bin", 9 * 8192 + 77)
+    r = colibri("doctor", "--model", m, "--deep")
+    assert r.returncode == 1 and "FAIL  checksums (deep)" in r.stdout and "layer 3 expert 9" in r.stdout
+    assert sorted(p.name for p in m.rglob("*")) == before
+    (m / "experts" / "layer-000.bin").unlink()
+    r = colibri("doctor", "--model", m)
+    assert r.returncode == 1 and "FAIL  files" in r.stdout
+
+
+def test_bench_protocol_smoke(model, tmp_path):
+    """The benchmark command runs end to end on a tiny model (numbers are not checked: not a test gate)."""
+    m = copy_model(model, tmp_path / "m")
+    r = colibri("bench", "--model", m, "--budgets", "0.5", "--prompts", "2", "--prompt-tokens", "4",
+                "--new-tokens", "3", "--no-drop", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    sess = d["budgets"][0]["sessions"]
+    assert set(sess) == {"cold", "learned"} and "warm_repeat" in sess["cold"]
+    for key in ("tokens_per_second", "ttft_seconds", "hit_rate", "bytes_read_per_token", "prefetch_recall",
+                "floor_seconds_per_token", "vs_floor"):
+        assert key in sess["cold"]
+    assert not (m / USAGE_FILE).exists()  # the model's own history is never touched
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4095, 8192 + 13])
+def test_io_crc32_matches_zlib(n, tmp_path):
+    """The I/O threads' crc32 (csrc/io_pool.c) against its reference, zlib.crc32, at awkward sizes;
+    and the extent checksum a read computes (leaving out the trailer's crc field) against reader.extent_crc."""
+    import zlib
+
+    from colibri_core.container.reader import extent_crc
+
+    data = os.urandom(n)
+    assert io.lib.io_crc32(0, data, n) == zlib.crc32(data)
+    assert io.lib.io_crc32(7, data, n) == zlib.crc32(data, 7)
+    if n >= 16:
+        f = tmp_path / "extent.bin"
+        f.write_bytes(data)
+        pool = io.IOPool(1)
+        fd, _ = io.open_expert_file(str(f), False)
+        r = pool.submit(fd, 0, n, crc_hole=(n - 16, 4))
+        pool.wait(r)
+        assert r.req.crc == extent_crc(data)
+        io.close_fd(fd)
+        pool.close()
+
+
+def test_bench_callback_leaves_other_bench_subcommands_alone():
+    """`colibri bench --model DIR` is a callback on the bench group: `colibri bench kernels` (or any
+    other subcommand) runs as before, and a bare `colibri bench` shows help."""
+    import typer
+    from typer.testing import CliRunner
+
+    from colibri_core.bench import model as bench_model
+
+    app, bench_app = typer.Typer(), typer.Typer()
+    app.add_typer(bench_app, name="bench")
+    bench_model.register(bench_app)
+
+    @bench_app.command("kernels")
+    def kernels():
+        print("kernels ran")
+
+    r = CliRunner().invoke(app, ["bench", "kernels"], env={"COLIBRI_MODEL": ""})
+    assert r.exit_code == 0 and r.output.strip() == "kernels ran", r.output
+    r = CliRunner().invoke(app, ["bench"], env={"COLIBRI_MODEL": ""})
+    assert r.exit_code == 0 and "--model" in r.output
