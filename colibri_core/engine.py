@@ -92,7 +92,7 @@ class Engine:
             if cache_slots < 1:
                 raise ColibriError(f"--cache-slots must be at least 1, got {cache_slots}")
             return min(cache_slots, c.n_experts)
-        per_slot = len(c.moe_layers) * c.expert_nbytes  # one more slot in every MoE layer
+        per_slot = sum(c.layer_expert_nbytes(layer) for layer in c.moe_layers)  # one more slot in every MoE layer
         budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
         slots = (budget - self.resident_bytes) // per_slot
         if slots < 1:

@@ -265,12 +265,13 @@ def _write_layer(ckpt: Checkpoint, plan: _Plan, layer: int, path: Path, bar) -> 
     Experts are quantised on a few threads (NumPy releases the GIL), at most 2 per thread in flight,
     and written in order."""
     lay = plan.layout
-    _, nbytes = expert_extent(plan.quant, lay.hidden, lay.intermediate)
+    kind = lay.expert_kind(layer, plan.quant)
+    _, nbytes = expert_extent(kind, lay.hidden, lay.intermediate)
 
     def extent(e: int) -> bytearray:
         buf = bytearray()
         for w in plan.expert_weights(ckpt, layer, e):
-            q.pack(q.quantize(w, plan.quant), buf)
+            q.pack(q.quantize(w, kind), buf)
         buf += bytes(nbytes - TRAILER.size - len(buf))
         buf += TRAILER.pack(0, TRAILER_MAGIC, layer, e)
         buf[nbytes - TRAILER.size: nbytes - TRAILER.size + 4] = extent_crc(buf).to_bytes(4, "little")
@@ -396,8 +397,13 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str, layou
                 rec = staging.done(rel, _write_layer(ckpt, plan, layer, staging.path / rel, bar))
             else:
                 bar.update(layout.n_experts)
-            layers.append({"layer": layer, "path": rel, "size": rec["size"], "crc32": rec["crc32"],
-                           "extent_crc32": _FlowList(rec["extent_crc32"])})
+            entry = {"layer": layer, "path": rel, "size": rec["size"], "crc32": rec["crc32"],
+                     "extent_crc32": _FlowList(rec["extent_crc32"])}
+            kind = layout.expert_kind(layer, quant)
+            if kind != quant:  # this layer's experts are kept more precise than experts.kind
+                entry["kind"] = kind
+                entry["expert_nbytes"] = expert_extent(kind, layout.hidden, layout.intermediate)[1]
+            layers.append(entry)
     copied = {}
     for name in COPIED_FILES:
         if (src / name).is_file():

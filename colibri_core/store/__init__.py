@@ -35,7 +35,7 @@ class ExpertStore:
         weights = self.container.read_expert(layer, expert)
         self.expert_misses += 1
         self.layer_misses[layer] += 1
-        self.bytes_read += self.container.expert_nbytes
+        self.bytes_read += self.container.layer_expert_nbytes(layer)
         if len(cache) >= self.slots:
             cache.popitem(last=False)
         cache[expert] = weights
@@ -44,7 +44,7 @@ class ExpertStore:
     @property
     def resident_bytes(self) -> int:
         """Bytes the expert cache holds now."""
-        return sum(len(c) for c in self.cache.values()) * self.container.expert_nbytes
+        return sum(len(c) * self.container.layer_expert_nbytes(layer) for layer, c in self.cache.items())
 
     def stats(self) -> dict:
         lookups = self.expert_hits + self.expert_misses
