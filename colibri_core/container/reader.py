@@ -89,8 +89,23 @@ _ST_DTYPES = {
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
     "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
+    "F8_E4M3": np.dtype("u1"),  # float8 e4m3fn, read as raw bytes; widened through FP8_E4M3
 }
 READABLE_DTYPES = tuple(_ST_DTYPES)
+
+
+def _fp8_e4m3_table() -> np.ndarray:
+    """float32 value of every float8 e4m3fn byte: 1 sign, 4 exponent (bias 7), 3 mantissa bits;
+    exponent 0 is subnormal (m/8 · 2^-6); no infinities, S.1111.111 is NaN."""
+    b = np.arange(256)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e, m = (b >> 3) & 0xF, b & 0x7
+    mag = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e - 7.0))
+    mag = np.where((e == 15) & (m == 7), np.nan, mag)
+    return (sign * mag).astype(np.float32)
+
+
+FP8_E4M3 = _fp8_e4m3_table()  # (256,) float32: byte -> value
 ST_NAME = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int8): "I8",
            np.dtype(np.uint8): "U8"}
 
@@ -156,6 +171,8 @@ class SafetensorsFile:
         dtype = self.dtype(name)
         if dtype == "BF16":
             return (a.astype(np.uint32) << 16).view(np.float32)
+        if dtype == "F8_E4M3":
+            return FP8_E4M3[a]
         out = a.astype(np.float32)
         if dtype not in ("F64", "F32", "F16") and not np.array_equal(out, a):
             raise ColibriError(f"tensor {name} in {self.path} holds {dtype} values float32 cannot represent")
