@@ -87,14 +87,29 @@ def chat(
     seed: Optional[int] = typer.Option(None),
     ram: Optional[str] = RamOpt,
     cache_slots: Optional[int] = SlotsOpt,
+    session_name: Optional[str] = typer.Option(None, "--session", help="Save the conversation as NAME beside "
+                                               "the model after every turn and resume it when started again."),
 ):
     """Chat interactively, streaming tokens. Commands: /reset, /stats, /exit."""
+    import warnings
+
     from .chat_template import ChatTemplate
+    from .kv.session import SessionWarning
     from .tokenizer import StreamDecoder
 
     engine = _open(model, ram, cache_slots)
     template = ChatTemplate.from_dir(engine.model_dir)
     session, messages = engine.new_session(), []
+    if session_name is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SessionWarning)  # printed below as one line
+            session = engine.open_session(session_name)
+        if session.notice:
+            print(f"colibri: note: {session.notice}", file=sys.stderr)
+        messages = session.meta.setdefault("messages", [])
+        if session.turns:
+            print(f"(resumed session {session_name}: {len(messages)} messages, {len(session.ids)} tokens)",
+                  file=sys.stderr)
     print(f"colibri chat · {engine.model_dir} · /reset /stats /exit", file=sys.stderr)
     while True:
         try:
@@ -105,7 +120,12 @@ def chat(
         if line.strip() in ("/exit", "/quit"):
             return
         if line.strip() == "/reset":
-            session, messages = engine.new_session(), []
+            if session_name is not None:
+                session.reset()
+                messages = session.meta.setdefault("messages", [])
+                session.save()
+            else:
+                session, messages = engine.new_session(), []
             print("(conversation reset)", file=sys.stderr)
             continue
         if line.strip() == "/stats":
@@ -126,6 +146,8 @@ def chat(
             sys.stdout.flush()
         print()
         messages.append({"role": "assistant", "content": engine.tokenizer.decode(answer)})
+        if session_name is not None:
+            session.save()  # the turn's state was saved when the answer ended; now its messages too
         print(stats_line(engine, time.perf_counter() - t0), file=sys.stderr)
 
 

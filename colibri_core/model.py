@@ -69,6 +69,19 @@ class MoEModel:
         """Which checkpoint tensors are resident, which are routed experts, which stay f32."""
         raise NotImplementedError
 
+    @classmethod
+    def resident_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:
+        """Every resident tensor's shape by checkpoint name, from the config alone (for `plan`:
+        sized with the layout's quantisation rules, before any weight is read)."""
+        raise NotImplementedError
+
+    @classmethod
+    def state_floats_per_token(cls, cfg) -> list[int]:
+        """Per layer, the floats its state grows by per token (K + V for GQA; 576 for GLM-5.2's MLA
+        latent + rope key; 0 for a fixed-size recurrent state). State kept apart (e.g. DSA indexer
+        keys) is reported by its own classmethod, named in the plugin's docstring."""
+        raise NotImplementedError
+
     def __init__(self, cfg, weights: Weights, store):
         self.cfg = cfg
         self.store = store

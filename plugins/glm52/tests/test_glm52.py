@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_conformance import tiny
+from test_glm52_conformance import tiny
 from transformers import AutoModelForCausalLM
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 
