@@ -56,3 +56,20 @@ def plan_config(config: dict, kind: str, where: str = "config.json") -> dict:
     arch = registry.resolve(config, where=where)
     model_cls = registry.model_class(arch)
     return {"architecture": arch.name, **plan(model_cls, model_cls.parse_config(config), kind)}
+
+
+def measured(model_dir) -> dict:
+    """The same sizes, measured on a converted container (what `plan` must predict)."""
+    from pathlib import Path
+
+    from .container import Container
+
+    with Container(model_dir) as c:
+        files = [Path(c.expert_location(layer, 0)[0]) for layer in c.moe_layers]
+        return {
+            "quant": c.quant,
+            "resident_bytes": sum(t.nbytes for t in c.resident().values()),
+            "expert_bytes": c.expert_nbytes,
+            "experts_total": len(c.moe_layers) * c.n_experts,
+            "experts_total_bytes": sum(f.stat().st_size for f in files),
+        }

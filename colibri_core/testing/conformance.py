@@ -168,6 +168,22 @@ class ConformanceSuite:
         self._check("session")
         check_kill_during_save(oracle.container("int4"), tmp_path, oracle.prompt, self.hf_config.vocab_size)
 
+    # ---- planning ------------------------------------------------------------------------------
+    @pytest.mark.parametrize("q", ("f32", "int4"))
+    def test_plan_matches_container(self, oracle: Oracle, q: str):
+        """`planning.plan` from config.json alone (the model class's resident_shapes and the layout)
+        predicts exactly the bytes the converter wrote."""
+        self._check("plan")
+        from ..planning import measured, plan_config
+
+        try:
+            p = plan_config(read_config(oracle.checkpoint), q)
+        except NotImplementedError:
+            pytest.fail(f"{type(self).__name__}: the model class must implement resident_shapes and "
+                        "state_floats_per_token (see colibri_core.model.MoEModel)")
+        got = measured(oracle.container(q))
+        assert {k: p[k] for k in got} == got
+
     # ---- the container -----------------------------------------------------------------------
     @pytest.mark.parametrize("q", QUANTS)
     def test_container_round_trip(self, oracle: Oracle, q: str, tmp_path):

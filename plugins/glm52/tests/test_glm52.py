@@ -223,3 +223,33 @@ def test_router_matches_transformers(n_group, topk_group, k):
     assert np.array_equal(np.take_along_axis(ids, mine, axis=1), ref_ids_sorted)
     np.testing.assert_allclose(np.take_along_axis(w, mine, axis=1), np.take_along_axis(ref_w.numpy(), order, axis=1),
                                rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("quant", ["f32", "int4"])
+def test_plan_matches_the_container(fp8_checkpoint, tmp_path, quant):
+    """planning from config.json alone == what the converter wrote, MTP layer (int8 experts) included."""
+    from colibri_core.planning import measured, plan_config
+
+    src, _ = fp8_checkpoint
+    convert_checkpoint(src, tmp_path / quant, quant, progress=False)
+    p = plan_config(json.loads((src / "config.json").read_text()), quant)
+    assert {k: p[k] for k in measured(tmp_path / quant)} == measured(tmp_path / quant)
+    assert p["experts_total"] == 4 * 16 and p["kv_floats_per_token_per_layer"] == 32 + 16
+    assert p["indexer_floats_per_token_per_layer"] == [32, 0, 32, 0]
+
+
+def test_plan_of_the_real_glm52_config():
+    """GLM-5.2 at int4 from its config.json alone: resident ≈ 9.9 GB (±15 %), ≈ 19 MB per routed
+    expert, 19,456 routed experts (75 MoE layers + the MTP layer, × 256), 576 floats per token per layer."""
+    from pathlib import Path
+
+    from colibri_core.planning import plan_config
+
+    config = json.loads((Path(__file__).parent / "data" / "glm52_config.json").read_text())
+    p = plan_config(config, "int4")
+    assert p["architecture"] == "glm52"
+    assert abs(p["resident_bytes"] / 9.9e9 - 1) <= 0.15, p["resident_bytes"]
+    assert abs(p["expert_bytes"] / 19e6 - 1) <= 0.10, p["expert_bytes"]
+    assert p["experts_total"] == 19_456 and p["moe_layers"] == 76
+    assert p["kv_floats_per_token_per_layer"] == 576
+    assert p["indexer_floats_per_token_per_layer"] == [128] * 78
