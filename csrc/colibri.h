@@ -64,6 +64,12 @@ float qmatrix_row_dot(const QMatrix *w, int r, const float *x);
 // Returns COLI_OK, or COLI_EINVAL when qmatrix_check(w) fails.
 int matmul(float *y, const QMatrix *w, const float *x, int n);
 
+// y = x @ dequant(w) (no transpose): y[t, j] = sum over r = 0, 1, ... of x[t, r] * w[r, j], each
+// weight dequantised to float32 first (q * scale). MLA absorbs kv_b_proj's key rows this way.
+// y: f32 [n, w->cols] (written); w: QMatrix [rows, cols]; x: f32 [n, w->rows].
+// Returns COLI_OK, COLI_EINVAL when qmatrix_check(w) fails, or COLI_ENOMEM.
+int matmul_t(float *y, const QMatrix *w, const float *x, int n);
+
 // The name of the code path in use ("portable"; SIMD paths are chosen here later).
 const char *simd_name(void);
 

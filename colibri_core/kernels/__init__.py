@@ -2,6 +2,7 @@
 
     from colibri_core import kernels
     y = kernels.matmul(w, x)                   # x f32 [n, w.cols] -> f32 [n, w.rows] = x @ dequant(w).T
+    y = kernels.matmul_t(w, x)                 # x f32 [n, w.rows] -> f32 [n, w.cols] = x @ dequant(w)
     y = kernels.expert_ffn(gate, up, down, x)  # x f32 [n, H] -> f32 [n, H] = down(silu(gate x) * (up x))
     kernels.simd()                             # the C code path in use: "portable"
     kernels.reference.matmul(w, x)             # the NumPy reference of each kernel
@@ -28,7 +29,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         "install the package (`pip install -e .` in a checkout) to compile csrc/"
     ) from e
 
-__all__ = ["matmul", "expert_ffn", "simd", "reference"]
+__all__ = ["matmul", "matmul_t", "expert_ffn", "simd", "reference"]
 
 _KIND_CODES = {"f32": lib.QKIND_F32, "int8": lib.QKIND_INT8, "int4": lib.QKIND_INT4}
 _INT_MAX = 2**31 - 1  # C takes the dimensions as int
@@ -50,6 +51,20 @@ def matmul(w: QTensor, x: np.ndarray) -> np.ndarray:
         return np.zeros((n, w.rows), np.float32)
     y = np.empty((n, w.rows), np.float32)
     _check(lib.matmul(_floats(y, writable=True), wm, _floats(x), n), "matmul")
+    return y
+
+
+def matmul_t(w: QTensor, x: np.ndarray) -> np.ndarray:
+    """``y = x @ dequant(w)`` (no transpose): x float32 ``[n, w.rows]`` -> y float32 ``[n, w.cols]``.
+
+    Sums over the rows in order, each weight dequantised first, so `reference.matmul_t` gives the
+    same bits."""
+    keep = []
+    wm = _qmatrix(w, "w", keep)
+    x = _activations(x, w.rows, "matmul_t: x")
+    n = x.shape[0]
+    y = np.empty((n, w.cols), np.float32)
+    _check(lib.matmul_t(_floats(y, writable=True), wm, _floats(x), n), "matmul_t")
     return y
 
 

@@ -7,8 +7,9 @@ heads × (k + v) widths. ``kv_b_proj`` is never applied to the cache; it is abso
     score(t, s) = q_nope_h · (W_k,h c_s) + q_rope_h · k_rope_s = (W_k,hᵀ q_nope_h) · c_s + …
     out_h(t)    = Σ_s p(t, s) W_v,h c_s                      = W_v,h (Σ_s p(t, s) c_s)
 
-so attention runs in the latent space for prefill and decode alike, and `kv_b_proj`'s value rows
-multiply one latent per (token, head) through the C kernels. Reference:
+so attention runs in the latent space for prefill and decode alike, and `kv_b_proj` stays as
+stored (quantised): its key rows multiply each query (`kernels.matmul_t`, x @ W) and its value rows
+one latent per (token, head) (`kernels.matmul`), both C kernels. Reference:
 transformers/models/glm_moe_dsa/modeling_glm_moe_dsa.py (GlmMoeDsaAttention, its expanded form).
 """
 from __future__ import annotations
@@ -18,8 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kv.cache import Rows
+from .. import kernels
 from ..model import linear
-from ..quant import QTensor, dequantize
+from ..quant import QTensor
 from .norm import rms_norm
 from .rope import apply_interleaved
 
@@ -73,19 +75,10 @@ class MLA:
         self.q_a, self.q_a_norm, self.q_b = q_a, q_a_norm, q_b
         self.kv_a, self.kv_a_norm, self.kv_b, self.o_proj = kv_a, kv_a_norm, kv_b, o_proj
         per_head = dims.qk_nope_head_dim + dims.v_head_dim
-        # kv_b's value rows of head h, for the output side (C kernels on row views)
+        # views of kv_b's rows per head h (no copies): keys (nope, c) and values (v, c)
+        self.w_k = [_row_block(kv_b, h * per_head, h * per_head + dims.qk_nope_head_dim) for h in range(dims.heads)]
         self.w_v = [_row_block(kv_b, h * per_head + dims.qk_nope_head_dim, (h + 1) * per_head)
                     for h in range(dims.heads)]
-        self._w_k = None  # (heads, nope, c) float32: the key rows, dequantised on first use
-
-    def w_k(self) -> np.ndarray:
-        """kv_b's key rows per head, float32 (heads, nope, c), absorbed into the query."""
-        if self._w_k is None:
-            d = self.d
-            w = self.kv_b if not isinstance(self.kv_b, QTensor) else dequantize(self.kv_b)
-            w = np.asarray(w, np.float32).reshape(d.heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
-            self._w_k = np.ascontiguousarray(w[:, : d.qk_nope_head_dim])
-        return self._w_k
 
     def query(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray):
         """x (T, H_model) → q_resid (T, q_lora), q_nope (T, heads, nope), q_rope (T, heads, r) rotated."""
@@ -114,7 +107,10 @@ class MLA:
         latent, k_rope = cache.latent.view(), cache.k_rope.view()  # (S, c), (S, r)
         S = latent.shape[0]
         start = S - T
-        q_lat = np.matmul(q_nope.transpose(1, 0, 2), self.w_k())  # (heads, T, c): absorbed W_k
+        q_lat = np.empty((d.heads, T, d.kv_lora_rank), np.float32)  # (heads, T, c): W_k,hᵀ absorbed into q
+        for h in range(d.heads):
+            q = np.ascontiguousarray(q_nope[:, h])  # (T, nope)
+            q_lat[h] = kernels.matmul_t(self.w_k[h], q) if isinstance(self.w_k[h], QTensor) else q @ self.w_k[h]
         scores = np.matmul(q_lat, latent.T) + np.matmul(q_rope.transpose(1, 0, 2), k_rope.T)  # (heads, T, S)
         scores *= np.float32(d.scale)
         masked = np.arange(S)[None, :] > (start + np.arange(T))[:, None]  # (T, S): key after query
