@@ -18,6 +18,7 @@ import numpy as np
 
 from ..kv.cache import Rows
 from ..model import linear
+from .mla import QUERY_BLOCK
 from .rope import apply_interleaved
 
 
@@ -66,10 +67,14 @@ class Indexer:
         k = layer_norm(linear(x, self.wk), self.k_norm_weight, self.k_norm_bias, self.eps)  # (T, D)
         keys.append(self._rope(k[:, None], cos, sin)[:, 0])
         q = self._rope(linear(q_resid, self.wq_b).reshape(T, self.n_heads, self.head_dim), cos, sin)  # (T, nh, D)
-        s = np.matmul(q, keys.view().T) * np.float32(self.head_dim ** -0.5)  # (T, nh, S)
-        np.maximum(s, 0, out=s)  # ReLU
         w = linear(x, self.weights_proj) * np.float32(self.n_heads ** -0.5)  # (T, nh)
-        return np.matmul(w[:, None, :], s)[:, 0]  # (T, S)
+        k = keys.view()  # (S, D)
+        out = np.empty((T, k.shape[0]), np.float32)  # (T, S)
+        for a in range(0, T, QUERY_BLOCK):  # bounded scratch (block, nh, S) for long prefills
+            s = np.matmul(q[a : a + QUERY_BLOCK], k.T) * np.float32(self.head_dim ** -0.5)  # (block, nh, S)
+            np.maximum(s, 0, out=s)  # ReLU
+            out[a : a + QUERY_BLOCK] = np.matmul(w[a : a + QUERY_BLOCK, None, :], s)[:, 0]
+        return out
 
     def select(self, x: np.ndarray, q_resid: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: Rows) -> np.ndarray:
         """keep (T, S) bool for the T new queries (see `select_topk`)."""

@@ -25,6 +25,8 @@ from ..quant import QTensor
 from .norm import rms_norm
 from .rope import apply_interleaved
 
+QUERY_BLOCK = 256  # queries attended at once (bounds the (heads, block, S) scores of a long prefill)
+
 
 @dataclass(frozen=True)
 class MLADims:
@@ -106,22 +108,32 @@ class MLA:
         T = q_nope.shape[0]
         latent, k_rope = cache.latent.view(), cache.k_rope.view()  # (S, c), (S, r)
         S = latent.shape[0]
-        start = S - T
-        q_lat = np.empty((d.heads, T, d.kv_lora_rank), np.float32)  # (heads, T, c): W_k,hᵀ absorbed into q
+        out = np.empty((T, d.heads, d.v_head_dim), np.float32)  # (T, heads, v)
+        for a in range(0, T, QUERY_BLOCK):  # bounded scratch for long prefills: (heads, block, S)
+            b = min(T, a + QUERY_BLOCK)
+            out[a:b] = self._attend_block(q_nope[a:b], q_rope[a:b], latent, k_rope, S - T + a,
+                                          None if keep is None else keep[a:b])
+        return linear(out.reshape(T, d.heads * d.v_head_dim), self.o_proj)
+
+    def _attend_block(self, q_nope, q_rope, latent, k_rope, start: int, keep) -> np.ndarray:
+        """Queries at positions start … start + n over keys (S, ·) → per-head values (n, heads, v)."""
+        d = self.d
+        n, S = q_nope.shape[0], latent.shape[0]
+        q_lat = np.empty((d.heads, n, d.kv_lora_rank), np.float32)  # (heads, n, c): W_k,hᵀ absorbed into q
         for h in range(d.heads):
-            q = np.ascontiguousarray(q_nope[:, h])  # (T, nope)
+            q = np.ascontiguousarray(q_nope[:, h])  # (n, nope)
             q_lat[h] = kernels.matmul_t(self.w_k[h], q) if isinstance(self.w_k[h], QTensor) else q @ self.w_k[h]
-        scores = np.matmul(q_lat, latent.T) + np.matmul(q_rope.transpose(1, 0, 2), k_rope.T)  # (heads, T, S)
+        scores = np.matmul(q_lat, latent.T) + np.matmul(q_rope.transpose(1, 0, 2), k_rope.T)  # (heads, n, S)
         scores *= np.float32(d.scale)
-        masked = np.arange(S)[None, :] > (start + np.arange(T))[:, None]  # (T, S): key after query
+        masked = np.arange(S)[None, :] > (start + np.arange(n))[:, None]  # (n, S): key after query
         if keep is not None:
             masked = masked | ~keep
         scores[:, masked] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
-        o_lat = np.matmul(probs, latent)  # (heads, T, c)
-        out = np.empty((T, d.heads, d.v_head_dim), np.float32)  # (T, heads, v)
+        o_lat = np.matmul(probs, latent)  # (heads, n, c)
+        out = np.empty((n, d.heads, d.v_head_dim), np.float32)  # (n, heads, v)
         for h in range(d.heads):
             out[:, h] = linear(np.ascontiguousarray(o_lat[h]), self.w_v[h])  # W_v,h applied once per (t, h)
-        return linear(out.reshape(T, d.heads * d.v_head_dim), self.o_proj)
+        return out
