@@ -90,8 +90,9 @@ def test_turns_are_appended_as_deltas(tmp_path):
     size2 = s.file.path.stat().st_size
     s.save()
     assert s.file.path.stat().st_size == size2
-    s.reset()  # a new conversation is written whole
+    s.reset()  # a new conversation starts the file over (renamed into place)
     turn(s, [3])
+    assert s.file.path.stat().st_size < size1 and not s.file.path.with_name("s.coli_session.tmp").exists()
     r = toy_session(tmp_path)
     assert r.ids == [3] and r.state.rows.shape == (1, 3)
 

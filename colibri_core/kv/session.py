@@ -14,7 +14,9 @@ File ``MODEL/.sessions/NAME.coli_session``, append-only, little-endian:
 
 A record holds only what changed: arrays that grew by whole tokens along their first axis since
 the previous record of the same state are stored as the new rows (``append``); anything else
-(a fresh state, fixed-size recurrent states) whole (``set``). Token ids are the array
+(fixed-size recurrent states) whole (``set``). A state that does not continue the saved one (a
+new conversation, a prompt that rewrote history) starts the file over: written beside it and
+renamed over it, so the file stays one snapshot plus the turns since. Token ids are the array
 ``__ids__``. A record is written with one append and fsync'd; the last complete record is the
 session. A torn last record (a crash or ``kill -9`` mid-save) is dropped on load and the session
 resumes from the turn before. A file from another model or format version, or one damaged
@@ -174,13 +176,16 @@ class SessionFile:
         head = json.dumps({"length": len(ids), "meta": meta, "arrays": entries}).encode()
         payload = b"".join([struct.pack("<I", len(head)), head, *blobs])
         record = RECORD.pack(RECORD_MAGIC, len(payload), zlib.crc32(payload)) + payload
-        self._write(record)
+        self._write(record, fresh=prev_len is None)  # a state written whole starts the file over
         self._shapes = {name: np.shape(a) for name, a in arrays.items()}
 
-    def _write(self, record: bytes) -> None:
+    def _write(self, record: bytes, fresh: bool = False) -> None:
+        """Append `record` (fsync'd), or with `fresh` start the file over with it: written beside it
+        and renamed over it, so a crash leaves the old file whole."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        new = self._end == 0
-        with open(self.path, "r+b" if not new and self.path.exists() else "wb") as f:
+        new = self._end == 0 or fresh
+        target = self.path.with_name(self.path.name + ".tmp") if new else self.path
+        with open(target, "wb" if new else "r+b") as f:
             if new:
                 ident = json.dumps(self.identity, sort_keys=True).encode()
                 f.write(HEAD.pack(MAGIC, FORMAT_VERSION, len(ident)) + ident + struct.pack("<I", zlib.crc32(ident)))
@@ -201,6 +206,7 @@ class SessionFile:
             os.fsync(f.fileno())
             self._end = f.tell()
         if new:
+            os.replace(target, self.path)
             _fsync_dir(self.path.parent)
 
 
