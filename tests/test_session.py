@@ -11,7 +11,7 @@ from colibri_core import kv
 from colibri_core.engine import load
 from colibri_core.errors import ColibriError
 from colibri_core.kv.session import (
-    DIRNAME, FORMAT_VERSION, HEAD, PersistentSession, SessionFile, SessionWarning, session_path,
+    DIRNAME, FORMAT_VERSION, HEAD, PersistentSession, SessionWarning, session_path,
 )
 
 IDENTITY = {"architecture": "toy", "fingerprint": "sha256:abc", "quant": "int4"}
