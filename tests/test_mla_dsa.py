@@ -108,3 +108,17 @@ def test_select_topk_is_causal_and_breaks_ties_to_the_earlier_key():
                              [False, True, True, False, False],
                              [True, True, False, False, False]]
     assert select_topk(scores, 0, 5).all() and select_topk(scores, 0, 9).all()
+
+
+@pytest.mark.parametrize("T,S,k", [(5, 50, 7), (40, 40, 8), (1, 1000, 100), (300, 300, 17)])
+def test_select_topk_equals_a_stable_sort_under_heavy_ties(T, S, k):
+    """The O(S) selection keeps the same causal keys as a stable sort (ReLU scores tie at 0 often)."""
+    rng = np.random.default_rng(T + S)
+    scores = rng.integers(0, 6, (T, S)).astype(np.float32)
+    start = S - T
+    future = np.arange(S)[None, :] > (start + np.arange(T))[:, None]
+    ranked = np.where(future, -np.inf, scores)
+    ref = np.zeros((T, S), bool)
+    np.put_along_axis(ref, np.argsort(-ranked, axis=-1, kind="stable")[:, :k], True, axis=-1)
+    keep = select_topk(scores, start, k)
+    assert np.array_equal(keep & ~future, ref & ~future) and (keep.sum(-1) == k).all()

@@ -39,9 +39,10 @@ def select_topk(scores: np.ndarray, start: int, topk: int) -> np.ndarray:
     if topk >= S:
         return np.ones((T, S), bool)
     ranked = np.where(future, -np.inf, scores)
-    chosen = np.argsort(-ranked, axis=-1, kind="stable")[:, :topk]  # (T, topk)
-    keep = np.zeros((T, S), bool)
-    np.put_along_axis(keep, chosen, True, axis=-1)
+    kth = np.partition(ranked, S - topk, axis=-1)[:, S - topk, None]  # (T, 1): each row's topk-th best, O(S)
+    keep = ranked > kth
+    ties = ranked == kth  # fill the rest with the earliest keys scoring exactly kth
+    keep |= ties & (np.cumsum(ties, axis=-1) <= topk - keep.sum(axis=-1, keepdims=True))
     return keep
 
 
