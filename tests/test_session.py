@@ -167,3 +167,12 @@ def test_chat_session_resumes_the_conversation(tiny_model, tmp_path):
     assert "resumed session c: 2 messages" in second.stderr
     assert answers(first) + answers(second) == answers(both) and len(answers(both)) == 2
     assert os.listdir(model / DIRNAME) == ["c.coli_session"]
+
+
+def test_an_unwritable_model_directory_is_one_clear_error(tmp_path):
+    s = toy_session(tmp_path)
+    (tmp_path / DIRNAME).write_text("not a directory")  # the sessions directory cannot be created
+    s.state.feed([1])
+    s.ids = [1]
+    with pytest.raises(ColibriError, match="cannot save session s in"):
+        s.save()

@@ -176,7 +176,11 @@ class SessionFile:
         head = json.dumps({"length": len(ids), "meta": meta, "arrays": entries}).encode()
         payload = b"".join([struct.pack("<I", len(head)), head, *blobs])
         record = RECORD.pack(RECORD_MAGIC, len(payload), zlib.crc32(payload)) + payload
-        self._write(record, fresh=prev_len is None)  # a state written whole starts the file over
+        try:
+            self._write(record, fresh=prev_len is None)  # a state written whole starts the file over
+        except OSError as e:
+            raise ColibriError(f"cannot save session {self.path.stem} in {self.path.parent}: "
+                               f"{e.strerror or e}") from None
         self._shapes = {name: np.shape(a) for name, a in arrays.items()}
 
     def _write(self, record: bytes, fresh: bool = False) -> None:
