@@ -61,6 +61,7 @@ class Glm52Config:
     indexer_types: tuple[str, ...]  # per layer: "full" (own indexer) or "shared" (reuse the previous)
     mlp_layer_types: tuple[str, ...]  # per layer: "dense" or "sparse"
     num_nextn_predict_layers: int  # MTP layers (0 or 1)
+    mtp_shares_index: bool = False  # index_share_for_mtp_iteration: the MTP layer has no indexer of its own
 
     @property
     def qk_head_dim(self) -> int:
@@ -116,6 +117,7 @@ class Glm52Config:
             index_n_heads=c.get("index_n_heads", 32), index_head_dim=c.get("index_head_dim", 128),
             index_topk=c.get("index_topk", 2048), indexer_types=tuple(indexer_types[:layers]),
             mlp_layer_types=tuple(mlp_types[:layers]), num_nextn_predict_layers=c.get("num_nextn_predict_layers", 0),
+            mtp_shares_index=bool(c.get("index_share_for_mtp_iteration", False)),
         )
 
 
@@ -139,7 +141,7 @@ MTP_EXPERT_MIN_KIND = "int8"  # int4 MTP experts collapse draft acceptance
 def _layer_names(cfg: Glm52Config, i: int) -> list[str]:
     """Every resident tensor name of layer i (main or MTP), without the layer prefix."""
     mtp = i >= cfg.num_hidden_layers
-    full = mtp or cfg.indexer_types[i] == "full"
+    full = not cfg.mtp_shares_index if mtp else cfg.indexer_types[i] == "full"
     sparse = mtp or cfg.mlp_layer_types[i] == "sparse"
     return [*NORMS, *ATTENTION, *(INDEXER if full else ()), *(MOE if sparse else DENSE_MLP), *(MTP if mtp else ())]
 
@@ -175,7 +177,8 @@ class State(kv.State):
     def __init__(self, cfg: Glm52Config, layers: range, dims: MLADims):
         self.layers = layers
         self.mla = {i: MLACache(dims) for i in layers}
-        full = [i for i in layers if i >= cfg.num_hidden_layers or cfg.indexer_types[i] == "full"]
+        full = [i for i in layers if (not cfg.mtp_shares_index if i >= cfg.num_hidden_layers
+                                      else cfg.indexer_types[i] == "full")]
         self.index_keys = {i: Rows(cfg.index_head_dim) for i in full}
 
     @property
@@ -339,14 +342,16 @@ class Glm52(MoEModel):
             h = h[-1:]
         return linear(h, self.lm_head)  # (T, V)
 
-    def mtp_forward(self, hidden: np.ndarray, next_ids: np.ndarray, state: State) -> np.ndarray:
+    def mtp_forward(self, hidden: np.ndarray, next_ids: np.ndarray, state: State, keep: np.ndarray | None = None) -> np.ndarray:
         """The MTP head: logits (T, V) for token t+2 from the main model's hidden state at t.
 
         hidden (T, H): `hidden()` of the main model at positions state.length … + T (final-normalised,
         what lm_head reads, as vLLM and SGLang feed their MTP heads); next_ids (T,): token t+1 of
         each position. As published (DeepSeek-V3 §2.2, GLM-4.5/5):
         h' = eh_proj([enorm(embed(t+1)) ; hnorm(hidden_t)]), one decoder layer (MLA + DSA + MoE,
-        its own cache), then shared_head.norm and the main lm_head.
+        its own cache), then shared_head.norm and the main lm_head. A checkpoint whose MTP layer has
+        no indexer (config ``index_share_for_mtp_iteration``) attends to the keys `keep` (T, S)
+        selects, e.g. the main model's selection at the same positions; None: every key.
         """
         L = self.mtp[0]
         T = len(next_ids)
@@ -354,5 +359,5 @@ class Glm52(MoEModel):
         eps = self.cfg.rms_norm_eps
         e = rms_norm(embed(next_ids, self.embed_tokens), L["enorm"], eps)  # (T, H)
         x = linear(np.concatenate([e, rms_norm(hidden, L["hnorm"], eps)], axis=-1), L["eh_proj"])  # (T, H)
-        x, _ = self._decoder_layer(L, x, state, cos, sin, None)
+        x, _ = self._decoder_layer(L, x, state, cos, sin, keep)
         return linear(rms_norm(x, L["head_norm"], eps), self.lm_head)

@@ -253,3 +253,25 @@ def test_plan_of_the_real_glm52_config():
     assert p["experts_total"] == 19_456 and p["moe_layers"] == 76
     assert p["kv_floats_per_token_per_layer"] == 576
     assert p["indexer_floats_per_token_per_layer"] == [128] * 78
+
+
+def test_mtp_layer_without_its_own_indexer(fp8_checkpoint, tmp_path):
+    """index_share_for_mtp_iteration: the MTP layer's indexer tensors are not expected (a checkpoint
+    that has them is refused as leftover), and the head runs on the selection it is given."""
+    src, _ = fp8_checkpoint
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for f in src.iterdir():
+        (shared / f.name).symlink_to(f)
+    (shared / "config.json").unlink()
+    cfg = json.loads((src / "config.json").read_text())
+    (shared / "config.json").write_text(json.dumps({**cfg, "index_share_for_mtp_iteration": True}))
+    from colibri_core.errors import ColibriError
+
+    with pytest.raises(ColibriError, match=rf"model\.layers\.{N}\.self_attn\.indexer\..* that architecture glm52 does not use"):
+        convert_checkpoint(shared, tmp_path / "c", "int8", progress=False)
+    from colibri_glm52.model import Glm52
+
+    layout = Glm52.layout(Glm52.parse_config({**cfg, "index_share_for_mtp_iteration": True}))
+    assert not any(n.startswith(f"model.layers.{N}.self_attn.indexer") for n in layout.resident)
+    assert any(n.startswith(f"model.layers.{N}.self_attn.indexer") for n in Glm52.layout(Glm52.parse_config(cfg)).resident)
