@@ -12,11 +12,11 @@ $(BIN)/python:
 
 # The engine and the OLMoE plugin (runtime dependencies only).
 setup: $(BIN)/python
-	$(BIN)/pip install -q -e . -e plugins/olmoe
+	$(BIN)/pip install -q -e . -e plugins/olmoe -e plugins/qwen36
 
 # Plus the test extra: pytest and the oracle (torch==2.13.0 CPU, transformers==5.23.0).
 setup-test: $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]' -e plugins/olmoe
+	$(BIN)/pip install -q -e '.[test]' -e plugins/olmoe -e plugins/qwen36
 
 $(DEMO)/colibri.yaml:
 	$(BIN)/python tools/make_demo_model.py $(DEMO)

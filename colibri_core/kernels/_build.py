@@ -5,8 +5,8 @@ for ``pip install .`` and ``pip install -e .`` alike; the extension is ``_colibr
 (CPython's limited API). An editable install does not watch csrc/: after changing C, rerun
 ``pip install -e . --no-deps --no-build-isolation`` (or ``python setup.py build_ext --inplace``).
 
-The declarations cffi sees are csrc/colibri.h itself, minus its preprocessor lines, so the header
-stays the one list of what C exports. No ``-march=native``: one build runs on any x86-64; SIMD
+The declarations cffi sees are the HEADERS themselves, minus their preprocessor lines, so the
+headers stay the one list of what C exports. No ``-march=native``: one build runs on any x86-64; SIMD
 paths are chosen at run time inside the C code.
 """
 import glob
@@ -18,6 +18,7 @@ import cffi
 HERE = os.path.dirname(os.path.realpath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 CSRC = os.path.join(ROOT, "csrc")
+HEADERS = ("colibri.h", "deltanet.h")  # cffi's declarations, in this order
 
 
 def _path(p: str) -> str:
@@ -27,8 +28,11 @@ def _path(p: str) -> str:
 
 
 def _cdef() -> str:
-    with open(os.path.join(CSRC, "colibri.h"), encoding="utf-8") as f:
-        return "".join(line for line in f if not line.lstrip().startswith("#"))
+    text = ""
+    for header in HEADERS:
+        with open(os.path.join(CSRC, header), encoding="utf-8") as f:
+            text += "".join(line for line in f if not line.lstrip().startswith("#"))
+    return text
 
 
 if sys.platform == "win32":
@@ -43,7 +47,7 @@ ffibuilder = cffi.FFI()
 ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
     "colibri_core.kernels._colibri_kernels",
-    '#include "colibri.h"\n',
+    "".join(f'#include "{h}"\n' for h in HEADERS),
     sources=[_path(p) for p in sorted(glob.glob(os.path.join(CSRC, "*.c")))],
     include_dirs=[_path(CSRC)],
     depends=[_path(p) for p in sorted(glob.glob(os.path.join(CSRC, "*.h")))],
