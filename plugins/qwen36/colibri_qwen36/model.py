@@ -176,34 +176,39 @@ class State(kv.State):
         self._length += n
 
     def arrays(self) -> dict[str, np.ndarray]:
+        """"length" (1,) int64; per attention layer "layer.i.k", "layer.i.v" (length, Hkv, D) (views:
+        rows already written never change); per DeltaNet layer "layer.i.conv" (K-1, channels) and
+        "layer.i.recurrent" (Hv, dk, dv) (copies: these change in place as tokens arrive)."""
         out = {"length": np.array([self._length], np.int64)}
         for i, s in enumerate(self.layers):
             if isinstance(s, KVCache):
-                out[f"layer.{i}.k"], out[f"layer.{i}.v"] = s.view()  # (length, Hkv, D) each
+                out[f"layer.{i}.k"], out[f"layer.{i}.v"] = s.view()
             else:
-                out[f"layer.{i}.conv"], out[f"layer.{i}.recurrent"] = s.conv, s.recurrent  # (K-1, C), (Hv, dk, dv)
+                out[f"layer.{i}.conv"], out[f"layer.{i}.recurrent"] = s.conv.copy(), s.recurrent.copy()
         return out
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        want = set(self.arrays())
-        if set(arrays) != want:
-            odd = sorted(set(arrays) ^ want)[0]
-            raise ColibriError(f"this state is not from this model: array {odd} is "
-                               f"{'unexpected' if odd in arrays else 'missing'}")
+        """Restore `arrays()` output into this fresh state. Arrays of another model (other names or
+        shapes) raise ValueError naming the first mismatch, before anything is changed."""
+        want = {k: v.shape for k, v in self.arrays().items()}
+        if set(arrays) != set(want):
+            odd = sorted(set(arrays) ^ set(want))[0]
+            raise ValueError(f"state array {odd} is {'unexpected' if odd in arrays else 'missing'}: "
+                             "the state is not from this model")
         length = int(np.asarray(arrays["length"]).reshape(-1)[0])
-        try:
-            for i, s in enumerate(self.layers):
-                if isinstance(s, KVCache):
-                    k, v = arrays[f"layer.{i}.k"], arrays[f"layer.{i}.v"]
-                    if k.shape != v.shape or k.shape[1:] != s.k.shape[1:] or k.shape[0] != length:
-                        raise ValueError(f"layer {i} keys/values of shapes {list(k.shape)}, {list(v.shape)} do not fit "
-                                         f"{length} tokens of [{s.k.shape[1]}, {s.k.shape[2]}]")
-                    s.append(np.asarray(k, np.float32), np.asarray(v, np.float32))
-                else:
-                    s.load(np.asarray(arrays[f"layer.{i}.conv"], np.float32),
-                           np.asarray(arrays[f"layer.{i}.recurrent"], np.float32))
-        except ValueError as e:
-            raise ColibriError(f"this state is not from this model: {e}") from None
+        for name, shape in want.items():
+            got = np.shape(arrays[name])
+            if name.endswith((".k", ".v")):
+                shape = (length, *shape[1:])
+            if name != "length" and got != shape:
+                raise ValueError(f"state array {name} has shape {list(got)}, this model needs {list(shape)} "
+                                 f"for {length} tokens: the state is not from this model")
+        for i, s in enumerate(self.layers):
+            if isinstance(s, KVCache):
+                s.append(np.asarray(arrays[f"layer.{i}.k"], np.float32), np.asarray(arrays[f"layer.{i}.v"], np.float32))
+            else:
+                s.load(np.asarray(arrays[f"layer.{i}.conv"], np.float32),
+                       np.asarray(arrays[f"layer.{i}.recurrent"], np.float32))
         self._length = length
 
 

@@ -64,11 +64,17 @@ class Qwen36Checks:
             a = list(engine.stream(follow, 12, session=session, stop_ids=()))
             b = list(engine.stream(follow, 12, session=restored, stop_ids=()))
             assert a == b
-            fresh = engine.new_session()
-            bad = dict(arrays)
-            bad.pop(next(k for k in arrays if k.endswith(".recurrent")))
-            with pytest.raises(ColibriError, match="not from this model"):
-                fresh.state.load_arrays(bad)
+            for edit in ("drop", "reshape"):  # another model's state: refused, the fresh state untouched
+                fresh = engine.new_session().state
+                bad = dict(arrays)
+                name = next(k for k in arrays if k.endswith(".recurrent"))
+                if edit == "drop":
+                    del bad[name]
+                else:
+                    bad[name] = bad[name][:, :-1]
+                with pytest.raises(ValueError, match="not from this model"):
+                    fresh.load_arrays(bad)
+                assert fresh.length == 0 and all(not v.any() for k, v in fresh.arrays().items() if k != "length")
 
     def test_sizes_for_plan(self, oracle):
         """resident_shapes, state_floats_per_token and fixed_state_floats describe the real tensors."""
