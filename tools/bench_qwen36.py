@@ -32,12 +32,15 @@ import numpy as np
 import yaml
 
 from colibri_core import load, quant
+from colibri_core.engine import available_memory
 from colibri_core.container.reader import (
     ARRAY, MANIFEST, RESIDENT_FILE, SCALES_SUFFIX, TRAILER, TRAILER_MAGIC, crc32_file, expert_extent,
     expert_file_name, extent_crc,
 )
 from colibri_core.container.writer import _Dumper, _Flow, _FlowList, _manifest, _Plan
 from colibri_qwen36.model import Qwen36
+
+HEADROOM = 4 * 10**9  # `--ram fit` leaves this much of the available memory to everything else
 
 # Qwen3.6-35B-A3B (config.json text_config of the released checkpoint)
 TEXT_CONFIG = {
@@ -178,8 +181,11 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def run(model: Path, ram: str | None, slots: int | None, prompt_len: int, tokens: int, keep_cache: bool) -> dict:
+def run(model: Path, ram: str | None, slots: int | None, prompt_len: int, tokens: int, keep_cache: bool,
+        warm: bool = False) -> dict:
     paths = sorted(str(p) for p in (model / "experts").glob("*.bin"))
+    if ram == "fit":  # the largest budget that leaves HEADROOM of the machine's available memory to others
+        ram = str(int(available_memory() - HEADROOM))
     engine = load(model, ram=ram, cache_slots=slots)
     c = engine.container
     disk = disk_bandwidth(paths, c.expert_nbytes)
@@ -197,8 +203,12 @@ def run(model: Path, ram: str | None, slots: int | None, prompt_len: int, tokens
         return out
 
     c.read_expert = timed_read
+    if warm:  # fill every layer's cache before measuring (steady state instead of a cold start)
+        for layer in c.moe_layers:
+            for e in range(engine.store.slots):
+                engine.store.get(layer, e)
     evict(paths)
-    prompt = [int(i) for i in np.random.default_rng(0).integers(0, 248320, prompt_len)]
+    prompt = [int(i) for i in np.random.default_rng(0).integers(0, engine.model.cfg.vocab_size, prompt_len)]
     s = engine.store
     t0 = time.perf_counter()
     stream = engine.stream(prompt, tokens, stop_ids=())
@@ -214,7 +224,7 @@ def run(model: Path, ram: str | None, slots: int | None, prompt_len: int, tokens
     st = engine.stats()
     per_tok = decode / steps
     out = {
-        "ram": ram, "cache_slots_per_layer": s.slots, "experts_per_layer": c.n_experts,
+        "ram": ram, "warm_start": warm, "cache_slots_per_layer": s.slots, "experts_per_layer": c.n_experts,
         "resident_gb": engine.resident_bytes / 1e9, "cache_gb_full": s.slots * len(c.moe_layers) * c.expert_nbytes / 1e9,
         "disk_gbps": disk / 1e9, "mem_gbps": mem / 1e9,
         "prompt_tokens": prompt_len, "prefill_s": prefill, "decode_tokens": steps,
@@ -238,7 +248,8 @@ def main() -> None:
     m.add_argument("--layers", type=int, default=40)
     r = sub.add_parser("run", help="measure")
     r.add_argument("model", type=Path)
-    r.add_argument("--ram", default=None)
+    r.add_argument("--ram", default=None, help='budget ("8GB"), or "fit": available memory minus 4 GB')
+    r.add_argument("--warm", action="store_true", help="fill the expert caches before measuring")
     r.add_argument("--cache-slots", type=int, default=None)
     r.add_argument("--prompt", type=int, default=4)
     r.add_argument("--tokens", type=int, default=8)
@@ -247,7 +258,7 @@ def main() -> None:
     if a.cmd == "make":
         make(a.dst, a.layers)
     else:
-        print(json.dumps(run(a.model, a.ram, a.cache_slots, a.prompt, a.tokens, a.keep_page_cache), indent=1))
+        print(json.dumps(run(a.model, a.ram, a.cache_slots, a.prompt, a.tokens, a.keep_page_cache, a.warm), indent=1))
 
 
 if __name__ == "__main__":
