@@ -56,13 +56,16 @@ TEXT_CONFIG = {
 
 
 def random_qtensor(rng: np.random.Generator, kind: str, rows: int, cols: int) -> quant.QTensor:
-    """A QTensor of random values (random nibbles / int8, scales ≈ 0.02 / 7), without a float copy."""
+    """A QTensor of random zero-mean values (q uniform in [-7, 7], scales ≈ 0.02 / 7), without a float copy.
+    (Uniform nibbles 0..15 would give q a mean of -0.5: a common offset that makes every token's
+    hidden state alike, and so its routing.)"""
     parts = {}
     for part, dtype, shape in quant.layout(kind, rows, cols):
         if part == "scales":
             parts[part] = rng.uniform(0.002, 0.004, shape).astype(dtype)
         elif dtype == np.uint8:
-            parts[part] = rng.integers(0, 256, shape, dtype=np.uint8)
+            lo, hi = (rng.integers(1, 16, shape, dtype=np.uint8) for _ in range(2))  # nibble q + 8, q in [-7, 7]
+            parts[part] = lo | (hi << 4)
         else:
             parts[part] = rng.integers(-127, 128, shape, dtype=np.int8)
     return quant.QTensor(kind, rows, cols, parts["data"], parts.get("scales"))
@@ -182,7 +185,17 @@ def _timed(fn) -> float:
 
 
 def run(model: Path, ram: str | None, slots: int | None, prompt_len: int, tokens: int, keep_cache: bool,
-        warm: bool = False) -> dict:
+        warm: bool = False, routing: str = "model") -> dict:
+    if routing == "uniform":  # every token picks k distinct experts uniformly at random: LRU's worst case
+        import colibri_qwen36.model as qm
+
+        pick = np.random.default_rng(2)
+
+        def uniform_topk(logits, k, renormalize):
+            ids = np.stack([pick.choice(logits.shape[1], k, replace=False) for _ in range(logits.shape[0])])
+            return np.full(ids.shape, 1 / k, np.float32), ids
+
+        qm.softmax_topk = uniform_topk
     paths = sorted(str(p) for p in (model / "experts").glob("*.bin"))
     if ram == "fit":  # the largest budget that leaves HEADROOM of the machine's available memory to others
         ram = str(int(available_memory() - HEADROOM))
@@ -224,7 +237,7 @@ def run(model: Path, ram: str | None, slots: int | None, prompt_len: int, tokens
     st = engine.stats()
     per_tok = decode / steps
     out = {
-        "ram": ram, "warm_start": warm, "cache_slots_per_layer": s.slots, "experts_per_layer": c.n_experts,
+        "ram": ram, "warm_start": warm, "routing": routing, "cache_slots_per_layer": s.slots, "experts_per_layer": c.n_experts,
         "resident_gb": engine.resident_bytes / 1e9, "cache_gb_full": s.slots * len(c.moe_layers) * c.expert_nbytes / 1e9,
         "disk_gbps": disk / 1e9, "mem_gbps": mem / 1e9,
         "prompt_tokens": prompt_len, "prefill_s": prefill, "decode_tokens": steps,
@@ -250,6 +263,8 @@ def main() -> None:
     r.add_argument("model", type=Path)
     r.add_argument("--ram", default=None, help='budget ("8GB"), or "fit": available memory minus 4 GB')
     r.add_argument("--warm", action="store_true", help="fill the expert caches before measuring")
+    r.add_argument("--routing", choices=("model", "uniform"), default="model",
+                   help="the (random) model's router, or uniform random top-k per token (worst case for the cache)")
     r.add_argument("--cache-slots", type=int, default=None)
     r.add_argument("--prompt", type=int, default=4)
     r.add_argument("--tokens", type=int, default=8)
@@ -258,7 +273,7 @@ def main() -> None:
     if a.cmd == "make":
         make(a.dst, a.layers)
     else:
-        print(json.dumps(run(a.model, a.ram, a.cache_slots, a.prompt, a.tokens, a.keep_page_cache, a.warm), indent=1))
+        print(json.dumps(run(a.model, a.ram, a.cache_slots, a.prompt, a.tokens, a.keep_page_cache, a.warm, a.routing), indent=1))
 
 
 if __name__ == "__main__":
