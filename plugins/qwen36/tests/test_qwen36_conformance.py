@@ -147,6 +147,35 @@ class TestTinyQwen36(Qwen36Checks, ConformanceSuite):
         assert err <= tol, f"1,000-token logits differ from transformers by {err:.3g} > {tol:.3g}"
 
 
+    def test_saved_session_continues_token_identically(self, oracle):
+        """A conversation saved to disk (KV caches, conv and recurrent states) and reloaded by a fresh
+        engine — as after a restart — continues with exactly the tokens of an uninterrupted run."""
+        session = pytest.importorskip(
+            "colibri_core.kv.session",
+            reason="colibri_core.kv.session (persistent sessions, issue 5) is not on this branch yet")
+        model_dir = oracle.container("int4")
+        identity = {"architecture": "qwen36", "quant": "int4"}
+        with load(model_dir) as engine:
+            saved = session.PersistentSession(engine.model, model_dir, identity, "qwen36-test")
+            live = engine.new_session()
+            live.state = saved.state
+            first = list(engine.stream(oracle.prompt, 5, session=live, stop_ids=()))
+            saved.state, saved.ids = live.state, list(live.ids)
+            saved.save()
+            follow = live.ids + first[-1:] + [1, 2]
+            second = list(engine.stream(follow, 6, session=live, stop_ids=()))
+            saved.state, saved.ids = live.state, list(live.ids)
+            saved.save()
+            follow = live.ids + second[-1:] + [7]
+            want = list(engine.stream(follow, 10, session=live, stop_ids=()))
+        with load(model_dir) as engine:  # a fresh process's view: only the file on disk
+            resumed = session.PersistentSession(engine.model, model_dir, identity, "qwen36-test")
+            assert resumed.notice is None and resumed.turns == 2 and resumed.state.length == len(resumed.ids)
+            live = engine.new_session()
+            live.state, live.ids = resumed.state, list(resumed.ids)
+            assert list(engine.stream(follow, 10, session=live, stop_ids=())) == want
+
+
 class TestTinyQwen36Wide(Qwen36Checks, ConformanceSuite):
     """An irregular layer schedule, 3 key heads × 2 value heads, a 3-tap conv, biased attention
     projections, tied embeddings, half-width RoPE, and a prompt longer than one 64-token chunk."""
