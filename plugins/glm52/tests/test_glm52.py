@@ -255,6 +255,23 @@ def test_plan_of_the_real_glm52_config():
     assert p["indexer_floats_per_token_per_layer"] == [128] * 78
 
 
+def test_plan_command_on_the_real_glm52_config():
+    """`colibri plan --config config.json --quant int4 --json` reports the same sizes, plus the budget split."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = Path(__file__).parent / "data" / "glm52_config.json"
+    r = subprocess.run([sys.executable, "-m", "colibri_core", "plan", "--config", str(config), "--quant", "int4",
+                        "--json", "--ram", "32GB", "--disk-bw", "1GB", "--mem-bw", "50GB"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    assert abs(p["resident_bytes"] / 9.9e9 - 1) <= 0.15 and abs(p["expert_bytes"] / 19e6 - 1) <= 0.10
+    assert p["experts_total"] == 19_456 and p["kv_floats_per_token_per_layer"] == 576
+    assert p["split"]["dense"] == p["resident_bytes"] and p["floor_seconds_per_token"]["floor"] > 0
+
+
 def test_mtp_layer_without_its_own_indexer(fp8_checkpoint, tmp_path):
     """index_share_for_mtp_iteration: the MTP layer's indexer tensors are not expected (a checkpoint
     that has them is refused as leftover), and the head runs on the selection it is given."""
