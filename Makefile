@@ -11,11 +11,11 @@ $(BIN)/python:
 
 # The engine and the OLMoE plugin (runtime dependencies only).
 setup: $(BIN)/python
-	$(BIN)/pip install -q -e . -e plugins/olmoe
+	$(BIN)/pip install -q -e . -e plugins/olmoe -e plugins/glm52 -e plugins/qwen36
 
 # Plus the test extra: pytest and the oracle (torch==2.13.0 CPU, transformers==5.23.0).
 setup-test: $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]' -e plugins/olmoe
+	$(BIN)/pip install -q -e '.[test]' -e plugins/olmoe -e plugins/glm52 -e plugins/qwen36
 
 # The bundled demo model (demo/colibri-demo-kjv) is the default when no --model is given.
 run: setup

@@ -131,15 +131,30 @@ def chat(
     mirror: Optional[Path] = MirrorOpt,
     pin_gb: Optional[float] = PinOpt,
     policy: str = PolicyOpt,
+    session_name: Optional[str] = typer.Option(None, "--session", help="Save the conversation as NAME beside "
+                                               "the model after every turn and resume it when started again."),
 ):
     """Chat interactively, streaming tokens. Commands: /reset, /stats, /exit."""
+    import warnings
+
     from .chat_template import ChatTemplate
+    from .kv.session import SessionWarning
     from .tokenizer import StreamDecoder
 
     engine = _open(model, ram, cache_slots, prefetch=prefetch, direct=direct, mirror=mirror, pin_gb=pin_gb,
                    policy=policy)
     template = ChatTemplate.from_dir(engine.model_dir)
     session, messages = engine.new_session(), []
+    if session_name is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SessionWarning)  # printed below as one line
+            session = engine.open_session(session_name)
+        if session.notice:
+            print(f"colibri: note: {session.notice}", file=sys.stderr)
+        messages = session.meta.setdefault("messages", [])
+        if session.turns:
+            print(f"(resumed session {session_name}: {len(messages)} messages, {len(session.ids)} tokens)",
+                  file=sys.stderr)
     print(f"colibri chat · {engine.model_dir} · /reset /stats /exit", file=sys.stderr)
     while True:
         try:
@@ -150,7 +165,12 @@ def chat(
         if line.strip() in ("/exit", "/quit"):
             return
         if line.strip() == "/reset":
-            session, messages = engine.new_session(), []
+            if session_name is not None:
+                session.reset()
+                messages = session.meta.setdefault("messages", [])
+                session.save()
+            else:
+                session, messages = engine.new_session(), []
             print("(conversation reset)", file=sys.stderr)
             continue
         if line.strip() == "/stats":
@@ -171,6 +191,8 @@ def chat(
             sys.stdout.flush()
         print()
         messages.append({"role": "assistant", "content": engine.tokenizer.decode(answer)})
+        if session_name is not None:
+            session.save()  # the turn's state was saved when the answer ended; now its messages too
         print(stats_line(engine, time.perf_counter() - t0), file=sys.stderr)
 
 
@@ -265,6 +287,7 @@ def plan(
 ):
     """Show how a model fits a RAM budget: resident bytes, experts, the budget split, expected bytes
     read per token and the floor times from this machine's measured disk and memory bandwidth."""
+    from . import planning
     from .engine import available_memory, format_bytes, parse_size
     from .store import budget as bw
     from .store.plan import make_plan, sizes_from_config, sizes_from_container
@@ -273,7 +296,7 @@ def plan(
         raise ColibriError("plan needs exactly one of --model DIR or --config config.json")
     given_disk = None if disk_bw is None else float(parse_size(disk_bw))
     if model is not None:
-        sizes = sizes_from_container(model)
+        sizes, report = sizes_from_container(model), planning.measured(model)
         from .container import Container
         from .store.usage import UsageHistory
 
@@ -281,12 +304,13 @@ def plan(
         disk_bw, direct = (given_disk, None) if given_disk else bw.disk_bandwidth([c.expert_location(layer, 0)[0] for layer in c.moe_layers])
         history, where = UsageHistory.enough(c), str(model)
     else:
-        sizes = sizes_from_config(config, quant)
+        sizes, report = sizes_from_config(config, quant)
         disk_bw, direct = (given_disk, None) if given_disk else bw.disk_bandwidth_at(config.resolve().parent)
         history, where = False, str(config)
     mem_bw = float(parse_size(mem_bw)) if mem_bw is not None else bw.memory_bandwidth()
     budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
-    p = make_plan(sizes, budget, context, None if pin_gb is None else int(pin_gb * 1e9), history, disk_bw, mem_bw)
+    p = {**report, **make_plan(sizes, budget, context, None if pin_gb is None else int(pin_gb * 1e9), history,
+                               disk_bw, mem_bw)}
     p["disk_bandwidth_direct"] = direct
     if as_json:
         print(json.dumps(p, indent=2))

@@ -61,10 +61,7 @@ def run_checks(model_dir: str | Path, deep: bool = False) -> list[Check]:
     add("free disk", free >= 100 * 10**6, f"{format_bytes(free)} free beside the model", warn=True)
     ram = available_memory()
     if container is not None:
-        from .store.plan import _tensor_bytes
-
-        need = sum(_tensor_bytes(k, s) for k, s in container._resident.values()) + \
-            len(container.moe_layers) * container.expert_nbytes
+        need = container.resident_nbytes + sum(container.layer_expert_nbytes(layer) for layer in container.moe_layers)
         add("RAM", ram >= need, f"{format_bytes(ram)} available; the model needs at least {format_bytes(need)} "
                                 f"(resident weights + one expert per layer)")
         from .store import io

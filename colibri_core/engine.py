@@ -10,6 +10,7 @@ import os
 import re
 import resource
 import time
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -20,6 +21,7 @@ from .container import Container
 from .convert import read_config
 from .errors import ColibriError
 from .generate import sample
+from .kv.session import PersistentSession, SessionWarning
 from .model import Weights
 from .probe import Probe
 from .store import ExpertStore
@@ -103,6 +105,7 @@ class Engine:
         self.generation = generation_defaults(model_dir)
         self._tokenizer: Tokenizer | None = None
         self.probe = Probe(self.container.n_experts)  # seconds per section, routing per (layer, expert)
+        self._sessions: dict[str, PersistentSession] = {}
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_seconds": 0.0,
                          "decode_seconds": 0.0, "time_to_first_token": 0.0}
 
@@ -133,6 +136,25 @@ class Engine:
     def new_session(self) -> Session:
         return Session(self.model.new_state())
 
+    def open_session(self, name: str) -> PersistentSession:
+        """The persistent session `name` (MODEL/.sessions/NAME.coli_session), resumed if saved before.
+
+        Pass it (or just its name) as `stream`/`generate`'s ``session=``: each call saves the turn.
+        A saved file from another model or format version, or damaged, is moved aside with a
+        `SessionWarning` (also in ``session.notice``) and the session starts fresh; a save cut
+        short by a crash is dropped and the session resumes from the turn before. Nothing is
+        written until the first turn is saved.
+        """
+        if name not in self._sessions:
+            c = self.container
+            identity = {"architecture": c.architecture, "fingerprint": c.manifest["source"]["fingerprint"],
+                        "quant": c.quant}
+            session = PersistentSession(self.model, self.model_dir, identity, name)
+            if session.notice:
+                warnings.warn(session.notice, SessionWarning, stacklevel=2)
+            self._sessions[name] = session
+        return self._sessions[name]
+
     def logits(self, ids) -> np.ndarray:
         """Teacher-forced logits, float32 (len(ids), vocab)."""
         ids = np.asarray(ids, np.int64)
@@ -153,17 +175,20 @@ class Engine:
 
     def stream(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, *, stop_ids=None,
-               session: Session | None = None) -> Iterator[int]:
+               session: Session | PersistentSession | str | None = None) -> Iterator[int]:
         """Yield new token ids one by one. Stops after `max_new_tokens` or a stop id (yielded).
 
         `stop_ids` defaults to generation_config.json's eos_token_id; pass () to never stop early.
         A `session` keeps its state across calls: a prompt that extends it is prefilled only past
-        what the session already holds.
+        what the session already holds. A persistent session (`open_session`, or its name) is
+        saved when the call ends (also when the caller stops iterating early).
         """
         prompt_ids = [int(i) for i in prompt_ids]
         if not prompt_ids:
             raise ColibriError("the prompt is empty")
         stop = set(self.generation.get("eos_token_id", []) if stop_ids is None else stop_ids)
+        if isinstance(session, str):
+            session = self.open_session(session)
         session = session or self.new_session()
         rng = np.random.default_rng(seed)
         t0 = time.perf_counter()
@@ -171,24 +196,32 @@ class Engine:
         self.counters["prompt_tokens"] += len(prompt_ids)
         self.counters["prefill_seconds"] += time.perf_counter() - t0
         ids = list(prompt_ids)
-        for i in range(max_new_tokens):
-            token = sample(logits, rng, temperature, top_p, top_k)
-            if i == 0:
-                self.counters["time_to_first_token"] = time.perf_counter() - t0
-            self.counters["generated_tokens"] += 1
-            yield token
-            ids.append(token)
-            if token in stop or i + 1 == max_new_tokens:
-                break
-            t1 = time.perf_counter()
-            logits = self._feed(session, ids)
-            self.counters["decode_seconds"] += time.perf_counter() - t1
+        save = getattr(session, "save", lambda: None)
+        try:
+            for i in range(max_new_tokens):
+                token = sample(logits, rng, temperature, top_p, top_k)
+                if i == 0:
+                    self.counters["time_to_first_token"] = time.perf_counter() - t0
+                self.counters["generated_tokens"] += 1
+                yield token
+                ids.append(token)
+                if token in stop or i + 1 == max_new_tokens:
+                    break
+                t1 = time.perf_counter()
+                logits = self._feed(session, ids)
+                self.counters["decode_seconds"] += time.perf_counter() - t1
+        except GeneratorExit:  # the caller stopped early: the state is whole, keep the turn
+            save()
+            self.store.end_turn()
+            raise
+        save()
         self.store.end_turn()  # only after a whole turn: routing history, hot-store revision
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, *, stop_ids=None) -> list[int]:
-        """New token ids only (temperature 0 is greedy)."""
-        return list(self.stream(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop_ids=stop_ids))
+                 top_k: int = 0, seed: int | None = None, *, stop_ids=None, session=None) -> list[int]:
+        """New token ids only (temperature 0 is greedy); `session` as for `stream`."""
+        return list(self.stream(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop_ids=stop_ids,
+                                session=session))
 
     def stats(self) -> dict:
         c = self.counters

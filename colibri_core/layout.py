@@ -12,6 +12,12 @@ import re
 from dataclasses import dataclass, field
 
 PROJS = ("gate", "up", "down")  # storage order inside one expert's extent
+PRECISION = ("f32", "int8", "int4")  # most precise first
+
+
+def more_precise(a: str, b: str) -> str:
+    """The more precise of two quantisation kinds."""
+    return min(a, b, key=PRECISION.index)
 
 
 @dataclass(frozen=True)
@@ -38,10 +44,17 @@ class ContainerLayout:
     intermediate: int  # expert hidden width (I)
     experts: ExpertNames
     ignore: tuple[str, ...] = field(default=())  # regexes of checkpoint tensors skipped on purpose
+    # (layer, kind): that layer's experts are stored at least this precisely whatever --quant says
+    # (f32 > int8 > int4), e.g. GLM's MTP layer keeps int8 experts in an int4 container
+    expert_min_kind: tuple[tuple[int, str], ...] = field(default=())
 
     def stays_f32(self, name: str, ndim: int) -> bool:
         """True if resident tensor `name` is kept float32 (all 1-D tensors are)."""
         return ndim != 2 or any(re.search(p, name) for p in self.keep_f32)
+
+    def expert_kind(self, layer: int, quant: str) -> str:
+        """The quantisation of `layer`'s experts in a container converted at `quant`."""
+        return more_precise(quant, dict(self.expert_min_kind).get(layer, quant))
 
     def ignored(self, name: str) -> bool:
         return any(re.search(p, name) for p in self.ignore)

@@ -77,19 +77,17 @@ class MoEModel:
         raise NotImplementedError
 
     @classmethod
-    def resident_shapes(cls, cfg) -> dict[str, tuple[int, ...]] | None:
-        """Optional, for `colibri plan --config`: the shape of every resident tensor of the layout.
-        None (the default) means a model can be planned only from a converted directory."""
-        return None
+    def resident_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:
+        """Every resident tensor's shape by checkpoint name, from the config alone (for `plan`:
+        sized with the layout's quantisation rules, before any weight is read)."""
+        raise NotImplementedError
 
     @classmethod
-    def state_bytes_per_token(cls, cfg) -> int:
-        """Bytes of per-sequence state each token adds (default: a float32 K and V cache in every
-        layer, from the config's num_hidden_layers, num_key_value_heads and head_dim)."""
-        try:
-            return 2 * 4 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
-        except AttributeError:
-            return 0
+    def state_floats_per_token(cls, cfg) -> list[int]:
+        """Per layer, the floats its state grows by per token (K + V for GQA; 576 for GLM-5.2's MLA
+        latent + rope key; 0 for a fixed-size recurrent state). State kept apart (e.g. DSA indexer
+        keys) is reported by its own classmethod, named in the plugin's docstring."""
+        raise NotImplementedError
 
     def __init__(self, cfg, weights: Weights, store):
         self.cfg = cfg

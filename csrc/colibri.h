@@ -82,6 +82,12 @@ int matmul(float *y, const QMatrix *w, const float *x, int n, int act);
 // Each y[i] is exactly what matmul(y[i], w[i], x, n, act) writes.
 int matmul_multi(float *const *y, const QMatrix *const *w, int count, const float *x, int n, int act);
 
+// y = x @ dequant(w) (no transpose): y[t, j] = sum over r = 0, 1, ... of x[t, r] * w[r, j], each
+// weight dequantised to float32 first (q * scale). MLA absorbs kv_b_proj's key rows this way.
+// y: f32 [n, w->cols] (written); w: QMatrix [rows, cols]; x: f32 [n, w->rows].
+// Returns COLI_OK, COLI_EINVAL when qmatrix_check(w) fails, or COLI_ENOMEM.
+int matmul_t(float *y, const QMatrix *w, const float *x, int n);
+
 // The code path in use: "portable", "avx2" or "avx512".
 const char *simd_name(void);
 

@@ -481,3 +481,51 @@ int matmul_multi(float *const *y, const QMatrix *const *w, int count, const floa
 int matmul(float *y, const QMatrix *w, const float *x, int n, int act) {
     return matmul_multi(&y, &w, 1, x, n, act);
 }
+
+// ----------------------------------------------------------------------------
+// Transposed product (MLA's absorbed key projection: a query times kv_b's key rows)
+
+// Row r of w dequantised into out: f32 [cols], each element q * scale in float32.
+static void dequant_row(const QMatrix *w, int r, float *out) {
+    size_t row = (size_t)r, cols = (size_t)w->cols;
+    switch (w->kind) {
+    case QKIND_F32:
+        memcpy(out, (const float *)w->data + row * cols, cols * sizeof(float));
+        break;
+    case QKIND_INT8: {
+        const int8_t *q = (const int8_t *)w->data + row * cols;
+        float scale = ((const float *)w->scales)[row];
+        for (size_t j = 0; j < cols; j++) out[j] = (float)q[j] * scale;
+        break;
+    }
+    case QKIND_INT4: {
+        size_t row_bytes = (cols + 1) / 2, row_groups = (cols + INT4_GROUP - 1) / INT4_GROUP;
+        const uint8_t *q = (const uint8_t *)w->data + row * row_bytes;
+        const uint16_t *scales = (const uint16_t *)w->scales + row * row_groups;
+        for (size_t j = 0; j < cols; j++) {
+            int nibble = j % 2 ? q[j / 2] >> 4 : q[j / 2] & 0x0f;
+            out[j] = (float)(nibble - 8) * f16_to_f32(scales[j / INT4_GROUP]);
+        }
+        break;
+    }
+    }
+}
+
+int matmul_t(float *y, const QMatrix *w, const float *x, int n) {
+    if (qmatrix_check(w) != COLI_OK || n < 0) return COLI_EINVAL;
+    size_t rows = (size_t)w->rows, cols = (size_t)w->cols;
+    memset(y, 0, (size_t)n * cols * sizeof(float));
+    if (rows == 0 || cols == 0 || n == 0) return COLI_OK;
+    float *row = malloc(cols * sizeof(float));  // one dequantised weight row, reused by every token
+    if (row == NULL) return COLI_ENOMEM;
+    for (size_t r = 0; r < rows; r++) {  // rows in order: each output element sums r = 0, 1, ...
+        dequant_row(w, (int)r, row);
+        for (size_t t = 0; t < (size_t)n; t++) {
+            float xr = x[t * rows + r];
+            float *yt = y + t * cols;
+            for (size_t j = 0; j < cols; j++) yt[j] += xr * row[j];
+        }
+    }
+    free(row);
+    return COLI_OK;
+}

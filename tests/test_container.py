@@ -339,20 +339,20 @@ def test_shape_mismatch(sources, tmp_path):
 
 
 def test_unreadable_dtype(sources, tmp_path):
-    """A dtype colibri cannot widen (here fp8) is refused before anything is written."""
+    """A dtype colibri cannot widen (here fp8 e5m2) is refused before anything is written."""
     src = tmp_path / "src"
     shutil.copytree(sources["per_expert"], src)
     f = src / "model.safetensors"
     raw = f.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8: 8 + n])
-    header["model.layers.1.mlp.experts.0.down_proj.weight"]["dtype"] = "F8_E4M3"
+    header["model.layers.1.mlp.experts.0.down_proj.weight"]["dtype"] = "F8_E5M2"
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
     f.write_bytes(len(head).to_bytes(8, "little") + head + raw[8 + n:])
     with pytest.raises(ColibriError) as ei:
         run_convert(src, tmp_path / "out")
-    assert_one_line_error(ei, "model.layers.1.mlp.experts.0.down_proj.weight has dtype F8_E4M3")
+    assert_one_line_error(ei, "model.layers.1.mlp.experts.0.down_proj.weight has dtype F8_E5M2")
     assert list(tmp_path.iterdir()) == [src]
 
 

@@ -472,3 +472,23 @@ def test_bench_kernels_reports_every_kernel_beside_the_read_bandwidth():
     for r in result["kernels"]:
         assert r["gbps"] > 0 and r["fraction_of_read"] > 0 and ("gflops" in r) == (r["tokens"] > 1)
     assert "int4_matvec" in bench.format_table(result)
+
+
+# ----------------------------------------------------------------------------
+# matmul_t: x @ dequant(w), MLA's absorbed key projection
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows,cols", [(1, 1), (3, 65), (63, 130), (130, 63), (200, 127), (64, 3)])
+def test_matmul_t_matches_reference_bit_for_bit(kind, rows, cols):
+    rng = np.random.default_rng(rows * 1000 + cols)
+    w = read_only_copy(random_weights(rng, rows, cols, kind))
+    for n in TOKENS:
+        x = rng.standard_normal((n, rows)).astype(np.float32)
+        got = kernels.matmul_t(w, x)
+        assert np.array_equal(bits(got), bits(reference.matmul_t(w, x)))
+        want = x.astype(np.float64) @ quant.dequantize(w).astype(np.float64)
+        assert_close(got, want, np.abs(x.astype(np.float64)) @ np.abs(quant.dequantize(w).astype(np.float64)))
+    assert kernels.matmul_t(w, np.zeros((0, rows), np.float32)).shape == (0, cols)
+    with pytest.raises(ValueError, match=r"matmul_t: x must be \[n, "):
+        kernels.matmul_t(w, np.zeros((1, rows + 1), np.float32))

@@ -14,7 +14,9 @@ Files:
   (parts 64-byte aligned) from offset 0, zero padding, and a 16-byte trailer in the extent's
   last bytes: ``b"CLXE"``, u32 layer, u32 expert, u32 crc32 of every byte of the extent before
   the crc (all little-endian). ``expert_nbytes`` is a multiple of 4096, so one ``pread`` (also
-  with ``O_DIRECT``) loads one expert, and the extent checks itself.
+  with ``O_DIRECT``) loads one expert, and the extent checks itself. A layer whose experts the
+  plugin keeps more precise than ``--quant`` (`ContainerLayout.expert_min_kind`, e.g. GLM's MTP
+  experts at int8 in an int4 container) says so in its file entry (``kind``, ``expert_nbytes``).
 - ``colibri.yaml``: the manifest, written last (see `writer._manifest` for the keys): format and
   version, architecture, plugin and version, quantisation per tensor class and per resident
   tensor, the expert section (shapes, extent size, source form and name patterns), the file table

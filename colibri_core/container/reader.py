@@ -89,8 +89,23 @@ _ST_DTYPES = {
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
     "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
+    "F8_E4M3": np.dtype("u1"),  # float8 e4m3fn, read as raw bytes; widened through FP8_E4M3
 }
 READABLE_DTYPES = tuple(_ST_DTYPES)
+
+
+def _fp8_e4m3_table() -> np.ndarray:
+    """float32 value of every float8 e4m3fn byte: 1 sign, 4 exponent (bias 7), 3 mantissa bits;
+    exponent 0 is subnormal (m/8 · 2^-6); no infinities, S.1111.111 is NaN."""
+    b = np.arange(256)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e, m = (b >> 3) & 0xF, b & 0x7
+    mag = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e - 7.0))
+    mag = np.where((e == 15) & (m == 7), np.nan, mag)
+    return (sign * mag).astype(np.float32)
+
+
+FP8_E4M3 = _fp8_e4m3_table()  # (256,) float32: byte -> value
 ST_NAME = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int8): "I8",
            np.dtype(np.uint8): "U8"}
 
@@ -156,6 +171,8 @@ class SafetensorsFile:
         dtype = self.dtype(name)
         if dtype == "BF16":
             return (a.astype(np.uint32) << 16).view(np.float32)
+        if dtype == "F8_E4M3":
+            return FP8_E4M3[a]
         out = a.astype(np.float32)
         if dtype not in ("F64", "F32", "F16") and not np.array_equal(out, a):
             raise ColibriError(f"tensor {name} in {self.path} holds {dtype} values float32 cannot represent")
@@ -275,13 +292,23 @@ class Container:
         self._offsets, nbytes = expert_extent(self.expert_kind, self.hidden, self.intermediate)
         if _get(m, "experts.expert_nbytes", int) != nbytes:
             raise _Bad(f"experts.expert_nbytes {m['experts']['expert_nbytes']} disagrees with the expert shapes")
-        self.expert_nbytes = nbytes
+        self.expert_nbytes = nbytes  # of experts.kind; `layer_expert_nbytes` for one layer
         self._layers = {}
+        self._extents = {}  # layer -> (kind, (gate, up, down) offsets, extent bytes)
         for f in _get(m, "experts.files", list):
             layer = _get(f, "layer", int)
             rel = _safe_rel(_get(f, "path", str))
             crcs = _get(f, "extent_crc32", list)
-            if _get(f, "size", int) != self.n_experts * nbytes or len(crcs) != self.n_experts:
+            kind, layer_nbytes = self.expert_kind, nbytes
+            if "kind" in f:  # a layer kept more precise than experts.kind (e.g. GLM's MTP experts)
+                kind = _get(f, "kind", str)
+                if kind not in quant.KINDS:
+                    raise _Bad(f"unknown expert quantisation {kind!r} for {rel}")
+                offsets, layer_nbytes = expert_extent(kind, self.hidden, self.intermediate)
+                if _get(f, "expert_nbytes", int) != layer_nbytes:
+                    raise _Bad(f"expert_nbytes of {rel} disagrees with the expert shapes")
+            self._extents[layer] = (kind, expert_extent(kind, self.hidden, self.intermediate)[0], layer_nbytes)
+            if _get(f, "size", int) != self.n_experts * layer_nbytes or len(crcs) != self.n_experts:
                 raise _Bad(f"expert file entry {rel} disagrees with n_experts/expert_nbytes")
             _get(f, "crc32", int)
             self._layers[layer] = f
@@ -344,6 +371,15 @@ class Container:
 
     # -- resident tensors
 
+    @property
+    def resident_nbytes(self) -> int:
+        """Bytes the resident tensors take in RAM, from the manifest (nothing is read)."""
+        total = 0
+        for kind, shape in self._resident.values():
+            parts = [(np.dtype(np.float32), shape)] if kind == ARRAY else [(dt, s) for _, dt, s in quant.layout(kind, *shape)]
+            total += sum(dt.itemsize * int(np.prod(s)) for dt, s in parts)
+        return total
+
     def resident(self) -> dict[str, quant.QTensor | np.ndarray]:
         """Every resident tensor by checkpoint name (read from disk on each call)."""
         out = {}
@@ -361,22 +397,37 @@ class Container:
 
     # -- routed experts
 
+    def layer_expert_kind(self, layer: int) -> str:
+        """The quantisation of one MoE layer's experts (experts.kind unless the layer overrides it)."""
+        return self._extents[layer][0]
+
+    def layer_extent(self, layer: int) -> tuple[str, tuple[int, int, int], int]:
+        """(quantisation, (gate, up, down) offsets, extent bytes) of one MoE layer's experts."""
+        return self._extents[layer]
+
+    def layer_expert_nbytes(self, layer: int) -> int:
+        """The extent size of one MoE layer's experts."""
+        return self._extents[layer][2]
+
     def expert_location(self, layer: int, expert: int) -> tuple[str, int, int]:
         """(file path, byte offset, byte count) of one expert's extent."""
         if layer not in self._layers or not 0 <= expert < self.n_experts:
             raise ValueError(f"no expert {expert} in layer {layer} (MoE layers {self.moe_layers}, "
                              f"{self.n_experts} experts)")
-        return str(self.path / self._layers[layer]["path"]), expert * self.expert_nbytes, self.expert_nbytes
+        nbytes = self._extents[layer][2]
+        return str(self.path / self._layers[layer]["path"]), expert * nbytes, nbytes
 
-    def parse_expert(self, buf) -> tuple[quant.QTensor, quant.QTensor, quant.QTensor]:
-        """(gate, up, down) viewing one extent held in `buf`; its checksum is verified first."""
-        return self._parse(buf)[2]
+    def parse_expert(self, buf, layer: int | None = None) -> tuple[quant.QTensor, quant.QTensor, quant.QTensor]:
+        """(gate, up, down) viewing one extent held in `buf` (of `layer`, or of a layer stored at
+        experts.kind); its checksum is verified first."""
+        return self._parse(buf, layer)[2]
 
-    def _parse(self, buf):
+    def _parse(self, buf, layer: int | None = None):
         mv = memoryview(buf)
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
-        n = self.expert_nbytes
+        kind, offsets, n = self._extents[layer] if layer in self._extents else (
+            self.expert_kind, self._offsets, self.expert_nbytes)
         if mv.nbytes < n:
             raise ColibriError(f"{self.path}: expert buffer of {mv.nbytes} bytes is shorter than an extent ({n})")
         mv = mv[:n]
@@ -388,8 +439,7 @@ class Container:
             raise ColibriError(f"corrupt expert data in {where}: checksum mismatch; "
                                f"run `colibri doctor --deep` and reconvert the model")
         shapes = [_proj_shape(p, self.hidden, self.intermediate) for p in PROJS]
-        tensors = tuple(quant.from_buffer(self.expert_kind, r, c, mv, off)[0]
-                        for (r, c), off in zip(shapes, self._offsets))
+        tensors = tuple(quant.from_buffer(kind, r, c, mv, off)[0] for (r, c), off in zip(shapes, offsets))
         return layer, expert, tensors
 
     def read_expert(self, layer: int, expert: int) -> tuple[quant.QTensor, quant.QTensor, quant.QTensor]:
@@ -407,7 +457,7 @@ class Container:
         buf = os.pread(fd, nbytes, offset)
         if len(buf) != nbytes:
             raise ColibriError(f"expert file {path} is truncated (layer {layer} expert {expert}); reconvert the model")
-        got_layer, got_expert, tensors = self._parse(buf)
+        got_layer, got_expert, tensors = self._parse(buf, layer)
         if (got_layer, got_expert) != (layer, expert):
             raise ColibriError(f"expert file {path} holds layer {got_layer} expert {got_expert} where layer "
                                f"{layer} expert {expert} belongs; reconvert the model")
@@ -443,7 +493,7 @@ class Container:
             crc = 0
             with open(path, "rb") as f:
                 for e in range(self.n_experts):
-                    buf = f.read(self.expert_nbytes)
+                    buf = f.read(self.layer_expert_nbytes(layer))
                     crc = zlib.crc32(buf, crc)
                     got = extent_crc(buf)
                     if got != entry["extent_crc32"][e]:

@@ -95,11 +95,50 @@ class Checkpoint:
             if self.where.get(tname) is not self.files[fname]:
                 raise ColibriError(f"{index} places tensor {tname} in {fname}, which does not hold it")
 
+    FP8_SCALE_SUFFIX = "_scale_inv"  # NAME (float8 e4m3) + NAME_scale_inv (f32, one per block)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self.where[name].shape(name)
 
+    def block_size(self) -> tuple[int, int]:
+        """fp8 block scale size (rows, cols): config.json quantization_config.weight_block_size, or 128×128."""
+        try:
+            cfg = json.loads((self.path / "config.json").read_text(encoding="utf-8"))
+            size = (cfg.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
+            return int(size[0]), int(size[1])
+        except (OSError, ValueError, TypeError, IndexError, AttributeError):
+            return 128, 128
+
+    def scales_of(self, name: str) -> str | None:
+        """The block-scale tensor of an fp8 tensor (None for any other)."""
+        if self.where[name].dtype(name) != "F8_E4M3":
+            return None
+        scale = name + self.FP8_SCALE_SUFFIX
+        if scale not in self.where:
+            raise ColibriError(f"tensor {name} is float8 e4m3 without block scales ({scale}), which colibri cannot "
+                               f"convert: {self.path}")
+        return scale
+
     def read_f32(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
-        return self.where[name].read_f32(name, first, count)
+        """The tensor (or rows first..first+count of its first axis) as float32; fp8 e4m3 weights are
+        multiplied by their per-block scales (``NAME_scale_inv``, one per block of the last two axes)."""
+        w = self.where[name].read_f32(name, first, count)
+        scale_name = self.scales_of(name)
+        if scale_name is None:
+            return w
+        if w.ndim < 2:
+            raise ColibriError(f"fp8 tensor {name} has shape {list(w.shape)}: block scales need a matrix: {self.path}")
+        br, bc = self.block_size()
+        rows, cols = w.shape[-2:]
+        blocks = (-(-rows // br), -(-cols // bc))
+        full = self.shape(name)
+        if self.shape(scale_name) != (*full[:-2], *blocks):
+            raise ColibriError(f"{scale_name} has shape {list(self.shape(scale_name))}, expected "
+                               f"{[*full[:-2], *blocks]} for {br}x{bc} blocks of {name} {list(full)}: {self.path}")
+        s = self.where[scale_name].read_f32(scale_name, first, count) if w.ndim > 2 else \
+            self.where[scale_name].read_f32(scale_name)
+        s = np.repeat(np.repeat(s, br, axis=-2)[..., :rows, :], bc, axis=-1)[..., :cols]  # (..., rows, cols)
+        return (w * s).astype(np.float32)
 
     def fingerprint(self) -> dict:
         """Digest of the tensor names, shapes, dtypes and the file sizes."""
@@ -162,7 +201,9 @@ def _plan(ckpt: Checkpoint, layout: ContainerLayout, architecture: str, quant: s
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ColibriError(f"checkpoint lacks tensor {missing[0]} (needed by architecture {architecture}){more}: "
                            f"{ckpt.path}")
-    unused = [n for n in sorted(ckpt.where) if n not in expected and not layout.ignored(n)]
+    scales = {n + Checkpoint.FP8_SCALE_SUFFIX for n in expected if n in ckpt.where}  # fp8 block scales
+    unused = [n for n in sorted(ckpt.where) if n not in expected and n not in scales and not layout.ignored(n)
+              and not (n.endswith(Checkpoint.FP8_SCALE_SUFFIX) and layout.ignored(n[: -len(Checkpoint.FP8_SCALE_SUFFIX)]))]
     if unused:
         more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
         raise ColibriError(f"checkpoint has tensor {unused[0]} that architecture {architecture} does not use"
@@ -171,6 +212,7 @@ def _plan(ckpt: Checkpoint, layout: ContainerLayout, architecture: str, quant: s
         if ckpt.where[name].dtype(name) not in READABLE_DTYPES:
             raise ColibriError(f"tensor {name} has dtype {ckpt.where[name].dtype(name)}, which colibri cannot "
                                f"convert (it reads {', '.join(READABLE_DTYPES)}): {ckpt.path}")
+        ckpt.scales_of(name)  # an fp8 tensor without its block scales is an error now, not mid-write
         if shape is not None and ckpt.shape(name) != shape:
             raise ColibriError(f"tensor {name} has shape {list(ckpt.shape(name))}, but architecture {architecture} "
                                f"expects {list(shape)} (experts {E}, hidden {H}, intermediate {I}): {ckpt.path}")
@@ -265,12 +307,13 @@ def _write_layer(ckpt: Checkpoint, plan: _Plan, layer: int, path: Path, bar) -> 
     Experts are quantised on a few threads (NumPy releases the GIL), at most 2 per thread in flight,
     and written in order."""
     lay = plan.layout
-    _, nbytes = expert_extent(plan.quant, lay.hidden, lay.intermediate)
+    kind = lay.expert_kind(layer, plan.quant)
+    _, nbytes = expert_extent(kind, lay.hidden, lay.intermediate)
 
     def extent(e: int) -> bytearray:
         buf = bytearray()
         for w in plan.expert_weights(ckpt, layer, e):
-            q.pack(q.quantize(w, plan.quant), buf)
+            q.pack(q.quantize(w, kind), buf)
         buf += bytes(nbytes - TRAILER.size - len(buf))
         buf += TRAILER.pack(0, TRAILER_MAGIC, layer, e)
         buf[nbytes - TRAILER.size: nbytes - TRAILER.size + 4] = extent_crc(buf).to_bytes(4, "little")
@@ -396,8 +439,13 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str, layou
                 rec = staging.done(rel, _write_layer(ckpt, plan, layer, staging.path / rel, bar))
             else:
                 bar.update(layout.n_experts)
-            layers.append({"layer": layer, "path": rel, "size": rec["size"], "crc32": rec["crc32"],
-                           "extent_crc32": _FlowList(rec["extent_crc32"])})
+            entry = {"layer": layer, "path": rel, "size": rec["size"], "crc32": rec["crc32"],
+                     "extent_crc32": _FlowList(rec["extent_crc32"])}
+            kind = layout.expert_kind(layer, quant)
+            if kind != quant:  # this layer's experts are kept more precise than experts.kind
+                entry["kind"] = kind
+                entry["expert_nbytes"] = expert_extent(kind, layout.hidden, layout.intermediate)[1]
+            layers.append(entry)
     copied = {}
     for name in COPIED_FILES:
         if (src / name).is_file():

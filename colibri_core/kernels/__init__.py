@@ -3,6 +3,7 @@
     from colibri_core import kernels
     y = kernels.matmul(w, x)                   # x f32 [n, w.cols] -> f32 [n, w.rows] = x @ dequant(w).T
     q, k, v = kernels.matmul_multi([wq, wk, wv], x)   # one call, one input, several weights
+    y = kernels.matmul_t(w, x)                 # x f32 [n, w.rows] -> f32 [n, w.cols] = x @ dequant(w)
     y = kernels.expert_ffn(gate, up, down, x)  # x f32 [n, H] -> f32 [n, H] = down(silu(gate x) * (up x))
     kernels.moe_experts(outs, x, ids, experts) # every ready expert of an MoE layer in one call
     with kernels.activations("int8"): ...      # the fast arithmetic (default "f32", the exact one)
@@ -47,7 +48,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         "install the package (`pip install -e .` in a checkout) to compile csrc/"
     ) from e
 
-__all__ = ["matmul", "matmul_multi", "expert_ffn", "moe_experts", "moe_combine", "rms_norm", "rope_rotate_half", "attention",
+__all__ = ["matmul", "matmul_multi", "matmul_t", "expert_ffn", "moe_experts", "moe_combine", "rms_norm", "rope_rotate_half", "attention",
            "activations", "ACTIVATIONS",
            "simd", "set_simd", "simd_supported", "SIMD_PATHS", "threads", "set_threads", "reference"]
 
@@ -159,6 +160,19 @@ def matmul_multi(ws: list[QTensor], x: np.ndarray, act: str | None = None) -> li
     status = lib.matmul_multi(yp, ffi.new("QMatrix *[]", mats), len(mats), _floats(x), n, _act_code(act))
     _check(status, "matmul")
     return ys
+
+
+def matmul_t(w: QTensor, x: np.ndarray) -> np.ndarray:
+    """``y = x @ dequant(w)`` (no transpose): x float32 ``[n, w.rows]`` -> y float32 ``[n, w.cols]``.
+
+    Sums over the rows in order, each weight dequantised first, so `reference.matmul_t` gives the
+    same bits."""
+    wm = _qmatrix(w, "w")
+    x = _activations(x, w.rows, "matmul_t: x")
+    n = x.shape[0]
+    y = np.empty((n, w.cols), np.float32)
+    _check(lib.matmul_t(_floats(y, writable=True), wm, _floats(x), n), "matmul_t")
+    return y
 
 
 def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: str | None = None) -> np.ndarray:

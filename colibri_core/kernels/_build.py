@@ -5,8 +5,8 @@ for ``pip install .`` and ``pip install -e .`` alike; the extension is ``_colibr
 (CPython's limited API). An editable install does not watch csrc/: after changing C, rerun
 ``pip install -e . --no-deps --no-build-isolation`` (or ``python setup.py build_ext --inplace``).
 
-The declarations cffi sees are csrc/colibri.h itself, minus its preprocessor lines, so the header
-stays the one list of what C exports. No ``-march=native``: one build runs on any x86-64; SIMD
+The declarations cffi sees are the HEADERS themselves, minus their preprocessor lines, so the
+headers stay the one list of what C exports. No ``-march=native``: one build runs on any x86-64; SIMD
 paths are chosen at run time inside the C code.
 """
 import glob
@@ -18,15 +18,13 @@ import cffi
 HERE = os.path.dirname(os.path.realpath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 CSRC = os.path.join(ROOT, "csrc")
-
-
 def _path(p: str) -> str:
     """`p` relative to the project root when building from there (setuptools runs from the root and
     prefers relative source paths; keeps absolute paths out of the build), else absolute."""
     return os.path.relpath(p, ROOT) if os.path.realpath(os.getcwd()) == ROOT else p
 
 
-HEADERS = ("colibri.h", "io_pool.h")  # the kernels; the I/O thread pool of the expert store
+HEADERS = ("colibri.h", "io_pool.h", "deltanet.h")  # the kernels; the expert store's I/O pool; Gated DeltaNet
 
 
 def _cdef() -> str:

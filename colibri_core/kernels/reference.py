@@ -109,6 +109,17 @@ def matmul(w: QTensor, x: np.ndarray, act: str = "f32") -> np.ndarray:
     raise ValueError(f"unknown quantisation {w.kind!r} or activation arithmetic {act!r}")
 
 
+def matmul_t(w: QTensor, x: np.ndarray) -> np.ndarray:
+    """``x @ dequantize(w)``: x float32 ``[n, w.rows]`` -> float32 ``[n, w.cols]``, summed over the
+    rows in order as the C kernel does (so the two agree bit for bit)."""
+    x = np.asarray(x, np.float32)
+    wd = dequantize(w)
+    y = np.zeros((x.shape[0], w.cols), np.float32)
+    for r in range(w.rows):
+        y += x[:, r : r + 1] * wd[r]
+    return y
+
+
 def silu(a: np.ndarray) -> np.ndarray:
     """``a / (1 + exp(-a))`` in float32 (exp overflowing to inf gives -0, as in C)."""
     a = np.asarray(a, np.float32)

@@ -30,3 +30,29 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+
+class Rows:
+    """A per-token array (length, *shape) grown by doubling: an MLA latent, a rope key, indexer keys."""
+
+    def __init__(self, *shape: int, capacity: int = 64):
+        self.data = np.empty((capacity, *shape), np.float32)  # (capacity, *shape)
+        self.length = 0
+
+    def append(self, rows: np.ndarray) -> None:
+        """Add rows (T, *shape) for T new tokens."""
+        need = self.length + rows.shape[0]
+        if need > self.data.shape[0]:
+            grown = np.empty((max(need, 2 * self.data.shape[0]),) + self.data.shape[1:], np.float32)
+            grown[: self.length] = self.data[: self.length]
+            self.data = grown
+        self.data[self.length : need] = rows
+        self.length = need
+
+    def view(self) -> np.ndarray:
+        """Every row held, (length, *shape)."""
+        return self.data[: self.length]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes

@@ -21,3 +21,17 @@ def apply_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.nda
     """x (T, heads, dim) rotated by cos/sin (T, dim): x*cos + rotate_half(x)*sin (one C call, the same
     float32 operations as kernels.reference.rope_rotate_half, so the same bits)."""
     return kernels.rope_rotate_half(x, cos, sin)
+
+
+def apply_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Interleaved-pair RoPE (DeepSeek, GLM-5): pairs (x0, x1), (x2, x3), … each rotated by one
+    frequency. x (T, heads, dim), cos/sin (T, dim) from `Rope.cos_sin` (only the first half is read).
+
+    The result is laid out de-interleaved, [rotated evens | rotated odds], exactly as
+    `transformers`' apply_rotary_pos_emb_interleave returns it; queries and keys get the same
+    permutation, so their dot products are those of the interleaved layout.
+    """
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]  # (T, 1, dim/2)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)

@@ -12,8 +12,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .. import plugins, quant
-from ..container.reader import ARRAY, expert_extent
+from .. import planning, plugins
 from ..errors import ColibriError
 from .budget import split_budget
 
@@ -34,22 +33,6 @@ class ModelSizes:
         return self.moe_layers * self.n_experts
 
 
-def _tensor_bytes(kind: str, shape) -> int:
-    if kind == ARRAY:
-        n = 1
-        for d in shape:
-            n *= d
-        return 4 * n
-    return sum(dtype.itemsize * _prod(s) for _, dtype, s in quant.layout(kind, *shape))
-
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _top_k(cfg, config: dict) -> int:
     for key in ("num_experts_per_tok", "moe_topk", "top_k"):
         v = getattr(cfg, key, None) or config.get(key)
@@ -66,14 +49,13 @@ def sizes_from_container(model_dir: str | Path) -> ModelSizes:
     arch = reg.resolve(c.config, where=str(model_dir))
     model_cls = reg.model_class(arch)
     cfg = model_cls.parse_config(c.config)
-    dense = sum(_tensor_bytes(kind, shape) for kind, shape in c._resident.values())
-    return ModelSizes(arch.name, c.quant, dense, c.expert_nbytes, len(c.moe_layers), c.n_experts,
-                      _top_k(cfg, c.config), model_cls.state_bytes_per_token(cfg))
+    measured = planning.measured(model_dir)
+    return ModelSizes(arch.name, c.quant, measured["resident_bytes"], c.expert_nbytes, len(c.moe_layers),
+                      c.n_experts, _top_k(cfg, c.config), planning.state_bytes_per_token(model_cls, cfg))
 
 
-def sizes_from_config(config_path: str | Path, quant_kind: str) -> ModelSizes:
-    if quant_kind not in quant.KINDS:
-        raise ColibriError(f"unknown quantisation {quant_kind!r}: choose one of {', '.join(quant.KINDS)}")
+def sizes_from_config(config_path: str | Path, quant_kind: str) -> tuple[ModelSizes, dict]:
+    """The sizes `make_plan` needs, and `planning.plan`'s full report, from config.json alone."""
     try:
         config = json.loads(Path(config_path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -85,15 +67,14 @@ def sizes_from_config(config_path: str | Path, quant_kind: str) -> ModelSizes:
         cfg = model_cls.parse_config(config)
     except (KeyError, TypeError, ValueError) as e:
         raise ColibriError(f"{config_path}: {arch.name} cannot parse it ({type(e).__name__}: {e})") from None
-    layout = model_cls.layout(cfg)
-    shapes = model_cls.resident_shapes(cfg)
-    if shapes is None:
+    try:
+        report = planning.plan(model_cls, cfg, quant_kind)
+    except NotImplementedError:
         raise ColibriError(f"plugin {arch.plugin} cannot plan {arch.name} from config.json alone; "
-                           f"convert the model and use --model")
-    dense = sum(_tensor_bytes(ARRAY if layout.stays_f32(n, len(s)) else quant_kind, s) for n, s in shapes.items())
-    _, nbytes = expert_extent(quant_kind, layout.hidden, layout.intermediate)
-    return ModelSizes(arch.name, quant_kind, dense, nbytes, len(layout.moe_layers), layout.n_experts,
-                      _top_k(cfg, config), model_cls.state_bytes_per_token(cfg))
+                           f"convert the model and use --model") from None
+    sizes = ModelSizes(arch.name, quant_kind, report["resident_bytes"], report["expert_bytes"], report["moe_layers"],
+                       report["experts_per_layer"], _top_k(cfg, config), report["state_bytes_per_token"])
+    return sizes, report
 
 
 def make_plan(sizes: ModelSizes, budget: int, context: int, pin_bytes: int | None, history: bool,

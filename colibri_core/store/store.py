@@ -62,7 +62,6 @@ class ExpertStore:
         self.config = cfg = StoreConfig(slots=slots, **options)
         self.container = container
         self.slots = min(slots, container.n_experts)
-        self.nbytes = container.expert_nbytes
         self._extent_crcs = {f["layer"]: f["extent_crc32"] for f in container.manifest["experts"]["files"]}
         self._shapes = [_proj_shape(p, container.hidden, container.intermediate) for p in PROJS]  # (rows, cols)
         layers = tuple(container.moe_layers)
@@ -201,15 +200,15 @@ class ExpertStore:
         computed must equal both the trailer's and the manifest's, and the trailer must name this
         (layer, expert). The same checks as `Container.parse_expert`, without hashing on this thread."""
         c = self.container
-        crc, magic, got_layer, got_expert = TRAILER.unpack_from(buf, self.nbytes - TRAILER.size)
+        crc, magic, got_layer, got_expert = TRAILER.unpack_from(buf, c.layer_expert_nbytes(layer) - TRAILER.size)
         if magic != TRAILER_MAGIC or read.req.crc != crc or crc != self._extent_crcs[layer][expert]:
             raise ColibriError(f"corrupt expert data in {read.path} layer {layer} expert {expert}: checksum "
                                f"mismatch; run `colibri doctor --model {c.path} --deep` and reconvert the model")
         if (got_layer, got_expert) != (layer, expert):
             raise ColibriError(f"expert file {read.path} holds layer {got_layer} expert {got_expert} where "
                                f"layer {layer} expert {expert} belongs; reconvert the model")
-        return tuple(quant.from_buffer(c.expert_kind, rows, cols, buf, off)[0]
-                     for (rows, cols), off in zip(self._shapes, c._offsets))
+        kind, offsets, _ = c.layer_extent(layer)
+        return tuple(quant.from_buffer(kind, rows, cols, buf, off)[0] for (rows, cols), off in zip(self._shapes, offsets))
 
     def _settled(self, entry: _Entry) -> bool:
         return entry.read is None or self.pool.done(entry.read)
@@ -300,17 +299,17 @@ class ExpertStore:
     @property
     def resident_bytes(self) -> int:
         """Bytes the expert cache and the hot-store hold now."""
-        n = sum(len(c) for c in self.cache.values()) + sum(len(p) for p in self.pinned.values())
-        return n * self.nbytes
+        nbytes = self.container.layer_expert_nbytes
+        return sum((len(c) + len(self.pinned[layer])) * nbytes(layer) for layer, c in self.cache.items())
 
     def stats(self) -> dict:
         pinned = sum(len(p) for p in self.pinned.values())
         return {
             **self.counters.as_dict(self.cache),
             "cache_slots_per_layer": self.slots,
-            "cache_bytes": sum(len(c) for c in self.cache.values()) * self.nbytes,
+            "cache_bytes": sum(len(c) * self.container.layer_expert_nbytes(layer) for layer, c in self.cache.items()),
             "pinned_experts": pinned,
-            "pinned_bytes": pinned * self.nbytes,
+            "pinned_bytes": sum(len(p) * self.container.layer_expert_nbytes(layer) for layer, p in self.pinned.items()),
             "pin_capacity": self.config.pinned,
             "policy": self.config.policy,
             "prefetch": self.config.prefetch,

@@ -17,7 +17,12 @@ the test would prove nothing about it), saves it, converts it at f32, int8 and i
 - placement invariance: 1 expert slot per layer, a few, everything resident give bit-identical
   logits and identical tokens;
 - the container round trip (per-expert and fused checkpoints), and that a tensor missing from or
-  left over in the checkpoint is a conversion error.
+  left over in the checkpoint is a conversion error;
+- persistent sessions (`colibri_core.testing.sessions`): a save torn at any point or killed with
+  ``kill -9`` resumes from the last whole turn with the uninterrupted run's tokens, prefilling
+  only the new tokens; another model's or a damaged file is refused;
+- planning: `colibri_core.planning` from config.json alone predicts the container's bytes exactly
+  (the model class implements ``resident_shapes`` and ``state_floats_per_token``).
 
 A plugin that cannot support a check says so in ``unsupported = {"check_name": "why"}``: the check
 is then reported as skipped with that reason, never silently dropped. Greedy mismatches where the

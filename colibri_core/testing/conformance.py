@@ -12,6 +12,7 @@ from ..container import Container, dequantize
 from ..convert import convert_checkpoint, read_config
 from ..engine import load
 from ..errors import ColibriError
+from .sessions import check_kill_during_save, check_torn_saves
 
 QUANTS = ("f32", "int8", "int4")
 
@@ -154,6 +155,34 @@ class ConformanceSuite:
             assert np.array_equal(logits, base_logits), f"logits with {slots} slot(s) differ from all-resident"
             assert tokens == base_tokens, f"tokens with {slots} slot(s) differ from all-resident"
         assert results[0][3]["expert_misses"] > base_stats["expert_misses"], "1 slot per layer should miss more"
+
+    # ---- persistent sessions -----------------------------------------------------------------
+    def test_session_torn_saves(self, oracle: Oracle, tmp_path):
+        """A save cut at any byte loads as the turn before; resuming continues token-identically,
+        prefilling only the new tokens; another model's or a damaged file is refused, never half-used."""
+        self._check("session")
+        check_torn_saves(oracle.container("int4"), tmp_path, oracle.prompt, self.hf_config.vocab_size)
+
+    def test_session_kill_during_save(self, oracle: Oracle, tmp_path):
+        """kill -9 in the middle of a save: the restart resumes from the last whole turn, token-identical."""
+        self._check("session")
+        check_kill_during_save(oracle.container("int4"), tmp_path, oracle.prompt, self.hf_config.vocab_size)
+
+    # ---- planning ------------------------------------------------------------------------------
+    @pytest.mark.parametrize("q", ("f32", "int4"))
+    def test_plan_matches_container(self, oracle: Oracle, q: str):
+        """`planning.plan` from config.json alone (the model class's resident_shapes and the layout)
+        predicts exactly the bytes the converter wrote."""
+        self._check("plan")
+        from ..planning import measured, plan_config
+
+        try:
+            p = plan_config(read_config(oracle.checkpoint), q)
+        except NotImplementedError:
+            pytest.fail(f"{type(self).__name__}: the model class must implement resident_shapes and "
+                        "state_floats_per_token (see colibri_core.model.MoEModel)")
+        got = measured(oracle.container(q))
+        assert {k: p[k] for k in got} == got
 
     # ---- the container -----------------------------------------------------------------------
     @pytest.mark.parametrize("q", QUANTS)

@@ -101,16 +101,20 @@ class Olmoe(MoEModel):
 
     @classmethod
     def resident_shapes(cls, cfg: OlmoeConfig) -> dict[str, tuple[int, ...]]:
-        H, V, E = cfg.hidden_size, cfg.vocab_size, cfg.num_experts
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        H, V, D = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+        q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
         per_layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
                      "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
                      "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
-                     "self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,), "mlp.gate.weight": (E, H)}
-        shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
-        for i in range(cfg.num_hidden_layers):
-            shapes.update({f"{LAYER}.{name}".format(layer=i): shape for name, shape in per_layer.items()})
-        return shapes
+                     "self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,),
+                     "mlp.gate.weight": (cfg.num_experts, H)}
+        layers = {f"{LAYER}.{name}".format(layer=i): per_layer[name]
+                  for i in range(cfg.num_hidden_layers) for name in RESIDENT_PER_LAYER}
+        return {"model.embed_tokens.weight": (V, H), **layers, "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+
+    @classmethod
+    def state_floats_per_token(cls, cfg: OlmoeConfig) -> list[int]:
+        return [2 * cfg.num_key_value_heads * cfg.head_dim] * cfg.num_hidden_layers  # K and V
 
     def __init__(self, cfg: OlmoeConfig, weights, store):
         super().__init__(cfg, weights, store)

@@ -1,0 +1,97 @@
+"""Bindings of the Gated DeltaNet kernels (csrc/deltanet.c); the float64 references are in
+`colibri_core.kernels.reference_deltanet`.
+
+    from colibri_core.kernels import deltanet
+    out = deltanet.causal_conv1d(x, weight, state)                   # state updated in place
+    out = deltanet.gated_delta_rule(q, k, v, g, beta, state)         # chunked (n > 1) or recurrent (n == 1)
+
+Arguments are checked here before C sees them (a wrong shape or dtype raises ValueError); the
+states are float32 arrays updated in place. The C calls release the GIL.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from colibri_core.kernels._colibri_kernels import ffi, lib
+
+CHUNK = 64  # tokens per chunk in the chunked form (as the reference implementations use)
+
+
+def causal_conv1d(x: np.ndarray, weight: np.ndarray, state: np.ndarray, silu: bool = True) -> np.ndarray:
+    """Depthwise causal conv1d (+ SiLU) over x float32 (n, C) with weight (C, K); `state` float32
+    (K-1, C) holds the previous K-1 inputs and is updated in place. Returns float32 (n, C)."""
+    n, channels = _matrix(x, "causal_conv1d: x").shape
+    if weight.dtype != np.float32 or weight.ndim != 2 or weight.shape[0] != channels:
+        raise ValueError(f"causal_conv1d: weight must be float32 [{channels}, K], got {weight.dtype} {list(weight.shape)}")
+    K = weight.shape[1]
+    _state(state, (K - 1, channels), "causal_conv1d: state")
+    x, weight = np.ascontiguousarray(x), np.ascontiguousarray(weight)
+    out = np.empty((n, channels), np.float32)
+    _check(lib.causal_conv1d(_floats(out, True), _floats(state, True), _floats(x), _floats(weight),
+                             n, channels, K, int(bool(silu))), "causal_conv1d")
+    return out
+
+
+def gated_delta_rule(q, k, v, g, beta, state: np.ndarray, form: str = "auto", chunk: int = CHUNK) -> np.ndarray:
+    """The gated delta rule (see csrc/deltanet.h): q, k float32 (n, Hk, dk) (normalised inside),
+    v (n, Hv, dv), g (log decay) and beta (n, Hv); `state` float32 (Hv, dk, dv), updated in place.
+
+    `form`: "recurrent" (token by token), "chunked" (chunks of `chunk` tokens), or "auto":
+    recurrent for a single token (decode), chunked otherwise (prefill). Returns float32 (n, Hv, dv).
+    """
+    n, hk, dk = _array(q, 3, "gated_delta_rule: q").shape
+    _, hv, dv = _array(v, 3, "gated_delta_rule: v").shape
+    if k.shape != q.shape or v.shape[0] != n or hv % hk:
+        raise ValueError(f"gated_delta_rule: q, k must be [n, Hk, dk] and v [n, Hv, dv] with Hv a multiple "
+                         f"of Hk; got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    for a, name in ((g, "g"), (beta, "beta")):
+        if _array(a, 2, f"gated_delta_rule: {name}").shape != (n, hv):
+            raise ValueError(f"gated_delta_rule: {name} must be [{n}, {hv}], got {list(a.shape)}")
+    _state(state, (hv, dk, dv), "gated_delta_rule: state")
+    if form == "auto":
+        form = "recurrent" if n == 1 else "chunked"
+    q, k, v, g, beta = (np.ascontiguousarray(a) for a in (q, k, v, g, beta))
+    out = np.empty((n, hv, dv), np.float32)
+    args = (_floats(out, True), _floats(state, True), _floats(q), _floats(k), _floats(v), _floats(g),
+            _floats(beta), n, hk, hv, dk, dv)
+    if form == "recurrent":
+        _check(lib.gated_delta_rule_recurrent(*args), "gated_delta_rule_recurrent")
+    elif form == "chunked":
+        if chunk < 1:
+            raise ValueError(f"gated_delta_rule: chunk must be at least 1, got {chunk}")
+        _check(lib.gated_delta_rule_chunked(*args, int(chunk)), "gated_delta_rule_chunked")
+    else:
+        raise ValueError(f"gated_delta_rule: form must be 'auto', 'recurrent' or 'chunked', got {form!r}")
+    return out
+
+
+def _floats(a: np.ndarray, writable: bool = False):
+    return ffi.from_buffer("float[]", a, require_writable=writable)
+
+
+def _check(status: int, kernel: str) -> None:
+    if status == lib.COLI_ENOMEM:
+        raise MemoryError(f"{kernel}: out of memory for the scratch buffers")
+    if status != lib.COLI_OK:
+        raise ValueError(f"{kernel}: the C kernel rejected its arguments (status {status})")
+
+
+def _array(a, ndim: int, what: str) -> np.ndarray:
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != ndim:
+        got = f"{a.dtype} {list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
+        raise ValueError(f"{what} must be a float32 array with {ndim} dimensions, got {got}")
+    if a.size >= 2**31:
+        raise ValueError(f"{what}: {a.size} elements is too many")
+    return a
+
+
+def _matrix(a, what: str) -> np.ndarray:
+    return _array(a, 2, what)
+
+
+def _state(a, shape: tuple[int, ...], what: str) -> None:
+    """A state is updated in place: it must be exactly float32 `shape`, C-contiguous and writable."""
+    if not (isinstance(a, np.ndarray) and a.dtype == np.float32 and a.shape == shape and a.flags.c_contiguous
+            and a.flags.writeable and a.flags.aligned):
+        got = f"{a.dtype} {list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
+        raise ValueError(f"{what} must be a writable C-contiguous float32 array {list(shape)}, got {got}")

@@ -1,0 +1,299 @@
+"""Persistent sessions: a conversation's token ids and model state, saved beside the model after
+every turn and resumed after a restart with exactly the tokens an uninterrupted run gives.
+
+Works for every architecture through the `State` protocol (``length``, ``arrays()``,
+``load_arrays()``): KV caches, MLA latents, indexer keys, recurrent states are all named arrays.
+
+File ``MODEL/.sessions/NAME.coli_session``, append-only, little-endian:
+
+- header: ``b"COLISESS"``, u32 format version, u32 n, n bytes of JSON (the model's identity:
+  architecture, the container's source fingerprint, its quantisation), u32 crc32 of the JSON;
+- then one record per saved turn: ``b"TURN"``, u64 payload length, u32 crc32 of the payload,
+  the payload: u32 m, m bytes of JSON (``meta``, ``length`` and, per array, name, dtype, shape,
+  ``set`` or ``append``, byte offset and size), then the array bytes.
+
+A record holds only what changed: arrays that grew by whole tokens along their first axis since
+the previous record of the same state are stored as the new rows (``append``); anything else
+(fixed-size recurrent states) whole (``set``). A state that does not continue the saved one (a
+new conversation, a prompt that rewrote history) starts the file over: written beside it and
+renamed over it, so the file stays one snapshot plus the turns since. Token ids are the array
+``__ids__``. A record is written with one append and fsync'd; the last complete record is the
+session. A torn last record (a crash or ``kill -9`` mid-save) is dropped on load and the session
+resumes from the turn before. A file from another model or format version, or one damaged
+anywhere else, is refused with a one-line notice, moved aside (``NAME.coli_session.bad``, nothing
+is deleted) and the session starts fresh.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ColibriError
+
+MAGIC = b"COLISESS"
+FORMAT_VERSION = 1
+SUFFIX = ".coli_session"
+DIRNAME = ".sessions"
+HEAD = struct.Struct("<8sII")  # magic, version, json length
+RECORD = struct.Struct("<4sQI")  # magic, payload length, payload crc32
+RECORD_MAGIC = b"TURN"
+IDS = "__ids__"
+# Test hook: seconds to sleep halfway through writing a record (after flushing its first half), so
+# a test can `kill -9` a save in progress. Never set it otherwise.
+PAUSE_ENV = "COLIBRI_SESSION_WRITE_PAUSE"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def session_path(model_dir: str | os.PathLike, name: str) -> Path:
+    """Where session `name` of the model in `model_dir` lives."""
+    if not _NAME.fullmatch(name or ""):
+        raise ColibriError(f"bad session name {name!r}: use letters, digits, '.', '_' and '-' (not first), "
+                           "at most 128 characters")
+    return Path(model_dir) / DIRNAME / f"{name}{SUFFIX}"
+
+
+@dataclass
+class Saved:
+    """What a session file holds: the last complete turn."""
+
+    ids: list[int]
+    arrays: dict[str, np.ndarray]
+    meta: dict
+    turns: int  # complete records read
+
+
+@dataclass
+class SessionFile:
+    """One session's append-only file. `load` first, then `append` once per turn."""
+
+    path: Path
+    identity: dict  # must equal the header's for the file to be used
+    notice: str | None = None  # why a file was not (wholly) used, one line; None if it was
+    _end: int = 0  # offset just past the last complete record (0: no file yet)
+    _shapes: dict = field(default_factory=dict)  # shapes the file's state has after its last record
+
+    # ---- reading ----------------------------------------------------------------------------
+    def load(self) -> Saved | None:
+        """The last complete turn, or None (no file, or a file refused: see `notice`)."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise ColibriError(f"cannot read session file {self.path}: {e.strerror}") from None
+        try:
+            return self._parse(data)
+        except _Refused as e:
+            self._move_aside(str(e))
+            return None
+
+    def _parse(self, data: bytes) -> Saved | None:
+        if len(data) < HEAD.size or data[:8] != MAGIC:
+            raise _Refused("is not a colibri session file (or its header is damaged)")
+        _, version, n = HEAD.unpack_from(data)
+        if version != FORMAT_VERSION:
+            raise _Refused(f"has session format version {version}, this colibri reads version {FORMAT_VERSION}")
+        end = HEAD.size + n + 4
+        if len(data) < end or zlib.crc32(data[HEAD.size: HEAD.size + n]) != struct.unpack_from("<I", data, end - 4)[0]:
+            raise _Refused("has a damaged header")
+        identity = json.loads(data[HEAD.size: HEAD.size + n])
+        if identity != self.identity:
+            what = [k for k in sorted(set(identity) | set(self.identity)) if identity.get(k) != self.identity.get(k)]
+            raise _Refused(f"was saved by another model ({', '.join(what)} differ)")
+        arrays: dict[str, np.ndarray] = {}
+        meta, turns, pos = {}, 0, end
+        while pos < len(data):
+            if len(data) - pos < RECORD.size:
+                return self._torn(data, pos, arrays, meta, turns)
+            magic, size, crc = RECORD.unpack_from(data, pos)
+            if magic != RECORD_MAGIC:
+                raise _Refused(f"is damaged at byte {pos} (turn {turns + 1})")
+            start = pos + RECORD.size
+            if start + size > len(data):
+                return self._torn(data, pos, arrays, meta, turns)
+            payload = data[start: start + size]
+            if zlib.crc32(payload) != crc:
+                if start + size == len(data):  # the last record: an unfinished save of its bytes
+                    return self._torn(data, pos, arrays, meta, turns)
+                raise _Refused(f"is damaged at byte {pos} (turn {turns + 1} fails its checksum)")
+            try:
+                meta = _apply(payload, arrays)
+            except (ValueError, KeyError, TypeError, struct.error) as e:
+                raise _Refused(f"has an unreadable turn {turns + 1} ({e})") from None
+            turns, pos = turns + 1, start + size
+        self._end = pos
+        self._shapes = {k: v.shape for k, v in arrays.items()}
+        return self._saved(arrays, meta, turns)
+
+    def _torn(self, data: bytes, pos: int, arrays, meta, turns) -> Saved | None:
+        self.notice = (f"session {self.path.stem}: dropped an unfinished last save ({len(data) - pos} bytes, "
+                       f"interrupted); resuming from turn {turns}")
+        self._end = pos
+        self._shapes = {k: v.shape for k, v in arrays.items()}
+        return self._saved(arrays, meta, turns)
+
+    @staticmethod
+    def _saved(arrays, meta, turns) -> Saved | None:
+        if not turns:
+            return None
+        ids = arrays.pop(IDS)
+        return Saved([int(i) for i in ids], arrays, meta, turns)
+
+    def _move_aside(self, why: str) -> None:
+        bad = self.path.with_name(self.path.name + ".bad")
+        os.replace(self.path, bad)
+        self.notice = f"session {self.path.stem}: the saved file {why}; moved it to {bad.name} and started fresh"
+        self._end, self._shapes = 0, {}
+
+    # ---- writing ----------------------------------------------------------------------------
+    def append(self, ids: list[int], arrays: dict[str, np.ndarray], meta: dict, continues: bool) -> None:
+        """Write one turn. `continues`: the state is the one the file's last record holds, grown by
+        the tokens ids[len(saved ids):] (so per-token arrays are written as their new rows only)."""
+        arrays = {IDS: np.asarray(ids, np.int64), **arrays}
+        prev_len = self._shapes[IDS][0] if continues and IDS in self._shapes else None
+        entries, blobs, offset = [], [], 0
+        for name, a in arrays.items():
+            a = np.ascontiguousarray(a)
+            prev = self._shapes.get(name)
+            # grown by whole tokens: rows 0..prev_len are the ones the file already holds
+            grown = (prev_len is not None and prev is not None and a.ndim >= 1 and len(prev) == a.ndim
+                     and prev[0] == prev_len and a.shape[0] == len(ids) and prev[1:] == a.shape[1:])
+            mode = "append" if grown else "set"
+            blob = (a[prev_len:] if grown else a).tobytes()
+            entries.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape), "mode": mode,
+                            "offset": offset, "nbytes": len(blob)})
+            blobs.append(blob)
+            offset += len(blob)
+        head = json.dumps({"length": len(ids), "meta": meta, "arrays": entries}).encode()
+        payload = b"".join([struct.pack("<I", len(head)), head, *blobs])
+        record = RECORD.pack(RECORD_MAGIC, len(payload), zlib.crc32(payload)) + payload
+        try:
+            self._write(record, fresh=prev_len is None)  # a state written whole starts the file over
+        except OSError as e:
+            raise ColibriError(f"cannot save session {self.path.stem} in {self.path.parent}: "
+                               f"{e.strerror or e}") from None
+        self._shapes = {name: np.shape(a) for name, a in arrays.items()}
+
+    def _write(self, record: bytes, fresh: bool = False) -> None:
+        """Append `record` (fsync'd), or with `fresh` start the file over with it: written beside it
+        and renamed over it, so a crash leaves the old file whole."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        new = self._end == 0 or fresh
+        target = self.path.with_name(self.path.name + ".tmp") if new else self.path
+        with open(target, "wb" if new else "r+b") as f:
+            if new:
+                ident = json.dumps(self.identity, sort_keys=True).encode()
+                f.write(HEAD.pack(MAGIC, FORMAT_VERSION, len(ident)) + ident + struct.pack("<I", zlib.crc32(ident)))
+            else:
+                f.truncate(self._end)  # drop a torn tail before appending after it
+                f.seek(self._end)
+            pause = float(os.environ.get(PAUSE_ENV) or 0)
+            if pause:
+                f.write(record[: len(record) // 2])
+                f.flush()
+                os.fsync(f.fileno())
+                print(f"colibri: session save paused ({PAUSE_ENV})", file=sys.stderr, flush=True)
+                time.sleep(pause)
+                f.write(record[len(record) // 2:])
+            else:
+                f.write(record)
+            f.flush()
+            os.fsync(f.fileno())
+            self._end = f.tell()
+        if new:
+            os.replace(target, self.path)
+            _fsync_dir(self.path.parent)
+
+
+class _Refused(Exception):
+    """A session file that must not be used (another model, another version, damaged)."""
+
+
+def _apply(payload: bytes, arrays: dict[str, np.ndarray]) -> dict:
+    """Apply one record's payload to `arrays` (in place); returns its meta."""
+    (n,) = struct.unpack_from("<I", payload)
+    head = json.loads(payload[4: 4 + n])
+    base = 4 + n
+    names = set()
+    for e in head["arrays"]:
+        name, shape, dtype = e["name"], tuple(e["shape"]), np.dtype(e["dtype"])
+        raw = payload[base + e["offset"]: base + e["offset"] + e["nbytes"]]
+        if len(raw) != e["nbytes"]:
+            raise ValueError(f"array {name} runs past its record")
+        if e["mode"] == "set":
+            a = np.frombuffer(raw, dtype).reshape(shape).copy()
+        elif e["mode"] == "append":
+            old = arrays[name]
+            rows = np.frombuffer(raw, dtype).reshape((shape[0] - old.shape[0], *shape[1:]))
+            a = np.concatenate([old, rows])
+        else:
+            raise ValueError(f"unknown mode {e['mode']!r}")
+        arrays[name] = a
+        names.add(name)
+    for name in set(arrays) - names:
+        del arrays[name]
+    if len(arrays.get(IDS, ())) != head["length"]:
+        raise ValueError("token count disagrees with the ids")
+    return head["meta"]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class SessionWarning(UserWarning):
+    """A saved session could not be (wholly) used: the message says why and what happened."""
+
+
+class PersistentSession:
+    """An engine session (`state`, `ids`: the tokens whose state is held) that is saved to its file
+    after every turn (`save`) and resumed from it when opened. `meta` (JSON-able, e.g. the chat's
+    messages) is saved with each turn. `notice`: one line when the saved file was not wholly used."""
+
+    def __init__(self, model, model_dir: str | os.PathLike, identity: dict, name: str):
+        self.name = name
+        self.file = SessionFile(session_path(model_dir, name), identity)
+        self._new_state = model.new_state
+        self.state, self.ids, self.meta, self.turns = model.new_state(), [], {}, 0
+        saved = self.file.load()
+        if saved is not None:
+            try:
+                self.state.load_arrays(saved.arrays)
+                if self.state.length != len(saved.ids):
+                    raise ValueError(f"the state holds {self.state.length} tokens, the ids {len(saved.ids)}")
+                self.ids, self.meta, self.turns = saved.ids, saved.meta, saved.turns
+            except (KeyError, ValueError, TypeError) as e:
+                self.state = model.new_state()
+                self.file._move_aside(f"does not fit this model's state ({type(e).__name__}: {e})")
+        self.notice = self.file.notice
+        self._mark_saved()
+
+    def _mark_saved(self) -> None:
+        self._saved = (self.state, list(self.ids), json.dumps(self.meta, sort_keys=True))
+
+    def save(self) -> None:
+        """Append this turn to the file (nothing if nothing changed since the last save)."""
+        state, ids, meta = self._saved
+        if self.state is state and self.ids == ids and json.dumps(self.meta, sort_keys=True) == meta:
+            return
+        continues = self.state is state and self.ids[: len(ids)] == ids
+        self.file.append(self.ids, self.state.arrays(), self.meta, continues)
+        self.turns += 1
+        self._mark_saved()
+
+    def reset(self) -> None:
+        """Start the conversation over (the next `save` records the fresh state)."""
+        self.state, self.ids, self.meta = self._new_state(), [], {}

@@ -1,0 +1,105 @@
+"""Gated DeltaNet (linear attention with a fixed-size recurrent state), as in Qwen3-Next and
+Qwen3.5/3.6: the projections (matmuls), the decay and β, and the C kernels of
+colibri_core/kernels/deltanet.py (causal conv1d with its rolling state, l2-normalised q/k, the gated
+delta rule: chunked for a prompt, recurrent for one token).
+
+    [q | k | v] = SiLU(causal_conv1d(in_proj_qkv x))     q, k: (T, Hk, dk); v: (T, Hv, dv)
+    β = sigmoid(in_proj_b x)                              (T, Hv)
+    g = −exp(A_log) · softplus(in_proj_a x + dt_bias)     (T, Hv), log decay ≤ 0
+    o = gated_delta_rule(q, k, v, g, β)                   (T, Hv, dv)
+    out = out_proj( RMSNormGated(o, z = in_proj_z x) )    (T, H)
+
+Its state is fixed-size whatever the context length: the last K−1 conv inputs and, per value head,
+a [dk, dv] matrix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..kernels import deltanet as kernels
+from ..model import linear
+from .gated_attention import sigmoid
+from .norm import rms_norm_gated
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + exp(x)) in float32, and x itself above 20 (as torch.nn.functional.softplus)."""
+    x = x.astype(np.float32, copy=False)
+    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, np.float32(20))))).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class DeltaNetDims:
+    key_heads: int  # Hk
+    value_heads: int  # Hv, a multiple of Hk: each k head serves Hv/Hk consecutive value heads
+    key_dim: int  # dk, per head
+    value_dim: int  # dv, per head
+    conv_kernel: int  # K
+
+    @property
+    def conv_channels(self) -> int:
+        """Width of the packed [q | k | v] the conv runs over."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    @property
+    def state_floats(self) -> int:
+        """Floats of one layer's state: conv (K−1, channels) + recurrent (Hv, dk, dv)."""
+        return (self.conv_kernel - 1) * self.conv_channels + self.value_heads * self.key_dim * self.value_dim
+
+
+@dataclass
+class DeltaNetState:
+    """One Gated DeltaNet layer's state, float32, updated in place."""
+
+    dims: DeltaNetDims
+    conv: np.ndarray = field(init=False)  # (K−1, channels): the last K−1 conv inputs, oldest first
+    recurrent: np.ndarray = field(init=False)  # (Hv, dk, dv)
+
+    def __post_init__(self):
+        d = self.dims
+        self.conv = np.zeros((d.conv_kernel - 1, d.conv_channels), np.float32)
+        self.recurrent = np.zeros((d.value_heads, d.key_dim, d.value_dim), np.float32)
+
+    def load(self, conv: np.ndarray, recurrent: np.ndarray) -> None:
+        """Replace the state with saved arrays (shapes checked)."""
+        if conv.shape != self.conv.shape or recurrent.shape != self.recurrent.shape:
+            raise ValueError(f"Gated DeltaNet state of shapes conv {list(conv.shape)}, recurrent "
+                             f"{list(recurrent.shape)}; this layer needs {list(self.conv.shape)}, "
+                             f"{list(self.recurrent.shape)}")
+        self.conv[...] = conv
+        self.recurrent[...] = recurrent
+
+
+@dataclass
+class GatedDeltaNet:
+    """One Gated DeltaNet layer's weights (matrices are QTensors or float32 arrays)."""
+
+    dims: DeltaNetDims
+    in_proj_qkv: Any  # (channels, H)
+    in_proj_z: Any  # (Hv * dv, H)
+    in_proj_b: Any  # (Hv, H)
+    in_proj_a: Any  # (Hv, H)
+    conv_weight: np.ndarray  # (channels, K) float32
+    A_log: np.ndarray  # (Hv,)
+    dt_bias: np.ndarray  # (Hv,)
+    norm: np.ndarray  # (dv,) RMSNormGated weight (plain, not zero-centred)
+    out_proj: Any  # (H, Hv * dv)
+    eps: float
+
+    def __call__(self, x: np.ndarray, state: DeltaNetState) -> np.ndarray:
+        """x (T, H) normalised hidden states → (T, H); `state` advances by T tokens."""
+        d, T = self.dims, x.shape[0]
+        qkv = kernels.causal_conv1d(linear(x, self.in_proj_qkv), self.conv_weight, state.conv)  # (T, channels)
+        nk = d.key_heads * d.key_dim
+        q = qkv[:, :nk].reshape(T, d.key_heads, d.key_dim)
+        k = qkv[:, nk : 2 * nk].reshape(T, d.key_heads, d.key_dim)
+        v = qkv[:, 2 * nk :].reshape(T, d.value_heads, d.value_dim)
+        beta = sigmoid(linear(x, self.in_proj_b))  # (T, Hv)
+        g = -np.exp(self.A_log) * softplus(linear(x, self.in_proj_a) + self.dt_bias)  # (T, Hv)
+        o = kernels.gated_delta_rule(q, k, v, g.astype(np.float32), beta, state.recurrent)  # (T, Hv, dv)
+        z = linear(x, self.in_proj_z).reshape(T, d.value_heads, d.value_dim)
+        o = rms_norm_gated(o, z, self.norm, self.eps)  # (T, Hv, dv)
+        return linear(o.reshape(T, d.value_heads * d.value_dim), self.out_proj)

@@ -1,0 +1,81 @@
+"""Sizing a model from its config.json alone, before anything is converted or loaded (what
+`colibri plan` reports): resident bytes (every resident tensor's shape from the plugin's
+`resident_shapes`, stored as the container would store it at --quant: the layout's f32 rules,
+then `quant.layout`), the bytes of one routed expert and of all of them (the on-disk extents,
+`container.reader.expert_extent` over `quant.packed_size`, with the layout's per-layer precision
+floors), and the per-token state (`state_floats_per_token`)."""
+from __future__ import annotations
+
+import math
+
+from . import plugins, quant
+from .container.reader import expert_extent
+from .errors import ColibriError
+
+
+def tensor_bytes(layout, name: str, shape: tuple[int, ...], kind: str) -> int:
+    """Bytes of one resident tensor in a container converted at `kind`."""
+    if layout.stays_f32(name, len(shape)):
+        return 4 * math.prod(shape)
+    return sum(math.prod(s) * dt.itemsize for _, dt, s in quant.layout(kind, *shape))
+
+
+def plan(model_cls, cfg, kind: str) -> dict:
+    """The sizes of a model (its plugin's model class and parsed config) converted at `kind`."""
+    if kind not in quant.KINDS:
+        raise ColibriError(f"unknown quantisation {kind!r}: choose one of {', '.join(quant.KINDS)}")
+    layout = model_cls.layout(cfg)
+    shapes = model_cls.resident_shapes(cfg)
+    resident = sum(tensor_bytes(layout, name, shape, kind) for name, shape in shapes.items())
+    per_layer = {layer: expert_extent(layout.expert_kind(layer, kind), layout.hidden, layout.intermediate)[1]
+                 for layer in layout.moe_layers}
+    state = list(model_cls.state_floats_per_token(cfg))
+    extra = getattr(model_cls, "indexer_floats_per_token", None)
+    out = {
+        "quant": kind,
+        "resident_bytes": resident,
+        "resident_tensors": len(shapes),
+        "expert_bytes": expert_extent(kind, layout.hidden, layout.intermediate)[1],  # one routed expert at `kind`
+        "experts_total": len(layout.moe_layers) * layout.n_experts,
+        "experts_total_bytes": sum(per_layer.values()) * layout.n_experts,
+        "moe_layers": len(layout.moe_layers),
+        "experts_per_layer": layout.n_experts,
+        "kv_floats_per_token_per_layer": state[0] if len(set(state)) == 1 else state,
+        "state_bytes_per_token": state_bytes_per_token(model_cls, cfg),
+    }
+    if extra is not None:
+        out["indexer_floats_per_token_per_layer"] = list(extra(cfg))
+    return out
+
+
+def state_bytes_per_token(model_cls, cfg) -> int:
+    """float32 bytes of per-sequence state each token adds: every layer's growing state
+    (`state_floats_per_token`) plus any kept apart, such as DSA indexer keys."""
+    floats = sum(model_cls.state_floats_per_token(cfg))
+    extra = getattr(model_cls, "indexer_floats_per_token", None)
+    return 4 * (floats + (sum(extra(cfg)) if extra is not None else 0))
+
+
+def plan_config(config: dict, kind: str, where: str = "config.json") -> dict:
+    """`plan` for a config.json dict, served by whichever installed plugin serves it."""
+    registry = plugins.registry()
+    arch = registry.resolve(config, where=where)
+    model_cls = registry.model_class(arch)
+    return {"architecture": arch.name, **plan(model_cls, model_cls.parse_config(config), kind)}
+
+
+def measured(model_dir) -> dict:
+    """The same sizes, measured on a converted container (what `plan` must predict)."""
+    from pathlib import Path
+
+    from .container import Container
+
+    with Container(model_dir) as c:
+        files = [Path(c.expert_location(layer, 0)[0]) for layer in c.moe_layers]
+        return {
+            "quant": c.quant,
+            "resident_bytes": c.resident_nbytes,
+            "expert_bytes": c.expert_nbytes,
+            "experts_total": len(c.moe_layers) * c.n_experts,
+            "experts_total_bytes": sum(f.stat().st_size for f in files),
+        }

@@ -1,0 +1,279 @@
+// deltanet.c — Gated DeltaNet: the causal conv1d with its rolling state and the gated delta rule
+// (recurrent and chunked forms). The math is in deltanet.h; the float64 NumPy reference is
+// colibri_core/kernels/reference_deltanet.py.
+//
+// Loop orders are chosen so the innermost loop runs over a contiguous dv (or channel) axis; every
+// sum over an axis is taken sequentially in index order, so each result depends only on the
+// inputs. Built with -ffp-contract=off like the rest of csrc/.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "deltanet.h"
+
+#define L2NORM_EPS 1e-6f
+
+// ----------------------------------------------------------------------------
+// causal_conv1d
+
+int causal_conv1d(float *out, float *state, const float *x, const float *weight, int n, int channels,
+                  int kernel, int silu) {
+    if (n < 0 || channels < 0 || kernel < 1) {
+        return COLI_EINVAL;
+    }
+    if (n == 0 || channels == 0) {
+        return COLI_OK;
+    }
+    const int hist = kernel - 1;  // rows of state
+    // xin = [state ; x]: (hist + n) rows of `channels`; row r is state[r] for r < hist, else x[r - hist]
+    for (int t = 0; t < n; t++) {
+        float *o = out + (size_t)t * channels;
+        for (int c = 0; c < channels; c++) {
+            const float *w = weight + (size_t)c * kernel;
+            float acc = 0.0f;
+            for (int j = 0; j < kernel; j++) {
+                int r = t + j;  // row of xin
+                float xv = r < hist ? state[(size_t)r * channels + c] : x[(size_t)(r - hist) * channels + c];
+                acc += w[j] * xv;
+            }
+            o[c] = silu ? acc / (1.0f + expf(-acc)) : acc;
+        }
+    }
+    // New state: the last `hist` rows of xin, i.e. rows n .. n + hist - 1.
+    if (hist > 0) {
+        if (n >= hist) {
+            memcpy(state, x + (size_t)(n - hist) * channels, (size_t)hist * channels * sizeof(float));
+        } else {
+            memmove(state, state + (size_t)n * channels, (size_t)(hist - n) * channels * sizeof(float));
+            memcpy(state + (size_t)(hist - n) * channels, x, (size_t)n * channels * sizeof(float));
+        }
+    }
+    return COLI_OK;
+}
+
+// ----------------------------------------------------------------------------
+// Shared helpers
+
+// dst = src / sqrt(Σ src² + eps) · scale, over d elements (sum in index order).
+static void l2normalise(float *dst, const float *src, int d, float scale) {
+    float ss = 0.0f;
+    for (int i = 0; i < d; i++) {
+        ss += src[i] * src[i];
+    }
+    float inv = 1.0f / sqrtf(ss + L2NORM_EPS);
+    for (int i = 0; i < d; i++) {
+        dst[i] = src[i] * inv * scale;
+    }
+}
+
+static float dot(const float *a, const float *b, int d) {
+    float s = 0.0f;
+    for (int i = 0; i < d; i++) {
+        s += a[i] * b[i];
+    }
+    return s;
+}
+
+static int check_sizes(int n, int hk, int hv, int dk, int dv) {
+    if (n < 0 || hk < 1 || hv < 1 || dk < 1 || dv < 1 || hv % hk != 0) {
+        return COLI_EINVAL;
+    }
+    return COLI_OK;
+}
+
+// qn, kn: f32 [n, hk, dk] = normalised q (times dk^-1/2) and k; malloc'd here, freed by the caller.
+static int normalise_qk(float **qn, float **kn, const float *q, const float *k, int n, int hk, int dk) {
+    size_t count = (size_t)n * hk * dk;
+    *qn = malloc(count * sizeof(float));
+    *kn = malloc(count * sizeof(float));
+    if (*qn == NULL || *kn == NULL) {
+        free(*qn);
+        free(*kn);
+        return COLI_ENOMEM;
+    }
+    float scale = 1.0f / sqrtf((float)dk);
+    for (size_t r = 0; r < (size_t)n * hk; r++) {
+        l2normalise(*qn + r * dk, q + r * dk, dk, scale);
+        l2normalise(*kn + r * dk, k + r * dk, dk, 1.0f);
+    }
+    return COLI_OK;
+}
+
+// ----------------------------------------------------------------------------
+// Recurrent form
+
+int gated_delta_rule_recurrent(float *out, float *state, const float *q, const float *k, const float *v,
+                               const float *g, const float *beta, int n, int hk, int hv, int dk, int dv) {
+    int status = check_sizes(n, hk, hv, dk, dv);
+    if (status != COLI_OK || n == 0) {
+        return status;
+    }
+    float *qn, *kn;
+    if ((status = normalise_qk(&qn, &kn, q, k, n, hk, dk)) != COLI_OK) {
+        return status;
+    }
+    float *delta = malloc((size_t)dv * sizeof(float));  // [dv]
+    if (delta == NULL) {
+        free(qn);
+        free(kn);
+        return COLI_ENOMEM;
+    }
+    const int group = hv / hk;
+    for (int h = 0; h < hv; h++) {  // each head's state stays in cache across the tokens
+        float *S = state + (size_t)h * dk * dv;  // [dk, dv]
+        for (int t = 0; t < n; t++) {
+            const float *qt = qn + ((size_t)t * hk + h / group) * dk;  // [dk]
+            const float *kt = kn + ((size_t)t * hk + h / group) * dk;  // [dk]
+            const float *vt = v + ((size_t)t * hv + h) * dv;           // [dv]
+            float *ot = out + ((size_t)t * hv + h) * dv;                // [dv]
+            float decay = expf(g[(size_t)t * hv + h]);
+            float b = beta[(size_t)t * hv + h];
+            // Pass 1: S ← decay · S and kv = Sᵀ k̂ (delta holds kv for now).
+            for (int j = 0; j < dv; j++) {
+                delta[j] = 0.0f;
+            }
+            for (int i = 0; i < dk; i++) {
+                float *row = S + (size_t)i * dv;
+                float ki = kt[i];
+                for (int j = 0; j < dv; j++) {
+                    row[j] *= decay;
+                    delta[j] += row[j] * ki;
+                }
+            }
+            for (int j = 0; j < dv; j++) {
+                delta[j] = (vt[j] - delta[j]) * b;
+                ot[j] = 0.0f;
+            }
+            // Pass 2: S ← S + k̂ ⊗ δ and o = Sᵀ q̂.
+            for (int i = 0; i < dk; i++) {
+                float *row = S + (size_t)i * dv;
+                float ki = kt[i], qi = qt[i];
+                for (int j = 0; j < dv; j++) {
+                    row[j] += ki * delta[j];
+                    ot[j] += row[j] * qi;
+                }
+            }
+        }
+    }
+    free(delta);
+    free(qn);
+    free(kn);
+    return COLI_OK;
+}
+
+// ----------------------------------------------------------------------------
+// Chunked form
+
+int gated_delta_rule_chunked(float *out, float *state, const float *q, const float *k, const float *v,
+                             const float *g, const float *beta, int n, int hk, int hv, int dk, int dv,
+                             int chunk) {
+    int status = check_sizes(n, hk, hv, dk, dv);
+    if (status != COLI_OK || chunk < 1) {
+        return status != COLI_OK ? status : COLI_EINVAL;
+    }
+    if (n == 0) {
+        return COLI_OK;
+    }
+    if (chunk > n) {
+        chunk = n;
+    }
+    float *qn, *kn;
+    if ((status = normalise_qk(&qn, &kn, q, k, n, hk, dk)) != COLI_OK) {
+        return status;
+    }
+    const size_t C = (size_t)chunk;
+    float *gamma = malloc(C * sizeof(float));          // [C]   cumulative log decay in the chunk
+    float *A = malloc(C * C * sizeof(float));          // [C, C] β_i (k̂_i·k̂_j) exp(γ_i − γ_j), j < i
+    float *u = malloc(C * (size_t)dv * sizeof(float));  // [C, dv] the deltas of the chunk
+    float *qs = malloc(C * C * sizeof(float));         // [C, C] (q̂_i·k̂_j) exp(γ_i − γ_j), j <= i
+    if (!gamma || !A || !u || !qs) {
+        free(gamma), free(A), free(u), free(qs), free(qn), free(kn);
+        return COLI_ENOMEM;
+    }
+    const int group = hv / hk;
+    for (int h = 0; h < hv; h++) {
+        float *S = state + (size_t)h * dk * dv;  // [dk, dv]
+        const int kh = h / group;
+        for (int t0 = 0; t0 < n; t0 += chunk) {
+            const int L = n - t0 < chunk ? n - t0 : chunk;
+#define KN(i) (kn + ((size_t)(t0 + (i)) * hk + kh) * dk)  // k̂ of chunk row i: [dk]
+#define QN(i) (qn + ((size_t)(t0 + (i)) * hk + kh) * dk)  // q̂ of chunk row i: [dk]
+            float acc = 0.0f;
+            for (int i = 0; i < L; i++) {
+                acc += g[(size_t)(t0 + i) * hv + h];
+                gamma[i] = acc;
+            }
+            for (int i = 0; i < L; i++) {
+                float b = beta[(size_t)(t0 + i) * hv + h];
+                for (int j = 0; j < i; j++) {
+                    A[(size_t)i * C + j] = b * dot(KN(i), KN(j), dk) * expf(gamma[i] - gamma[j]);
+                }
+                for (int j = 0; j <= i; j++) {
+                    qs[(size_t)i * C + j] = dot(QN(i), KN(j), dk) * expf(gamma[i] - gamma[j]);
+                }
+            }
+            // u_i = β_i v_i − β_i exp(γ_i) (S0ᵀ k̂_i) − Σ_{j<i} A[i, j] u_j, row by row.
+            // o_i = exp(γ_i) (S0ᵀ q̂_i) + Σ_{j<=i} qs[i, j] u_j (u_i is final when row i is done).
+            for (int i = 0; i < L; i++) {
+                const size_t t = (size_t)(t0 + i);
+                float *ui = u + (size_t)i * dv;
+                float *oi = out + (t * hv + h) * dv;
+                const float *vi = v + (t * hv + h) * dv;
+                const float *ki = KN(i), *qi = QN(i);
+                float b = beta[t * hv + h], e = expf(gamma[i]);
+                for (int j = 0; j < dv; j++) {
+                    ui[j] = 0.0f;
+                    oi[j] = 0.0f;
+                }
+                for (int a = 0; a < dk; a++) {  // ui = S0ᵀ k̂_i, oi = S0ᵀ q̂_i
+                    const float *row = S + (size_t)a * dv;
+                    float ka = ki[a], qa = qi[a];
+                    for (int j = 0; j < dv; j++) {
+                        ui[j] += row[j] * ka;
+                        oi[j] += row[j] * qa;
+                    }
+                }
+                for (int j = 0; j < dv; j++) {
+                    ui[j] = b * vi[j] - b * e * ui[j];
+                    oi[j] *= e;
+                }
+                for (int s = 0; s < i; s++) {
+                    const float *us = u + (size_t)s * dv;
+                    float a_is = A[(size_t)i * C + s];
+                    for (int j = 0; j < dv; j++) {
+                        ui[j] -= a_is * us[j];
+                    }
+                }
+                for (int s = 0; s <= i; s++) {
+                    const float *us = u + (size_t)s * dv;
+                    float q_is = qs[(size_t)i * C + s];
+                    for (int j = 0; j < dv; j++) {
+                        oi[j] += q_is * us[j];
+                    }
+                }
+            }
+            // S ← exp(γ_L) S0 + Σ_j exp(γ_L − γ_j) k̂_j ⊗ u_j
+            float eL = expf(gamma[L - 1]);
+            for (int j = 0; j < L; j++) {
+                gamma[j] = expf(gamma[L - 1] - gamma[j]);  // gamma now holds the per-row decay to the end
+            }
+            for (int a = 0; a < dk; a++) {
+                float *row = S + (size_t)a * dv;
+                for (int c = 0; c < dv; c++) {
+                    row[c] *= eL;
+                }
+                for (int j = 0; j < L; j++) {
+                    float w = KN(j)[a] * gamma[j];
+                    const float *uj = u + (size_t)j * dv;
+                    for (int c = 0; c < dv; c++) {
+                        row[c] += w * uj[c];
+                    }
+                }
+            }
+#undef KN
+#undef QN
+        }
+    }
+    free(gamma), free(A), free(u), free(qs), free(qn), free(kn);
+    return COLI_OK;
+}

@@ -1,0 +1,58 @@
+// deltanet.h — the Gated DeltaNet kernels (linear attention with a fixed-size recurrent state).
+//
+// Two parts of a Gated DeltaNet layer run here (the projections around them are matmuls):
+//   1. causal_conv1d: the depthwise causal convolution over time applied to the packed [q | k | v]
+//      projections, with its rolling state (the last kernel-1 inputs), then SiLU;
+//   2. the gated delta rule itself, per value head h with state S [dk, dv] and, per token t,
+//        q̂ = l2norm(q_t) · dk^-1/2,  k̂ = l2norm(k_t),  l2norm(x) = x / sqrt(Σx² + 1e-6)
+//        S ← exp(g_t) · S                      (g_t ≤ 0: the per-head decay, in log space)
+//        δ = β_t · (v_t − Sᵀ k̂)               (β_t in (0, 1): the per-head write strength)
+//        S ← S + k̂ ⊗ δ
+//        o_t = Sᵀ q̂
+//      Each q/k head serves hv/hk consecutive value heads (value head h uses k head h / (hv/hk)).
+//      `gated_delta_rule_recurrent` does exactly these steps token by token (decode);
+//      `gated_delta_rule_chunked` computes the same function chunk by chunk (prefill): within a
+//      chunk the deltas solve one unit lower-triangular system (the UT transform), so the state is
+//      read and written once per chunk instead of once per token. The two agree to float32
+//      rounding; both are tested against the float64 NumPy reference in
+//      colibri_core/kernels/reference_deltanet.py.
+//
+// All tensors are float32, row-major, contiguous. Every kernel is single-threaded and reduces
+// each output element in one fixed order, so results depend only on the inputs (and the form).
+//
+// This header is also cffi's cdef (colibri_core/kernels/_build.py drops the lines starting with
+// '#'): keep it to plain declarations. Status codes (COLI_OK, ...) come from colibri.h.
+#ifndef COLIBRI_DELTANET_H
+#define COLIBRI_DELTANET_H
+
+#include "colibri.h"
+
+// out[t, c] = act( Σ_{j<kernel} weight[c, j] · xin[t + j, c] ), xin = [state ; x] (time-major),
+// the sum taken in order j = 0 .. kernel-1; act = SiLU a / (1 + exp(-a)) when `silu`, else none.
+// Afterwards `state` holds the last kernel-1 rows of xin (oldest first): the next call continues.
+// out: f32 [n, channels] (written; may not alias x); state: f32 [kernel - 1, channels] (read,
+// updated); x: f32 [n, channels]; weight: f32 [channels, kernel]. kernel >= 1.
+// Returns COLI_OK, COLI_EINVAL (bad sizes) or COLI_ENOMEM.
+int causal_conv1d(float *out, float *state, const float *x, const float *weight, int n, int channels,
+                  int kernel, int silu);
+
+// The gated delta rule, token by token (the definition above).
+// out: f32 [n, hv, dv] (written); state: f32 [hv, dk, dv] (read, updated);
+// q, k: f32 [n, hk, dk] (not yet normalised); v: f32 [n, hv, dv]; g, beta: f32 [n, hv].
+// hv must be a multiple of hk. Returns COLI_OK, COLI_EINVAL or COLI_ENOMEM.
+int gated_delta_rule_recurrent(float *out, float *state, const float *q, const float *k, const float *v,
+                               const float *g, const float *beta, int n, int hk, int hv, int dk, int dv);
+
+// The same function in chunks of `chunk` tokens (the last chunk may be shorter). Per chunk of L
+// tokens and value head, with γ_i = Σ_{s<=i} g_s (cumulative log decay inside the chunk) and S0 the
+// state at the chunk's start:
+//   A[i, j] = β_i (k̂_i · k̂_j) exp(γ_i − γ_j) for j < i        (strictly lower triangular)
+//   u = (I + A)⁻¹ (β v − β exp(γ) (k̂ S0))                       (forward substitution, row i in order)
+//   o_i = exp(γ_i) q̂_iᵀ S0 + Σ_{j<=i} (q̂_i · k̂_j) exp(γ_i − γ_j) u_j
+//   S  = exp(γ_L) S0 + Σ_j exp(γ_L − γ_j) k̂_j ⊗ u_j
+// Arguments as gated_delta_rule_recurrent, plus chunk >= 1 (64 for prefill).
+int gated_delta_rule_chunked(float *out, float *state, const float *q, const float *k, const float *v,
+                             const float *g, const float *beta, int n, int hk, int hv, int dk, int dv,
+                             int chunk);
+
+#endif  // COLIBRI_DELTANET_H

@@ -1,0 +1,363 @@
+"""GLM-5.2 (zai-org GLM-5 family, `GlmMoeDsaForCausalLM`): the whole architecture, top to bottom.
+
+Reference: transformers/models/glm_moe_dsa/modeling_glm_moe_dsa.py (the oracle the conformance
+suite uses); the MTP layer, which transformers drops, follows the published DeepSeek-V3 MTP module
+as vLLM / SGLang run it (see `Glm52.mtp_forward`).
+
+Every layer: RMSNorm → MLA attention (compressed 576-float cache, `colibri_core.layers.mla`)
+restricted to the keys the DSA lightning indexer selects (`colibri_core.layers.dsa`; "shared"
+layers reuse the previous layer's selection) → residual → RMSNorm → a dense SiLU-GLU MLP (the
+first `first_k_dense_replace` layers) or the MoE block (sigmoid routing with correction bias,
+group-limited, renormalised × routed_scaling_factor; plus one always-on shared expert) → residual.
+Final RMSNorm, untied lm_head. Optional: one MTP layer (index num_hidden_layers) whose routed
+experts are stored at least int8.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from colibri_core import kernels, kv
+from colibri_core.errors import ColibriError
+from colibri_core.layers.dsa import Indexer
+from colibri_core.layers.mla import MLA, MLACache, MLADims
+from colibri_core.layers.moe import moe_block
+from colibri_core.layers.norm import rms_norm
+from colibri_core.layers.rope import Rope
+from colibri_core.layers.router import sigmoid_group_topk
+from colibri_core.kv.cache import Rows
+from colibri_core.layout import ContainerLayout, ExpertNames
+from colibri_core.model import MoEModel, embed, linear
+from colibri_core.quant import QTensor
+
+
+@dataclass(frozen=True)
+class Glm52Config:
+    vocab_size: int
+    hidden_size: int  # H
+    intermediate_size: int  # dense-layer MLP width
+    moe_intermediate_size: int  # I: width of one routed expert
+    num_hidden_layers: int  # main layers (the MTP layer is extra)
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int  # c: cached latent width (512)
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int  # r: cached rope key width (64)
+    v_head_dim: int
+    n_routed_experts: int  # E
+    n_shared_experts: int  # the shared expert is n_shared_experts × moe_intermediate_size wide
+    num_experts_per_tok: int  # top-k
+    n_group: int  # expert groups for group-limited routing
+    topk_group: int  # groups that compete per token
+    norm_topk_prob: bool  # renormalise the chosen weights
+    routed_scaling_factor: float
+    rms_norm_eps: float
+    rope_theta: float
+    index_n_heads: int  # DSA indexer heads
+    index_head_dim: int  # DSA indexer width D
+    index_topk: int  # keys each query keeps
+    indexer_types: tuple[str, ...]  # per layer: "full" (own indexer) or "shared" (reuse the previous)
+    mlp_layer_types: tuple[str, ...]  # per layer: "dense" or "sparse"
+    num_nextn_predict_layers: int  # MTP layers (0 or 1)
+    mtp_shares_index: bool = False  # index_share_for_mtp_iteration: the MTP layer has no indexer of its own
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Layers with routed experts: the sparse main layers, then the MTP layer (if any)."""
+        main = [i for i, t in enumerate(self.mlp_layer_types) if t == "sparse"]
+        return tuple(main + list(range(self.num_hidden_layers, self.num_hidden_layers + self.num_nextn_predict_layers)))
+
+    @classmethod
+    def from_hf(cls, c: dict) -> Glm52Config:
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ColibriError(f"GLM-5.2 with rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        if c.get("attention_bias"):
+            raise ColibriError("GLM-5.2 with attention_bias is not supported")
+        if c.get("hidden_act", "silu") != "silu":
+            raise ColibriError(f"GLM-5.2 with hidden_act {c['hidden_act']!r} is not supported (only silu)")
+        if c.get("tie_word_embeddings"):
+            raise ColibriError("GLM-5.2 with tied embeddings is not supported")
+        layers = c["num_hidden_layers"]
+        indexer_types = c.get("indexer_types")
+        if indexer_types is None:  # as GlmMoeDsaConfig.__post_init__ derives it
+            pattern = c.get("index_topk_pattern")
+            if pattern is not None:
+                indexer_types = [{"F": "full", "S": "shared"}[ch] for ch in pattern] if isinstance(pattern, str) else list(pattern)
+            else:
+                freq, offset = max(c.get("index_topk_freq", 1), 1), c.get("index_skip_topk_offset", 2)
+                indexer_types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+        mlp_types = c.get("mlp_layer_types")
+        if mlp_types is None:
+            dense = min(c.get("first_k_dense_replace", 3), layers)
+            mlp_types = ["dense"] * dense + ["sparse"] * (layers - dense)
+        if len(indexer_types) < layers or len(mlp_types) < layers or indexer_types[0] != "full":
+            raise ColibriError("GLM-5.2 config: indexer_types / mlp_layer_types must cover every layer, "
+                               "and layer 0 must run its own indexer")
+        experts = c.get("n_routed_experts", c.get("num_experts"))
+        n_group = c.get("n_group", 1)
+        if experts % n_group:
+            raise ColibriError(f"GLM-5.2 config: {experts} experts do not split into {n_group} groups")
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+            moe_intermediate_size=c["moe_intermediate_size"], num_hidden_layers=layers,
+            num_attention_heads=c["num_attention_heads"], q_lora_rank=c["q_lora_rank"], kv_lora_rank=c["kv_lora_rank"],
+            qk_nope_head_dim=c["qk_nope_head_dim"], qk_rope_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"],
+            n_routed_experts=experts, n_shared_experts=c.get("n_shared_experts", 1),
+            num_experts_per_tok=c["num_experts_per_tok"], n_group=n_group, topk_group=c.get("topk_group", 1),
+            norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)), rms_norm_eps=c.get("rms_norm_eps", 1e-5),
+            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            index_n_heads=c.get("index_n_heads", 32), index_head_dim=c.get("index_head_dim", 128),
+            index_topk=c.get("index_topk", 2048), indexer_types=tuple(indexer_types[:layers]),
+            mlp_layer_types=tuple(mlp_types[:layers]), num_nextn_predict_layers=c.get("num_nextn_predict_layers", 0),
+            mtp_shares_index=bool(c.get("index_share_for_mtp_iteration", False)),
+        )
+
+
+LAYER = "model.layers.{layer}"
+ATTENTION = ("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
+             "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight",
+             "self_attn.o_proj.weight")
+INDEXER = ("self_attn.indexer.wq_b.weight", "self_attn.indexer.wk.weight", "self_attn.indexer.k_norm.weight",
+           "self_attn.indexer.k_norm.bias", "self_attn.indexer.weights_proj.weight")
+DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+MOE = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "mlp.shared_experts.gate_proj.weight",
+       "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight")
+NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+MTP = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+# Published checkpoints repeat the main embedding and lm_head inside the MTP layer; the MTP forward
+# uses the main ones, so these copies are skipped.
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+MTP_EXPERT_MIN_KIND = "int8"  # int4 MTP experts collapse draft acceptance
+
+
+def _layer_names(cfg: Glm52Config, i: int) -> list[str]:
+    """Every resident tensor name of layer i (main or MTP), without the layer prefix."""
+    mtp = i >= cfg.num_hidden_layers
+    full = not cfg.mtp_shares_index if mtp else cfg.indexer_types[i] == "full"
+    sparse = mtp or cfg.mlp_layer_types[i] == "sparse"
+    return [*NORMS, *ATTENTION, *(INDEXER if full else ()), *(MOE if sparse else DENSE_MLP), *(MTP if mtp else ())]
+
+
+def _shapes(cfg: Glm52Config, name: str) -> tuple[int, ...]:
+    """The shape of one per-layer tensor, by its name without the layer prefix."""
+    H, c, r = cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    heads, I = cfg.num_attention_heads, cfg.moe_intermediate_size * cfg.n_shared_experts
+    return {
+        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+        "self_attn.q_a_proj.weight": (cfg.q_lora_rank, H), "self_attn.q_a_layernorm.weight": (cfg.q_lora_rank,),
+        "self_attn.q_b_proj.weight": (heads * cfg.qk_head_dim, cfg.q_lora_rank),
+        "self_attn.kv_a_proj_with_mqa.weight": (c + r, H), "self_attn.kv_a_layernorm.weight": (c,),
+        "self_attn.kv_b_proj.weight": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), c),
+        "self_attn.o_proj.weight": (H, heads * cfg.v_head_dim),
+        "self_attn.indexer.wq_b.weight": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
+        "self_attn.indexer.wk.weight": (cfg.index_head_dim, H),
+        "self_attn.indexer.k_norm.weight": (cfg.index_head_dim,), "self_attn.indexer.k_norm.bias": (cfg.index_head_dim,),
+        "self_attn.indexer.weights_proj.weight": (cfg.index_n_heads, H),
+        "mlp.gate_proj.weight": (cfg.intermediate_size, H), "mlp.up_proj.weight": (cfg.intermediate_size, H),
+        "mlp.down_proj.weight": (H, cfg.intermediate_size),
+        "mlp.gate.weight": (cfg.n_routed_experts, H), "mlp.gate.e_score_correction_bias": (cfg.n_routed_experts,),
+        "mlp.shared_experts.gate_proj.weight": (I, H), "mlp.shared_experts.up_proj.weight": (I, H),
+        "mlp.shared_experts.down_proj.weight": (H, I),
+        "enorm.weight": (H,), "hnorm.weight": (H,), "eh_proj.weight": (H, 2 * H), "shared_head.norm.weight": (H,),
+    }[name]
+
+
+class State(kv.State):
+    """Per layer: the MLA cache (latent + rope key, 576 floats per token for GLM-5.2) and, on layers
+    that run their own indexer, the indexer keys (index_head_dim floats per token)."""
+
+    def __init__(self, cfg: Glm52Config, layers: range, dims: MLADims):
+        self.layers = layers
+        self.mla = {i: MLACache(dims) for i in layers}
+        full = [i for i in layers if (not cfg.mtp_shares_index if i >= cfg.num_hidden_layers
+                                      else cfg.indexer_types[i] == "full")]
+        self.index_keys = {i: Rows(cfg.index_head_dim) for i in full}
+
+    @property
+    def length(self) -> int:
+        return self.mla[self.layers[0]].length
+
+    def arrays(self) -> dict:
+        out = {}
+        for i, cache in self.mla.items():
+            out[f"layer.{i}.latent"], out[f"layer.{i}.k_rope"] = cache.latent.view(), cache.k_rope.view()
+        for i, keys in self.index_keys.items():
+            out[f"layer.{i}.index_k"] = keys.view()
+        return out
+
+    def load_arrays(self, arrays: dict) -> None:
+        for i, cache in self.mla.items():
+            cache.latent.append(arrays[f"layer.{i}.latent"])
+            cache.k_rope.append(arrays[f"layer.{i}.k_rope"])
+        for i, keys in self.index_keys.items():
+            keys.append(arrays[f"layer.{i}.index_k"])
+
+
+def swiglu_mlp(x: np.ndarray, gate, up, down) -> np.ndarray:
+    """down(silu(gate x) * (up x)) for a resident MLP (dense layer or shared expert); x (T, H) → (T, H)."""
+    if all(isinstance(w, QTensor) for w in (gate, up, down)) and gate.kind == up.kind == down.kind:
+        return kernels.expert_ffn(gate, up, down, np.ascontiguousarray(x, np.float32))
+    return linear(kernels.reference.silu(linear(x, gate)) * linear(x, up), down)
+
+
+class Glm52(MoEModel):
+    @classmethod
+    def parse_config(cls, config: dict) -> Glm52Config:
+        return Glm52Config.from_hf(config)
+
+    @classmethod
+    def resident_shapes(cls, cfg: Glm52Config) -> dict[str, tuple[int, ...]]:
+        """Every resident tensor's shape, by checkpoint name, from the config alone."""
+        H, V = cfg.hidden_size, cfg.vocab_size
+        out = {"model.embed_tokens.weight": (V, H)}
+        for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+            for name in _layer_names(cfg, i):
+                out[f"{LAYER}.{name}".format(layer=i)] = _shapes(cfg, name)
+        out.update({"model.norm.weight": (H,), "lm_head.weight": (V, H)})
+        return out
+
+    @classmethod
+    def state_floats_per_token(cls, cfg: Glm52Config) -> list[int]:
+        """Cached floats per token for each main layer: the MLA latent + rope key (576 for GLM-5.2).
+        The DSA indexer keys are counted apart, by `indexer_floats_per_token`."""
+        return [cfg.kv_lora_rank + cfg.qk_rope_head_dim] * cfg.num_hidden_layers
+
+    @classmethod
+    def indexer_floats_per_token(cls, cfg: Glm52Config) -> list[int]:
+        """Indexer-key floats per token for each main layer (index_head_dim where the layer runs its
+        own indexer, 0 on IndexShare layers)."""
+        return [cfg.index_head_dim if t == "full" else 0 for t in cfg.indexer_types]
+
+    @classmethod
+    def layout(cls, cfg: Glm52Config) -> ContainerLayout:
+        expert = LAYER + ".mlp.experts.{expert}"
+        mtp = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+        return ContainerLayout(
+            resident=tuple(cls.resident_shapes(cfg)),
+            keep_f32=(r"\.mlp\.gate\.weight$", r"\.indexer\.weights_proj\.weight$"),  # router; HF keeps it fp32
+            moe_layers=cfg.moe_layers,
+            n_experts=cfg.n_routed_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
+            experts=ExpertNames(
+                per_expert={"gate": expert + ".gate_proj.weight", "up": expert + ".up_proj.weight",
+                            "down": expert + ".down_proj.weight"},
+                fused_gate_up=LAYER + ".mlp.experts.gate_up_proj",
+                fused_down=LAYER + ".mlp.experts.down_proj",
+            ),
+            ignore=tuple("^" + re.escape(f"{LAYER}.{name}".format(layer=i)) + "$" for i in mtp for name in MTP_COPIES),
+            expert_min_kind=tuple((i, MTP_EXPERT_MIN_KIND) for i in mtp),
+        )
+
+    def __init__(self, cfg: Glm52Config, weights, store):
+        super().__init__(cfg, weights, store)
+        self.dims = MLADims(
+            heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim, scale=cfg.qk_head_dim ** -0.5)
+        self.embed_tokens = weights("model.embed_tokens.weight")  # (V, H)
+        self.layers = [self._layer(weights, i) for i in range(cfg.num_hidden_layers)]
+        self.mtp = [self._layer(weights, i) for i in range(cfg.num_hidden_layers,
+                                                           cfg.num_hidden_layers + cfg.num_nextn_predict_layers)]
+        self.norm = weights("model.norm.weight")  # (H,)
+        self.lm_head = weights("lm_head.weight")  # (V, H)
+        self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta)  # interleaved pairs on the rope dims
+        self.dense_attention = False  # True: ignore the indexer (tests: DSA with every key == dense)
+
+    def _layer(self, weights, i: int) -> dict:
+        cfg = self.cfg
+        w = lambda name: weights(f"{LAYER}.{name}".format(layer=i))  # noqa: E731
+        names = _layer_names(cfg, i)
+        L = dict(
+            input_norm=w("input_layernorm.weight"),  # (H,)
+            post_norm=w("post_attention_layernorm.weight"),  # (H,)
+            attn=MLA(self.dims, *(w(n) for n in ATTENTION)),
+            indexer=None,  # IndexShare: reuse the previous layer's selection
+            layer=i,
+        )
+        if INDEXER[0] in names:
+            L["indexer"] = Indexer(*(w(n) for n in INDEXER), n_heads=cfg.index_n_heads, head_dim=cfg.index_head_dim,
+                                   rope_dim=cfg.qk_rope_head_dim, topk=cfg.index_topk)
+        if MOE[0] in names:
+            L["router"] = w("mlp.gate.weight")  # (E, H) float32
+            L["bias"] = w("mlp.gate.e_score_correction_bias")  # (E,)
+            L["shared"] = tuple(w(f"mlp.shared_experts.{p}_proj.weight") for p in ("gate", "up", "down"))
+        else:
+            L["mlp"] = tuple(w(f"mlp.{p}_proj.weight") for p in ("gate", "up", "down"))
+        if MTP[0] in names:
+            L["enorm"], L["hnorm"] = w("enorm.weight"), w("hnorm.weight")  # (H,)
+            L["eh_proj"] = w("eh_proj.weight")  # (H, 2H)
+            L["head_norm"] = w("shared_head.norm.weight")  # (H,)
+        return L
+
+    def new_state(self) -> State:
+        return State(self.cfg, range(self.cfg.num_hidden_layers), self.dims)
+
+    def new_mtp_state(self) -> State:
+        """State of the MTP layer (its own MLA cache and indexer keys)."""
+        if not self.mtp:
+            raise ColibriError("this GLM model has no MTP layer (num_nextn_predict_layers is 0)")
+        n = self.cfg.num_hidden_layers
+        return State(self.cfg, range(n, n + len(self.mtp)), self.dims)
+
+    # ---- the layer graph ---------------------------------------------------------------------
+    def _decoder_layer(self, L: dict, h: np.ndarray, state: State, cos, sin, prev_keep):
+        """One decoder layer on h (T, H); returns (h, this layer's key selection)."""
+        cfg, i = self.cfg, L["layer"]
+        # ---- attention: MLA over the compressed cache, keys chosen by the DSA indexer
+        x = rms_norm(h, L["input_norm"], cfg.rms_norm_eps)
+        attn, cache = L["attn"], state.mla[i]
+        q_resid, q_nope, q_rope = attn.query(x, cos, sin)
+        attn.compress(x, cos, sin, cache)
+        keep = prev_keep if L["indexer"] is None else L["indexer"].select(x, q_resid, cos, sin, state.index_keys[i])
+        h = h + attn.attend(q_nope, q_rope, cache, None if self.dense_attention else keep)
+        # ---- MLP: dense, or routed experts + the shared expert
+        x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
+        if "mlp" in L:
+            return h + swiglu_mlp(x, *L["mlp"]), keep
+        weights, experts = sigmoid_group_topk(linear(x, L["router"]), L["bias"], cfg.num_experts_per_tok, cfg.n_group,
+                                              cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        routed = moe_block(x, experts, weights, self.store, layer=i)
+        return h + (routed + swiglu_mlp(x, *L["shared"])), keep
+
+    def hidden(self, ids: np.ndarray, state: State) -> np.ndarray:
+        """The final-normalised hidden states (T, H) of new tokens `ids` (T,): what lm_head reads."""
+        T = len(ids)
+        cos, sin = self.rope.cos_sin(np.arange(state.length, state.length + T))  # (T, r)
+        h = embed(ids, self.embed_tokens)  # (T, H)
+        keep = None
+        for L in self.layers:
+            h, keep = self._decoder_layer(L, h, state, cos, sin, keep)
+        return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
+
+    def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
+        h = self.hidden(ids, state)
+        if last_only:
+            h = h[-1:]
+        return linear(h, self.lm_head)  # (T, V)
+
+    def mtp_forward(self, hidden: np.ndarray, next_ids: np.ndarray, state: State, keep: np.ndarray | None = None) -> np.ndarray:
+        """The MTP head: logits (T, V) for token t+2 from the main model's hidden state at t.
+
+        hidden (T, H): `hidden()` of the main model at positions state.length … + T (final-normalised,
+        what lm_head reads, as vLLM and SGLang feed their MTP heads); next_ids (T,): token t+1 of
+        each position. As published (DeepSeek-V3 §2.2, GLM-4.5/5):
+        h' = eh_proj([enorm(embed(t+1)) ; hnorm(hidden_t)]), one decoder layer (MLA + DSA + MoE,
+        its own cache), then shared_head.norm and the main lm_head. A checkpoint whose MTP layer has
+        no indexer (config ``index_share_for_mtp_iteration``) attends to the keys `keep` (T, S)
+        selects, e.g. the main model's selection at the same positions; None: every key.
+        """
+        L = self.mtp[0]
+        T = len(next_ids)
+        cos, sin = self.rope.cos_sin(np.arange(state.length, state.length + T))
+        eps = self.cfg.rms_norm_eps
+        e = rms_norm(embed(next_ids, self.embed_tokens), L["enorm"], eps)  # (T, H)
+        x = linear(np.concatenate([e, rms_norm(hidden, L["hnorm"], eps)], axis=-1), L["eh_proj"])  # (T, H)
+        x, _ = self._decoder_layer(L, x, state, cos, sin, keep)
+        return linear(rms_norm(x, L["head_norm"], eps), self.lm_head)

@@ -1,0 +1,342 @@
+"""Qwen3.6-35B-A3B (and the Qwen3.5-MoE family): the whole text model, top to bottom.
+
+Reference: transformers/models/qwen3_5_moe/modeling_qwen3_5_moe.py (`Qwen3_5MoeForCausalLM`, the
+oracle the conformance suite uses). A hybrid: `layer_types` says, per layer, which token mixer it has
+(Qwen3.6-35B-A3B: 3 Gated DeltaNet layers, then 1 gated attention layer, 10 times):
+
+    x = zRMSNorm(h);  h += GatedDeltaNet(x)      (linear_attention: fixed-size recurrent state)
+                   or h += GatedAttention(x)     (full_attention: GQA KV cache, partial RoPE)
+    x = zRMSNorm(h);  h += MoE(x) + sigmoid(shared_expert_gate x) · shared_expert(x)
+
+zRMSNorm is the zero-centred RMSNorm x̂ · (1 + w). The MoE router is softmax over all experts, top-k,
+always renormalised. Final zRMSNorm, lm_head (tied to the embeddings when `tie_word_embeddings`).
+
+Checkpoints come in two shapes: the text model alone (config.json `model_type`
+"qwen3_5_moe_text", tensors `model.*`) and the released vision-language checkpoints
+(`Qwen3_5MoeForConditionalGeneration`, `model_type` "qwen3_5_moe", the text config nested under
+`text_config`, text tensors under `model.language_model.*`; the vision tower `model.visual.*` and
+the multi-token-prediction head `mtp.*` are skipped). Routed experts may be per-expert or fused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from colibri_core import kv
+from colibri_core.errors import ColibriError
+from colibri_core.kv.cache import KVCache
+from colibri_core.layers.deltanet import DeltaNetDims, DeltaNetState, GatedDeltaNet
+from colibri_core.layers.gated_attention import GatedAttention
+from colibri_core.layers.moe import moe_block
+from colibri_core.layers.norm import rms_norm_zero_centred
+from colibri_core.layers.rope import Rope
+from colibri_core.layers.router import softmax_topk
+from colibri_core.layers.shared_expert import shared_expert
+from colibri_core.layout import ContainerLayout, ExpertNames
+from colibri_core.model import MoEModel, embed, linear
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class Qwen36Config:
+    vocab_size: int
+    hidden_size: int  # H
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]  # per layer: "linear_attention" (Gated DeltaNet) or "full_attention"
+    # gated attention layers
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int  # D
+    rotary_dim: int  # leading dims of each head that RoPE rotates: head_dim * partial_rotary_factor
+    rope_theta: float
+    attention_bias: bool  # q/k/v/o projections have biases (False for the released models)
+    # Gated DeltaNet layers
+    linear_num_key_heads: int  # Hk
+    linear_num_value_heads: int  # Hv (a multiple of Hk)
+    linear_key_head_dim: int  # dk
+    linear_value_head_dim: int  # dv
+    linear_conv_kernel_dim: int  # K
+    # MoE (every layer)
+    num_experts: int  # E routed experts per layer
+    num_experts_per_tok: int  # top-k
+    moe_intermediate_size: int  # I: width of one routed expert
+    shared_expert_intermediate_size: int  # width of the shared expert
+    rms_norm_eps: float
+    tie_word_embeddings: bool  # lm_head is the embedding table
+    prefix: str  # checkpoint name prefix of the text model: "model." or "model.language_model."
+
+    @classmethod
+    def from_hf(cls, c: dict) -> Qwen36Config:
+        nested = isinstance(c.get("text_config"), dict)
+        t = c["text_config"] if nested else c
+        if t.get("hidden_act", "silu") != "silu":
+            raise ColibriError(f"Qwen3.6 with hidden_act {t['hidden_act']!r} is not supported (only silu)")
+        layers = t["num_hidden_layers"]
+        types = t.get("layer_types")
+        if types is None:
+            interval = t.get("full_attention_interval", 4)
+            types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)]
+        if len(types) != layers or set(types) - {LINEAR, FULL}:
+            raise ColibriError(f"config.json layer_types must list {layers} entries, each {LINEAR!r} or {FULL!r}")
+        rope = dict(t.get("rope_parameters") or t.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ColibriError(f"Qwen3.6 with rope_type {rope_type!r} is not supported (only default)")
+        head_dim = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
+        partial = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25))
+        hk, hv = t["linear_num_key_heads"], t["linear_num_value_heads"]
+        if hv % hk:
+            raise ColibriError(f"linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hk})")
+        return cls(
+            vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], num_hidden_layers=layers,
+            layer_types=tuple(types), num_attention_heads=t["num_attention_heads"],
+            num_key_value_heads=t.get("num_key_value_heads") or t["num_attention_heads"], head_dim=head_dim,
+            rotary_dim=int(head_dim * partial), rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 10000.0))),
+            attention_bias=bool(t.get("attention_bias", False)),
+            linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=t["linear_key_head_dim"],
+            linear_value_head_dim=t["linear_value_head_dim"], linear_conv_kernel_dim=t["linear_conv_kernel_dim"],
+            num_experts=t["num_experts"], num_experts_per_tok=t["num_experts_per_tok"],
+            moe_intermediate_size=t["moe_intermediate_size"],
+            shared_expert_intermediate_size=t["shared_expert_intermediate_size"],
+            rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
+            prefix="model.language_model." if nested else "model.",
+        )
+
+    @property
+    def deltanet(self) -> DeltaNetDims:
+        return DeltaNetDims(self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+                            self.linear_value_head_dim, self.linear_conv_kernel_dim)
+
+
+def resident_shapes(cfg: Qwen36Config) -> dict[str, tuple[int, ...]]:
+    """Every resident (non-routed-expert) tensor of the checkpoint with its shape, in load order."""
+    H, D, p = cfg.hidden_size, cfg.head_dim, cfg.prefix
+    dn = cfg.deltanet
+    shapes = {f"{p}embed_tokens.weight": (cfg.vocab_size, H)}
+    for i, kind in enumerate(cfg.layer_types):
+        layer = f"{p}layers.{i}."
+        shapes[layer + "input_layernorm.weight"] = (H,)
+        if kind == LINEAR:
+            a = layer + "linear_attn."
+            shapes.update({
+                a + "in_proj_qkv.weight": (dn.conv_channels, H),
+                a + "in_proj_z.weight": (dn.value_heads * dn.value_dim, H),
+                a + "in_proj_b.weight": (dn.value_heads, H),
+                a + "in_proj_a.weight": (dn.value_heads, H),
+                a + "conv1d.weight": (dn.conv_channels, 1, dn.conv_kernel),
+                a + "dt_bias": (dn.value_heads,),
+                a + "A_log": (dn.value_heads,),
+                a + "norm.weight": (dn.value_dim,),
+                a + "out_proj.weight": (H, dn.value_heads * dn.value_dim),
+            })
+        else:
+            a = layer + "self_attn."
+            outs = {"q": cfg.num_attention_heads * D * 2, "k": cfg.num_key_value_heads * D,
+                    "v": cfg.num_key_value_heads * D}
+            for name, rows in outs.items():
+                shapes[a + f"{name}_proj.weight"] = (rows, H)
+                if cfg.attention_bias:
+                    shapes[a + f"{name}_proj.bias"] = (rows,)
+            shapes[a + "o_proj.weight"] = (H, cfg.num_attention_heads * D)
+            if cfg.attention_bias:
+                shapes[a + "o_proj.bias"] = (H,)
+            shapes[a + "q_norm.weight"] = (D,)
+            shapes[a + "k_norm.weight"] = (D,)
+        S = cfg.shared_expert_intermediate_size
+        shapes.update({
+            layer + "post_attention_layernorm.weight": (H,),
+            layer + "mlp.gate.weight": (cfg.num_experts, H),
+            layer + "mlp.shared_expert.gate_proj.weight": (S, H),
+            layer + "mlp.shared_expert.up_proj.weight": (S, H),
+            layer + "mlp.shared_expert.down_proj.weight": (H, S),
+            layer + "mlp.shared_expert_gate.weight": (1, H),
+        })
+    shapes[f"{p}norm.weight"] = (H,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, H)
+    return shapes
+
+
+class State(kv.State):
+    """Per sequence: a KV cache per gated attention layer, a conv + recurrent state per DeltaNet layer."""
+
+    def __init__(self, cfg: Qwen36Config):
+        self.layers = [DeltaNetState(cfg.deltanet) if kind == LINEAR
+                       else KVCache(cfg.num_key_value_heads, cfg.head_dim) for kind in cfg.layer_types]
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def advance(self, n: int) -> None:
+        self._length += n
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """"length" (1,) int64; per attention layer "layer.i.k", "layer.i.v" (length, Hkv, D) (views:
+        rows already written never change); per DeltaNet layer "layer.i.conv" (K-1, channels) and
+        "layer.i.recurrent" (Hv, dk, dv) (copies: these change in place as tokens arrive)."""
+        out = {"length": np.array([self._length], np.int64)}
+        for i, s in enumerate(self.layers):
+            if isinstance(s, KVCache):
+                out[f"layer.{i}.k"], out[f"layer.{i}.v"] = s.view()
+            else:
+                out[f"layer.{i}.conv"], out[f"layer.{i}.recurrent"] = s.conv.copy(), s.recurrent.copy()
+        return out
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Restore `arrays()` output into this fresh state. Arrays of another model (other names or
+        shapes) raise ValueError naming the first mismatch, before anything is changed."""
+        want = {k: v.shape for k, v in self.arrays().items()}
+        if set(arrays) != set(want):
+            odd = sorted(set(arrays) ^ set(want))[0]
+            raise ValueError(f"state array {odd} is {'unexpected' if odd in arrays else 'missing'}: "
+                             "the state is not from this model")
+        length = int(np.asarray(arrays["length"]).reshape(-1)[0])
+        for name, shape in want.items():
+            got = np.shape(arrays[name])
+            if name.endswith((".k", ".v")):
+                shape = (length, *shape[1:])
+            if name != "length" and got != shape:
+                raise ValueError(f"state array {name} has shape {list(got)}, this model needs {list(shape)} "
+                                 f"for {length} tokens: the state is not from this model")
+        for i, s in enumerate(self.layers):
+            if isinstance(s, KVCache):
+                s.append(np.asarray(arrays[f"layer.{i}.k"], np.float32), np.asarray(arrays[f"layer.{i}.v"], np.float32))
+            else:
+                s.load(np.asarray(arrays[f"layer.{i}.conv"], np.float32),
+                       np.asarray(arrays[f"layer.{i}.recurrent"], np.float32))
+        self._length = length
+
+
+@dataclass
+class Layer:
+    kind: str  # LINEAR | FULL
+    mixer: GatedDeltaNet | GatedAttention
+    input_norm: np.ndarray  # (H,) zero-centred
+    post_norm: np.ndarray  # (H,) zero-centred
+    router: np.ndarray  # (E, H) float32
+    shared: tuple  # gate (S, H), up (S, H), down (H, S), gate of the shared expert (1, H) float32
+
+
+class Qwen36(MoEModel):
+    @classmethod
+    def parse_config(cls, config: dict) -> Qwen36Config:
+        try:
+            return Qwen36Config.from_hf(config)
+        except KeyError as e:
+            raise ColibriError(f"config.json lacks {e.args[0]!r}, which a Qwen3.6 (qwen3_5_moe) model needs") from None
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise ColibriError(f"config.json is not a valid Qwen3.6 (qwen3_5_moe) config: {e}") from None
+
+    @classmethod
+    def layout(cls, cfg: Qwen36Config) -> ContainerLayout:
+        expert = cfg.prefix + "layers.{layer}.mlp.experts"
+        return ContainerLayout(
+            resident=tuple(resident_shapes(cfg)),
+            # routers, the shared-expert gate and the tiny β / decay projections stay float32: they are
+            # small, and the decay is exponentiated (an error in it compounds over the whole context)
+            keep_f32=(r"\.mlp\.gate\.weight$", r"\.mlp\.shared_expert_gate\.weight$",
+                      r"\.linear_attn\.in_proj_[ab]\.weight$"),
+            moe_layers=tuple(range(cfg.num_hidden_layers)),
+            n_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
+            experts=ExpertNames(
+                per_expert={"gate": expert + ".{expert}.gate_proj.weight", "up": expert + ".{expert}.up_proj.weight",
+                            "down": expert + ".{expert}.down_proj.weight"},
+                fused_gate_up=expert + ".gate_up_proj",
+                fused_down=expert + ".down_proj",
+            ),
+            ignore=(r"^model\.visual\.", r"^mtp\."),  # the vision tower and the MTP head: not the text model
+        )
+
+    @classmethod
+    def resident_shapes(cls, cfg: Qwen36Config) -> dict[str, tuple[int, ...]]:
+        """Every resident tensor's shape, by checkpoint name (for `colibri plan`)."""
+        return resident_shapes(cfg)
+
+    @classmethod
+    def state_floats_per_token(cls, cfg: Qwen36Config) -> list[int]:
+        """Per layer, the state floats each token adds: K and V for gated attention, 0 for DeltaNet
+        layers (their state is fixed-size: see `fixed_state_floats`)."""
+        kv_floats = 2 * cfg.num_key_value_heads * cfg.head_dim
+        return [kv_floats if kind == FULL else 0 for kind in cfg.layer_types]
+
+    @classmethod
+    def fixed_state_floats(cls, cfg: Qwen36Config) -> int:
+        """State floats that do not grow with the context: conv + recurrent state of every DeltaNet layer."""
+        return cfg.layer_types.count(LINEAR) * cfg.deltanet.state_floats
+
+    def __init__(self, cfg: Qwen36Config, weights, store):
+        super().__init__(cfg, weights, store)
+        p = cfg.prefix
+        self.embed_tokens = weights(f"{p}embed_tokens.weight")  # (V, H)
+        self.layers: list[Layer] = []
+        for i, kind in enumerate(cfg.layer_types):
+            w = lambda name: weights(f"{p}layers.{i}.{name}")  # noqa: E731
+            if kind == LINEAR:
+                dn = cfg.deltanet
+                mixer = GatedDeltaNet(
+                    dims=dn,
+                    in_proj_qkv=w("linear_attn.in_proj_qkv.weight"),  # (2 Hk dk + Hv dv, H)
+                    in_proj_z=w("linear_attn.in_proj_z.weight"),  # (Hv dv, H)
+                    in_proj_b=w("linear_attn.in_proj_b.weight"),  # (Hv, H) float32
+                    in_proj_a=w("linear_attn.in_proj_a.weight"),  # (Hv, H) float32
+                    conv_weight=np.ascontiguousarray(w("linear_attn.conv1d.weight")[:, 0, :]),  # (channels, K)
+                    A_log=w("linear_attn.A_log"),  # (Hv,)
+                    dt_bias=w("linear_attn.dt_bias"),  # (Hv,)
+                    norm=w("linear_attn.norm.weight"),  # (dv,)
+                    out_proj=w("linear_attn.out_proj.weight"),  # (H, Hv dv)
+                    eps=cfg.rms_norm_eps,
+                )
+            else:
+                mixer = GatedAttention(
+                    q_proj=w("self_attn.q_proj.weight"),  # (heads * 2D, H): per head [q | gate]
+                    k_proj=w("self_attn.k_proj.weight"),  # (kv_heads * D, H)
+                    v_proj=w("self_attn.v_proj.weight"),  # (kv_heads * D, H)
+                    o_proj=w("self_attn.o_proj.weight"),  # (H, heads * D)
+                    q_norm=w("self_attn.q_norm.weight"),  # (D,)
+                    k_norm=w("self_attn.k_norm.weight"),  # (D,)
+                    heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                    eps=cfg.rms_norm_eps,
+                    biases={n: w(f"self_attn.{n}_proj.bias") for n in "qkvo"} if cfg.attention_bias else None,
+                )
+            self.layers.append(Layer(
+                kind=kind, mixer=mixer,
+                input_norm=w("input_layernorm.weight"),  # (H,)
+                post_norm=w("post_attention_layernorm.weight"),  # (H,)
+                router=w("mlp.gate.weight"),  # (E, H) float32
+                shared=(w("mlp.shared_expert.gate_proj.weight"),  # (S, H)
+                        w("mlp.shared_expert.up_proj.weight"),  # (S, H)
+                        w("mlp.shared_expert.down_proj.weight"),  # (H, S)
+                        w("mlp.shared_expert_gate.weight")),  # (1, H) float32
+            ))
+        self.norm = weights(f"{p}norm.weight")  # (H,)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else weights("lm_head.weight")  # (V, H)
+        self.rope = Rope(cfg.rotary_dim, cfg.rope_theta)
+
+    def new_state(self) -> State:
+        return State(self.cfg)
+
+    def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
+        cfg = self.cfg
+        T = len(ids)
+        cos, sin = self.rope.cos_sin(np.arange(state.length, state.length + T))  # (T, rotary_dim)
+        h = embed(ids, self.embed_tokens)  # (T, H)
+        for i, L in enumerate(self.layers):
+            # ---- token mixer: Gated DeltaNet or gated attention
+            x = rms_norm_zero_centred(h, L.input_norm, cfg.rms_norm_eps)
+            if L.kind == LINEAR:
+                h = h + L.mixer(x, state.layers[i])
+            else:
+                h = h + L.mixer(x, state.layers[i], cos, sin)
+            # ---- routed experts + gated shared expert
+            x = rms_norm_zero_centred(h, L.post_norm, cfg.rms_norm_eps)
+            weights, experts = softmax_topk(linear(x, L.router), cfg.num_experts_per_tok, renormalize=True)
+            h = h + (moe_block(x, experts, weights, self.store, layer=i) + shared_expert(x, *L.shared))
+        state.advance(T)
+        if last_only:
+            h = h[-1:]
+        return linear(rms_norm_zero_centred(h, self.norm, cfg.rms_norm_eps), self.lm_head)  # (T, V)

@@ -1,0 +1,148 @@
+"""Gated DeltaNet kernels (csrc/deltanet.c) against their float64 NumPy reference and against the
+oracle's own torch implementation; the layer pieces (norms, partial RoPE, shared expert)."""
+import numpy as np
+import pytest
+
+from colibri_core.kernels import deltanet as dn
+from colibri_core.kernels import reference_deltanet as ref
+from colibri_core.layers.deltanet import softplus
+from colibri_core.layers.gated_attention import apply_partial_rotate_half
+from colibri_core.layers.norm import rms_norm_gated, rms_norm_zero_centred
+from colibri_core.layers.rope import Rope
+
+
+def delta_inputs(rng, n, hk, hv, dk, dv):
+    """Inputs shaped like a real layer's: raw q/k (normalised inside), decays ≤ 0, β in (0, 1)."""
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    g = (-np.exp(f(hv) * 0.5) * softplus(f(n, hv))).astype(np.float32)
+    beta = (1 / (1 + np.exp(-f(n, hv)))).astype(np.float32)
+    return f(n, hk, dk), f(n, hk, dk), f(n, hv, dv), g, beta
+
+
+def close(got, want, rel=2e-5):
+    err = np.abs(got - want).max()
+    assert err <= rel * max(1.0, np.abs(want).max()), f"max error {err:.3g}"
+
+
+@pytest.mark.parametrize("n,channels,kernel", [(1, 5, 4), (3, 7, 4), (37, 13, 4), (9, 3, 1), (20, 6, 2)])
+def test_causal_conv1d_matches_reference(n, channels, kernel):
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n, channels)).astype(np.float32)
+    w = rng.standard_normal((channels, kernel)).astype(np.float32)
+    state = rng.standard_normal((kernel - 1, channels)).astype(np.float32)
+    want, want_state = ref.causal_conv1d(x, w, state)
+    got = dn.causal_conv1d(x, w, state)  # updates state in place
+    close(got, want, 1e-6)
+    assert np.array_equal(state, want_state.astype(np.float32))
+
+
+def test_causal_conv1d_in_pieces_equals_whole():
+    """The rolling state carries the context: feeding 1, 2, 5, 1, … tokens at a time gives the same
+    outputs as all at once (the same sums in the same order: bit-identical)."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((30, 11)).astype(np.float32)
+    w = rng.standard_normal((11, 4)).astype(np.float32)
+    whole = dn.causal_conv1d(x, w, np.zeros((3, 11), np.float32))
+    state, parts, t = np.zeros((3, 11), np.float32), [], 0
+    for size in (1, 2, 5, 1, 1, 3, 17):
+        parts.append(dn.causal_conv1d(x[t : t + size], w, state))
+        t += size
+    assert np.array_equal(np.concatenate(parts), whole)
+
+
+@pytest.mark.parametrize("form,chunk", [("recurrent", 0), ("chunked", 64), ("chunked", 5), ("chunked", 1)])
+@pytest.mark.parametrize("n,hk,hv,dk,dv", [(1, 1, 1, 4, 4), (37, 2, 6, 13, 7), (150, 3, 6, 16, 9)])
+def test_gated_delta_rule_matches_float64_reference(form, chunk, n, hk, hv, dk, dv):
+    rng = np.random.default_rng(n + hk)
+    q, k, v, g, beta = delta_inputs(rng, n, hk, hv, dk, dv)
+    state = (rng.standard_normal((hv, dk, dv)) * 0.3).astype(np.float32)  # a non-zero starting state
+    want, want_state = ref.gated_delta_rule(q, k, v, g, beta, state)
+    got = dn.gated_delta_rule(q, k, v, g, beta, state, form=form, chunk=chunk or 64)
+    close(got, want)
+    close(state, want_state)
+
+
+def test_prefill_then_decode_equals_one_long_prefill_1000_tokens():
+    """Chunked prefill of 600 tokens, then 400 single-token recurrent steps: the same outputs and state
+    as one chunked pass over all 1,000 tokens, and as the float64 reference."""
+    rng = np.random.default_rng(1000)
+    n, hk, hv, dk, dv = 1000, 2, 4, 16, 16
+    q, k, v, g, beta = delta_inputs(rng, n, hk, hv, dk, dv)
+    want, want_state = ref.gated_delta_rule(q, k, v, g, beta, np.zeros((hv, dk, dv)))
+    whole_state = np.zeros((hv, dk, dv), np.float32)
+    whole = dn.gated_delta_rule(q, k, v, g, beta, whole_state)
+    state = np.zeros((hv, dk, dv), np.float32)
+    outs = [dn.gated_delta_rule(q[:600], k[:600], v[:600], g[:600], beta[:600], state)]
+    for t in range(600, n):
+        outs.append(dn.gated_delta_rule(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], state))
+    stepped = np.concatenate(outs)
+    close(whole, want)
+    close(stepped, want)
+    close(stepped, whole)
+    close(state, whole_state)
+    close(state, want_state)
+
+
+def test_gated_delta_rule_matches_the_oracles_torch_functions():
+    """The oracle's own pure-torch chunked and recurrent rules (what HF runs without `fla`)."""
+    import torch
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+
+    rng = np.random.default_rng(3)
+    n, hk, hv, dk, dv = 100, 2, 4, 16, 8
+    q, k, v, g, beta = delta_inputs(rng, n, hk, hv, dk, dv)
+    state0 = (rng.standard_normal((hv, dk, dv)) * 0.3).astype(np.float32)
+    t = lambda a: torch.from_numpy(a.copy())[None]  # noqa: E731  (batch of 1)
+    for fn in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule):
+        out, final = fn(t(q), t(k), t(v), g=t(g), beta=t(beta), initial_state=t(state0), output_final_state=True,
+                        use_qk_l2norm_in_kernel=True)
+        state = state0.copy()
+        got = dn.gated_delta_rule(q, k, v, g, beta, state)
+        close(got, out[0].numpy())
+        close(state, final[0].numpy())
+
+
+def test_bad_arguments_are_value_errors():
+    rng = np.random.default_rng(0)
+    q, k, v, g, beta = delta_inputs(rng, 4, 2, 4, 8, 8)
+    with pytest.raises(ValueError, match="state"):
+        dn.gated_delta_rule(q, k, v, g, beta, np.zeros((4, 8, 7), np.float32))
+    with pytest.raises(ValueError, match="multiple"):
+        dn.gated_delta_rule(q, k, v[:, :3], g[:, :3], beta[:, :3], np.zeros((3, 8, 8), np.float32))
+    with pytest.raises(ValueError, match="float32"):
+        dn.gated_delta_rule(q.astype(np.float64), k, v, g, beta, np.zeros((4, 8, 8), np.float32))
+    with pytest.raises(ValueError, match="state"):
+        dn.causal_conv1d(np.zeros((2, 3), np.float32), np.zeros((3, 4), np.float32), np.zeros((3, 4), np.float32))
+
+
+# ---- the layer pieces against the oracle's torch modules ---------------------------------------
+
+def test_norms_match_the_oracle():
+    import torch
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((7, 3, 24)).astype(np.float32)
+    z = rng.standard_normal((7, 3, 24)).astype(np.float32)
+    w = (rng.standard_normal(24) * 0.2).astype(np.float32)
+    zc = hf.Qwen3_5MoeRMSNorm(24, eps=1e-6)
+    gated = hf.Qwen3_5MoeRMSNormGated(24, eps=1e-6)
+    with torch.no_grad():
+        zc.weight.copy_(torch.from_numpy(w))
+        gated.weight.copy_(torch.from_numpy(w))
+        close(rms_norm_zero_centred(x, w, 1e-6), zc(torch.from_numpy(x)).numpy(), 1e-6)
+        close(rms_norm_gated(x, z, w, 1e-6), gated(torch.from_numpy(x), torch.from_numpy(z)).numpy(), 1e-6)
+
+
+def test_partial_rope_rotates_only_the_leading_dims():
+    import torch
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((5, 2, 16)).astype(np.float32)
+    cos, sin = Rope(4, 10000.0).cos_sin(np.arange(3, 8))
+    got = apply_partial_rotate_half(x, cos, sin)
+    xt = torch.from_numpy(x).transpose(0, 1)[None]  # (1, heads, T, D)
+    want, _ = hf.apply_rotary_pos_emb(xt, xt, torch.from_numpy(cos)[None], torch.from_numpy(sin)[None])
+    close(got, want[0].transpose(0, 1).numpy(), 1e-6)
+    assert np.array_equal(got[..., 4:], x[..., 4:])

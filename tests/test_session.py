@@ -1,0 +1,178 @@
+"""Session files (colibri_core/kv/session.py) without a model: every torn byte, refusals, the
+append-only deltas; then the engine and `colibri chat --session` on the tiny OLMoE container."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from colibri_core import kv
+from colibri_core.engine import load
+from colibri_core.errors import ColibriError
+from colibri_core.kv.session import (
+    DIRNAME, FORMAT_VERSION, HEAD, PersistentSession, SessionWarning, session_path,
+)
+
+IDENTITY = {"architecture": "toy", "fingerprint": "sha256:abc", "quant": "int4"}
+
+
+class ToyState(kv.State):
+    """A per-token cache (length, 3) and a fixed-size recurrent state (2, 2)."""
+
+    def __init__(self):
+        self.rows = np.zeros((0, 3), np.float32)
+        self.rec = np.zeros((2, 2), np.float32)
+
+    @property
+    def length(self):
+        return len(self.rows)
+
+    def feed(self, ids):
+        self.rows = np.concatenate([self.rows, np.asarray(ids, np.float32)[:, None] * [1, 2, 3]]).astype(np.float32)
+        self.rec = self.rec * 0.5 + np.float32(sum(ids))
+
+    def arrays(self):
+        return {"rows": self.rows, "rec": self.rec}
+
+    def load_arrays(self, arrays):
+        self.rows, self.rec = arrays["rows"].copy(), arrays["rec"].copy()
+
+
+class ToyModel:
+    new_state = ToyState
+
+
+def toy_session(tmp_path, name="s", identity=IDENTITY):
+    return PersistentSession(ToyModel(), tmp_path, identity, name)
+
+
+def turn(session, ids):
+    session.state.feed(ids)
+    session.ids = session.ids + list(ids)
+    session.meta = {"turn": len(session.ids)}
+    session.save()
+
+
+def test_every_torn_byte_of_the_last_save_loads_the_turn_before(tmp_path):
+    s = toy_session(tmp_path)
+    turn(s, [1, 2, 3])
+    size1 = s.file.path.stat().st_size
+    turn(s, [4, 5])
+    whole = s.file.path.read_bytes()
+    rec_before = s.state.rec
+    assert len(whole) > size1
+    for n in range(size1, len(whole)):
+        s.file.path.write_bytes(whole[:n])
+        r = toy_session(tmp_path)
+        assert r.ids == [1, 2, 3] and r.meta == {"turn": 3} and r.turns == 1, n
+        assert np.array_equal(r.state.rows, np.array([[1, 2, 3], [2, 4, 6], [3, 6, 9]], np.float32))
+        assert (r.notice is None) == (n == size1), (n, r.notice)
+    # the whole file: the second turn, its fixed-size state written whole, the cache as new rows
+    s.file.path.write_bytes(whole)
+    r = toy_session(tmp_path)
+    assert r.ids == [1, 2, 3, 4, 5] and np.array_equal(r.state.rec, rec_before) and r.notice is None
+    # resuming after a torn save appends after the last whole turn (the torn bytes are dropped)
+    s.file.path.write_bytes(whole[:-5])
+    r = toy_session(tmp_path)
+    turn(r, [9])
+    again = toy_session(tmp_path)
+    assert again.ids == [1, 2, 3, 9] and again.turns == 2 and again.notice is None
+
+
+def test_turns_are_appended_as_deltas(tmp_path):
+    s = toy_session(tmp_path)
+    turn(s, list(range(100)))
+    size1 = s.file.path.stat().st_size
+    turn(s, [7])
+    assert s.file.path.stat().st_size - size1 < 1000, "the second turn rewrote the whole cache"
+    s.save()  # nothing changed: nothing written
+    size2 = s.file.path.stat().st_size
+    s.save()
+    assert s.file.path.stat().st_size == size2
+    s.reset()  # a new conversation starts the file over (renamed into place)
+    turn(s, [3])
+    assert s.file.path.stat().st_size < size1 and not s.file.path.with_name("s.coli_session.tmp").exists()
+    r = toy_session(tmp_path)
+    assert r.ids == [3] and r.state.rows.shape == (1, 3)
+
+
+def test_refused_files_are_moved_aside_and_start_fresh(tmp_path):
+    s = toy_session(tmp_path)
+    turn(s, [1, 2])
+    path, whole = s.file.path, s.file.path.read_bytes()
+    cases = {
+        "another model": lambda: toy_session(tmp_path, identity={**IDENTITY, "quant": "int8"}),
+        "format version": lambda: (path.write_bytes(HEAD.pack(b"COLISESS", FORMAT_VERSION + 1, 0) + whole[HEAD.size:]),
+                                   toy_session(tmp_path))[1],
+        "not a colibri session": lambda: (path.write_bytes(b"garbage" * 10), toy_session(tmp_path))[1],
+        "damaged": lambda: (path.write_bytes(whole[:HEAD.size + 3] + b"X" + whole[HEAD.size + 4:]), toy_session(tmp_path))[1],
+    }
+    for why, reopen in cases.items():
+        path.write_bytes(whole)
+        r = reopen()
+        assert r.turns == 0 and r.ids == [] and r.state.length == 0, why
+        assert why in r.notice and "moved it to s.coli_session.bad" in r.notice and len(r.notice.splitlines()) == 1
+        assert not path.exists() and path.with_name("s.coli_session.bad").is_file()
+
+
+def test_session_names(tmp_path):
+    assert session_path(tmp_path, "chat-1.a") == tmp_path / DIRNAME / "chat-1.a.coli_session"
+    for bad in ("", "../x", ".hidden", "a/b", "x" * 200):
+        with pytest.raises(ColibriError, match="bad session name"):
+            session_path(tmp_path, bad)
+
+
+def test_engine_sessions_write_only_when_used(tiny_model, tmp_path):
+    """Opening a session writes nothing; the first turn creates MODEL/.sessions/NAME.coli_session;
+    generate(session=NAME) continues it; a refused file warns once (SessionWarning)."""
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    with load(model) as engine:
+        s = engine.open_session("a")
+        assert not (model / DIRNAME).exists()
+        first = engine.generate([5, 6, 7], 4, stop_ids=(), session="a")
+        assert engine.open_session("a") is s and s.file.path.is_file() and s.turns == 1
+    ident = json.loads(s.file.path.read_bytes()[HEAD.size:HEAD.size + HEAD.unpack_from(s.file.path.read_bytes())[2]])
+    assert ident["architecture"] == "olmoe" and ident["quant"] == "int4" and ident["fingerprint"].startswith("sha256:")
+    s.file.path.write_bytes(s.file.path.read_bytes()[:HEAD.size] + b"\0" * 40)
+    with load(model) as engine, pytest.warns(SessionWarning, match="damaged"):
+        assert engine.open_session("a").ids == []
+    with load(model) as engine:
+        assert engine.generate([5, 6, 7], 4, stop_ids=(), session="a") == first
+
+
+def test_chat_session_resumes_the_conversation(tiny_model, tmp_path):
+    """`colibri chat --session NAME`: a second run remembers the first run's messages and continues
+    with exactly the answer an uninterrupted chat gives."""
+    from typer.testing import CliRunner
+
+    from colibri_core.cli import app
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    args = ["chat", "--model", str(model), "--temperature", "0", "--max-tokens", "5"]
+
+    def chat(lines, *extra):  # each call loads the model afresh, as a restarted process does
+        r = CliRunner().invoke(app, args + list(extra), input="".join(x + "\n" for x in lines))
+        assert r.exit_code == 0, (r.output, r.exception)
+        return r
+
+    def answers(r):
+        return [line for line in r.stdout.replace("> ", "").splitlines() if line]
+
+    both = chat(["the quick", "brown fox"])
+    first = chat(["the quick"], "--session", "c")
+    second = chat(["brown fox"], "--session", "c")
+    assert "resumed session c: 2 messages" in second.stderr
+    assert answers(first) + answers(second) == answers(both) and len(answers(both)) == 2
+    assert os.listdir(model / DIRNAME) == ["c.coli_session"]
+
+
+def test_an_unwritable_model_directory_is_one_clear_error(tmp_path):
+    s = toy_session(tmp_path)
+    (tmp_path / DIRNAME).write_text("not a directory")  # the sessions directory cannot be created
+    s.state.feed([1])
+    s.ids = [1]
+    with pytest.raises(ColibriError, match="cannot save session s in"):
+        s.save()
