@@ -68,7 +68,7 @@ class LiveServer:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)  # a graceful shutdown, as Ctrl-C
             try:
-                self.proc.wait(30)
+                self.proc.wait(120)  # a loaded CI machine can take a while to finish in-flight work
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

@@ -113,6 +113,9 @@ class SyntheticCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[name]
 
+    def scales_of(self, name: str) -> None:
+        return None  # float32 throughout: no fp8 block scales
+
     def read_f32(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
         shape = self.shapes[name]
         if len(shape) == 1:
@@ -146,7 +149,11 @@ def build_colibri(d: Dims, dst: Path) -> None:
         return memo[key][1]
 
     real_checkpoint = writer.Checkpoint
-    writer.Checkpoint = lambda path: SyntheticCheckpoint(path, d)
+    def synthetic(path):
+        return SyntheticCheckpoint(path, d)
+
+    synthetic.FP8_SCALE_SUFFIX = real_checkpoint.FP8_SCALE_SUFFIX  # the writer reads it off the class
+    writer.Checkpoint = synthetic
     writer.q.quantize = quantize
     try:
         layout = Olmoe.layout(Olmoe.parse_config(hf_config(d)))
