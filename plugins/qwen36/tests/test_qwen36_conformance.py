@@ -150,9 +150,7 @@ class TestTinyQwen36(Qwen36Checks, ConformanceSuite):
     def test_saved_session_continues_token_identically(self, oracle):
         """A conversation saved to disk (KV caches, conv and recurrent states) and reloaded by a fresh
         engine — as after a restart — continues with exactly the tokens of an uninterrupted run."""
-        session = pytest.importorskip(
-            "colibri_core.kv.session",
-            reason="colibri_core.kv.session (persistent sessions, issue 5) is not on this branch yet")
+        from colibri_core.kv import session
         model_dir = oracle.container("int4")
         identity = {"architecture": "qwen36", "quant": "int4"}
         with load(model_dir) as engine:
