@@ -27,6 +27,7 @@ import yaml
 
 from .. import quant as q
 from ..errors import ColibriError
+from ..fsio import fsync_dir, write_atomic
 from ..layout import PROJS, ContainerLayout
 from .reader import (
     ARRAY, COPIED_FILES, EXTENT_ALIGN, FORMAT, FORMAT_VERSION, MANIFEST, READABLE_DTYPES, RESIDENT_FILE,
@@ -231,24 +232,6 @@ def _layout_digest(layout: ContainerLayout) -> str:
 # ----------------------------------------------------------------------------- writing files
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 class _CrcWriter:
     """A file written front to back, with its running crc32 and size."""
 
@@ -366,7 +349,7 @@ class _Staging:
         self.save()
 
     def save(self) -> None:
-        _write_atomic(self.path / PROGRESS, json.dumps(self.rec).encode())
+        write_atomic(self.path / PROGRESS, json.dumps(self.rec).encode())
 
     def finished(self, rel: str) -> dict | None:
         """The record of a file finished earlier, if it is still whole (size and crc32 re-checked)."""
@@ -453,9 +436,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str, layou
             copied[name] = _Flow(size=(staging.path / name).stat().st_size, crc32=crc32_file(staging.path / name))
     manifest = _manifest(plan, architecture, plugin, plugin_version, source, copied, resident, layers)
     text = yaml.dump(manifest, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
-    _write_atomic(staging.path / MANIFEST, text.encode("utf-8"))
+    write_atomic(staging.path / MANIFEST, text.encode("utf-8"))
     (staging.path / PROGRESS).unlink()
-    _fsync_dir(staging.path)
+    fsync_dir(staging.path)
     _publish(staging.path, dst, force)
 
 
@@ -522,6 +505,6 @@ def _publish(staging: Path, dst: Path, force: bool) -> None:
         else:
             dst.rmdir()
     os.rename(staging, dst)
-    _fsync_dir(dst.parent)
+    fsync_dir(dst.parent)
     if old is not None:
         shutil.rmtree(old)

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ColibriError
+from ..fsio import fsync_dir
 
 MAGIC = b"COLISESS"
 FORMAT_VERSION = 1
@@ -211,7 +212,7 @@ class SessionFile:
             self._end = f.tell()
         if new:
             os.replace(target, self.path)
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
 
 
 class _Refused(Exception):
@@ -246,12 +247,6 @@ def _apply(payload: bytes, arrays: dict[str, np.ndarray]) -> dict:
     return head["meta"]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SessionWarning(UserWarning):

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..fsio import write_atomic
+
 USAGE_FILE = ".coli_usage"
 FORMAT = "colibri-usage"
 VERSION = 1
@@ -140,15 +142,9 @@ class UsageHistory:
              "moe_layers": self.moe_layers, "n_experts": self.n_experts,
              "turns": self.past_turns + self.session_turns, "tokens": self.tokens,
              "counts": counts, "crc32": _counts_crc(counts)}
-        tmp = self.path.with_name(f"{USAGE_FILE}.{os.getpid()}.tmp")
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(d, f, separators=(",", ":"))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(d, separators=(",", ":")).encode())
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             if not self._save_failed:
                 warn(f"cannot save routing history {self.path} ({e.strerror or e}); going on without it")
             self._save_failed = True
