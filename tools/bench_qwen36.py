@@ -34,10 +34,10 @@ import yaml
 from colibri_core import load, quant
 from colibri_core.engine import available_memory
 from colibri_core.container.reader import (
-    ARRAY, MANIFEST, RESIDENT_FILE, SCALES_SUFFIX, TRAILER, TRAILER_MAGIC, crc32_file, expert_extent,
+    ARRAY, MANIFEST, RESIDENT_FILE, SCALES_SUFFIX, crc32_file, expert_extent,
     expert_file_name, extent_crc,
 )
-from colibri_core.container.writer import _Dumper, _Flow, _FlowList, _manifest, _Plan
+from colibri_core.container.writer import _Dumper, _Flow, _FlowList, _manifest, _Plan, pack_extent
 from colibri_qwen36.model import Qwen36
 
 HEADROOM = 4 * 10**9  # `--ram fit` leaves this much of the available memory to everything else
@@ -120,14 +120,9 @@ def make(dst: Path, layers: int, q: str = "int4") -> None:
         import zlib
         with open(path, "wb") as f:
             for e in range(E):
-                buf = bytearray()
-                for rows, cols in ((I, H), (I, H), (H, I)):
-                    quant.pack(random_qtensor(rng, q, rows, cols), buf)
-                buf += bytes(nbytes - TRAILER.size - len(buf))
-                buf += TRAILER.pack(0, TRAILER_MAGIC, layer, e)
-                c = extent_crc(buf)
-                buf[nbytes - TRAILER.size: nbytes - TRAILER.size + 4] = c.to_bytes(4, "little")
-                crcs.append(c)
+                buf = pack_extent([random_qtensor(rng, q, rows, cols) for rows, cols in ((I, H), (I, H), (H, I))],
+                                  layer, e, nbytes)
+                crcs.append(extent_crc(buf))
                 f.write(buf)
                 crc, size = zlib.crc32(buf, crc), size + len(buf)
         files.append({"layer": layer, "path": expert_file_name(layer), "size": size, "crc32": crc,

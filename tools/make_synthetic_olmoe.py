@@ -30,10 +30,10 @@ import yaml
 
 from colibri_core import quant as q
 from colibri_core.container.reader import (
-    ARRAY, MANIFEST, RESIDENT_FILE, SCALES_SUFFIX, ST_NAME, TRAILER, TRAILER_MAGIC, expert_extent,
+    ARRAY, MANIFEST, RESIDENT_FILE, SCALES_SUFFIX, ST_NAME, expert_extent,
     expert_file_name, extent_crc,
 )
-from colibri_core.container.writer import _Dumper, _Flow, _FlowList, _manifest, _Plan
+from colibri_core.container.writer import _Dumper, _Flow, _FlowList, _manifest, _Plan, pack_extent
 from colibri_olmoe.model import Olmoe
 
 OLMOE_1B_7B = {  # allenai/OLMoE-1B-7B-0924 config.json (the fields colibri reads)
@@ -92,14 +92,9 @@ def write_layer(path: Path, rng, layer: int, H: int, I: int, E: int) -> dict:
     crc, crcs = 0, []
     with open(path, "wb") as f:
         for e in range(E):
-            buf = bytearray()
-            for rows, cols, std in ((I, H, WEIGHT_STD), (I, H, WEIGHT_STD), (H, I, OUT_STD)):
-                q.pack(int4_random(rng, rows, cols, std), buf)
-            buf += bytes(nbytes - TRAILER.size - len(buf))
-            buf += TRAILER.pack(0, TRAILER_MAGIC, layer, e)
-            c = extent_crc(buf)
-            buf[nbytes - TRAILER.size: nbytes - TRAILER.size + 4] = c.to_bytes(4, "little")
-            crcs.append(c)
+            shapes = ((I, H, WEIGHT_STD), (I, H, WEIGHT_STD), (H, I, OUT_STD))
+            buf = pack_extent([int4_random(rng, rows, cols, std) for rows, cols, std in shapes], layer, e, nbytes)
+            crcs.append(extent_crc(buf))
             f.write(buf)
             crc = zlib.crc32(buf, crc)
     return {"size": E * nbytes, "crc32": crc, "extent_crc32": crcs}

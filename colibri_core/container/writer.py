@@ -284,6 +284,18 @@ def _write_resident(ckpt: Checkpoint, plan: _Plan, path: Path, bar) -> dict:
     return rec
 
 
+def pack_extent(tensors, layer: int, expert: int, nbytes: int) -> bytearray:
+    """One expert's extent: its (gate, up, down) QTensors packed in order, zero padding, and the
+    trailer naming (layer, expert) with the extent's crc32 — `nbytes` bytes in all."""
+    buf = bytearray()
+    for t in tensors:
+        q.pack(t, buf)
+    buf += bytes(nbytes - TRAILER.size - len(buf))
+    buf += TRAILER.pack(0, TRAILER_MAGIC, layer, expert)
+    buf[nbytes - TRAILER.size: nbytes - TRAILER.size + 4] = extent_crc(buf).to_bytes(4, "little")
+    return buf
+
+
 def _write_layer(ckpt: Checkpoint, plan: _Plan, layer: int, path: Path, bar) -> dict:
     """One MoE layer's expert file: extent e at e * expert_nbytes.
 
@@ -294,13 +306,7 @@ def _write_layer(ckpt: Checkpoint, plan: _Plan, layer: int, path: Path, bar) -> 
     _, nbytes = expert_extent(kind, lay.hidden, lay.intermediate)
 
     def extent(e: int) -> bytearray:
-        buf = bytearray()
-        for w in plan.expert_weights(ckpt, layer, e):
-            q.pack(q.quantize(w, kind), buf)
-        buf += bytes(nbytes - TRAILER.size - len(buf))
-        buf += TRAILER.pack(0, TRAILER_MAGIC, layer, e)
-        buf[nbytes - TRAILER.size: nbytes - TRAILER.size + 4] = extent_crc(buf).to_bytes(4, "little")
-        return buf
+        return pack_extent([q.quantize(w, kind) for w in plan.expert_weights(ckpt, layer, e)], layer, e, nbytes)
 
     out, crcs = _CrcWriter(path), []
 
