@@ -21,6 +21,8 @@ typedef struct {
     int n;              // tokens routed to this expert
     int32_t *tok;       // [n] token (row of x) of each
     float *h;           // [n, inter] silu(gate x) * (up x)
+    float *g;           // [n, inter] scratch: gate x, when the rows are computed several tokens at once
+    float **grow, **hrow;  // [n] rows of g and h, for rows_fn
     Acts h_acts;        // h laid out for down
     float **yrow;       // [n] output row of each (a slot of outs)
     int per_up, per_down;  // rows per task in phase 1 / 2
@@ -54,6 +56,17 @@ static void gate_up_task(void *ctx, int task) {
     int inter = e->gate->rows;
     int r0 = (task - m->first[ei]) * e->per_up;
     int r1 = r0 + e->per_up < inter ? r0 + e->per_up : inter;
+    rows_fn rg = path_rows(m->path, e->gate->kind, a->act), ru = path_rows(m->path, e->up->kind, a->act);
+    if (rg != NULL && ru != NULL && e->n > 1) {  // each weight row unpacked once for every token
+        for (int r = r0; r < r1; r++) {
+            rg(e->gate, r, a, e->tok, e->n, e->grow);
+            ru(e->up, r, a, e->tok, e->n, e->hrow);
+        }
+        for (int i = 0; i < e->n; i++) {
+            for (int r = r0; r < r1; r++) e->hrow[i][r] = silu(e->grow[i][r]) * e->hrow[i][r];
+        }
+        return;
+    }
     for (int r = r0; r < r1; r++) {
         for (int i = 0; i < e->n; i++) {
             float g = dg(e->gate, r, a, e->tok[i]);
@@ -125,7 +138,11 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
     size_t h_size = 0;
     for (int e = 0; e < n_experts; e++) h_size += (size_t)(start[e + 1] - start[e]) * (size_t)mats[3 * e]->rows;
     float *h = malloc((h_size + 1) * sizeof *h);
-    if (ex == NULL || first == NULL || tok == NULL || yrow == NULL || h == NULL) status = COLI_ENOMEM;
+    float *g = malloc((h_size + 1) * sizeof *g);
+    float **ghrow = malloc(2 * ((size_t)total + 1) * sizeof *ghrow);
+    if (ex == NULL || first == NULL || tok == NULL || yrow == NULL || h == NULL || g == NULL || ghrow == NULL) {
+        status = COLI_ENOMEM;
+    }
 
     // ---- lay out x once per weight kind; each expert's tokens, intermediate and output rows
     size_t h_at = 0;
@@ -148,9 +165,16 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
             E->tok[i] = s / k;
             E->yrow[i] = outs + (size_t)s * (size_t)hidden;
         }
-        E->h = h + h_at;
-        h_at += (size_t)E->n * (size_t)E->gate->rows;
         int inter = E->gate->rows;
+        E->h = h + h_at;
+        E->g = g + h_at;
+        E->grow = ghrow + 2 * (size_t)start[e];
+        E->hrow = E->grow + E->n;
+        for (int i = 0; i < E->n; i++) {
+            E->grow[i] = E->g + (size_t)i * (size_t)inter;
+            E->hrow[i] = E->h + (size_t)i * (size_t)inter;
+        }
+        h_at += (size_t)E->n * (size_t)inter;
         int bytes_per_row = kind == QKIND_F32 ? 4 * hidden : kind == QKIND_INT8 ? hidden : hidden / 2;
         E->per_up = rows_per_task(inter, n_experts * (2.0 * E->n * hidden + 2 * bytes_per_row));
         E->per_down = rows_per_task(hidden, n_experts * ((double)E->n * inter + bytes_per_row * inter / (double)hidden));
@@ -190,6 +214,8 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
     free(tok);
     free(yrow);
     free(h);
+    free(g);
+    free(ghrow);
     return status;
 }
 

@@ -57,6 +57,7 @@ int io_close(int fd);
 // One aligned probe read (O_DIRECT can be accepted by open and refused by read): 0 or -errno.
 int io_probe(int fd, int64_t nbytes);
 uint32_t io_crc32(uint32_t crc, const void *data, int64_t nbytes);  // zlib.crc32(data, crc)
+uint32_t io_crc32_portable(uint32_t crc, const void *data, int64_t nbytes);  // the same, tables only
 void *io_alloc(int64_t nbytes);              // 4096-aligned, NULL when out of memory
 void io_free(void *buf);
 // Read nbytes at offset into buf on the calling thread (GIL released): bytes read or -errno.
