@@ -6,6 +6,7 @@ resident; prints the share of time inside the C kernels and the top Python funct
 import argparse
 import cProfile
 import pstats
+import os
 import time
 
 import numpy as np
@@ -49,7 +50,7 @@ def main() -> None:
     print(f"under the profiler: {total / args.tokens * 1e3:.2f} ms per token; C kernels {100 * in_c / total:.0f}%, "
           f"other built-ins (NumPy, dict, …) {100 * numpy_c / total:.0f}%, "
           f"Python code {100 * (total - in_c - numpy_c) / total:.0f}%")
-    stats.sort_stats("tottime").print_stats(15)
+    stats.sort_stats(os.environ.get("SORT", "tottime")).print_stats(int(os.environ.get("TOP", "15")))
 
 
 if __name__ == "__main__":

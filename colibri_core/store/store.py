@@ -246,6 +246,8 @@ class ExpertStore:
         nxt = self.next_layer.get(layer)
         if not self.config.prefetch or nxt is None or self.model is None:
             return
+        if len(self.cache[nxt]) + len(self.pinned[nxt]) == self.container.n_experts:
+            return  # every expert of the next layer is resident: nothing to predict
         ids = self.model.predict_experts(nxt, hidden)
         if ids is None:
             return
