@@ -168,119 +168,118 @@ AVX2 static float dot_int8_q8_avx2(const QMatrix *w, int r, const Acts *a, int t
     return tree8_avx2(L) * ((const float *)w->scales)[r];
 }
 
-AVX2 static float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
-    int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
-    size_t row_bytes = ((size_t)cols + 1) / 2;
+// int4 weights x int8 activations, one chunk of 8 groups (512 columns) at a time. Per group g:
+// isum[g] = Σ (q + 8)·xq − 8·Σ xq (the nibbles used unsigned; exact in int32), then per chunk
+// term = float(isum) · (float32(scale) · xs) for the 8 groups as the 8 lanes, L += term.
+
+// Σ (q + 8)·xq over the 8 groups of a chunk (lane i = group i). `lohi`: per group the 32 low
+// nibbles (even columns) then the 32 high ones (odd columns), unpacked; xq: the chunk's 512 values.
+// Pair sums <= 2 * 15 * 127, their sum over lo and hi <= 7620: fits int16.
+AVX2 static inline __m256i chunk_isum(const uint8_t *lohi, const int8_t *xq) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[8];
+    for (int i = 0; i < 8; i++) {
+        __m256i lo = _mm256_load_si256((const __m256i *)(lohi + 64 * i));
+        __m256i hi = _mm256_load_si256((const __m256i *)(lohi + 64 * i + 32));
+        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + 64 * i))),
+                                     _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + 64 * i + 32))));
+        acc[i] = _mm256_madd_epi16(p, ones);
+    }
+    return hsum8_epi32(acc);
+}
+
+// Unpack the chunk of 8 groups starting at group g0 of a row into `lohi` (512 bytes, 32-aligned).
+// Groups past `ngroups` and bytes past `row_bytes` read as q = 0 (nibble 8), their scale as 0.
+AVX2 static inline void chunk_unpack(uint8_t *lohi, const uint8_t *wr, size_t row_bytes, int g0, int ngroups) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    uint8_t tmp[32];
+    for (int i = 0; i < 8; i++) {
+        size_t at = (size_t)(g0 + i) * 32;
+        const uint8_t *bp = wr + at;
+        if (at + 32 > row_bytes) {  // the row's last, short group, or past the row
+            memset(tmp, 0x88, 32);
+            if (g0 + i < ngroups) memcpy(tmp, bp, row_bytes - at);
+            bp = tmp;
+        }
+        __m256i b = _mm256_loadu_si256((const __m256i *)bp);
+        _mm256_store_si256((__m256i *)(lohi + 64 * i), _mm256_and_si256(b, low4));
+        _mm256_store_si256((__m256i *)(lohi + 64 * i + 32), _mm256_and_si256(_mm256_srli_epi16(b, 4), low4));
+    }
+}
+
+// The float32 scales of the chunk's 8 groups (0 past the row's last group).
+AVX2 static inline __m256 chunk_scales(const uint16_t *scales, int g0, int ngroups) {
+    if (g0 + 8 <= ngroups) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g0)));
+    uint16_t stmp[8] = {0};
+    memcpy(stmp, scales + g0, (size_t)(ngroups - g0) * sizeof(uint16_t));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)stmp));
+}
+
+// The chunk's term for one token: float(isum − 8 Σ xq) · (scale · xs), lanes = groups.
+AVX2 static inline __m256 chunk_term(__m256i isum, __m256 ws, const int32_t *xsum, const float *xs) {
+    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)xsum), 3));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ws, _mm256_loadu_ps(xs)));
+}
+
+// Row r for tokens tok[0..n) (NULL: 0..n): each chunk of the row is unpacked once, then every
+// token's sums run from the unpacked copy in L1 — the same operations per (row, token) whatever n.
+AVX2 static void rows_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n,
+                                   float *const *yrow) {
+    int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
+    size_t row_bytes = ((size_t)w->cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
     const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
-    const int8_t *xq = a->xq + (size_t)t * a->stride;  // per block: 32 even, then 32 odd columns
+    _Alignas(32) uint8_t lohi[512];
+    enum { BLOCK = 32 };  // tokens per pass over the row
+    __m256 L[BLOCK];
+    for (int i0 = 0; i0 < n; i0 += BLOCK) {
+        int nt = n - i0 < BLOCK ? n - i0 : BLOCK;
+        for (int i = 0; i < nt; i++) L[i] = _mm256_setzero_ps();
+        for (int g0 = 0; g0 < a->nb8; g0 += 8) {
+            chunk_unpack(lohi, wr, row_bytes, g0, ngroups);
+            __m256 ws = chunk_scales(sr, g0, ngroups);
+            for (int i = 0; i < nt; i++) {
+                size_t t = (size_t)(tok != NULL ? tok[i0 + i] : i0 + i);
+                __m256i isum = chunk_isum(lohi, a->xq + t * a->stride + (size_t)g0 * 64);
+                size_t at = t * (size_t)a->nb8 + (size_t)g0;
+                L[i] = _mm256_add_ps(L[i], chunk_term(isum, ws, a->xsum + at, a->xs + at));
+            }
+        }
+        for (int i = 0; i < nt; i++) yrow[i0 + i][r] = tree8_avx2(L[i]);
+    }
+}
+
+// One token: whole chunks straight from the weights (no unpacked copy), the last one via the copy.
+AVX2 static float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
+    int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
+    size_t row_bytes = ((size_t)w->cols + 1) / 2;
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+    const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
+    const int8_t *xq = a->xq + (size_t)t * a->stride;
     const float *xs = a->xs + (size_t)t * (size_t)a->nb8;
     const int32_t *xsum = a->xsum + (size_t)t * (size_t)a->nb8;
     const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     __m256 L = _mm256_setzero_ps();
-    uint8_t tmp[32];
-    uint16_t stmp[8];
-    for (int g0 = 0; g0 < a->nb8; g0 += 8) {
+    int g0 = 0;
+    for (; (size_t)(g0 + 8) * 32 <= row_bytes && g0 + 8 <= ngroups; g0 += 8) {
         __m256i acc[8];
         for (int i = 0; i < 8; i++) {
-            int g = g0 + i;
-            if (g >= ngroups) {
-                acc[i] = _mm256_setzero_si256();
-                continue;
-            }
-            const uint8_t *bp = wr + (size_t)g * 32;
-            if ((size_t)g * 32 + 32 > row_bytes) {
-                memset(tmp, 0x88, 32);
-                memcpy(tmp, bp, row_bytes - (size_t)g * 32);
-                bp = tmp;
-            }
-            __m256i b = _mm256_loadu_si256((const __m256i *)bp);
-            __m256i lo = _mm256_and_si256(b, low4);                         // q + 8 of the even columns
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);   // q + 8 of the odd columns
-            __m256i xe = _mm256_loadu_si256((const __m256i *)(xq + (size_t)g * 64));
-            __m256i xo = _mm256_loadu_si256((const __m256i *)(xq + (size_t)g * 64 + 32));
-            // pair sums <= 2 * 15 * 127, their sum over lo and hi <= 7620: fits int16
-            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(wr + (size_t)(g0 + i) * 32));
+            __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+            const int8_t *x = xq + (size_t)(g0 + i) * 64;
+            __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 32))));
             acc[i] = _mm256_madd_epi16(p, ones);
         }
-        // isum[g] = Σ (q + 8) xq - 8 Σ xq
-        __m256i isum = _mm256_sub_epi32(hsum8_epi32(acc), _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xsum + g0)), 3));
-        const uint16_t *sp = sr + g0;
-        if (g0 + 8 > ngroups) {
-            memset(stmp, 0, sizeof stmp);
-            memcpy(stmp, sp, (size_t)(ngroups - g0) * sizeof(uint16_t));
-            sp = stmp;
-        }
-        __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sp));
-        __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(xs + g0));
-        L = _mm256_add_ps(L, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), c));
+        L = _mm256_add_ps(L, chunk_term(hsum8_epi32(acc), chunk_scales(sr, g0, ngroups), xsum + g0, xs + g0));
+    }
+    if (g0 < a->nb8) {  // the last, partial chunk
+        _Alignas(32) uint8_t lohi[512];
+        chunk_unpack(lohi, wr, row_bytes, g0, ngroups);
+        L = _mm256_add_ps(L, chunk_term(chunk_isum(lohi, xq + (size_t)g0 * 64), chunk_scales(sr, g0, ngroups), xsum + g0,
+                                        xs + g0));
     }
     return tree8_avx2(L);
-}
-
-// Row r for n tokens, 4 at a time: each group's nibbles are unpacked once for 4 tokens; every
-// (row, token) goes through exactly the operations of dot_int4_q8_avx2.
-AVX2 static void rows_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n,
-                                   float *const *yrow) {
-    int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
-    size_t row_bytes = ((size_t)cols + 1) / 2;
-    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
-    const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
-    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    uint8_t tmp[32];
-    uint16_t stmp[8];
-    for (int i0 = 0; i0 < n; i0 += 4) {
-        int nt = n - i0 < 4 ? n - i0 : 4;
-        const int8_t *xq[4];
-        const float *xs[4];
-        const int32_t *xsum[4];
-        for (int u = 0; u < nt; u++) {
-            size_t t = (size_t)(tok != NULL ? tok[i0 + u] : i0 + u);
-            xq[u] = a->xq + t * a->stride;
-            xs[u] = a->xs + t * (size_t)a->nb8;
-            xsum[u] = a->xsum + t * (size_t)a->nb8;
-        }
-        __m256 L[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int g0 = 0; g0 < a->nb8; g0 += 8) {
-            __m256i acc[4][8];
-            for (int i = 0; i < 8; i++) {
-                int g = g0 + i;
-                if (g >= ngroups) {
-                    for (int u = 0; u < 4; u++) acc[u][i] = _mm256_setzero_si256();
-                    continue;
-                }
-                const uint8_t *bp = wr + (size_t)g * 32;
-                if ((size_t)g * 32 + 32 > row_bytes) {
-                    memset(tmp, 0x88, 32);
-                    memcpy(tmp, bp, row_bytes - (size_t)g * 32);
-                    bp = tmp;
-                }
-                __m256i b = _mm256_loadu_si256((const __m256i *)bp);
-                __m256i lo = _mm256_and_si256(b, low4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
-                for (int u = 0; u < nt; u++) {
-                    __m256i xe = _mm256_loadu_si256((const __m256i *)(xq[u] + (size_t)g * 64));
-                    __m256i xo = _mm256_loadu_si256((const __m256i *)(xq[u] + (size_t)g * 64 + 32));
-                    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
-                    acc[u][i] = _mm256_madd_epi16(p, ones);
-                }
-            }
-            const uint16_t *sp = sr + g0;
-            if (g0 + 8 > ngroups) {
-                memset(stmp, 0, sizeof stmp);
-                memcpy(stmp, sp, (size_t)(ngroups - g0) * sizeof(uint16_t));
-                sp = stmp;
-            }
-            __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sp));
-            for (int u = 0; u < nt; u++) {
-                __m256i isum = _mm256_sub_epi32(hsum8_epi32(acc[u]),
-                                                _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xsum[u] + g0)), 3));
-                __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(xs[u] + g0));
-                L[u] = _mm256_add_ps(L[u], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), c));
-            }
-        }
-        for (int u = 0; u < nt; u++) yrow[i0 + u][r] = tree8_avx2(L[u]);
-    }
 }
 
 const Path PATH_AVX2 = {"avx2", dot_f32_avx2, dot_int8_f32_avx2, dot_int8_q8_avx2, dot_int4_f32_avx2,

@@ -342,6 +342,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefill)")
     ap.add_argument("--gen", type=int, default=32, help="decoded tokens")
     ap.add_argument("--activations", choices=("int8", "f32"), default="int8")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating runs of the two engines (median reported)")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic models in bench-data/")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -361,15 +362,29 @@ def main() -> None:
         gpath.with_suffix(".partial").rename(gpath)
     load_before = os.getloadavg()[0]
     read = in_child("read", cdir, args)["read_gbps"]
-    ours = in_child("colibri", cdir, args)
-    theirs = in_child("llama", gpath, args)
+    # The engines alternate, round after round: this shared machine's speed drifts by up to 2x
+    # within minutes, so each round's ratio compares runs made side by side; the median is reported.
+    rounds = []
+    for i in range(args.rounds):
+        ours, theirs = in_child("colibri", cdir, args), in_child("llama", gpath, args)
+        rounds.append({"colibri": ours, "llama_cpp": theirs,
+                       "decode_ratio": ours["decode_tok_s"] / theirs["decode_tok_s"],
+                       "prefill_ratio": ours["prefill_tok_s"] / theirs["prefill_tok_s"]})
+        print(f"round {i + 1}: decode colibri {ours['decode_tok_s']:.1f} vs llama.cpp {theirs['decode_tok_s']:.1f} tok/s "
+              f"({rounds[-1]['decode_ratio']:.2f}x); prefill {ours['prefill_tok_s']:.1f} vs "
+              f"{theirs['prefill_tok_s']:.1f} ({rounds[-1]['prefill_ratio']:.2f}x)", file=sys.stderr)
+
+    def median(key: str, engine: str | None = None) -> float:
+        vals = sorted(r[key] if engine is None else r[engine][key] for r in rounds)
+        return vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+
     result = {"model": asdict(d), "threads": args.threads, "prompt_tokens": args.prompt, "decode_tokens": args.gen,
-              "read_gbps": read, "load_average_before": load_before, "colibri": ours, "llama_cpp": theirs,
-              "decode_ratio": ours["decode_tok_s"] / theirs["decode_tok_s"],
-              "prefill_ratio": ours["prefill_tok_s"] / theirs["prefill_tok_s"]}
+              "read_gbps": read, "load_average_before": load_before, "rounds": rounds,
+              "decode_ratio": median("decode_ratio"), "prefill_ratio": median("prefill_ratio")}
     print(json.dumps(result, indent=2))
-    print(f"{tag}: decode colibri {ours['decode_tok_s']:.1f} tok/s vs llama.cpp {theirs['decode_tok_s']:.1f} "
-          f"({result['decode_ratio']:.2f}x); prefill {ours['prefill_tok_s']:.1f} vs {theirs['prefill_tok_s']:.1f} "
+    print(f"{tag}: median of {args.rounds} rounds: decode colibri {median('decode_tok_s', 'colibri'):.1f} tok/s vs "
+          f"llama.cpp {median('decode_tok_s', 'llama_cpp'):.1f} ({result['decode_ratio']:.2f}x); prefill "
+          f"{median('prefill_tok_s', 'colibri'):.1f} vs {median('prefill_tok_s', 'llama_cpp'):.1f} "
           f"({result['prefill_ratio']:.2f}x); read {read:.1f} GB/s, {args.threads} threads")
     if not args.keep:
         shutil.rmtree(cdir, ignore_errors=True)
