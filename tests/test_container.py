@@ -175,7 +175,10 @@ def test_container_api(sources, int4_container):
     res = c.resident()
     assert sorted(res) == sorted(layout.resident)
     for name, t in res.items():
-        if layout.stays_f32(name, src_tensors[name].ndim):  # kept f32: plain ndarray, exact
+        if layout.stays_f32(name, src_tensors[name].ndim) and src_tensors[name].ndim == 2:  # kept f32, exact
+            assert isinstance(t, quant.QTensor) and t.kind == "f32"  # a matrix: for the C kernels
+            np.testing.assert_array_equal(t.data, src_tensors[name])
+        elif layout.stays_f32(name, src_tensors[name].ndim):  # 1-D: a plain ndarray, exact
             assert isinstance(t, np.ndarray) and t.dtype == np.float32
             np.testing.assert_array_equal(t, src_tensors[name])
         else:

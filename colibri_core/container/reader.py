@@ -381,11 +381,14 @@ class Container:
         return total
 
     def resident(self) -> dict[str, quant.QTensor | np.ndarray]:
-        """Every resident tensor by checkpoint name (read from disk on each call)."""
+        """Every resident tensor by checkpoint name (read from disk on each call): matrices as QTensors
+        (kind f32 for those the layout keeps unquantised), other arrays as ndarrays."""
         out = {}
         for name, (kind, shape) in self._resident.items():
             arrays = [self._where[part].read(part) for part, _, _ in self._parts(name, kind, shape)]
-            if kind == ARRAY:
+            if kind == ARRAY and arrays[0].ndim == 2 and arrays[0].dtype == np.float32:
+                out[name] = quant.QTensor("f32", shape[0], shape[1], arrays[0], None)  # a matrix kept f32: C kernels
+            elif kind == ARRAY:
                 out[name] = arrays[0]
             else:
                 out[name] = quant.QTensor(kind, shape[0], shape[1], arrays[0], arrays[1] if len(arrays) > 1 else None)
