@@ -444,6 +444,10 @@ def test_attention_matches_reference_on_every_thread_count(thread_counts, T, H, 
         kernels.set_threads(n)
         assert_same_bits(kernels.attention(q, k, v, start, D ** -0.5), got, f"{n} threads")
     assert_same_bits(kernels.attention(q[-1:], k, v, S - 1, D ** -0.5), got[-1:], "one token alone")
+    for path in supported_paths():  # the SIMD loops keep the portable lane order: the same bits
+        kernels.set_simd(path)
+        assert_same_bits(kernels.attention(q, k, v, start, D ** -0.5), got, f"path {path}")
+    kernels.set_simd("auto")
 
 
 def test_layers_reject_bad_shapes():
