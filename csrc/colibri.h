@@ -142,6 +142,12 @@ int moe_combine(float *out, const float *outs, const float *weights, int T, int 
 // ----------------------------------------------------------------------------
 // layers.c — per-token layers (references: colibri_core/kernels/reference.py)
 
+// The softmax router: per token, p = softmax(logits) over all E experts (max subtracted, float32),
+// ids = the k largest p, largest first, ties to the lower index; weights = p[ids], divided by their
+// sum (added in rank order) when `renormalize`. logits: f32 [T, E]; weights: f32 [T, k]; ids: int64
+// [T, k]; 1 <= k <= E.
+int softmax_topk(float *weights, int64_t *ids, const float *logits, int T, int E, int k, int renormalize);
+
 // out = x / sqrt(mean(x^2) + eps) * weight, row by row. out, x: f32 [n, dim]; weight: f32 [dim].
 int rms_norm(float *out, const float *x, const float *weight, int n, int dim, float eps);
 

@@ -34,6 +34,44 @@ int rms_norm(float *out, const float *x, const float *weight, int n, int dim, fl
     return COLI_OK;
 }
 
+int softmax_topk(float *weights, int64_t *ids, const float *logits, int T, int E, int k, int renormalize) {
+    if (T < 0 || E < 1 || k < 1 || k > E) return COLI_EINVAL;
+    float *p = malloc((size_t)E * sizeof(float));
+    char *taken = malloc((size_t)E);
+    if (p == NULL || taken == NULL) {
+        free(p);
+        free(taken);
+        return COLI_ENOMEM;
+    }
+    for (size_t t = 0; t < (size_t)T; t++) {
+        const float *l = logits + t * (size_t)E;
+        float m = l[0], sum = 0.0f;
+        for (int e = 1; e < E; e++) m = l[e] > m ? l[e] : m;
+        for (int e = 0; e < E; e++) sum += p[e] = expf(l[e] - m);
+        for (int e = 0; e < E; e++) p[e] /= sum;
+        memset(taken, 0, (size_t)E);
+        float *w = weights + t * (size_t)k;
+        int64_t *id = ids + t * (size_t)k;
+        for (int r = 0; r < k; r++) {  // the largest not yet taken; ties to the lower index, NaN last
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                if (!taken[e] && (best < 0 || p[e] > p[best] || (p[best] != p[best] && p[e] == p[e]))) best = e;
+            }
+            taken[best] = 1;
+            id[r] = best;
+            w[r] = p[best];
+        }
+        if (renormalize) {
+            float total = 0.0f;
+            for (int r = 0; r < k; r++) total += w[r];
+            for (int r = 0; r < k; r++) w[r] /= total;
+        }
+    }
+    free(p);
+    free(taken);
+    return COLI_OK;
+}
+
 int rope_rotate_half(float *out, const float *x, const float *cos, const float *sin, int T, int heads, int dim) {
     if (T < 0 || heads < 0 || dim < 0 || dim % 2) return COLI_EINVAL;
     int half = dim / 2;

@@ -498,3 +498,25 @@ def test_matmul_t_matches_reference_bit_for_bit(kind, rows, cols):
     assert kernels.matmul_t(w, np.zeros((0, rows), np.float32)).shape == (0, cols)
     with pytest.raises(ValueError, match=r"matmul_t: x must be \[n, "):
         kernels.matmul_t(w, np.zeros((1, rows + 1), np.float32))
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 1, 1), (1, 64, 8), (5, 128, 8), (3, 7, 7), (2, 600, 9), (0, 4, 2)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_softmax_topk_matches_reference(T, E, k, renormalize):
+    rng = np.random.default_rng([T, E, k])
+    logits = (rng.standard_normal((T, E)) * 4).astype(np.float32)
+    w, ids = kernels.softmax_topk(logits, k, renormalize)
+    w_ref, ids_ref = reference.softmax_topk(logits, k, renormalize)
+    assert ids.dtype == np.int64 and w.dtype == np.float32 and w.shape == ids.shape == (T, k)
+    np.testing.assert_array_equal(ids, ids_ref)
+    assert_close(w, w_ref, 2e-5 * w_ref + 1e-12)  # within float32 rounding (sums in another order)
+
+
+def test_softmax_topk_ties_go_to_the_lower_index_and_nan_never_gives_a_bad_id():
+    logits = np.array([[1, 3, 3, 0, 3], [np.nan] * 5], np.float32)
+    _, ids = kernels.softmax_topk(logits, 4, False)
+    np.testing.assert_array_equal(ids[0], [1, 2, 4, 0])
+    np.testing.assert_array_equal(ids[0], reference.softmax_topk(logits[:1], 4, False)[1][0])
+    assert sorted(ids[1]) == sorted(set(ids[1])) and ids[1].min() >= 0 and ids[1].max() < 5
+    with pytest.raises(ValueError, match="k must be 1..5"):
+        kernels.softmax_topk(logits, 6, False)

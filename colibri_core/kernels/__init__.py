@@ -48,7 +48,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         "install the package (`pip install -e .` in a checkout) to compile csrc/"
     ) from e
 
-__all__ = ["matmul", "matmul_multi", "matmul_t", "expert_ffn", "moe_experts", "moe_combine", "rms_norm", "rope_rotate_half", "attention",
+__all__ = ["matmul", "matmul_multi", "matmul_t", "expert_ffn", "moe_experts", "moe_combine", "softmax_topk", "rms_norm", "rope_rotate_half", "attention",
            "activations", "ACTIVATIONS",
            "simd", "set_simd", "simd_supported", "SIMD_PATHS", "threads", "set_threads", "reference"]
 
@@ -237,6 +237,21 @@ def moe_combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
     if out.size:
         _check(lib.moe_combine(_floats(out, writable=True), _floats(outs), _floats(weights), T, k, H), "moe_combine")
     return out
+
+
+def softmax_topk(logits: np.ndarray, k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The softmax router in one C call: logits (T, E) → weights float32 (T, k), ids int64 (T, k)
+    (the k most probable experts, most probable first, ties to the lower index; weights divided
+    by their sum when `renormalize`). `reference.softmax_topk` is the NumPy version."""
+    logits = np.ascontiguousarray(logits, np.float32)
+    T, E = logits.shape
+    if not 1 <= k <= E:
+        raise ValueError(f"softmax_topk: k must be 1..{E}, got {k}")
+    weights, ids = np.empty((T, k), np.float32), np.empty((T, k), np.int64)
+    if T:
+        _check(lib.softmax_topk(_floats(weights, writable=True), ffi.from_buffer("int64_t[]", ids, require_writable=True),
+                                _floats(logits), T, E, k, int(renormalize)), "softmax_topk")
+    return weights, ids
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

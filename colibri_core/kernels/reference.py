@@ -170,6 +170,19 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, s
     return out.transpose(2, 0, 1, 3).reshape(T, H * D).astype(np.float32, copy=False)
 
 
+def softmax_topk(logits: np.ndarray, k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax over all experts, then top-k (ties to the lower index); optionally renormalise the
+    chosen weights to sum 1. logits (T, E) → weights (T, k) float32, ids (T, k) int64."""
+    z = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True)
+    probs = np.exp(z)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, ids, axis=-1)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights.astype(np.float32), ids
+
+
 def moe_combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Σ_rank weights[t, r] · outs[t, r], summed in rank order. outs (T, k, H), weights (T, k) → (T, H)."""
     out = outs[:, 0] * weights[:, :1]

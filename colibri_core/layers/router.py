@@ -1,6 +1,8 @@
 """Routers: token → (expert ids, expert weights)."""
 import numpy as np
 
+from .. import kernels
+
 
 def topk(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest scores per row, largest first; ties go to the lower index. (T, E) → (T, k)."""
@@ -10,16 +12,10 @@ def topk(scores: np.ndarray, k: int) -> np.ndarray:
 def softmax_topk(logits: np.ndarray, k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
     """Softmax over all experts, then top-k; optionally renormalise the chosen weights to sum 1.
 
-    logits (T, E) → weights (T, k) float32, ids (T, k) int64.
+    logits (T, E) → weights (T, k) float32, ids (T, k) int64. One C call (kernels.softmax_topk;
+    NumPy reference: kernels.reference.softmax_topk).
     """
-    z = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True)
-    probs = np.exp(z)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    ids = topk(probs, k)
-    weights = np.take_along_axis(probs, ids, axis=-1)
-    if renormalize:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-    return weights.astype(np.float32), ids
+    return kernels.softmax_topk(logits, k, renormalize)
 
 
 def sigmoid_group_topk(logits: np.ndarray, bias: np.ndarray, k: int, n_group: int, topk_group: int,
