@@ -189,16 +189,22 @@ AVX2 static inline __m256i chunk_isum(const uint8_t *lohi, const int8_t *xq) {
 }
 
 // Unpack the chunk of 8 groups starting at group g0 of a row into `lohi` (512 bytes, 32-aligned).
-// Groups past `ngroups` and bytes past `row_bytes` read as q = 0 (nibble 8), their scale as 0.
+// Bytes past `row_bytes` in the last group read as q = 0 (nibble 8); groups past `ngroups` as zeros
+// (their activations are zero padding, so either adds 0).
 AVX2 static inline void chunk_unpack(uint8_t *lohi, const uint8_t *wr, size_t row_bytes, int g0, int ngroups) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     uint8_t tmp[32];
     for (int i = 0; i < 8; i++) {
         size_t at = (size_t)(g0 + i) * 32;
         const uint8_t *bp = wr + at;
-        if (at + 32 > row_bytes) {  // the row's last, short group, or past the row
+        if (g0 + i >= ngroups) {  // past the row: its activations are zeros, any weight adds 0
+            _mm256_store_si256((__m256i *)(lohi + 64 * i), _mm256_setzero_si256());
+            _mm256_store_si256((__m256i *)(lohi + 64 * i + 32), _mm256_setzero_si256());
+            continue;
+        }
+        if (at + 32 > row_bytes) {  // the row's last, short group
             memset(tmp, 0x88, 32);
-            if (g0 + i < ngroups) memcpy(tmp, bp, row_bytes - at);
+            memcpy(tmp, bp, row_bytes - at);
             bp = tmp;
         }
         __m256i b = _mm256_loadu_si256((const __m256i *)bp);
