@@ -108,6 +108,28 @@ def test_pinning_on_gives_the_same_outputs(model, baseline, tmp_path):
         check_same(e, baseline)
 
 
+def test_pinned_experts_are_read_in_the_background_and_once(model, baseline, tmp_path):
+    """At load the hot-store starts one read per I/O thread and queues the rest (hottest first);
+    a layer needing a queued one reads it at once (a miss); `warm_up` reads the rest; each once."""
+    history = tmp_path / "usage.json"
+    pin = dict(cache_slots=1, pin_gb=12 * 8192 / 1e9, usage=history)
+    with load(model, **pin) as e:
+        check_same(e, baseline, turns=1)
+    with load(model, io_threads=1, **pin) as e:
+        s = e.stats()
+        assert s["pinned_experts"] == 12 and s["reads"] == 1 and s["pinned_queued"] == 11
+        layer, expert = e.store._pin_queue[-1]  # the coldest queued
+        e.store.get(layer, expert)
+        assert e.stats()["expert_misses"] == 1 and e.store.pinned[layer][expert].tensors is not None
+        seconds, n = e.store.warm_up()
+        s = e.stats()
+        assert n == 11 and seconds >= 0 and s["pinned_queued"] == 0 and s["reads"] == 12
+        assert all(entry.tensors is not None for p in e.store.pinned.values() for entry in p.values())
+        check_same(e, baseline)
+    with load(model, io_threads=2, **pin) as e:  # no warm-up: queued experts read on demand or in the background
+        check_same(e, baseline)
+
+
 def test_everything_at_once(model, baseline, tmp_path):
     mirror = copy_model(model, tmp_path / "mirror")
     history = tmp_path / "usage.json"
