@@ -130,6 +130,18 @@ def test_pinned_experts_are_read_in_the_background_and_once(model, baseline, tmp
         check_same(e, baseline)
 
 
+def test_a_read_in_flight_is_computed_before_a_deferred_read_needs_its_slot(model, monkeypatch):
+    """One slot holding a lookahead read still in flight that the layer needs, and a miss with a
+    lower id: the read in flight is yielded first, then its slot goes to the miss."""
+    with load(model, cache_slots=1, usage=False, prefetch=False) as e:
+        s = e.store
+        layer = next(iter(s.layer_index))
+        s._insert(layer, 7, prefetched=True)  # as the lookahead does
+        monkeypatch.setattr(s.pool, "done", lambda read: False)  # not finished when the layer asks
+        got = [sorted(group) for group in s.experts(layer, np.array([[0, 7]]))]
+    assert got == [[7], [0]]
+
+
 def test_everything_at_once(model, baseline, tmp_path):
     mirror = copy_model(model, tmp_path / "mirror")
     history = tmp_path / "usage.json"

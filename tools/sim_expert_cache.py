@@ -61,8 +61,9 @@ def record(model: Path, trace: Path, n_prompts: int, prompt_tokens: int, new_tok
 
 
 class Sim:
-    """The store's cache semantics: batch-union lookups, LRU eviction, lookahead prefetch of at most
-    `slots` predicted experts (protected while inserted), pinned experts never evicted."""
+    """The store's cache semantics: batch-union lookups, LRU (or LFU seeded with `lfu_prior`) eviction,
+    lookahead prefetch of at most `slots` predicted experts (protected while inserted), pinned
+    experts never evicted. Reads complete at once: no timing, only what is read."""
 
     def __init__(self, layers, slots: int, pinned: dict[int, set[int]], prefetch: bool, lfu_prior=None):
         self.slots, self.pinned, self.prefetch = slots, pinned, prefetch
@@ -108,7 +109,9 @@ class Sim:
             self._touch(layer, e)
         if self.prefetch and pred is not None:
             nxt, pids = pred
-            votes = np.bincount(np.asarray(pids).ravel(), minlength=64)
+            pids = np.asarray(pids)  # (T, k) best first: votes weighted by rank, as the store counts them
+            weights = np.broadcast_to(np.arange(pids.shape[1], 0, -1), pids.shape)
+            votes = np.bincount(pids.ravel(), weights=weights.ravel(), minlength=64)
             order = [int(e) for e in np.argsort(-votes, kind="stable") if votes[e] > 0][: self.slots]
             prot = set(order)
             for e in order:

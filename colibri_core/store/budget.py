@@ -19,8 +19,8 @@ from pathlib import Path
 from ..errors import ColibriError
 
 # the hot-store's default share of the expert budget once there is routing history: replaying the
-# bench workload (tools/sim_expert_cache.py), a second session reads 15 % (at 25 % of the experts)
-# and 68 % (at 50 %) fewer experts per decoded token than cold LRU with 3/4 pinned, 7 % and 11 % with 1/2
+# bench workload (tools/sim_expert_cache.py), a second session reads 25 % (at 25 % of the experts)
+# and 69 % (at 50 %) fewer experts per decoded token than cold LRU with 3/4 pinned, 7 % and 9 % with 1/2
 PIN_SHARE = 0.75
 
 

@@ -150,7 +150,9 @@ class ExpertStore:
         if ready:
             yield ready
             protected.difference_update(ready)
-        for i, e in enumerate(waiting):
+        # experts being read first: a deferred one may need the slot of one of them once computed
+        waiting.sort(key=lambda e: e not in pinned and e not in cache)
+        for e in waiting:
             entry = pinned.get(e) or cache.get(e)
             if entry is None:  # deferred: the cache was full of experts this layer still needed
                 self._make_room(layer, protected, block=True)
@@ -266,7 +268,12 @@ class ExpertStore:
         ids = self.model.predict_experts(nxt, hidden)
         if ids is None:
             return
-        votes = np.bincount(np.asarray(ids).ravel(), minlength=self.container.n_experts)
+        ids = np.asarray(ids)  # (T, k), each token's best first as the core's routers return them
+        T, k = ids.shape
+        # votes weighted by rank (k for a token's first choice … 1 for its last): when the cache
+        # cannot take every predicted expert, the likeliest go first (a last choice is right less often)
+        rank_weights = np.broadcast_to(np.arange(k, 0, -1), (T, k))
+        votes = np.bincount(ids.ravel(), weights=rank_weights.ravel(), minlength=self.container.n_experts)
         order = [int(e) for e in np.argsort(-votes, kind="stable") if votes[e] > 0]
         self._predicted[nxt] = set(order)
         wanted = order[: self.slots]  # never more than the cache holds
