@@ -14,7 +14,7 @@ import pytest
 from colibri_core import load, plugins
 from colibri_core.errors import ColibriError
 from colibri_core.store import io
-from colibri_core.store.usage import USAGE_FILE, ColibriWarning, hot_set
+from colibri_core.store.usage import USAGE_FILE, ColibriWarning, hot_set, pin_value
 
 from conftest import colibri
 
@@ -264,6 +264,16 @@ def test_hot_store_pins_automatically_with_enough_history(model, tmp_path):
     assert s["history_tokens"] >= 32 and s["pin_capacity"] > 0 and s["pinned_experts"] > 0
     assert s["cache_slots_per_layer"] < slots_before
     assert s["cache_bytes"] + s["pin_capacity"] * c.expert_nbytes + e.resident_bytes <= budget
+
+
+def test_pin_value_pins_where_the_cache_cannot_hold_a_layers_routing():
+    counts = np.array([[10, 9, 5, 5, 0, 0], [30, 0, 0, 0, 0, 20]])
+    # layer 1 routes to 2 experts, which a 2-slot cache holds: layer 0's wider routing is pinned first
+    assert hot_set(counts, 2) == {(1, 0), (1, 5)}
+    assert hot_set(pin_value(counts, 2), 2) == {(0, 0), (0, 1)}
+    assert hot_set(pin_value(counts, 2), 3) == {(0, 0), (0, 1), (1, 0)}  # capacity left: the most routed
+    assert hot_set(pin_value(counts, 0), 2) == hot_set(counts, 2)  # no cache: by counts alone
+    assert ((pin_value(counts, 2) > 0) == (counts > 0)).all()  # never-routed experts are worth nothing
 
 
 def test_hot_set_hysteresis():

@@ -9,8 +9,10 @@ expert cached, and writes each forward pass's routing per MoE layer and the rout
 prediction for it (routing never depends on placement, so one trace serves every placement).
 `simulate` replays it through LRU caches beside pinned sets, in pure Python: the cold session
 (prompts, then the warm repeat of the first), then the learned session (the same prompts, the
-hot-store chosen from the cold session's counts with `usage.hot_set`), and prints expert reads per
-decoded token (the bytes that decide the disk floor) and the demand misses (the reads decode waits for).
+hot-store chosen from the cold session's counts with `usage.hot_set`, by raw counts or by
+`usage.pin_value` as the store does), and prints expert reads per decoded token (the bytes that
+decide the disk floor) and the demand misses (the reads decode waits for); then each prompt replayed
+with a history recorded without it.
 """
 from __future__ import annotations
 
@@ -156,38 +158,51 @@ def counts_of(trace, run_ids) -> np.ndarray:
     return counts
 
 
+def _pinned(layers, pairs) -> dict[int, set[int]]:
+    out: dict[int, set[int]] = {}
+    for li, e in pairs:
+        out.setdefault(layers[li], set()).add(e)
+    return out
+
+
 def simulate(trace_path: Path) -> None:
-    from colibri_core.store.usage import hot_set
+    from colibri_core.store.usage import hot_set, pin_value
 
     trace = json.loads(trace_path.read_text())
     layers, E = trace["moe_layers"], trace["n_experts"]
     L, n = len(layers), len(trace["runs"])
     cold_runs = list(range(n)) + [0]  # the bench's cold session: the prompts, then the warm repeat
-    learned_runs = list(range(n))
     history = counts_of(trace, cold_runs)
-    distinct = int((history > 0).sum())
-    print(f"{L} MoE layers × {E} experts; the cold session routes to {distinct} distinct (layer, expert) pairs")
-    for frac in (0.25, 0.5):
+    print(f"{L} MoE layers × {E} experts; the cold session routes to {int((history > 0).sum())} distinct "
+          f"(layer, expert) pairs. Per decoded token: expert reads (demand misses, wasted prefetches)")
+
+    def row(hist, runs, budget, share, prefetch=True):
+        pinned_n = int(share * budget)
+        slots = (budget - pinned_n) // L
+        by_count = replay(trace, Sim(layers, slots, _pinned(layers, hot_set(hist, pinned_n)), prefetch), runs)
+        by_value = replay(trace, Sim(layers, slots, _pinned(layers, hot_set(pin_value(hist, slots), pinned_n)),
+                                     prefetch), runs)
+        f = lambda r: f"{r['reads']:5.1f} ({r['demand']:4.1f}, {r['wasted']:3.1f})"  # noqa: E731
+        return f"pin {pinned_n:4d} + {slots:2d} slots: by count {f(by_count)}, by pin_value {f(by_value)}"
+
+    for frac in (0.25, 0.375, 0.5):
         budget = int(frac * L * E)
-        print(f"\nbudget {budget} experts ({100 * frac:.0f}%): expert reads per decoded token "
-              f"(demand misses, wasted prefetches) over the learned session's {learned_runs} runs")
+        print(f"\nbudget {budget} experts ({100 * frac:.1f}%), the learned session (the same prompts):")
         for prefetch in (True, False):
-            cold = replay(trace, Sim(layers, budget // L, {}, prefetch), cold_runs[:n])
-            print(f"  prefetch {'on ' if prefetch else 'off'} cold LRU {budget // L} slots: {cold['reads']:.1f} "
+            cold = replay(trace, Sim(layers, budget // L, {}, prefetch), list(range(n)))
+            print(f"  prefetch {'on' if prefetch else 'off'}: cold LRU {budget // L} slots: {cold['reads']:.1f} "
                   f"({cold['demand']:.1f}, {cold['wasted']:.1f})")
-            for pin_share in (0.25, 0.5, 0.75, 0.875, None):
-                pinned_n = budget - L if pin_share is None else int(pin_share * budget)
-                slots = (budget - pinned_n) // L
-                pairs = hot_set(history, pinned_n)
-                pinned: dict[int, set[int]] = {}
-                for li, e in pairs:
-                    pinned.setdefault(layers[li], set()).add(e)
-                r = replay(trace, Sim(layers, slots, pinned, prefetch), learned_runs)
-                print(f"    pin {pinned_n:4d} ({len(pairs)} routed) + {slots:2d} LRU slots: {r['reads']:.1f} "
-                      f"({r['demand']:.1f}, {r['wasted']:.1f}); warm-up reads {len(pairs)}")
-            r = replay(trace, Sim(layers, budget // L, {}, prefetch, lfu_prior=history), learned_runs)
-            print(f"    LFU seeded with the history, {budget // L} slots, nothing pinned: {r['reads']:.1f} "
-                  f"({r['demand']:.1f}, {r['wasted']:.1f})")
+            for share in (0.5, 0.625, 0.75, 0.875):
+                print("    " + row(history, list(range(n)), budget, share, prefetch))
+            lfu = replay(trace, Sim(layers, budget // L, {}, prefetch, lfu_prior=history), list(range(n)))
+            print(f"    LFU seeded with the history, {budget // L} slots, nothing pinned: {lfu['reads']:.1f} "
+                  f"({lfu['demand']:.1f}, {lfu['wasted']:.1f})")
+        for held_out in range(n):  # history without one prompt, replayed on it: does the hot-store generalise?
+            seen = [i for i in range(n) if i != held_out]
+            hist = counts_of(trace, seen + seen[:1])
+            cold = replay(trace, Sim(layers, budget // L, {}, True), [held_out])
+            print(f"  unseen prompt {held_out}: cold {cold['reads']:.1f} ({cold['demand']:.1f}); "
+                  + row(hist, [held_out], budget, 0.75))
 
 
 def main(argv=None) -> None:

@@ -31,7 +31,7 @@ from ..layout import PROJS
 from . import mirror as mirror_mod
 from .io import IOPool
 from .stats import StoreCounters
-from .usage import UsageHistory, hot_set, warn
+from .usage import UsageHistory, hot_set, pin_value, warn
 
 
 @dataclass
@@ -274,7 +274,7 @@ class ExpertStore:
         # cannot take every predicted expert, the likeliest go first (a last choice is right less often)
         rank_weights = np.broadcast_to(np.arange(k, 0, -1), (T, k))
         votes = np.bincount(ids.ravel(), weights=rank_weights.ravel(), minlength=self.container.n_experts)
-        order = [int(e) for e in np.argsort(-votes, kind="stable") if votes[e] > 0]
+        order = np.argsort(-votes, kind="stable")[: np.count_nonzero(votes)].tolist()  # voted for, most first
         self._predicted[nxt] = set(order)
         wanted = order[: self.slots]  # never more than the cache holds
         protected = set(wanted)
@@ -318,12 +318,12 @@ class ExpertStore:
         return time.perf_counter() - t0, n
 
     def _repin(self) -> None:
-        """Revise the pinned set from the routing history (hysteresis: see usage.hot_set)."""
+        """Revise the pinned set from the routing history (usage.pin_value; hysteresis: usage.hot_set)."""
         if self.usage is None or not self.config.pinned:
             return
         layers = list(self.layer_index)
         current = {(self.layer_index[layer], e) for layer in layers for e in self.pinned[layer]}
-        want = hot_set(self.usage.counts, self.config.pinned, current)
+        want = hot_set(pin_value(self.usage.counts, self.slots), self.config.pinned, current)
         for li, e in sorted(current - want):  # demote: into the cache if it has room, else drop
             layer = layers[li]
             entry = self.pinned[layer].pop(e)
