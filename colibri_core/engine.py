@@ -254,7 +254,7 @@ def load(model_dir: str | Path, *, ram: int | str | None = None, cache_slots: in
 
     `ram`: budget in bytes or "2GB" (default 80% of available); `cache_slots`: experts cached per
     layer (overrides the budget); `prefetch`: router lookahead; `direct`: O_DIRECT reads; `mirror`:
-    a byte-identical copy on another disk; `pin_gb`: hot-store size (default: half the expert
+    a byte-identical copy on another disk; `pin_gb`: hot-store size (default: 3/4 of the expert
     budget once there is routing history); `policy`: cache eviction policy (`lru`, `lfu`, or a
     plugin's); `io_threads`: I/O pool threads; `usage`: record routing history in .coli_usage
     beside the model (True), in another file (a path), or not at all (False).

@@ -14,7 +14,7 @@ import pytest
 from colibri_core import load, plugins
 from colibri_core.errors import ColibriError
 from colibri_core.store import io
-from colibri_core.store.usage import USAGE_FILE, ColibriWarning, hot_set
+from colibri_core.store.usage import USAGE_FILE, ColibriWarning, hot_set, pin_value
 
 from conftest import colibri
 
@@ -106,6 +106,40 @@ def test_pinning_on_gives_the_same_outputs(model, baseline, tmp_path):
     with load(model, cache_slots=1, pin_gb=12 * 8192 / 1e9, usage=history) as e:
         assert e.stats()["pinned_experts"] > 0  # pinned at start from the saved history
         check_same(e, baseline)
+
+
+def test_pinned_experts_are_read_in_the_background_and_once(model, baseline, tmp_path):
+    """At load the hot-store starts one read per I/O thread and queues the rest (hottest first);
+    a layer needing a queued one reads it at once (a miss); `warm_up` reads the rest; each once."""
+    history = tmp_path / "usage.json"
+    pin = dict(cache_slots=1, pin_gb=12 * 8192 / 1e9, usage=history)
+    with load(model, **pin) as e:
+        check_same(e, baseline, turns=1)
+    with load(model, io_threads=1, **pin) as e:
+        s = e.stats()
+        assert s["pinned_experts"] == 12 and s["reads"] == 1 and s["pinned_queued"] == 11
+        layer, expert = e.store._pin_queue[-1]  # the coldest queued
+        e.store.get(layer, expert)
+        assert e.stats()["expert_misses"] == 1 and e.store.pinned[layer][expert].tensors is not None
+        seconds, n = e.store.warm_up()
+        s = e.stats()
+        assert n == 11 and seconds >= 0 and s["pinned_queued"] == 0 and s["reads"] == 12
+        assert all(entry.tensors is not None for p in e.store.pinned.values() for entry in p.values())
+        check_same(e, baseline)
+    with load(model, io_threads=2, **pin) as e:  # no warm-up: queued experts read on demand or in the background
+        check_same(e, baseline)
+
+
+def test_a_read_in_flight_is_computed_before_a_deferred_read_needs_its_slot(model, monkeypatch):
+    """One slot holding a lookahead read still in flight that the layer needs, and a miss with a
+    lower id: the read in flight is yielded first, then its slot goes to the miss."""
+    with load(model, cache_slots=1, usage=False, prefetch=False) as e:
+        s = e.store
+        layer = next(iter(s.layer_index))
+        s._insert(layer, 7, prefetched=True)  # as the lookahead does
+        monkeypatch.setattr(s.pool, "done", lambda read: False)  # not finished when the layer asks
+        got = [sorted(group) for group in s.experts(layer, np.array([[0, 7]]))]
+    assert got == [[7], [0]]
 
 
 def test_everything_at_once(model, baseline, tmp_path):
@@ -230,6 +264,16 @@ def test_hot_store_pins_automatically_with_enough_history(model, tmp_path):
     assert s["history_tokens"] >= 32 and s["pin_capacity"] > 0 and s["pinned_experts"] > 0
     assert s["cache_slots_per_layer"] < slots_before
     assert s["cache_bytes"] + s["pin_capacity"] * c.expert_nbytes + e.resident_bytes <= budget
+
+
+def test_pin_value_pins_where_the_cache_cannot_hold_a_layers_routing():
+    counts = np.array([[10, 9, 5, 5, 0, 0], [30, 0, 0, 0, 0, 20]])
+    # layer 1 routes to 2 experts, which a 2-slot cache holds: layer 0's wider routing is pinned first
+    assert hot_set(counts, 2) == {(1, 0), (1, 5)}
+    assert hot_set(pin_value(counts, 2), 2) == {(0, 0), (0, 1)}
+    assert hot_set(pin_value(counts, 2), 3) == {(0, 0), (0, 1), (1, 0)}  # capacity left: the most routed
+    assert hot_set(pin_value(counts, 0), 2) == hot_set(counts, 2)  # no cache: by counts alone
+    assert ((pin_value(counts, 2) > 0) == (counts > 0)).all()  # never-routed experts are worth nothing
 
 
 def test_hot_set_hysteresis():

@@ -8,6 +8,10 @@ run, then each read expert as it arrives. Before that it applies the next layer'
 current hidden state (router lookahead) and queues reads for the experts it predicts, so the next
 layer's reads overlap this layer's compute.
 
+Pinned experts are read in the background, hottest first, behind the demand reads: at most one at
+a time while layers' reads are in flight, one per I/O thread while the disk is idle (`warm_up`
+reads them all at once and waits). A layer that needs a pinned expert not read yet reads it at once.
+
 Placement changes speed only: every expert is handed to the kernels as the same QTensor views of
 its extent, verified (crc32 computed by the I/O thread against the trailer and the manifest, layer
 and expert) on every read from disk, so an I/O error or
@@ -15,6 +19,7 @@ corruption raises an error (or falls back to the primary copy) and never produce
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +31,7 @@ from ..layout import PROJS
 from . import mirror as mirror_mod
 from .io import IOPool
 from .stats import StoreCounters
-from .usage import UsageHistory, hot_set, warn
+from .usage import UsageHistory, hot_set, pin_value, warn
 
 
 @dataclass
@@ -43,7 +48,8 @@ class StoreConfig:
 
 
 class _Entry:
-    """An expert in a cache or the hot-store: being read (`read`) or parsed (`tensors`)."""
+    """An expert in a cache or the hot-store: being read (`read`), parsed (`tensors`), or (hot-store
+    only) neither yet: queued for a background read."""
 
     __slots__ = ("read", "tensors", "prefetched")
 
@@ -75,6 +81,9 @@ class ExpertStore:
         self.counters = StoreCounters()
         self.model = None  # set by `attach`: the model whose routers predict the next layer
         self._predicted: dict[int, set[int]] = {}  # layer -> experts the lookahead predicted for it
+        self._pin_queue: list[tuple[int, int]] = []  # (layer, expert) pinned but not read yet, hottest first
+        self._pin_reads: list = []  # background reads of pinned experts that may be in flight
+        self._layer_reads: list = []  # demand and lookahead reads that may be in flight
         self.pool = IOPool(cfg.io_threads)
         self.sources = [mirror_mod.Source(container, cfg.direct, "primary")]
         self.primary_share = 1.0
@@ -115,6 +124,10 @@ class ExpertStore:
         ready, waiting = {}, []
         for e in need:
             entry = pinned.get(e) or cache.get(e)
+            if entry is not None and entry.read is None and entry.tensors is None:  # pinned, not read yet
+                entry.read = self._submit(layer, e)
+                self._layer_reads.append(entry.read)
+                entry = None  # … a miss: read on demand
             c.lookup(layer, entry is not None)
             if entry is None:
                 waiting.append(e)
@@ -133,10 +146,13 @@ class ExpertStore:
                 self._insert(layer, e, prefetched=False)
         if hidden is not None:
             self._lookahead(layer, hidden)  # queued behind this layer's reads
+        self._read_pinned()  # … and the hot-store behind both
         if ready:
             yield ready
             protected.difference_update(ready)
-        for i, e in enumerate(waiting):
+        # experts being read first: a deferred one may need the slot of one of them once computed
+        waiting.sort(key=lambda e: e not in pinned and e not in cache)
+        for e in waiting:
             entry = pinned.get(e) or cache.get(e)
             if entry is None:  # deferred: the cache was full of experts this layer still needed
                 self._make_room(layer, protected, block=True)
@@ -164,6 +180,7 @@ class ExpertStore:
 
     def _insert(self, layer: int, expert: int, prefetched: bool) -> _Entry:
         entry = _Entry(read=self._submit(layer, expert), prefetched=prefetched)
+        self._layer_reads.append(entry.read)
         self.cache[layer][expert] = entry
         self.policies[layer].on_insert(expert)
         return entry
@@ -251,8 +268,13 @@ class ExpertStore:
         ids = self.model.predict_experts(nxt, hidden)
         if ids is None:
             return
-        votes = np.bincount(np.asarray(ids).ravel(), minlength=self.container.n_experts)
-        order = [int(e) for e in np.argsort(-votes, kind="stable") if votes[e] > 0]
+        ids = np.asarray(ids)  # (T, k), each token's best first as the core's routers return them
+        T, k = ids.shape
+        # votes weighted by rank (k for a token's first choice … 1 for its last): when the cache
+        # cannot take every predicted expert, the likeliest go first (a last choice is right less often)
+        rank_weights = np.broadcast_to(np.arange(k, 0, -1), (T, k))
+        votes = np.bincount(ids.ravel(), weights=rank_weights.ravel(), minlength=self.container.n_experts)
+        order = np.argsort(-votes, kind="stable")[: np.count_nonzero(votes)].tolist()  # voted for, most first
         self._predicted[nxt] = set(order)
         wanted = order[: self.slots]  # never more than the cache holds
         protected = set(wanted)
@@ -266,28 +288,62 @@ class ExpertStore:
             self.counters.prefetch_issued += 1
 
     # ---- hot-store and history -----------------------------------------------------------
+    def _read_pinned(self) -> None:
+        """Start background reads of queued pinned experts: one in flight while demand or lookahead
+        reads are, one per I/O thread while none is."""
+        self._layer_reads = [r for r in self._layer_reads if not self.pool.done(r)]
+        self._pin_reads = [r for r in self._pin_reads if not self.pool.done(r)]
+        room = (1 if self._layer_reads else self.config.io_threads) - len(self._pin_reads)
+        while room > 0 and self._pin_queue:
+            layer, e = self._pin_queue.pop(0)
+            entry = self.pinned[layer].get(e)
+            if entry is None or entry.read is not None or entry.tensors is not None:
+                continue  # demoted since, or already read on demand
+            entry.read = self._submit(layer, e)
+            self._pin_reads.append(entry.read)
+            room -= 1
+
+    def warm_up(self) -> tuple[float, int]:
+        """Read every queued pinned expert now and wait for all of the hot-store: (seconds, experts read)."""
+        t0 = time.perf_counter()
+        n = sum(entry.tensors is None for pinned in self.pinned.values() for entry in pinned.values())
+        for layer, e in self._pin_queue:
+            entry = self.pinned[layer].get(e)
+            if entry is not None and entry.read is None and entry.tensors is None:
+                entry.read = self._submit(layer, e)
+        self._pin_queue = []
+        for layer, pinned in self.pinned.items():
+            for e, entry in pinned.items():
+                self._tensors(layer, e, entry, stall=False)
+        return time.perf_counter() - t0, n
+
     def _repin(self) -> None:
-        """Revise the pinned set from the routing history (hysteresis: see usage.hot_set)."""
+        """Revise the pinned set from the routing history (usage.pin_value; hysteresis: usage.hot_set)."""
         if self.usage is None or not self.config.pinned:
             return
         layers = list(self.layer_index)
         current = {(self.layer_index[layer], e) for layer in layers for e in self.pinned[layer]}
-        want = hot_set(self.usage.counts, self.config.pinned, current)
+        want = hot_set(pin_value(self.usage.counts, self.slots), self.config.pinned, current)
         for li, e in sorted(current - want):  # demote: into the cache if it has room, else drop
             layer = layers[li]
             entry = self.pinned[layer].pop(e)
+            if entry.read is None and entry.tensors is None:
+                continue  # still queued: nothing to keep
             if len(self.cache[layer]) < self.slots:
                 self.cache[layer][e] = entry
                 self.policies[layer].on_insert(e)
             elif entry.read is not None:
                 self.pool.wait(entry.read)
-        for li, e in sorted(want - current):  # promote: from the cache, or read it now
+        counts = self.usage.counts
+        for li, e in sorted(want - current, key=lambda p: (-counts[p], p)):  # promote: from the cache, or queue its read
             layer = layers[li]
             if e in self.cache[layer]:
                 self.pinned[layer][e] = self.cache[layer].pop(e)
                 self.policies[layer].on_evict(e)
             else:
-                self.pinned[layer][e] = _Entry(read=self._submit(layer, e))
+                self.pinned[layer][e] = _Entry()
+                self._pin_queue.append((layer, e))
+        self._read_pinned()
 
     def end_turn(self) -> None:
         """A turn finished well: save the routing history and revise the hot-store."""
@@ -298,11 +354,15 @@ class ExpertStore:
         self._repin()
 
     # ---- bookkeeping ---------------------------------------------------------------------
+    def _pinned_read(self, layer: int) -> int:
+        """Pinned experts of `layer` read or being read (not queued)."""
+        return sum(1 for entry in self.pinned[layer].values() if entry.read is not None or entry.tensors is not None)
+
     @property
     def resident_bytes(self) -> int:
-        """Bytes the expert cache and the hot-store hold now."""
+        """Bytes the expert cache and the hot-store hold now (queued pinned experts not counted)."""
         nbytes = self.container.layer_expert_nbytes
-        return sum((len(c) + len(self.pinned[layer])) * nbytes(layer) for layer, c in self.cache.items())
+        return sum((len(c) + self._pinned_read(layer)) * nbytes(layer) for layer, c in self.cache.items())
 
     def stats(self) -> dict:
         pinned = sum(len(p) for p in self.pinned.values())
@@ -311,7 +371,8 @@ class ExpertStore:
             "cache_slots_per_layer": self.slots,
             "cache_bytes": sum(len(c) * self.container.layer_expert_nbytes(layer) for layer, c in self.cache.items()),
             "pinned_experts": pinned,
-            "pinned_bytes": sum(len(p) * self.container.layer_expert_nbytes(layer) for layer, p in self.pinned.items()),
+            "pinned_bytes": sum(self._pinned_read(layer) * self.container.layer_expert_nbytes(layer) for layer in self.pinned),
+            "pinned_queued": pinned - sum(self._pinned_read(layer) for layer in self.pinned),
             "pin_capacity": self.config.pinned,
             "policy": self.config.policy,
             "prefetch": self.config.prefetch,

@@ -152,12 +152,32 @@ class UsageHistory:
         return True
 
 
+def pin_value(counts: np.ndarray, slots: int) -> np.ndarray:
+    """What pinning each (MoE layer, expert) is worth beside a cache of `slots` per layer: `hot_set`'s
+    input, (MoE layers, experts) float64 like `counts`.
+
+    The cache keeps a layer's next most-routed experts, so pinning a layer's top p covers about its
+    top p + slots: an expert is worth first the count of the expert `slots` places below it in its
+    layer's ranking (0 past the end: a layer routed to no more experts than its cache holds needs
+    no pin; a layer routed widely gets more pins), then its own count (what capacity is left goes
+    to the most routed). Never-routed experts are worth 0.
+    """
+    order = np.argsort(-counts, axis=1, kind="stable")  # each layer's experts, most routed first
+    ranked = np.take_along_axis(counts, order, axis=1)
+    below = np.zeros(counts.shape)
+    below[:, : max(0, counts.shape[1] - slots)] = ranked[:, slots:]
+    value = np.empty(counts.shape)
+    np.put_along_axis(value, order, below, axis=1)
+    return value * (float(counts.max(initial=0)) + 1) + counts
+
+
 def hot_set(counts: np.ndarray, capacity: int, current: set[tuple[int, int]] | None = None) -> set[tuple[int, int]]:
     """The (layer index, expert) pairs to pin: the `capacity` most routed ones, with hysteresis.
 
     Starting from `current`, a pair outside it replaces the least routed pinned pair only when routed
     more than HYSTERESIS × as often and MARGIN more times, so the set does not thrash between turns.
-    Never-routed experts are never pinned. Ties go to the lower (layer, expert).
+    Never-routed experts are never pinned. Ties go to the lower (layer, expert). The store passes
+    `pin_value`s as `counts` (the same comparisons, on what a pin is worth).
     """
     if capacity <= 0:
         return set()
