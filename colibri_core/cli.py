@@ -22,7 +22,7 @@ SlotsOpt = typer.Option(None, "--cache-slots", help="Expert cache slots per laye
 PrefetchOpt = typer.Option(True, "--prefetch/--no-prefetch", help="Router lookahead: read the next layer's predicted experts early.")
 DirectOpt = typer.Option(False, "--direct", help="Read experts with O_DIRECT (bypass the page cache; falls back with a warning where refused).")
 MirrorOpt = typer.Option(None, "--mirror", help="A byte-identical copy of the model on another disk to read experts from too.")
-PinOpt = typer.Option(None, "--pin-gb", help="Hot-store size in GB for the most-routed experts (default: half the expert budget once there is routing history; 0: off).")
+PinOpt = typer.Option(None, "--pin-gb", help="Hot-store size in GB for the most-routed experts (default: 3/4 of the expert budget once there is routing history; 0: off).")
 PolicyOpt = typer.Option("lru", "--policy", help="Expert cache eviction policy: lru, lfu, or one a plugin registers.")
 StatsOpt = typer.Option(False, "--stats", help="After the stats line, print every expert-store counter.")
 
