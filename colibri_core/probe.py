@@ -50,7 +50,7 @@ class Probe:
         if counts is None:
             counts = self.routed[layer] = np.zeros(self.n_experts, np.int64)
         counts += np.bincount(ids.ravel(), minlength=self.n_experts)[: self.n_experts]
-        self.latest[layer] = [int(e) for e in ids[-1]]
+        self.latest[layer] = ids[-1].tolist()
 
 
 def timed(name: str):
