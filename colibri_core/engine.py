@@ -26,6 +26,7 @@ from .model import Weights
 from .probe import Probe
 from .store import ExpertStore
 from .store.budget import Split, split_budget
+from .store.plan import top_k_of
 from .store.usage import UsageHistory
 from .tokenizer import Tokenizer, generation_defaults
 
@@ -94,7 +95,7 @@ class Engine:
         resident = self.container.resident()
         self.resident_bytes = sum(t.nbytes for t in resident.values())
         weights = Weights(resident, str(model_dir))
-        self.split = self._split(ram, cache_slots, pin_gb, usage)
+        self.split = self._split(ram, cache_slots, pin_gb, usage, top_k_of(cfg, self.container.config))
         self.store = ExpertStore(self.container, self.split.cache_slots, pinned=self.split.pinned_experts,
                                  prefetch=prefetch, direct=direct, mirror=None if mirror is None else str(mirror),
                                  policy=policy, io_threads=io_threads, record_usage=usage is not False,
@@ -109,7 +110,7 @@ class Engine:
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_seconds": 0.0,
                          "decode_seconds": 0.0, "time_to_first_token": 0.0}
 
-    def _split(self, ram, cache_slots, pin_gb, usage: bool) -> Split:
+    def _split(self, ram, cache_slots, pin_gb, usage: bool, top_k: int) -> Split:
         """The budget split (store/budget.py); `cache_slots` overrides the cache part."""
         c = self.container
         pin_bytes = None if pin_gb is None else int(pin_gb * 1e9)
@@ -123,7 +124,7 @@ class Engine:
         budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
         history = usage is not False and UsageHistory.enough(c, None if isinstance(usage, bool) else usage)
         return split_budget(budget, self.resident_bytes, 0, c.expert_nbytes, len(c.moe_layers), c.n_experts,
-                            pin_bytes, history)
+                            pin_bytes, history, top_k)
 
     # ---- text ------------------------------------------------------------------------------
     @property

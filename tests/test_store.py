@@ -266,6 +266,24 @@ def test_hot_store_pins_automatically_with_enough_history(model, tmp_path):
     assert s["cache_bytes"] + s["pin_capacity"] * c.expert_nbytes + e.resident_bytes <= budget
 
 
+def test_default_hot_store_leaves_the_cache_top_k_slots_per_layer():
+    """With history, PIN_SHARE of the expert budget is pinned, but never so much that a layer's
+    cache holds fewer than top_k experts (a token's unpinned experts would be read one by one);
+    an explicit --pin-gb is taken as given."""
+    from colibri_core.store.budget import PIN_SHARE, split_budget
+
+    nbytes, layers, E, k = 100, 16, 64, 8
+    fit = 16 * 16  # a quarter of the experts
+    s = split_budget(fit * nbytes, 0, 0, nbytes, layers, E, history=True, top_k=k)
+    assert s.cache_slots == k and s.pinned_experts == fit - layers * k  # the floor binds: 128 pinned, not 192
+    s = split_budget(2 * fit * nbytes, 0, 0, nbytes, layers, E, history=True, top_k=k)
+    assert s.pinned_experts == int(2 * fit * PIN_SHARE) and s.cache_slots >= k  # the share binds
+    s = split_budget(fit * nbytes, 0, 0, nbytes, layers, E, pin_bytes=192 * nbytes, history=True, top_k=k)
+    assert s.pinned_experts == 192 and s.cache_slots == 4
+    s = split_budget(layers * 4 * nbytes, 0, 0, nbytes, layers, E, history=True, top_k=k)
+    assert s.pinned_experts == 0 and s.cache_slots == 4  # too small for the floor: all cache
+
+
 def test_pin_value_pins_where_the_cache_cannot_hold_a_layers_routing():
     counts = np.array([[10, 9, 5, 5, 0, 0], [30, 0, 0, 0, 0, 20]])
     # layer 1 routes to 2 experts, which a 2-slot cache holds: layer 0's wider routing is pinned first

@@ -6,7 +6,8 @@
 - state: per-sequence state (KV caches, …) at the planned context length;
 - the rest holds experts. If every expert fits, all are cached. Otherwise the hot-store pins
   ``pin_bytes`` worth of experts (default: PIN_SHARE of the expert budget once the routing history
-  has enough tokens, none before), and the cache gets the remainder, at least one slot per MoE layer.
+  has enough tokens, none before, and never below top-k cache slots per layer where the budget
+  allows), and the cache gets the remainder, at least one slot per MoE layer.
 """
 from __future__ import annotations
 
@@ -41,8 +42,11 @@ class Split:
 
 
 def split_budget(budget: int, dense: int, state: int, expert_nbytes: int, moe_layers: int, n_experts: int,
-                 pin_bytes: int | None = None, history: bool = False) -> Split:
-    """Split `budget` bytes; a ColibriError if it cannot hold one expert per MoE layer."""
+                 pin_bytes: int | None = None, history: bool = False, top_k: int = 1) -> Split:
+    """Split `budget` bytes; a ColibriError if it cannot hold one expert per MoE layer.
+
+    The default hot-store leaves the cache at least `top_k` slots per layer where the budget allows
+    it: with fewer, a token's unpinned experts are read and computed one at a time (each a stall)."""
     fit = (budget - dense - state) // expert_nbytes  # experts the budget holds
     if fit < moe_layers:
         need = dense + state + moe_layers * expert_nbytes
@@ -54,7 +58,7 @@ def split_budget(budget: int, dense: int, state: int, expert_nbytes: int, moe_la
         pinned, slots = 0, n_experts
     else:
         if pin_bytes is None:
-            pinned = int(fit * PIN_SHARE) if history else 0
+            pinned = min(int(fit * PIN_SHARE), max(0, fit - moe_layers * top_k)) if history else 0
         else:
             pinned = int(pin_bytes // expert_nbytes)
             if pinned > fit - moe_layers:

@@ -33,7 +33,8 @@ class ModelSizes:
         return self.moe_layers * self.n_experts
 
 
-def _top_k(cfg, config: dict) -> int:
+def top_k_of(cfg, config: dict) -> int:
+    """Experts each token routes to per layer, from the parsed config or config.json."""
     for key in ("num_experts_per_tok", "moe_topk", "top_k"):
         v = getattr(cfg, key, None) or config.get(key)
         if isinstance(v, int) and v > 0:
@@ -51,7 +52,7 @@ def sizes_from_container(model_dir: str | Path) -> ModelSizes:
     cfg = model_cls.parse_config(c.config)
     measured = planning.measured(model_dir)
     return ModelSizes(arch.name, c.quant, measured["resident_bytes"], c.expert_nbytes, len(c.moe_layers),
-                      c.n_experts, _top_k(cfg, c.config), planning.state_bytes_per_token(model_cls, cfg))
+                      c.n_experts, top_k_of(cfg, c.config), planning.state_bytes_per_token(model_cls, cfg))
 
 
 def sizes_from_config(config_path: str | Path, quant_kind: str) -> tuple[ModelSizes, dict]:
@@ -73,7 +74,7 @@ def sizes_from_config(config_path: str | Path, quant_kind: str) -> tuple[ModelSi
         raise ColibriError(f"plugin {arch.plugin} cannot plan {arch.name} from config.json alone; "
                            f"convert the model and use --model") from None
     sizes = ModelSizes(arch.name, quant_kind, report["resident_bytes"], report["expert_bytes"], report["moe_layers"],
-                       report["experts_per_layer"], _top_k(cfg, config), report["state_bytes_per_token"])
+                       report["experts_per_layer"], top_k_of(cfg, config), report["state_bytes_per_token"])
     return sizes, report
 
 
@@ -82,7 +83,7 @@ def make_plan(sizes: ModelSizes, budget: int, context: int, pin_bytes: int | Non
     """The budget split, expected bytes read per token, and floor times (seconds per token)."""
     state = sizes.state_bytes_per_token * context
     split = split_budget(budget, sizes.dense_bytes, state, sizes.expert_nbytes, sizes.moe_layers,
-                         sizes.n_experts, pin_bytes, history)
+                         sizes.n_experts, pin_bytes, history, sizes.top_k)
     resident_experts = min(sizes.experts_total, split.cache_slots * sizes.moe_layers + split.pinned_experts)
     resident_share = resident_experts / sizes.experts_total
     needed = sizes.moe_layers * sizes.top_k  # expert uses per token
