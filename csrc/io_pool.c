@@ -279,11 +279,60 @@ int io_probe(int fd, int64_t nbytes) {
     return n < 0 ? (int)n : 0;
 }
 
+// ---- buffers. Each is preceded by one IO_ALIGN block holding its size. A few freed buffers are
+// kept for the next read of the same size: a streaming session frees an evicted expert's buffer and
+// reads another expert of the same size at once, and reusing the memory saves page-faulting a fresh
+// one in (~800 faults, ~2 ms of CPU for a 3 MB extent: more than the read's checksum).
+#define SPARE_MAX 8                   // buffers kept
+#define SPARE_BYTES ((int64_t)64 << 20)  // … and bytes at most
+static void *spare[SPARE_MAX];
+static int n_spare;
+static int64_t spare_bytes;
+static pthread_mutex_t spare_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int64_t *size_of(void *buf) { return (int64_t *)((char *)buf - IO_ALIGN); }
+
 void *io_alloc(int64_t nbytes) {
-    void *buf = NULL;
     if (nbytes < IO_ALIGN) nbytes = IO_ALIGN;
-    if (posix_memalign(&buf, IO_ALIGN, (size_t)nbytes) != 0) return NULL;
+    pthread_mutex_lock(&spare_lock);
+    for (int i = 0; i < n_spare; i++) {
+        void *buf = spare[i];
+        if (*size_of(buf) == nbytes) {
+            spare[i] = spare[--n_spare];
+            spare_bytes -= nbytes;
+            pthread_mutex_unlock(&spare_lock);
+            return buf;
+        }
+    }
+    pthread_mutex_unlock(&spare_lock);
+    void *block = NULL;
+    if (posix_memalign(&block, IO_ALIGN, (size_t)nbytes + IO_ALIGN) != 0) return NULL;
+    void *buf = (char *)block + IO_ALIGN;
+    *size_of(buf) = nbytes;
     return buf;
 }
 
-void io_free(void *buf) { free(buf); }
+void io_free(void *buf) {
+    if (buf == NULL) return;
+    int64_t nbytes = *size_of(buf);
+    pthread_mutex_lock(&spare_lock);
+    if (n_spare == SPARE_MAX || spare_bytes + nbytes > SPARE_BYTES) {  // full: drop the oldest
+        if (n_spare == 0) {
+            pthread_mutex_unlock(&spare_lock);
+            free(size_of(buf));
+            return;
+        }
+        void *old = spare[0];
+        spare_bytes -= *size_of(old);
+        spare[0] = spare[--n_spare];
+        free(size_of(old));
+        if (spare_bytes + nbytes > SPARE_BYTES) {  // still too big to keep
+            pthread_mutex_unlock(&spare_lock);
+            free(size_of(buf));
+            return;
+        }
+    }
+    spare[n_spare++] = buf;
+    spare_bytes += nbytes;
+    pthread_mutex_unlock(&spare_lock);
+}

@@ -601,6 +601,21 @@ def test_io_crc32_matches_zlib(n, tmp_path):
         pool.close()
 
 
+def test_io_buffers_are_aligned_and_reused():
+    """io_alloc: 4096-aligned; a freed buffer is handed out again for a read of the same size (no
+    fresh pages to fault in per expert), never for another size."""
+    lib = io.lib
+    a = lib.io_alloc(3 * 4096)
+    assert int(io.ffi.cast("uintptr_t", a)) % 4096 == 0
+    lib.io_free(a)
+    b = lib.io_alloc(3 * 4096)
+    assert b == a
+    c = lib.io_alloc(5 * 4096)
+    assert c != a and int(io.ffi.cast("uintptr_t", c)) % 4096 == 0
+    lib.io_free(b)
+    lib.io_free(c)
+
+
 def test_bench_callback_leaves_other_bench_subcommands_alone():
     """`colibri bench --model DIR` is a callback on the bench group: `colibri bench kernels` (or any
     other subcommand) runs as before, and a bare `colibri bench` shows help."""
