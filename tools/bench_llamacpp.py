@@ -263,6 +263,7 @@ def run_colibri(model: Path, d: Dims, prompt: int, gen: int, threads: int, activ
     for layer in range(d.layers):  # everything resident: read every expert once before timing
         for e in range(d.experts):
             engine.store.get(layer, e)
+    engine._feed(engine.new_session(), ids)  # a full-size prefill first, as run_llama's warm-up does
     session = engine.new_session()
     t0 = time.perf_counter()
     engine._feed(session, ids)
