@@ -568,7 +568,7 @@ def test_bench_protocol_smoke(model, tmp_path):
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     sess = d["budgets"][0]["sessions"]
-    assert set(sess) == {"cold", "learned"} and "warm_repeat" in sess["cold"]
+    assert set(sess) == {"cold", "learned"} and "warm_repeat" in sess["cold"] and d["activations"] == "f32"
     for key in ("tokens_per_second", "ttft_seconds", "hit_rate", "bytes_read_per_token", "prefetch_recall",
                 "floor_seconds_per_token", "vs_floor"):
         assert key in sess["cold"]

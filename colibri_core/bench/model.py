@@ -144,6 +144,7 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
     # -- resident compute time: second pass over each prompt with every expert cached
     with load(model_dir, cache_slots=sizes.n_experts, usage=False, prefetch=False) as engine:
         prompts = _prompts(engine, n_prompts, prompt_tokens, seed)
+        result["activations"] = engine.activations  # the kernels' arithmetic (COLIBRI_ACTIVATIONS)
         resident = []
         for i, p in enumerate(prompts):
             _run(engine, p, new_tokens, seed + i)
@@ -155,7 +156,8 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
     resident_spt = sorted(resident)[len(resident) // 2]
     result["resident_seconds_per_token_runs"] = resident
     result["resident_seconds_per_token"] = resident_spt
-    say(f"resident compute: {resident_spt:.3f} s/token (median of {', '.join(f'{t:.3f}' for t in resident)})")
+    say(f"resident compute: {resident_spt:.3f} s/token (median of {', '.join(f'{t:.3f}' for t in resident)}; "
+        f"{result['activations']} activations)")
 
     for frac in fractions:
         budget = sizes.dense_bytes + int(frac * sizes.experts_total * sizes.expert_nbytes)
