@@ -84,6 +84,7 @@ class ExpertStore:
         self._pin_queue: list[tuple[int, int]] = []  # (layer, expert) pinned but not read yet, hottest first
         self._pin_reads: list = []  # background reads of pinned experts that may be in flight
         self._layer_reads: list = []  # demand and lookahead reads that may be in flight
+        self._orphans: list = []  # reads of experts evicted while in flight (wrong prefetches)
         self.pool = IOPool(cfg.io_threads)
         self.sources = [mirror_mod.Source(container, cfg.direct, "primary")]
         self.primary_share = 1.0
@@ -112,6 +113,7 @@ class ExpertStore:
         `next` only after computing the group yielded before: its experts may then be evicted.
         """
         c = self.counters
+        self._reap_orphans()
         if self.usage is not None:
             self.usage.record(self.layer_index[layer], ids)
         need = [int(e) for e in np.unique(ids)]  # the batch union, ascending
@@ -142,7 +144,7 @@ class ExpertStore:
             else:
                 waiting.append(e)
         for e in waiting:  # demand reads first, as many as the cache has room for now
-            if e not in cache and e not in pinned and self._make_room(layer, protected, block=False):
+            if e not in cache and e not in pinned and self._make_room(layer, protected, block=False, demand=True):
                 self._insert(layer, e, prefetched=False)
         if hidden is not None:
             self._lookahead(layer, hidden)  # queued behind this layer's reads
@@ -155,7 +157,7 @@ class ExpertStore:
         for e in waiting:
             entry = pinned.get(e) or cache.get(e)
             if entry is None:  # deferred: the cache was full of experts this layer still needed
-                self._make_room(layer, protected, block=True)
+                self._make_room(layer, protected, block=True, demand=True)
                 entry = self._insert(layer, e, prefetched=False)
             yield {e: self._tensors(layer, e, entry, stall=True)}
             protected.discard(e)
@@ -230,24 +232,50 @@ class ExpertStore:
     def _settled(self, entry: _Entry) -> bool:
         return entry.read is None or self.pool.done(entry.read)
 
+    def _victim(self, layer: int, candidates: list[int]) -> int:
+        victim = self.policies[layer].victim(candidates)
+        if victim not in candidates:
+            info = self.policy_info
+            raise ColibriError(f"cache policy {info.name} ({info.plugin}) chose expert {victim!r}, "
+                               f"which is not one of the evictable experts {candidates}")
+        return victim
+
+    def _orphan(self, layer: int, expert: int) -> None:
+        """Evict an expert whose read is in flight: its buffer lives on with the read until it ends."""
+        self._orphans.append(self.cache[layer].pop(expert).read)
+        self.policies[layer].on_evict(expert)
+
+    def _reap_orphans(self) -> None:
+        """Release the reads of evicted experts that have finished."""
+        running = []
+        for read in self._orphans:
+            if self.pool.done(read):
+                self.pool.wait(read)
+            else:
+                running.append(read)
+        self._orphans = running
+
     def _evict(self, layer: int, expert: int) -> None:
         entry = self.cache[layer].pop(expert)
         if entry.read is not None:
             self.pool.wait(entry.read)  # done already (only settled entries are evicted): releases it
         self.policies[layer].on_evict(expert)
 
-    def _make_room(self, layer: int, protected: set[int], block: bool) -> bool:
-        """Evict until the layer's cache has a free slot; False if that needs waiting and not `block`."""
+    def _make_room(self, layer: int, protected: set[int], block: bool, demand: bool = False) -> bool:
+        """Evict until the layer's cache has a free slot; False if that needs waiting and not `block`.
+
+        For a `demand` read, a prefetch still in flight that this layer does not need (a wrong guess)
+        gives up its slot at once rather than after its read: the read finishes as an orphan."""
         cache = self.cache[layer]
         while len(cache) >= self.slots:
             candidates = [e for e, entry in cache.items() if e not in protected and self._settled(entry)]
+            if not candidates and demand:
+                guesses = [e for e, entry in cache.items() if e not in protected and entry.prefetched]
+                if guesses:
+                    self._orphan(layer, self._victim(layer, guesses))
+                    continue
             if candidates:
-                victim = self.policies[layer].victim(candidates)
-                if victim not in candidates:
-                    info = self.policy_info
-                    raise ColibriError(f"cache policy {info.name} ({info.plugin}) chose expert {victim!r}, "
-                                       f"which is not one of the evictable experts {candidates}")
-                self._evict(layer, victim)
+                self._evict(layer, self._victim(layer, candidates))
                 continue
             if not block:
                 return False
