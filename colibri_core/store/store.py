@@ -6,7 +6,8 @@ asks for the *batch union* of its experts (`experts`): each one is read at most 
 start at once on the C I/O pool, and the layer computes the experts already resident while they
 run, then each read expert as it arrives. Before that it applies the next layer's router to the
 current hidden state (router lookahead) and queues reads for the experts it predicts, so the next
-layer's reads overlap this layer's compute.
+layer's reads overlap this layer's compute. A demand read that finds the cache full takes the slot
+of a wrong guess still being read rather than wait for that read (which ends as an orphan).
 
 Pinned experts are read in the background, hottest first, behind the demand reads: at most one at
 a time while layers' reads are in flight, one per I/O thread while the disk is idle (`warm_up`
