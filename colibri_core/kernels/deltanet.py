@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_core.kernels._colibri_kernels import ffi, lib
+from colibri_core.kernels import _check, _floats
+from colibri_core.kernels._colibri_kernels import lib
 
 CHUNK = 64  # tokens per chunk in the chunked form (as the reference implementations use)
 
@@ -63,17 +64,6 @@ def gated_delta_rule(q, k, v, g, beta, state: np.ndarray, form: str = "auto", ch
     else:
         raise ValueError(f"gated_delta_rule: form must be 'auto', 'recurrent' or 'chunked', got {form!r}")
     return out
-
-
-def _floats(a: np.ndarray, writable: bool = False):
-    return ffi.from_buffer("float[]", a, require_writable=writable)
-
-
-def _check(status: int, kernel: str) -> None:
-    if status == lib.COLI_ENOMEM:
-        raise MemoryError(f"{kernel}: out of memory for the scratch buffers")
-    if status != lib.COLI_OK:
-        raise ValueError(f"{kernel}: the C kernel rejected its arguments (status {status})")
 
 
 def _array(a, ndim: int, what: str) -> np.ndarray:
