@@ -87,12 +87,18 @@ int rope_rotate_half(float *out, const float *x, const float *cos, const float *
     return COLI_OK;
 }
 
+// Attention reads the cache token by token: a task takes a block of heads and, for each cached
+// token, that block's slice of the token's keys (then values), which lie side by side — a stream,
+// where one head at a time would jump a whole cached row per token. Per (head, token) the score is
+// dot16 (one fixed order), and each output element sums p[s] * v[s] over s in order from 0.0f, so
+// the block size and the thread count never change a bit.
 typedef struct {
     float *out;
     const float *q, *k, *v;
     int T, H, D, S, Hkv, start;
     float scale;
-    int avx2;  // the SIMD path in use has AVX2 (any path but the portable one)
+    int heads;  // heads per task (a block)
+    int avx2;   // the SIMD path in use has AVX2 (any path but the portable one)
 } AttnJob;
 
 #if COLI_X86
@@ -107,6 +113,12 @@ AVX2 static float dot16_avx2(const float *a, const float *b, int n) {
         A = _mm256_add_ps(A, _mm256_mul_ps(_mm256_loadu_ps(a + j0), _mm256_loadu_ps(b + j0)));
         B = _mm256_add_ps(B, _mm256_mul_ps(_mm256_loadu_ps(a + j0 + 8), _mm256_loadu_ps(b + j0 + 8)));
     }
+    if (j0 == n) {  // no tail: the tree in registers (lane l + l+8, then l+4, l+2, l+1)
+        __m256 s8 = _mm256_add_ps(A, B);
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+        __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    }
     float L[16];
     _mm256_storeu_ps(L, A);
     _mm256_storeu_ps(L + 8, B);
@@ -117,86 +129,92 @@ AVX2 static float dot16_avx2(const float *a, const float *b, int n) {
     return L[0] + L[1];
 }
 
-// out[d] += p[s] * v_s[d] for s in order, 8 columns per register: the same per-element operations.
-AVX2 static void weighted_sum_avx2(float *out, const float *p, const float *v, size_t row, int len, int D) {
-    int d0 = 0;
-    for (; d0 + 32 <= D; d0 += 32) {
-        __m256 o0 = _mm256_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
-        for (int s = 0; s < len; s++) {
-            const float *vs = v + (size_t)s * row + d0;
-            __m256 ps = _mm256_set1_ps(p[s]);
-            o0 = _mm256_add_ps(o0, _mm256_mul_ps(ps, _mm256_loadu_ps(vs)));
-            o1 = _mm256_add_ps(o1, _mm256_mul_ps(ps, _mm256_loadu_ps(vs + 8)));
-            o2 = _mm256_add_ps(o2, _mm256_mul_ps(ps, _mm256_loadu_ps(vs + 16)));
-            o3 = _mm256_add_ps(o3, _mm256_mul_ps(ps, _mm256_loadu_ps(vs + 24)));
-        }
-        _mm256_storeu_ps(out + d0, o0);
-        _mm256_storeu_ps(out + d0 + 8, o1);
-        _mm256_storeu_ps(out + d0 + 16, o2);
-        _mm256_storeu_ps(out + d0 + 24, o3);
+// out[d] += p * v[d], 8 columns per register: the same per-element operations.
+AVX2 static void axpy_avx2(float *out, float p, const float *v, int D) {
+    __m256 ps = _mm256_set1_ps(p);
+    int d = 0;
+    for (; d + 8 <= D; d += 8) {
+        _mm256_storeu_ps(out + d, _mm256_add_ps(_mm256_loadu_ps(out + d), _mm256_mul_ps(ps, _mm256_loadu_ps(v + d))));
     }
-    for (int d = d0; d < D; d++) out[d] = 0.0f;
-    for (int s = 0; s < len; s++) {
-        for (int d = d0; d < D; d++) out[d] += p[s] * v[(size_t)s * row + d];
-    }
+    for (; d < D; d++) out[d] += p * v[d];
 }
 #endif
 
-static void weighted_sum(float *out, const float *p, const float *v, size_t row, int len, int D) {
-    for (int d = 0; d < D; d++) out[d] = 0.0f;
-    for (int s = 0; s < len; s++) {
-        const float *vs = v + (size_t)s * row;
-        for (int d = 0; d < D; d++) out[d] += p[s] * vs[d];
-    }
+// Ask for n floats at p ahead of their use (tokens AHEAD rows on: the cache is read row by row).
+enum { AHEAD = 4 };
+static inline void prefetch(const float *p, size_t n) {
+    for (size_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+}
+
+static void axpy(float *out, float p, const float *v, int D) {
+    for (int d = 0; d < D; d++) out[d] += p * v[d];
 }
 
 static void attn_task(void *ctx, int task) {
     const AttnJob *j = ctx;
-    int t = task / j->H, h = task % j->H, kvh = h / (j->H / j->Hkv);
+    int blocks = (j->H + j->heads - 1) / j->heads;
+    int t = task / blocks, h0 = (task % blocks) * j->heads;
+    int nh = j->H - h0 < j->heads ? j->H - h0 : j->heads, group = j->H / j->Hkv, D = j->D;
     int len = j->start + t + 1;  // causal: keys 0 .. start + t
-    const float *q = j->q + ((size_t)t * j->H + h) * (size_t)j->D;
-    float *out = j->out + ((size_t)t * j->H + h) * (size_t)j->D;
-    float stack[1024];
-    float *p = len <= 1024 ? stack : malloc((size_t)len * sizeof(float));
-    if (p == NULL) {  // no memory for the scores: the row is NaN rather than wrong
-        for (int d = 0; d < j->D; d++) out[d] = NAN;
+    const float *q = j->q + ((size_t)t * j->H + h0) * (size_t)D;  // [nh, D]
+    float *out = j->out + ((size_t)t * j->H + h0) * (size_t)D;      // [nh, D]
+    float stack[2048];
+    size_t need = (size_t)nh * (size_t)len;
+    float *p = need <= 2048 ? stack : malloc(need * sizeof(float));  // [nh, len] scores
+    if (p == NULL) {  // no memory for the scores: the rows are NaN rather than wrong
+        for (size_t i = 0; i < (size_t)nh * (size_t)D; i++) out[i] = NAN;
         return;
     }
-    size_t row = (size_t)j->Hkv * (size_t)j->D;  // floats per cached token
-    const float *k = j->k + (size_t)kvh * j->D, *v = j->v + (size_t)kvh * j->D;
-    float m = -INFINITY;
+    size_t row = (size_t)j->Hkv * (size_t)D;  // floats per cached token
+    int kv0 = h0 / group;
+    size_t span = (size_t)((h0 + nh - 1) / group - kv0 + 1) * (size_t)D;  // floats of a token this block reads
     for (int s = 0; s < len; s++) {
+        const float *ks = j->k + (size_t)s * row;
+        if (s + AHEAD < len) prefetch(ks + AHEAD * row + (size_t)kv0 * D, span);
+        for (int i = 0; i < nh; i++) {
+            const float *kh = ks + (size_t)((h0 + i) / group) * D;
 #if COLI_X86
-        p[s] = (j->avx2 ? dot16_avx2(q, k + (size_t)s * row, j->D) : dot16(q, k + (size_t)s * row, j->D)) * j->scale;
+            float dot = j->avx2 ? dot16_avx2(q + (size_t)i * D, kh, D) : dot16(q + (size_t)i * D, kh, D);
 #else
-        p[s] = dot16(q, k + (size_t)s * row, j->D) * j->scale;
+            float dot = dot16(q + (size_t)i * D, kh, D);
 #endif
-        if (p[s] > m) m = p[s];
+            p[(size_t)i * len + s] = dot * j->scale;
+        }
     }
-    float sum = 0.0f;
+    for (int i = 0; i < nh; i++) {  // softmax over the tokens, per head
+        float *ph = p + (size_t)i * len, m = -INFINITY, sum = 0.0f;
+        for (int s = 0; s < len; s++) m = ph[s] > m ? ph[s] : m;
+        for (int s = 0; s < len; s++) {
+            ph[s] = expf(ph[s] - m);
+            sum += ph[s];
+        }
+        for (int s = 0; s < len; s++) ph[s] = ph[s] / sum;
+    }
+    for (size_t i = 0; i < (size_t)nh * (size_t)D; i++) out[i] = 0.0f;
     for (int s = 0; s < len; s++) {
-        p[s] = expf(p[s] - m);
-        sum += p[s];
-    }
-    for (int s = 0; s < len; s++) p[s] = p[s] / sum;
+        const float *vs = j->v + (size_t)s * row;
+        if (s + AHEAD < len) prefetch(vs + AHEAD * row + (size_t)kv0 * D, span);
+        for (int i = 0; i < nh; i++) {
+            const float *vh = vs + (size_t)((h0 + i) / group) * D;
 #if COLI_X86
-    if (j->avx2) {
-        weighted_sum_avx2(out, p, v, row, len, j->D);
-    } else {
-        weighted_sum(out, p, v, row, len, j->D);
-    }
-#else
-    weighted_sum(out, p, v, row, len, j->D);
+            if (j->avx2) {
+                axpy_avx2(out + (size_t)i * D, p[(size_t)i * len + s], vh, D);
+                continue;
+            }
 #endif
+            axpy(out + (size_t)i * D, p[(size_t)i * len + s], vh, D);
+        }
+    }
     if (p != stack) free(p);
 }
 
 int attention(float *out, const float *q, int T, int H, int D, const float *k, const float *v, int S, int Hkv,
               int start, float scale) {
     if (T < 0 || H < 1 || D < 1 || Hkv < 1 || H % Hkv || start < 0 || start + T > S) return COLI_EINVAL;
-    AttnJob j = {out, q, k, v, T, H, D, S, Hkv, start, scale, path_current() != &PATH_PORTABLE};
-    int tasks = T * H;
-    if ((double)tasks * (start + T) * D < 65536.0 || threads_get() <= 1) {
+    int threads = threads_get(), blocks = threads < H ? threads : H;  // one block of heads per thread
+    AttnJob j = {out, q, k, v, T, H, D, S, Hkv, start, scale, (H + blocks - 1) / blocks, path_current() != &PATH_PORTABLE};
+    int tasks = T * ((H + j.heads - 1) / j.heads);
+    if ((double)T * H * (start + T) * D < 65536.0 || threads <= 1) {
         for (int i = 0; i < tasks; i++) attn_task(&j, i);
     } else {
         pool_run(attn_task, &j, tasks);
