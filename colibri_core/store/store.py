@@ -117,7 +117,7 @@ class ExpertStore:
         self._reap_orphans()
         if self.usage is not None:
             self.usage.record(self.layer_index[layer], ids)
-        need = [int(e) for e in np.unique(ids)]  # the batch union, ascending
+        need = sorted(set(np.asarray(ids).ravel().tolist()))  # the batch union, ascending
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
             c.needed_after_prediction += len(need)
