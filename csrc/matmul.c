@@ -76,6 +76,7 @@ void acts_free(Acts *a) {
     free(a->xq);
     free(a->xs);
     free(a->xsum);
+    free(a->xt);
     memset(a, 0, sizeof *a);
 }
 
@@ -105,6 +106,12 @@ static void quantize_block(const float *x, int len, int even_odd, int8_t *q, flo
     }
     *scale = amax / 127.0f;
     *sum = s;
+}
+
+void acts_transpose(int8_t *dst, const int8_t *chunk) {
+    for (int b = 0; b < 8; b++) {
+        for (int w = 0; w < 16; w++) memcpy(dst + 4 * (8 * w + b), chunk + 64 * b + 4 * w, 4);
+    }
 }
 
 int acts_prepare(Acts *a, const float *x, int n, int cols, int kind, int act) {
@@ -148,6 +155,14 @@ int acts_prepare(Acts *a, const float *x, int n, int cols, int kind, int act) {
             quantize_block(src + (size_t)b * Q8_BLOCK, len, kind == QKIND_INT4,
                            a->xq + t * a->stride + (size_t)b * Q8_BLOCK, &a->xs[at], &a->xsum[at]);
         }
+    }
+    if (kind == QKIND_INT4 && n > 1) {  // the layout of the several-token int4 row kernels
+        a->xt = malloc(nt * a->stride + 1);
+        if (a->xt == NULL) {
+            acts_free(a);
+            return COLI_ENOMEM;
+        }
+        for (size_t c = 0; c < nt * a->stride; c += 8 * Q8_BLOCK) acts_transpose(a->xt + c, a->xq + c);
     }
     return COLI_OK;
 }

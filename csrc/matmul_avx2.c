@@ -227,8 +227,60 @@ AVX2 static inline __m256 chunk_term(__m256i isum, __m256 ws, const int32_t *xsu
     return _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ws, _mm256_loadu_ps(xs)));
 }
 
-// Row r for tokens tok[0..n) (NULL: 0..n): each chunk of the row is unpacked once, then every
-// token's sums run from the unpacked copy in L1 — the same operations per (row, token) whatever n.
+// An 8 x 8 matrix of 32-bit words, rows r[0..7] -> columns: r[w] lane b = old r[b] lane w.
+AVX2 static inline void transpose8_epi32(__m256i *r) {
+    __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+    __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+    __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+    __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+    r[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
+    r[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+    r[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
+    r[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+    r[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+    r[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+    r[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+    r[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+// Σ (q + 8)·xq per group of a chunk for one token, from the transposed weights wt and activations
+// xt (Acts.xt): lane b of every vector belongs to group b, so the sums build up lane by lane and
+// need no horizontal step. Pair sums <= 2 * 15 * 127, two of them <= 7620: fits int16.
+AVX2 static inline __m256i chunk_isum_t(const __m256i *wt, const __m256i *xt) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc = _mm256_setzero_si256();
+    for (int w = 0; w < 16; w += 2) {
+        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(wt + w), _mm256_loadu_si256(xt + w)),
+                                     _mm256_maddubs_epi16(_mm256_load_si256(wt + w + 1), _mm256_loadu_si256(xt + w + 1)));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+    }
+    return acc;
+}
+
+// chunk_isum_t for two tokens at once: each weight vector loaded once for both.
+AVX2 static inline void chunk_isum_t2(const __m256i *wt, const __m256i *x0, const __m256i *x1, __m256i *s0, __m256i *s1) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    for (int w = 0; w < 16; w += 2) {
+        __m256i wa = _mm256_load_si256(wt + w), wb = _mm256_load_si256(wt + w + 1);
+        __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(wa, _mm256_loadu_si256(x0 + w)),
+                                      _mm256_maddubs_epi16(wb, _mm256_loadu_si256(x0 + w + 1)));
+        __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(wa, _mm256_loadu_si256(x1 + w)),
+                                      _mm256_maddubs_epi16(wb, _mm256_loadu_si256(x1 + w + 1)));
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(p0, ones));
+        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(p1, ones));
+    }
+    *s0 = a0;
+    *s1 = a1;
+}
+
+// Row r for tokens tok[0..n) (NULL: 0..n), n > 1: each chunk of the row is unpacked and transposed
+// once into wt (L1), then every token's group sums run from it — the same integer sums, hence the
+// same operations per (row, token) as the one-token dot, whatever n.
 AVX2 static void rows_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n,
                                    float *const *yrow) {
     int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
@@ -236,6 +288,7 @@ AVX2 static void rows_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
     const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
     _Alignas(32) uint8_t lohi[512];
+    __m256i wt[16];
     enum { BLOCK = 32 };  // tokens per pass over the row
     __m256 L[BLOCK];
     for (int i0 = 0; i0 < n; i0 += BLOCK) {
@@ -243,10 +296,25 @@ AVX2 static void rows_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const
         for (int i = 0; i < nt; i++) L[i] = _mm256_setzero_ps();
         for (int g0 = 0; g0 < a->nb8; g0 += 8) {
             chunk_unpack(lohi, wr, row_bytes, g0, ngroups);
+            for (int h = 0; h < 2; h++) {  // words 0-7 of each group (low nibbles), then 8-15 (high)
+                for (int b = 0; b < 8; b++) wt[8 * h + b] = _mm256_load_si256((const __m256i *)(lohi + 64 * b + 32 * h));
+                transpose8_epi32(wt + 8 * h);
+            }
             __m256 ws = chunk_scales(sr, g0, ngroups);
-            for (int i = 0; i < nt; i++) {
+            int i = 0;
+            for (; i + 2 <= nt; i += 2) {
+                size_t t0 = (size_t)(tok != NULL ? tok[i0 + i] : i0 + i);
+                size_t t1 = (size_t)(tok != NULL ? tok[i0 + i + 1] : i0 + i + 1);
+                __m256i s0, s1;
+                chunk_isum_t2(wt, (const __m256i *)(a->xt + t0 * a->stride + (size_t)g0 * 64),
+                              (const __m256i *)(a->xt + t1 * a->stride + (size_t)g0 * 64), &s0, &s1);
+                size_t at0 = t0 * (size_t)a->nb8 + (size_t)g0, at1 = t1 * (size_t)a->nb8 + (size_t)g0;
+                L[i] = _mm256_add_ps(L[i], chunk_term(s0, ws, a->xsum + at0, a->xs + at0));
+                L[i + 1] = _mm256_add_ps(L[i + 1], chunk_term(s1, ws, a->xsum + at1, a->xs + at1));
+            }
+            for (; i < nt; i++) {
                 size_t t = (size_t)(tok != NULL ? tok[i0 + i] : i0 + i);
-                __m256i isum = chunk_isum(lohi, a->xq + t * a->stride + (size_t)g0 * 64);
+                __m256i isum = chunk_isum_t(wt, (const __m256i *)(a->xt + t * a->stride + (size_t)g0 * 64));
                 size_t at = t * (size_t)a->nb8 + (size_t)g0;
                 L[i] = _mm256_add_ps(L[i], chunk_term(isum, ws, a->xsum + at, a->xs + at));
             }
