@@ -108,7 +108,8 @@ static void quantize_block(const float *x, int len, int even_odd, int8_t *q, flo
     *sum = s;
 }
 
-void acts_transpose(int8_t *dst, const int8_t *chunk) {
+// One chunk (8 blocks of 64 bytes) into Acts.xt's layout: dst[4 * (8w + b) + i] = chunk[64b + 4w + i].
+static void acts_transpose(int8_t *dst, const int8_t *chunk) {
     for (int b = 0; b < 8; b++) {
         for (int w = 0; w < 16; w++) memcpy(dst + 4 * (8 * w + b), chunk + 64 * b + 4 * w, 4);
     }

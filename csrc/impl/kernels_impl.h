@@ -36,12 +36,9 @@ typedef struct {
     int32_t *xsum;  // [n, nb8] sum of the block's q, zeros past
     // ACT_Q8, int4 weights, n > 1: xq with each chunk of 8 blocks transposed for the several-token
     // row kernels: viewing a chunk as 8 blocks x 16 four-byte words, word w of block b moves to
-    // position 8w + b, so one 32-byte vector holds four values of each block (see acts_transpose).
+    // position 8w + b, so one 32-byte vector holds four values of each block.
     int8_t *xt;     // [n, stride] or NULL
 } Acts;
-
-// One chunk (8 blocks of 64 bytes) into the xt layout above: dst[4 * (8w + b) + i] = chunk[64b + 4w + i].
-void acts_transpose(int8_t *dst, const int8_t *chunk);
 
 // Lay out x f32 [n, cols] for weights of `kind` in arithmetic `act` (f32 weights: always ACT_F32).
 // Returns COLI_OK or COLI_ENOMEM. The same code for every path, so every path sees the same bits.
