@@ -109,9 +109,10 @@ class ExpertStore:
     def experts(self, layer: int, ids: np.ndarray, hidden: np.ndarray | None = None):
         """Yield {expert: (gate, up, down)} groups covering the batch union of `ids` (T, k).
 
-        First the experts already resident, then each read one as it arrives. `hidden` (T, H), the
-        residual stream entering this layer's MoE, drives the lookahead for the next layer. Call
-        `next` only after computing the group yielded before: its experts may then be evicted.
+        First the experts already resident, then the others as their reads arrive (each group: the
+        next to arrive and every other that has meanwhile). `hidden` (T, H), the residual stream
+        entering this layer's MoE, drives the lookahead for the next layer. Call `next` only after
+        computing the group yielded before: its experts may then be evicted.
         """
         c = self.counters
         self._reap_orphans()
@@ -153,15 +154,27 @@ class ExpertStore:
         if ready:
             yield ready
             protected.difference_update(ready)
-        # experts being read first: a deferred one may need the slot of one of them once computed
+        # experts being read first: a deferred one may need the slot of one of them once computed.
+        # Wait for the first still waiting; every other one whose read has finished meanwhile
+        # joins its group, so the kernels run once per batch of arrivals, not once per expert.
         waiting.sort(key=lambda e: e not in pinned and e not in cache)
-        for e in waiting:
+        while waiting:
+            e, waiting = waiting[0], waiting[1:]
             entry = pinned.get(e) or cache.get(e)
             if entry is None:  # deferred: the cache was full of experts this layer still needed
                 self._make_room(layer, protected, block=True, demand=True)
                 entry = self._insert(layer, e, prefetched=False)
-            yield {e: self._tensors(layer, e, entry, stall=True)}
-            protected.discard(e)
+            group = {e: self._tensors(layer, e, entry, stall=True)}
+            still = []
+            for other in waiting:
+                entry = pinned.get(other) or cache.get(other)
+                if entry is not None and self._settled(entry):
+                    group[other] = self._tensors(layer, other, entry, stall=False)
+                else:
+                    still.append(other)
+            waiting = still
+            yield group
+            protected.difference_update(group)
 
     def get(self, layer: int, expert: int):
         """(gate, up, down) QTensors of one expert (reads it if it is not resident)."""
