@@ -30,8 +30,9 @@ def moe_block(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, store, layer:
     """x (T, H), ids / weights (T, k) from the router → (T, H) = Σ_rank weight · expert(x).
 
     The store reads the batch union once, yields the experts already resident first and the others
-    in groups as their reads arrive, so compute overlaps the reads. `hidden` (T, H), the residual stream entering
-    this block, lets the store predict and prefetch the next layer's experts (router lookahead).
+    in groups as their reads arrive, so compute overlaps the reads. `hidden` (T, H), the residual
+    stream entering this block, lets the store predict and prefetch the next layer's experts
+    (router lookahead).
     """
     route(layer, ids)
     T, k = ids.shape
