@@ -212,7 +212,8 @@ int attention(float *out, const float *q, int T, int H, int D, const float *k, c
               int start, float scale) {
     if (T < 0 || H < 1 || D < 1 || Hkv < 1 || H % Hkv || start < 0 || start + T > S) return COLI_EINVAL;
     int threads = threads_get(), blocks = threads < H ? threads : H;  // one block of heads per thread
-    AttnJob j = {out, q, k, v, T, H, D, S, Hkv, start, scale, (H + blocks - 1) / blocks, path_current() != &PATH_PORTABLE};
+    AttnJob j = {out, q, k, v, T, H, D, S, Hkv, start, scale, (H + blocks - 1) / blocks,
+                 path_current() != &PATH_PORTABLE};
     int tasks = T * ((H + j.heads - 1) / j.heads);
     if ((double)T * H * (start + T) * D < 65536.0 || threads <= 1) {
         for (int i = 0; i < tasks; i++) attn_task(&j, i);

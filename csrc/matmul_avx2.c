@@ -254,15 +254,17 @@ AVX2 static inline __m256i chunk_isum_t(const __m256i *wt, const __m256i *xt) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i acc = _mm256_setzero_si256();
     for (int w = 0; w < 16; w += 2) {
-        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_load_si256(wt + w), _mm256_loadu_si256(xt + w)),
-                                     _mm256_maddubs_epi16(_mm256_load_si256(wt + w + 1), _mm256_loadu_si256(xt + w + 1)));
+        __m256i p0 = _mm256_maddubs_epi16(_mm256_load_si256(wt + w), _mm256_loadu_si256(xt + w));
+        __m256i p1 = _mm256_maddubs_epi16(_mm256_load_si256(wt + w + 1), _mm256_loadu_si256(xt + w + 1));
+        __m256i p = _mm256_add_epi16(p0, p1);
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
     }
     return acc;
 }
 
 // chunk_isum_t for two tokens at once: each weight vector loaded once for both.
-AVX2 static inline void chunk_isum_t2(const __m256i *wt, const __m256i *x0, const __m256i *x1, __m256i *s0, __m256i *s1) {
+AVX2 static inline void chunk_isum_t2(const __m256i *wt, const __m256i *x0, const __m256i *x1, __m256i *s0,
+                                      __m256i *s1) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
     for (int w = 0; w < 16; w += 2) {
@@ -297,7 +299,9 @@ AVX2 static void rows_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const
         for (int g0 = 0; g0 < a->nb8; g0 += 8) {
             chunk_unpack(lohi, wr, row_bytes, g0, ngroups);
             for (int h = 0; h < 2; h++) {  // words 0-7 of each group (low nibbles), then 8-15 (high)
-                for (int b = 0; b < 8; b++) wt[8 * h + b] = _mm256_load_si256((const __m256i *)(lohi + 64 * b + 32 * h));
+                for (int b = 0; b < 8; b++) {
+                    wt[8 * h + b] = _mm256_load_si256((const __m256i *)(lohi + 64 * b + 32 * h));
+                }
                 transpose8_epi32(wt + 8 * h);
             }
             __m256 ws = chunk_scales(sr, g0, ngroups);
