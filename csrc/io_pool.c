@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -279,10 +280,18 @@ int io_probe(int fd, int64_t nbytes) {
     return n < 0 ? (int)n : 0;
 }
 
-// ---- buffers. Each is preceded by one IO_ALIGN block holding its size. A few freed buffers are
-// kept for the next read of the same size: a streaming session frees an evicted expert's buffer and
-// reads another expert of the same size at once, and reusing the memory saves page-faulting a fresh
-// one in (~800 faults, ~2 ms of CPU for a 3 MB extent: more than the read's checksum).
+// ---- buffers. Each is preceded by one IO_ALIGN block holding its size and how it was mapped. A few
+// freed buffers are kept for the next read of the same size: a streaming session frees an evicted
+// expert's buffer and reads another expert of the same size at once, and reusing the memory saves
+// page-faulting a fresh one in (~800 faults, ~2 ms of CPU for a 3 MB extent: more than the read's
+// checksum).
+// A buffer of 2 MB or more is its own mapping, 2 MB-aligned, with transparent huge pages asked for
+// (madvise) where whole ones fit: an O_DIRECT read goes to the device as one request per run of
+// physically contiguous memory, and once a process's memory is fragmented (a long session, or a
+// large engine freed before) a 3 MB buffer of scattered 4 KB pages took several requests — expert
+// reads measured 8.6–9.4 ms instead of ~5 on a virtio disk. No memory is added: the mapping is the
+// buffer's size rounded to 4 KB pages, only its address is aligned.
+#define HUGE_PAGE ((size_t)2 << 20)
 #define SPARE_MAX 8                   // buffers kept
 #define SPARE_BYTES ((int64_t)64 << 20)  // … and bytes at most
 static void *spare[SPARE_MAX];
@@ -291,6 +300,13 @@ static int64_t spare_bytes;
 static pthread_mutex_t spare_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static int64_t *size_of(void *buf) { return (int64_t *)((char *)buf - IO_ALIGN); }
+static void release(int64_t *block) {
+    if (block[1] != 0) {
+        munmap(block, (size_t)block[1]);
+    } else {
+        free(block);
+    }
+}
 
 void *io_alloc(int64_t nbytes) {
     if (nbytes < IO_ALIGN) nbytes = IO_ALIGN;
@@ -305,10 +321,25 @@ void *io_alloc(int64_t nbytes) {
         }
     }
     pthread_mutex_unlock(&spare_lock);
+    size_t len = ((size_t)nbytes + 2 * IO_ALIGN - 1) / IO_ALIGN * IO_ALIGN;  // header + buffer, whole pages
     void *block = NULL;
-    if (posix_memalign(&block, IO_ALIGN, (size_t)nbytes + IO_ALIGN) != 0) return NULL;
+    if (len < HUGE_PAGE) {
+        if (posix_memalign(&block, IO_ALIGN, len) != 0) return NULL;
+        len = 0;  // from malloc
+    } else {  // a 2 MB-aligned mapping, huge pages where whole ones fit (see above)
+        char *m = mmap(NULL, len + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) return NULL;
+        char *start = (char *)(((uintptr_t)m + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
+        if (start > m) munmap(m, (size_t)(start - m));
+        munmap(start + len, (size_t)(m + HUGE_PAGE - start));
+#ifdef MADV_HUGEPAGE
+        madvise(start, len, MADV_HUGEPAGE);
+#endif
+        block = start;
+    }
     void *buf = (char *)block + IO_ALIGN;
     *size_of(buf) = nbytes;
+    size_of(buf)[1] = (int64_t)len;
     return buf;
 }
 
@@ -319,16 +350,16 @@ void io_free(void *buf) {
     if (n_spare == SPARE_MAX || spare_bytes + nbytes > SPARE_BYTES) {  // full: drop the oldest
         if (n_spare == 0) {
             pthread_mutex_unlock(&spare_lock);
-            free(size_of(buf));
+            release(size_of(buf));
             return;
         }
         void *old = spare[0];
         spare_bytes -= *size_of(old);
         spare[0] = spare[--n_spare];
-        free(size_of(old));
+        release(size_of(old));
         if (spare_bytes + nbytes > SPARE_BYTES) {  // still too big to keep
             pthread_mutex_unlock(&spare_lock);
-            free(size_of(buf));
+            release(size_of(buf));
             return;
         }
     }

@@ -614,6 +614,29 @@ def test_io_buffers_are_aligned_and_reused():
     assert c != a and int(io.ffi.cast("uintptr_t", c)) % 4096 == 0
     lib.io_free(b)
     lib.io_free(c)
+    # 2 MB and more: a mapping of its own at a 2 MB boundary (huge pages where whole ones fit)
+    big = [lib.io_alloc(n) for n in (2 << 20, 3 * (1 << 20) + 12345, 9 << 20)]
+    for buf, n in zip(big, (2 << 20, 3 * (1 << 20) + 12345, 9 << 20)):
+        assert (int(io.ffi.cast("uintptr_t", buf)) - 4096) % (2 << 20) == 0
+        io.ffi.memmove(buf, b"\x5a" * n, n)  # the whole buffer is writable
+    for buf in big:
+        lib.io_free(buf)
+
+
+def test_io_pool_reads_extents_of_several_megabytes(tmp_path):
+    """A read into a large (mapped, huge-page) buffer, with and without O_DIRECT where allowed."""
+    data = os.urandom(5 * (1 << 20) + 3 * 4096)
+    f = tmp_path / "big.bin"
+    f.write_bytes(data)
+    pool = io.IOPool(threads=2)
+    for direct in (False, True):
+        fd, refused = io.open_expert_file(str(f), direct)
+        r = pool.submit(fd, 4096, len(data) - 4096)
+        pool.wait(r)
+        buf, err = pool.result(r)
+        assert err is None and bytes(buf) == data[4096:], f"direct={direct} (refused: {refused})"
+        io.close_fd(fd)
+    pool.close()
 
 
 def test_bench_callback_leaves_other_bench_subcommands_alone():
