@@ -286,11 +286,12 @@ int io_probe(int fd, int64_t nbytes) {
 // page-faulting a fresh one in (~800 faults, ~2 ms of CPU for a 3 MB extent: more than the read's
 // checksum).
 // A buffer of 2 MB or more is its own mapping, 2 MB-aligned, with transparent huge pages asked for
-// (madvise) where whole ones fit: an O_DIRECT read goes to the device as one request per run of
-// physically contiguous memory, and once a process's memory is fragmented (a long session, or a
-// large engine freed before) a 3 MB buffer of scattered 4 KB pages took several requests — expert
-// reads measured 8.6–9.4 ms instead of ~5 on a virtio disk. No memory is added: the mapping is the
-// buffer's size rounded to 4 KB pages, only its address is aligned.
+// (madvise) where whole ones fit. Measured: after a large engine had been freed in the process,
+// O_DIRECT expert reads (3.3 MB) into malloc'd buffers took 8.6–9.4 ms instead of ~5 on this
+// machine's virtio disk; with these buffers 4.3–5.8. The likely mechanism: an O_DIRECT read is one
+// device segment per physically contiguous run of the buffer, the disk takes at most 254 segments
+// per request, and a buffer of scattered 4 KB pages needs several requests. No memory is added: the
+// mapping is the buffer's size rounded to 4 KB pages; only its address is aligned.
 #define HUGE_PAGE ((size_t)2 << 20)
 #define SPARE_MAX 8                   // buffers kept
 #define SPARE_BYTES ((int64_t)64 << 20)  // … and bytes at most
