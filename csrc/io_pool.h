@@ -5,9 +5,10 @@
 // EINTR) and mark the request done. Waiting releases the GIL (cffi releases it around every call),
 // so Python computes the experts already resident while the reads run.
 //
-// Buffers come from io_alloc: 4096-byte aligned (posix_memalign), as O_DIRECT requires of the
-// buffer, the file offset and the length (expert extents are 4096-aligned multiples of 4096). Freed
-// buffers of the sizes being read are reused (a read overwrites every byte it is checked on).
+// Buffers come from io_alloc: 4096-byte aligned (2 MB-aligned mappings with huge pages asked for
+// from 2 MB on), as O_DIRECT requires of the buffer, the file offset and the length (expert extents
+// are 4096-aligned multiples of 4096). Freed buffers of the sizes being read are reused (a read
+// overwrites every byte it is checked on).
 //
 // This header is also cffi's cdef (colibri_core/kernels/_build.py drops the lines starting with
 // '#'): keep it to plain declarations.

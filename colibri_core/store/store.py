@@ -4,7 +4,7 @@ Per MoE layer: a cache of `slots` experts under an eviction policy, plus the exp
 hot-store (chosen from the routing history, revised at turn boundaries with hysteresis). A layer
 asks for the *batch union* of its experts (`experts`): each one is read at most once; the reads
 start at once on the C I/O pool, and the layer computes the experts already resident while they
-run, then each read expert as it arrives. Before that it applies the next layer's router to the
+run, then the read ones in groups as they arrive. Before that it applies the next layer's router to the
 current hidden state (router lookahead) and queues reads for the experts it predicts, so the next
 layer's reads overlap this layer's compute. A demand read that finds the cache full takes the slot
 of a wrong guess still being read rather than wait for that read (which ends as an orphan).
