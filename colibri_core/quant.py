@@ -16,6 +16,7 @@ The C kernels read exactly these arrays; `dequantize` is the NumPy reference the
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,7 +115,7 @@ def from_buffer(kind: str, rows: int, cols: int, buf, offset: int = 0) -> tuple[
     parts = {}
     for part, dtype, shape in layout(kind, rows, cols):
         offset = _align(offset, 64)
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         parts[part] = np.frombuffer(buf, dtype, n, offset).reshape(shape)
         offset += n * dtype.itemsize
     return QTensor(kind, rows, cols, parts["data"], parts.get("scales")), offset

@@ -285,13 +285,15 @@ int io_probe(int fd, int64_t nbytes) {
 // expert's buffer and reads another expert of the same size at once, and reusing the memory saves
 // page-faulting a fresh one in (~800 faults, ~2 ms of CPU for a 3 MB extent: more than the read's
 // checksum).
-// A buffer of 2 MB or more is its own mapping, 2 MB-aligned, with transparent huge pages asked for
-// (madvise) where whole ones fit. Measured: after a large engine had been freed in the process,
-// O_DIRECT expert reads (3.3 MB) into malloc'd buffers took 8.6–9.4 ms instead of ~5 on this
-// machine's virtio disk; with these buffers 4.3–5.8. The likely mechanism: an O_DIRECT read is one
-// device segment per physically contiguous run of the buffer, the disk takes at most 254 segments
-// per request, and a buffer of scattered 4 KB pages needs several requests. No memory is added: the
-// mapping is the buffer's size rounded to 4 KB pages; only its address is aligned.
+// A buffer of 2 MB or more is its own mapping, the buffer 2 MB-aligned with transparent huge pages
+// asked for (madvise) where whole ones fit, its header on the 4 KB page just below (outside every
+// huge page, so writing it faults in 4 KB, not a huge page's 2 MB, on the caller's thread: the
+// read's first touch does that on an I/O thread). Measured: after a large engine had been freed in
+// the process, O_DIRECT expert reads (3.3 MB) into malloc'd buffers took 8.6–9.4 ms instead of ~5
+// on this machine's virtio disk; with these buffers 4.3–5.8. The likely mechanism: an O_DIRECT read
+// is one device segment per physically contiguous run of the buffer, the disk takes at most 254
+// segments per request, and a buffer of scattered 4 KB pages needs several requests. No memory is
+// added: the mapping is the buffer's size rounded to 4 KB pages, plus the header page.
 #define HUGE_PAGE ((size_t)2 << 20)
 #define SPARE_MAX 8                   // buffers kept
 #define SPARE_BYTES ((int64_t)64 << 20)  // … and bytes at most
@@ -327,14 +329,14 @@ void *io_alloc(int64_t nbytes) {
     if (len < HUGE_PAGE) {
         if (posix_memalign(&block, IO_ALIGN, len) != 0) return NULL;
         len = 0;  // from malloc
-    } else {  // a 2 MB-aligned mapping, huge pages where whole ones fit (see above)
+    } else {  // header page, then the buffer 2 MB-aligned, huge pages where whole ones fit (see above)
         char *m = mmap(NULL, len + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (m == MAP_FAILED) return NULL;
-        char *start = (char *)(((uintptr_t)m + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
+        char *start = (char *)(((uintptr_t)m + IO_ALIGN + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE) - IO_ALIGN;
         if (start > m) munmap(m, (size_t)(start - m));
-        munmap(start + len, (size_t)(m + HUGE_PAGE - start));
+        munmap(start + len, (size_t)(m + len + HUGE_PAGE - (start + len)));
 #ifdef MADV_HUGEPAGE
-        madvise(start, len, MADV_HUGEPAGE);
+        madvise(start + IO_ALIGN, len - IO_ALIGN, MADV_HUGEPAGE);
 #endif
         block = start;
     }

@@ -295,6 +295,7 @@ class Container:
         self.expert_nbytes = nbytes  # of experts.kind; `layer_expert_nbytes` for one layer
         self._layers = {}
         self._extents = {}  # layer -> (kind, (gate, up, down) offsets, extent bytes)
+        self._paths = {}  # layer -> its expert file's path (a str: built once, asked for on every read)
         for f in _get(m, "experts.files", list):
             layer = _get(f, "layer", int)
             rel = _safe_rel(_get(f, "path", str))
@@ -312,6 +313,7 @@ class Container:
                 raise _Bad(f"expert file entry {rel} disagrees with n_experts/expert_nbytes")
             _get(f, "crc32", int)
             self._layers[layer] = f
+            self._paths[layer] = str(self.path / rel)
         if sorted(self._layers) != sorted(self.moe_layers) or len(self.moe_layers) != len(self._layers):
             raise _Bad("experts.files does not list one file per MoE layer")
         form = _get(m, "experts.source_form", str)
@@ -418,7 +420,7 @@ class Container:
             raise ValueError(f"no expert {expert} in layer {layer} (MoE layers {self.moe_layers}, "
                              f"{self.n_experts} experts)")
         nbytes = self._extents[layer][2]
-        return str(self.path / self._layers[layer]["path"]), expert * nbytes, nbytes
+        return self._paths[layer], expert * nbytes, nbytes
 
     def parse_expert(self, buf, layer: int | None = None) -> tuple[quant.QTensor, quant.QTensor, quant.QTensor]:
         """(gate, up, down) viewing one extent held in `buf` (of `layer`, or of a layer stored at
