@@ -53,7 +53,8 @@ def store_report(engine) -> str:
     layers = " ".join(f"{layer}:{100 * r:.0f}%" for layer, r in s["layer_hit_rate"].items())
     return (f"expert_hits {s['expert_hits']} · expert_misses {s['expert_misses']} · bytes_read "
             f"{format_bytes(s['bytes_read'])} ({s['reads']} reads) · prefetch_issued {s['prefetch_issued']} · "
-            f"prefetch_used {s['prefetch_used']} · prefetch_recall {100 * s['prefetch_recall']:.1f}% · "
+            f"prefetch_used {s['prefetch_used']} · prefetch_skipped {s['prefetch_skipped']} · "
+            f"prefetch_recall {100 * s['prefetch_recall']:.1f}% · "
             f"io_stall_seconds {s['io_stall_seconds']:.3f}\n"
             f"cache {s['cache_slots_per_layer']} slots/layer ({s['policy']}) · pinned {s['pinned_experts']} experts "
             f"({format_bytes(s['pinned_bytes'])}) · direct I/O {'on' if s['direct_io'] else 'off'} · mirror "

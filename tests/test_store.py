@@ -186,6 +186,36 @@ def test_counters_and_lookahead_prefetch(model):
         assert e.stats()["prefetch_issued"] == 0
 
 
+
+def test_lookahead_stops_reading_a_rank_whose_guesses_are_wrong_and_starts_again(model):
+    """A rank whose guesses the cache lacked were lately mostly wrong is predicted, scored, not read
+    (prefetch_skipped); once its guesses come right again, it is read again."""
+    with load(model, cache_slots=4, usage=False) as e:
+        s = e.store
+        first, second = list(s.layer_index)[:2]
+        guess = {"ids": None}
+
+        class Stub:
+            def predict_experts(self, layer, hidden):
+                return np.array([guess["ids"]])
+
+        s.attach(Stub())
+        hidden = np.zeros((1, e.container.hidden), np.float32)
+
+        def step(guessed, needed):  # layer `first` guesses `second`'s experts; then `second` runs
+            guess["ids"] = guessed
+            for layer, ids in ((first, [0, 1]), (second, needed)):
+                for _ in s.experts(layer, np.array([ids]), hidden=hidden if layer == first else None):
+                    pass
+
+        c = s.counters
+        for i in range(6):  # wrong every time: both ranks stop after two wrong guesses each
+            step([2 + 2 * i, 3 + 2 * i], [14, 15])
+        assert c.prefetch_issued == 4 and c.prefetch_skipped == 8
+        for i in range(6):  # right every time: the ranks earn their reads back
+            step([8 + 2 * (i % 3), 9 + 2 * (i % 3)], [8 + 2 * (i % 3), 9 + 2 * (i % 3)])
+        assert c.prefetch_issued > 4
+
 def test_batch_union_reads_each_expert_once(model):
     """A prefill of many tokens reads each needed expert of a layer once, even with a 1-slot cache
     that cannot hold them together (reads are issued as slots free up, never twice)."""
@@ -201,7 +231,7 @@ def test_run_stats_prints_every_counter(tiny_model, tmp_path):
     r = colibri("run", "--model", m, "--cache-slots", "2", "--max-tokens", "4", "--stats", "--policy", "lfu", "hi")
     assert r.returncode == 0, r.stderr
     for word in ("expert_hits", "expert_misses", "bytes_read", "prefetch_issued", "prefetch_used",
-                 "prefetch_recall", "io_stall_seconds", "per-layer hit rate", "(lfu)"):
+                 "prefetch_skipped", "prefetch_recall", "io_stall_seconds", "per-layer hit rate", "(lfu)"):
         assert word in r.stderr
 
 

@@ -66,7 +66,8 @@ def _prompts(engine, n: int, length: int, seed: int) -> list[list[int]]:
     return [[int(i) for i in rng.integers(0, vocab, length)] for _ in range(n)]
 
 
-_COUNTERS = ("expert_hits", "expert_misses", "bytes_read", "prefetch_issued", "prefetch_used", "io_stall_seconds")
+_COUNTERS = ("expert_hits", "expert_misses", "bytes_read", "prefetch_issued", "prefetch_used", "prefetch_skipped",
+             "io_stall_seconds")
 
 
 def _run(engine, prompt: list[int], new_tokens: int, seed: int) -> dict:

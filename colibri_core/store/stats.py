@@ -4,7 +4,8 @@
   or already being read by a prefetch) / that had to be read when the layer asked for them.
 - ``bytes_read``: bytes read from disk for experts (demand reads, prefetches and pinning).
 - ``prefetch_issued``: reads started by router lookahead; ``prefetch_used``: those a layer then
-  needed; ``prefetch_recall``: of the experts layers needed, the share the lookahead predicted.
+  needed; ``prefetch_recall``: of the experts layers needed, the share the lookahead predicted;
+  ``prefetch_skipped``: guesses not read because guesses of their rank were lately mostly wrong.
 - ``io_stall_seconds``: time a layer waited for reads after computing everything else it could.
 - ``layer_hit_rate``: hits / lookups per MoE layer.
 """
@@ -22,6 +23,7 @@ class StoreCounters:
     read_seconds: float = 0.0  # summed wall time of the reads themselves (in the I/O threads)
     prefetch_issued: int = 0
     prefetch_used: int = 0
+    prefetch_skipped: int = 0
     predicted_needed: int = 0  # needed experts the lookahead had predicted
     needed_after_prediction: int = 0  # needed experts in layers that had a prediction
     io_stall_seconds: float = 0.0
@@ -48,6 +50,7 @@ class StoreCounters:
             "read_seconds": self.read_seconds,
             "prefetch_issued": self.prefetch_issued,
             "prefetch_used": self.prefetch_used,
+            "prefetch_skipped": self.prefetch_skipped,
             "prefetch_recall": (self.predicted_needed / self.needed_after_prediction
                                 if self.needed_after_prediction else 0.0),
             "io_stall_seconds": self.io_stall_seconds,

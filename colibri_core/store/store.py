@@ -6,8 +6,10 @@ asks for the *batch union* of its experts (`experts`): each one is read at most 
 start at once on the C I/O pool, and the layer computes the experts already resident while they
 run, then the read ones in groups as they arrive. Before that it applies the next layer's router to the
 current hidden state (router lookahead) and queues reads for the experts it predicts, so the next
-layer's reads overlap this layer's compute. A demand read that finds the cache full takes the slot
-of a wrong guess still being read rather than wait for that read (which ends as an orphan).
+layer's reads overlap this layer's compute; each guess is scored when that layer runs, and a rank
+whose guesses have lately been mostly wrong is not read (PREFETCH_MIN_PRECISION). A demand read that
+finds the cache full takes the slot of a wrong guess still being read rather than wait for that
+read (which ends as an orphan).
 
 Pinned experts are read in the background, hottest first, behind the demand reads: at most one at
 a time while layers' reads are in flight, one per I/O thread while the disk is idle (`warm_up`
@@ -33,6 +35,16 @@ from . import mirror as mirror_mod
 from .io import IOPool
 from .stats import StoreCounters
 from .usage import UsageHistory, hot_set, pin_value, warn
+
+# Router lookahead reads a single token's guess of a given rank (its router's first choice, second …)
+# only while the guesses of that rank the cache lacked have lately been right at least this often:
+# (right + 2) / (guesses + 3), the counts decayed by DECAY per guess (a memory of ~20 guesses; a rank
+# starts at 2/3 and stops after two wrong guesses). A wrong guess costs a read, its checksum and a
+# slot: where the hot-store already holds what the router is likely to pick (a learned session at
+# 50 % of the experts), nearly every guess the cache lacks is wrong, and reading them all cost 15 %
+# of decode time (BENCHMARKS.md).
+PREFETCH_MIN_PRECISION = 0.5
+PREFETCH_DECAY = 0.95
 
 
 @dataclass
@@ -82,6 +94,8 @@ class ExpertStore:
         self.counters = StoreCounters()
         self.model = None  # set by `attach`: the model whose routers predict the next layer
         self._predicted: dict[int, set[int]] = {}  # layer -> experts the lookahead predicted for it
+        self._guesses: dict[int, list[tuple[int, int]]] = {}  # layer -> (expert, rank) guessed, not resident
+        self._guess_record: dict[int, list[float]] = {}  # rank -> [right, guesses], decayed (PREFETCH_DECAY)
         self._pin_queue: list[tuple[int, int]] = []  # (layer, expert) pinned but not read yet, hottest first
         self._pin_reads: list = []  # background reads of pinned experts that may be in flight
         self._layer_reads: list = []  # demand and lookahead reads that may be in flight
@@ -125,6 +139,10 @@ class ExpertStore:
             c.predicted_needed += len(predicted.intersection(need))
         cache, pinned, policy = self.cache[layer], self.pinned[layer], self.policies[layer]
         protected = set(need)  # never evicted until computed
+        for e, rank in self._guesses.pop(layer, ()):  # score the lookahead's guesses for this layer
+            record = self._guess_record.setdefault(rank, [0.0, 0.0])
+            record[0] = record[0] * PREFETCH_DECAY + (e in protected)
+            record[1] = record[1] * PREFETCH_DECAY + 1
         ready, waiting = {}, []
         for e in need:
             entry = pinned.get(e) or cache.get(e)
@@ -321,13 +339,25 @@ class ExpertStore:
         wanted = order[: self.slots]  # never more than the cache holds
         protected = set(wanted)
         cache, pinned = self.cache[nxt], self.pinned[nxt]
-        for e in wanted:
+        guesses = [] if T == 1 else None  # a single token's guesses are scored, and gated, by rank
+        if guesses is None:
+            self._guesses.pop(nxt, None)
+        else:
+            self._guesses[nxt] = guesses
+        room = True
+        for rank, e in enumerate(wanted):
             if e in cache or e in pinned:
                 continue
-            if not self._make_room(nxt, protected, block=False):
-                break
-            self._insert(nxt, e, prefetched=True)
-            self.counters.prefetch_issued += 1
+            if guesses is not None:
+                guesses.append((e, rank))
+                right, guessed = self._guess_record.get(rank, (0.0, 0.0))
+                if (right + 2) / (guessed + 3) < PREFETCH_MIN_PRECISION:
+                    self.counters.prefetch_skipped += 1
+                    continue
+            room = room and self._make_room(nxt, protected, block=False)
+            if room:
+                self._insert(nxt, e, prefetched=True)
+                self.counters.prefetch_issued += 1
 
     # ---- hot-store and history -----------------------------------------------------------
     def _read_pinned(self) -> None:
