@@ -186,7 +186,6 @@ def test_counters_and_lookahead_prefetch(model):
         assert e.stats()["prefetch_issued"] == 0
 
 
-
 def test_lookahead_stops_reading_a_rank_whose_guesses_are_wrong_and_starts_again(model):
     """A rank whose guesses the cache lacked were lately mostly wrong is predicted, scored, not read
     (prefetch_skipped); once its guesses come right again, it is read again."""
@@ -215,6 +214,7 @@ def test_lookahead_stops_reading_a_rank_whose_guesses_are_wrong_and_starts_again
         for i in range(12):  # right every time: the ranks earn their reads back
             step([8 + 2 * (i % 3), 9 + 2 * (i % 3)], [8 + 2 * (i % 3), 9 + 2 * (i % 3)])
         assert c.prefetch_issued > 2
+
 
 def test_batch_union_reads_each_expert_once(model):
     """A prefill of many tokens reads each needed expert of a layer once, even with a 1-slot cache
