@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri_core.store.store import PREFETCH_DECAY, PREFETCH_MIN_PRECISION
+
 
 def record(model: Path, trace: Path, n_prompts: int, prompt_tokens: int, new_tokens: int, seed: int) -> None:
     from colibri_core.bench.model import _prompts
@@ -64,8 +66,9 @@ def record(model: Path, trace: Path, n_prompts: int, prompt_tokens: int, new_tok
 
 class Sim:
     """The store's cache semantics: batch-union lookups, LRU (or LFU seeded with `lfu_prior`) eviction,
-    lookahead prefetch of at most `slots` predicted experts (protected while inserted), pinned
-    experts never evicted. Reads complete at once: no timing, only what is read."""
+    lookahead prefetch of at most `slots` predicted experts (protected while inserted; a single
+    token's guesses gated by their rank's precision, as ExpertStore._lookahead does), pinned experts
+    never evicted. Reads complete at once: no timing, only what is read."""
 
     def __init__(self, layers, slots: int, pinned: dict[int, set[int]], prefetch: bool, lfu_prior=None):
         self.slots, self.pinned, self.prefetch = slots, pinned, prefetch
@@ -74,6 +77,8 @@ class Sim:
         self.uses = {layer: dict(enumerate(lfu_prior[i])) for i, layer in enumerate(layers)} if lfu_prior is not None else None
         self.clock = 0
         self.c = dict(demand=0, prefetch=0, prefetch_used=0, lookups=0)
+        self.guesses: dict[int, list[tuple[int, int]]] = {}  # layer -> (expert, rank) guessed, not resident
+        self.record: dict[int, list[float]] = {}  # rank -> [right, guesses], decayed
 
     def _touch(self, layer, e):
         self.clock += 1
@@ -97,6 +102,9 @@ class Sim:
         need = sorted(set(np.asarray(ids).ravel().tolist()))
         self.c["lookups"] += len(need)
         protected = set(need)
+        for e, rank in self.guesses.pop(layer, ()):
+            r = self.record.setdefault(rank, [0.0, 0.0])
+            r[0], r[1] = r[0] * PREFETCH_DECAY + (e in protected), r[1] * PREFETCH_DECAY + 1
         for e in need:
             if e in self.pinned.get(layer, ()):
                 continue
@@ -113,17 +121,26 @@ class Sim:
             nxt, pids = pred
             pids = np.asarray(pids)  # (T, k) best first: votes weighted by rank, as the store counts them
             weights = np.broadcast_to(np.arange(pids.shape[1], 0, -1), pids.shape)
-            votes = np.bincount(pids.ravel(), weights=weights.ravel(), minlength=64)
+            votes = np.bincount(pids.ravel(), weights=weights.ravel())
             order = [int(e) for e in np.argsort(-votes, kind="stable") if votes[e] > 0][: self.slots]
             prot = set(order)
-            for e in order:
+            guesses = self.guesses[nxt] = [] if pids.shape[0] == 1 else None
+            if guesses is None:
+                del self.guesses[nxt]
+            room = True
+            for rank, e in enumerate(order):
                 if e in self.cache[nxt] or e in self.pinned.get(nxt, ()):
                     continue
-                if not self._room(nxt, prot):
-                    break
-                self._touch(nxt, e)
-                self.prefetched[nxt].add(e)
-                self.c["prefetch"] += 1
+                if guesses is not None:
+                    guesses.append((e, rank))
+                    right, guessed = self.record.get(rank, (0.0, 0.0))
+                    if (right + 2) / (guessed + 3) < PREFETCH_MIN_PRECISION:
+                        continue
+                room = room and self._room(nxt, prot)
+                if room:
+                    self._touch(nxt, e)
+                    self.prefetched[nxt].add(e)
+                    self.c["prefetch"] += 1
 
 
 def replay(trace, sim: Sim, run_ids) -> dict:
