@@ -600,7 +600,7 @@ def test_bench_protocol_smoke(model, tmp_path):
     sess = d["budgets"][0]["sessions"]
     assert set(sess) == {"cold", "learned"} and "warm_repeat" in sess["cold"] and d["activations"] == "f32"
     for key in ("tokens_per_second", "ttft_seconds", "hit_rate", "bytes_read_per_token", "prefetch_recall",
-                "floor_seconds_per_token", "vs_floor"):
+                "io_stall_seconds_per_token", "floor_seconds_per_token", "vs_floor"):
         assert key in sess["cold"]
     assert not (m / USAGE_FILE).exists()  # the model's own history is never touched
 

@@ -11,8 +11,8 @@
      (so the hot-store pins the experts this workload routes to most), the same prompts. The
      hot-store is read in full before the first prompt (the warm-up: its seconds and experts are
      reported on their own, not in any per-token time).
-4. Per run: tok/s, time to first token, hit rate, bytes read per token, prefetch recall, and the
-   decode time per token next to the floor max(bytes read ÷ disk bandwidth, resident compute time).
+4. Per run: tok/s, time to first token, hit rate, bytes read per token, I/O stall per token,
+   prefetch recall, and the decode time per token next to the floor max(bytes read ÷ disk bandwidth, resident compute time).
 The kernels' arithmetic is the engine's: exact f32 activations unless COLIBRI_ACTIVATIONS=int8
 (recorded in the results as "activations").
 Generation samples at temperature 1 with a fixed seed per prompt: decode visits varied tokens (and
@@ -119,6 +119,7 @@ def _session_summary(runs: list[dict]) -> dict:
             "ttft_seconds": sum(r["ttft_seconds"] for r in runs) / len(runs),
             "hit_rate": sum(r["hit_rate"] for r in runs) / len(runs),
             "bytes_read_per_token": sum(r["bytes_read_per_token"] * r["decoded_tokens"] for r in runs) / tok,
+            "io_stall_seconds_per_token": sum(r["decode_io_stall_seconds"] for r in runs) / tok,
             "prefetch_recall": sum(r["prefetch_recall"] for r in runs) / len(runs)}
 
 
@@ -192,6 +193,7 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
                     f"{sess['tokens_per_second']:.2f} tok/s, {sess['seconds_per_token']:.3f} s/token vs floor "
                     f"{sess['floor_seconds_per_token']:.3f} ({sess['vs_floor']:.2f}×), TTFT {sess['ttft_seconds']:.2f} s, "
                     f"hit rate {100 * sess['hit_rate']:.1f}%, read {format_bytes(sess['bytes_read_per_token'])}/token, "
+                    f"I/O stall {1e3 * sess['io_stall_seconds_per_token']:.0f} ms/token, "
                     f"recall {100 * sess['prefetch_recall']:.1f}%, pinned {sess['pinned_experts']}, "
                     f"{sess['cache_slots_per_layer']} slots/layer")
                 if warm_experts:
