@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri_core.store.store import PREFETCH_DECAY, PREFETCH_MIN_PRECISION
+from colibri_core.store.store import GuessRecord
 
 
 def record(model: Path, trace: Path, n_prompts: int, prompt_tokens: int, new_tokens: int, seed: int) -> None:
@@ -78,7 +78,7 @@ class Sim:
         self.clock = 0
         self.c = dict(demand=0, prefetch=0, prefetch_used=0, lookups=0)
         self.guesses: dict[int, list[tuple[int, int]]] = {}  # layer -> (expert, rank) guessed, not resident
-        self.record: dict[int, list[float]] = {}  # rank -> [right, guesses], decayed
+        self.record = GuessRecord()
 
     def _touch(self, layer, e):
         self.clock += 1
@@ -103,8 +103,7 @@ class Sim:
         self.c["lookups"] += len(need)
         protected = set(need)
         for e, rank in self.guesses.pop(layer, ()):
-            r = self.record.setdefault(rank, [0.0, 0.0])
-            r[0], r[1] = r[0] * PREFETCH_DECAY + (e in protected), r[1] * PREFETCH_DECAY + 1
+            self.record.score(rank, e in protected)
         for e in need:
             if e in self.pinned.get(layer, ()):
                 continue
@@ -124,17 +123,14 @@ class Sim:
             votes = np.bincount(pids.ravel(), weights=weights.ravel())
             order = [int(e) for e in np.argsort(-votes, kind="stable") if votes[e] > 0][: self.slots]
             prot = set(order)
-            guesses = self.guesses[nxt] = [] if pids.shape[0] == 1 else None
-            if guesses is None:
-                del self.guesses[nxt]
+            guesses = self.guesses[nxt] = []
             room = True
             for rank, e in enumerate(order):
                 if e in self.cache[nxt] or e in self.pinned.get(nxt, ()):
                     continue
-                if guesses is not None:
+                if pids.shape[0] == 1:
                     guesses.append((e, rank))
-                    right, guessed = self.record.get(rank, (0.0, 0.0))
-                    if (right + 2) / (guessed + 3) < PREFETCH_MIN_PRECISION:
+                    if not self.record.worth_reading(rank):
                         continue
                 room = room and self._room(nxt, prot)
                 if room:

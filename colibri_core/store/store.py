@@ -38,15 +38,31 @@ from .usage import UsageHistory, hot_set, pin_value, warn
 
 # Router lookahead reads a single token's guess of a given rank (its router's first choice, second …)
 # only while the guesses of that rank the cache lacked have lately been right often enough:
-# (right + 2) / (guesses + 3) ≥ PREFETCH_MIN_PRECISION, the counts decayed by DECAY per guess (a
-# memory of ~20 guesses; a rank starts at 2/3, and a wrong first guess stops it until it scores
-# better). A wrong guess costs a read, its checksum and a slot. Measured on the synthetic OLMoE
+# (right + 2) / (guesses + 3) ≥ PREFETCH_MIN_PRECISION, the counts decayed by PREFETCH_DECAY per
+# guess (a memory of ~20 guesses; a rank starts at 2/3, and a wrong first guess stops it until it
+# scores better). A wrong guess costs a read, its checksum and a slot. Measured on the synthetic OLMoE
 # (BENCHMARKS.md): with the hot-store holding what the router is likely to pick (a learned session
 # at 50 % of the experts) nearly every guess the cache lacked was wrong, and reading them cost 15 %
 # of decode time; in a cold session at 25 % (disk-bound) ranks 5–8 were right 30–55 % of the time,
 # and leaving out ranks under 0.65 (against 0.5) cut decode time 7 %, with no change at 50 %.
 PREFETCH_MIN_PRECISION = 0.65
 PREFETCH_DECAY = 0.95
+
+
+class GuessRecord:
+    """How often the lookahead's guesses of each rank were right lately (PREFETCH_MIN_PRECISION)."""
+
+    def __init__(self):
+        self._counts: dict[int, list[float]] = {}  # rank -> [right, guesses], decayed
+
+    def score(self, rank: int, right: bool) -> None:
+        counts = self._counts.setdefault(rank, [0.0, 0.0])
+        counts[0] = counts[0] * PREFETCH_DECAY + right
+        counts[1] = counts[1] * PREFETCH_DECAY + 1
+
+    def worth_reading(self, rank: int) -> bool:
+        right, guessed = self._counts.get(rank, (0.0, 0.0))
+        return (right + 2) / (guessed + 3) >= PREFETCH_MIN_PRECISION
 
 
 @dataclass
@@ -97,7 +113,7 @@ class ExpertStore:
         self.model = None  # set by `attach`: the model whose routers predict the next layer
         self._predicted: dict[int, set[int]] = {}  # layer -> experts the lookahead predicted for it
         self._guesses: dict[int, list[tuple[int, int]]] = {}  # layer -> (expert, rank) guessed, not resident
-        self._guess_record: dict[int, list[float]] = {}  # rank -> [right, guesses], decayed (PREFETCH_DECAY)
+        self._guess_record = GuessRecord()
         self._pin_queue: list[tuple[int, int]] = []  # (layer, expert) pinned but not read yet, hottest first
         self._pin_reads: list = []  # background reads of pinned experts that may be in flight
         self._layer_reads: list = []  # demand and lookahead reads that may be in flight
@@ -142,9 +158,7 @@ class ExpertStore:
         cache, pinned, policy = self.cache[layer], self.pinned[layer], self.policies[layer]
         protected = set(need)  # never evicted until computed
         for e, rank in self._guesses.pop(layer, ()):  # score the lookahead's guesses for this layer
-            record = self._guess_record.setdefault(rank, [0.0, 0.0])
-            record[0] = record[0] * PREFETCH_DECAY + (e in protected)
-            record[1] = record[1] * PREFETCH_DECAY + 1
+            self._guess_record.score(rank, e in protected)
         ready, waiting = {}, []
         for e in need:
             entry = pinned.get(e) or cache.get(e)
@@ -341,19 +355,14 @@ class ExpertStore:
         wanted = order[: self.slots]  # never more than the cache holds
         protected = set(wanted)
         cache, pinned = self.cache[nxt], self.pinned[nxt]
-        guesses = [] if T == 1 else None  # a single token's guesses are scored, and gated, by rank
-        if guesses is None:
-            self._guesses.pop(nxt, None)
-        else:
-            self._guesses[nxt] = guesses
+        guesses = self._guesses[nxt] = []  # (expert, rank) a single token guessed and the cache lacks
         room = True
         for rank, e in enumerate(wanted):
             if e in cache or e in pinned:
                 continue
-            if guesses is not None:
+            if T == 1:
                 guesses.append((e, rank))
-                right, guessed = self._guess_record.get(rank, (0.0, 0.0))
-                if (right + 2) / (guessed + 3) < PREFETCH_MIN_PRECISION:
+                if not self._guess_record.worth_reading(rank):
                     self.counters.prefetch_skipped += 1
                     continue
             room = room and self._make_room(nxt, protected, block=False)
