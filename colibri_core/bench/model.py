@@ -12,7 +12,8 @@
      hot-store is read in full before the first prompt (the warm-up: its seconds and experts are
      reported on their own, not in any per-token time).
 4. Per run: tok/s, time to first token, hit rate, bytes read per token, I/O stall per token,
-   prefetch recall, and the decode time per token next to the floor max(bytes read ÷ disk bandwidth, resident compute time).
+   prefetch recall, and the decode time per token next to the floor max(bytes read ÷ disk
+   bandwidth, resident compute time).
 The kernels' arithmetic is the engine's: exact f32 activations unless COLIBRI_ACTIVATIONS=int8
 (recorded in the results as "activations").
 Generation samples at temperature 1 with a fixed seed per prompt: decode visits varied tokens (and

@@ -4,12 +4,12 @@ Per MoE layer: a cache of `slots` experts under an eviction policy, plus the exp
 hot-store (chosen from the routing history, revised at turn boundaries with hysteresis). A layer
 asks for the *batch union* of its experts (`experts`): each one is read at most once; the reads
 start at once on the C I/O pool, and the layer computes the experts already resident while they
-run, then the read ones in groups as they arrive. Before that it applies the next layer's router to the
-current hidden state (router lookahead) and queues reads for the experts it predicts, so the next
-layer's reads overlap this layer's compute; each guess is scored when that layer runs, and a rank
-whose guesses have lately been mostly wrong is not read (PREFETCH_MIN_PRECISION). A demand read that
-finds the cache full takes the slot of a wrong guess still being read rather than wait for that
-read (which ends as an orphan).
+run, then the read ones in groups as they arrive. Before that it applies the next layer's router to
+the current hidden state (router lookahead) and queues reads for the experts it predicts, so the
+next layer's reads overlap this layer's compute; each guess is scored when that layer runs, and a
+rank whose guesses have lately been mostly wrong is not read (PREFETCH_MIN_PRECISION). A demand
+read that finds the cache full takes the slot of a wrong guess still being read rather than wait
+for that read (which ends as an orphan).
 
 Pinned experts are read in the background, hottest first, behind the demand reads: at most one at
 a time while layers' reads are in flight, one per I/O thread while the disk is idle (`warm_up`
@@ -40,10 +40,10 @@ from .usage import UsageHistory, hot_set, pin_value, warn
 # only while the guesses of that rank the cache lacked have lately been right often enough:
 # (right + 2) / (guesses + 3) ≥ PREFETCH_MIN_PRECISION, the counts decayed by PREFETCH_DECAY per
 # guess (a memory of ~20 guesses; a rank starts at 2/3, and a wrong first guess stops it until it
-# scores better). A wrong guess costs a read, its checksum and a slot. Measured on the synthetic OLMoE
-# (BENCHMARKS.md): with the hot-store holding what the router is likely to pick (a learned session
-# at 50 % of the experts) nearly every guess the cache lacked was wrong, and reading them cost 15 %
-# of decode time; in a cold session at 25 % (disk-bound) ranks 5–8 were right 30–55 % of the time,
+# scores better). A wrong guess costs a read, its checksum and a slot. Measured on the synthetic
+# OLMoE (BENCHMARKS.md): with the hot-store holding what the router is likely to pick (a learned
+# session at 50 % of the experts) nearly every guess the cache lacked was wrong, and reading them
+# cost 15 % of decode time; in a cold session at 25 % (disk-bound) ranks 5–8 were right 30–55 % of the time,
 # and leaving out ranks under 0.65 (against 0.5) cut decode time 7 %, with no change at 50 %.
 PREFETCH_MIN_PRECISION = 0.65
 PREFETCH_DECAY = 0.95
