@@ -187,11 +187,12 @@ def test_counters_and_lookahead_prefetch(model):
 
 
 def test_lookahead_stops_reading_a_rank_whose_guesses_are_wrong_and_starts_again(model):
-    """A rank whose guesses the cache lacked were lately mostly wrong is predicted, scored, not read
-    (prefetch_skipped); once its guesses come right again, it is read again."""
+    """A rank whose guesses for a layer the cache lacked were lately mostly wrong is predicted, scored,
+    not read (prefetch_skipped); its guesses for another layer still are; once its guesses come right
+    again, it is read again."""
     with load(model, cache_slots=4, usage=False) as e:
         s = e.store
-        first, second = list(s.layer_index)[:2]
+        first, second, third = list(s.layer_index)[:3]
         guess = {"ids": None}
 
         class Stub:
@@ -211,6 +212,10 @@ def test_lookahead_stops_reading_a_rank_whose_guesses_are_wrong_and_starts_again
         for i in range(6):  # wrong every time: both ranks stop after their first wrong guess
             step([2 + 2 * i, 3 + 2 * i], [14, 15])
         assert c.prefetch_issued == 2 and c.prefetch_skipped == 10
+        guess["ids"] = [4, 5]  # the same ranks guessing another layer's experts: still read
+        for _ in s.experts(second, np.array([[14, 15]]), hidden=hidden):
+            pass
+        assert c.prefetch_issued == 4 and c.prefetch_skipped == 10
         for i in range(12):  # right every time: the ranks earn their reads back
             step([8 + 2 * (i % 3), 9 + 2 * (i % 3)], [8 + 2 * (i % 3), 9 + 2 * (i % 3)])
         assert c.prefetch_issued > 2

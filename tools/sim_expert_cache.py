@@ -103,7 +103,7 @@ class Sim:
         self.c["lookups"] += len(need)
         protected = set(need)
         for e, rank in self.guesses.pop(layer, ()):
-            self.record.score(rank, e in protected)
+            self.record.score(layer, rank, e in protected)
         for e in need:
             if e in self.pinned.get(layer, ()):
                 continue
@@ -130,7 +130,7 @@ class Sim:
                     continue
                 if pids.shape[0] == 1:
                     guesses.append((e, rank))
-                    if not self.record.worth_reading(rank):
+                    if not self.record.worth_reading(nxt, rank):
                         continue
                 room = room and self._room(nxt, prot)
                 if room:

@@ -5,7 +5,8 @@
 - ``bytes_read``: bytes read from disk for experts (demand reads, prefetches and pinning).
 - ``prefetch_issued``: reads started by router lookahead; ``prefetch_used``: those a layer then
   needed; ``prefetch_recall``: of the experts layers needed, the share the lookahead predicted;
-  ``prefetch_skipped``: guesses not read because guesses of their rank were lately mostly wrong.
+  ``prefetch_skipped``: guesses not read because guesses of their rank for their layer were lately
+  mostly wrong.
 - ``io_stall_seconds``: time a layer waited for reads after computing everything else it could.
 - ``layer_hit_rate``: hits / lookups per MoE layer.
 """

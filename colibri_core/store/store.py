@@ -7,7 +7,7 @@ start at once on the C I/O pool, and the layer computes the experts already resi
 run, then the read ones in groups as they arrive. Before that it applies the next layer's router to
 the current hidden state (router lookahead) and queues reads for the experts it predicts, so the
 next layer's reads overlap this layer's compute; each guess is scored when that layer runs, and a
-rank whose guesses have lately been mostly wrong is not read (PREFETCH_MIN_PRECISION). A demand
+rank whose guesses for that layer have lately been mostly wrong is not read (PREFETCH_MIN_PRECISION). A demand
 read that finds the cache full takes the slot of a wrong guess still being read rather than wait
 for that read (which ends as an orphan).
 
@@ -37,31 +37,33 @@ from .stats import StoreCounters
 from .usage import UsageHistory, hot_set, pin_value, warn
 
 # Router lookahead reads a single token's guess of a given rank (its router's first choice, second …)
-# only while the guesses of that rank the cache lacked have lately been right often enough:
-# (right + 2) / (guesses + 3) ≥ PREFETCH_MIN_PRECISION, the counts decayed by PREFETCH_DECAY per
-# guess (a memory of ~20 guesses; a rank starts at 2/3, and a wrong first guess stops it until it
-# scores better). A wrong guess costs a read, its checksum and a slot. Measured on the synthetic
-# OLMoE (BENCHMARKS.md): with the hot-store holding what the router is likely to pick (a learned
-# session at 50 % of the experts) nearly every guess the cache lacked was wrong, and reading them
-# cost 15 % of decode time; in a cold session at 25 % (disk-bound) ranks 5–8 were right 30–55 % of the time,
-# and leaving out ranks under 0.65 (against 0.5) cut decode time 7 %, with no change at 50 %.
+# for a layer only while the guesses of that rank for that layer the cache lacked have lately been
+# right often enough: (right + 2) / (guesses + 3) ≥ PREFETCH_MIN_PRECISION, the counts decayed by
+# PREFETCH_DECAY per guess (a memory of ~20 guesses; a (layer, rank) starts at 2/3, and a wrong
+# first guess stops it until it scores better). A wrong guess costs a read, its checksum and a slot.
+# Measured on the synthetic OLMoE (BENCHMARKS.md): with the hot-store holding what the router is
+# likely to pick (a learned session at 50 % of the experts) nearly every guess the cache lacked was
+# wrong, and reading them cost 15 % of decode time; in a cold session at 25 % (disk-bound) ranks 5–8
+# were right 30–55 % of the time, and leaving out ranks under 0.65 (against 0.5) cut decode time 7 %,
+# with no change at 50 %. Precision differs by layer (on that model the early layers' guesses the
+# cache lacked were right far more often than the late ones'): scored per layer, 8–14 % fewer misses.
 PREFETCH_MIN_PRECISION = 0.65
 PREFETCH_DECAY = 0.95
 
 
 class GuessRecord:
-    """How often the lookahead's guesses of each rank were right lately (PREFETCH_MIN_PRECISION)."""
+    """How often the lookahead's guesses of each (layer, rank) were right lately (PREFETCH_MIN_PRECISION)."""
 
     def __init__(self):
-        self._counts: dict[int, list[float]] = {}  # rank -> [right, guesses], decayed
+        self._counts: dict[tuple[int, int], list[float]] = {}  # (layer, rank) -> [right, guesses], decayed
 
-    def score(self, rank: int, right: bool) -> None:
-        counts = self._counts.setdefault(rank, [0.0, 0.0])
+    def score(self, layer: int, rank: int, right: bool) -> None:
+        counts = self._counts.setdefault((layer, rank), [0.0, 0.0])
         counts[0] = counts[0] * PREFETCH_DECAY + right
         counts[1] = counts[1] * PREFETCH_DECAY + 1
 
-    def worth_reading(self, rank: int) -> bool:
-        right, guessed = self._counts.get(rank, (0.0, 0.0))
+    def worth_reading(self, layer: int, rank: int) -> bool:
+        right, guessed = self._counts.get((layer, rank), (0.0, 0.0))
         return (right + 2) / (guessed + 3) >= PREFETCH_MIN_PRECISION
 
 
@@ -158,7 +160,7 @@ class ExpertStore:
         cache, pinned, policy = self.cache[layer], self.pinned[layer], self.policies[layer]
         protected = set(need)  # never evicted until computed
         for e, rank in self._guesses.pop(layer, ()):  # score the lookahead's guesses for this layer
-            self._guess_record.score(rank, e in protected)
+            self._guess_record.score(layer, rank, e in protected)
         ready, waiting = {}, []
         for e in need:
             entry = pinned.get(e) or cache.get(e)
@@ -362,7 +364,7 @@ class ExpertStore:
                 continue
             if T == 1:
                 guesses.append((e, rank))
-                if not self._guess_record.worth_reading(rank):
+                if not self._guess_record.worth_reading(nxt, rank):
                     self.counters.prefetch_skipped += 1
                     continue
             room = room and self._make_room(nxt, protected, block=False)
