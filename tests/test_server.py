@@ -307,6 +307,8 @@ def test_16_clients_with_a_queue_of_4(server, tiny_model):
                 retry_after, body = detail
                 assert int(retry_after) >= 1 and body["code"] == "queue_full"
         assert server.get("/health")[0] == 200
+        metrics = server.get("/metrics")[1].decode()
+        assert 'outcome="rejected"' in metrics and 'outcome="cancelled"' in metrics
         rss.append(server.rss_bytes())
     growth = rss[-1] - rss[0]  # round 0 warms up allocator pools and caches
     assert growth < 8 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over 2 rounds: {rss}"
@@ -314,9 +316,12 @@ def test_16_clients_with_a_queue_of_4(server, tiny_model):
         c.close()
 
 
-def test_metrics_are_prometheus_text(server):
+def test_metrics_are_prometheus_text(server, tiny_model):
     from prometheus_client.parser import text_string_to_metric_families
 
+    body = {"model": model_id(tiny_model), "messages": CHAT, "max_tokens": 3, "temperature": 0}
+    assert post(server.url + "/v1/chat/completions", body)[0] == 200  # counters that a generation moves
+    assert post(server.url + "/v1/chat/completions", b"[1, 2]")[0] == 400
     status, body = server.get("/metrics")
     assert status == 200
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
@@ -328,7 +333,7 @@ def test_metrics_are_prometheus_text(server):
     assert value["colibri_generation_tokens_total"] > 0 and value["colibri_expert_hits_total"] > 0
     assert value["colibri_time_to_first_token_seconds_count"] > 0
     outcomes = {s.labels["outcome"] for s in families["colibri_requests"].samples}
-    assert {"ok", "rejected", "cancelled", "invalid"} <= outcomes
+    assert {"ok", "invalid"} <= outcomes <= {"ok", "rejected", "cancelled", "invalid"}
 
 
 def test_dashboard_json(server, tiny_model):
