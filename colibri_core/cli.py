@@ -51,6 +51,7 @@ def store_report(engine) -> str:
 
     s = engine.stats()
     layers = " ".join(f"{layer}:{100 * r:.0f}%" for layer, r in s["layer_hit_rate"].items())
+    stalls = " ".join(f"{layer}:{1e3 * t:.0f}" for layer, t in s["layer_io_stall_seconds"].items())
     return (f"expert_hits {s['expert_hits']} · expert_misses {s['expert_misses']} · bytes_read "
             f"{format_bytes(s['bytes_read'])} ({s['reads']} reads) · prefetch_issued {s['prefetch_issued']} · "
             f"prefetch_used {s['prefetch_used']} · prefetch_skipped {s['prefetch_skipped']} · "
@@ -59,7 +60,8 @@ def store_report(engine) -> str:
             f"cache {s['cache_slots_per_layer']} slots/layer ({s['policy']}) · pinned {s['pinned_experts']} experts "
             f"({format_bytes(s['pinned_bytes'])}) · direct I/O {'on' if s['direct_io'] else 'off'} · mirror "
             f"{s['mirror'] if s['mirror_in_use'] else 'off'} · history {s['history_tokens']} tokens\n"
-            f"per-layer hit rate {layers}")
+            f"per-layer hit rate {layers}\n"
+            f"per-layer I/O stall (ms) {stalls}")
 
 
 def stats_line(engine, seconds: float) -> str:

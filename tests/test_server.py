@@ -327,7 +327,8 @@ def test_metrics_are_prometheus_text(server, tiny_model):
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
     for name in ("colibri_generation_tokens", "colibri_prompt_tokens", "colibri_time_to_first_token_seconds",
                  "colibri_queue_depth", "colibri_expert_hits", "colibri_expert_misses", "colibri_bytes_read",
-                 "colibri_tokens_per_second", "colibri_requests", "colibri_attention_seconds"):
+                 "colibri_tokens_per_second", "colibri_requests", "colibri_attention_seconds",
+                 "colibri_layer_hit_rate", "colibri_layer_io_stall_seconds"):
         assert name in families, sorted(families)
     value = {s.name: s.value for f in families.values() for s in f.samples if not s.labels}
     assert value["colibri_generation_tokens_total"] > 0 and value["colibri_expert_hits_total"] > 0

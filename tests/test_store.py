@@ -180,7 +180,8 @@ def test_counters_and_lookahead_prefetch(model):
     assert s["prefetch_issued"] > 0 and 0 < s["prefetch_used"] <= s["prefetch_issued"]
     assert 0 < s["prefetch_recall"] <= 1
     assert s["bytes_read"] == s["reads"] * e.container.expert_nbytes
-    assert set(s["layer_hit_rate"]) == set(e.container.moe_layers)
+    assert set(s["layer_hit_rate"]) == set(s["layer_io_stall_seconds"]) == set(e.container.moe_layers)
+    assert sum(s["layer_io_stall_seconds"].values()) == pytest.approx(s["io_stall_seconds"])
     with load(model, cache_slots=4, usage=False, prefetch=False) as e:
         e.generate(PROMPT, N_NEW, stop_ids=())
         assert e.stats()["prefetch_issued"] == 0
@@ -236,7 +237,8 @@ def test_run_stats_prints_every_counter(tiny_model, tmp_path):
     r = colibri("run", "--model", m, "--cache-slots", "2", "--max-tokens", "4", "--stats", "--policy", "lfu", "hi")
     assert r.returncode == 0, r.stderr
     for word in ("expert_hits", "expert_misses", "bytes_read", "prefetch_issued", "prefetch_used",
-                 "prefetch_skipped", "prefetch_recall", "io_stall_seconds", "per-layer hit rate", "(lfu)"):
+                 "prefetch_skipped", "prefetch_recall", "io_stall_seconds", "per-layer hit rate",
+                 "per-layer I/O stall", "(lfu)"):
         assert word in r.stderr
 
 
@@ -605,7 +607,8 @@ def test_bench_protocol_smoke(model, tmp_path):
     sess = d["budgets"][0]["sessions"]
     assert set(sess) == {"cold", "learned"} and "warm_repeat" in sess["cold"] and d["activations"] == "f32"
     for key in ("tokens_per_second", "ttft_seconds", "hit_rate", "bytes_read_per_token", "prefetch_recall",
-                "io_stall_seconds_per_token", "floor_seconds_per_token", "vs_floor"):
+                "io_stall_seconds_per_token", "layer_io_stall_seconds_per_token", "floor_seconds_per_token",
+                "vs_floor"):
         assert key in sess["cold"]
     assert not (m / USAGE_FILE).exists()  # the model's own history is never touched
 

@@ -89,6 +89,7 @@ def _run(engine, prompt: list[int], new_tokens: int, seed: int) -> dict:
     s1 = engine.store.stats()
     c1 = engine.store.counters
     d = {k: s1[k] - s0[k] for k in _COUNTERS}
+    layer_stall = {layer: t - s0["layer_io_stall_seconds"][layer] for layer, t in s1["layer_io_stall_seconds"].items()}
     decoded = n - 1
     lookups = d["expert_hits"] + d["expert_misses"]
     pred_total = c1.needed_after_prediction - pred0[1]
@@ -101,6 +102,7 @@ def _run(engine, prompt: list[int], new_tokens: int, seed: int) -> dict:
         "bytes_read_per_token": d["bytes_read"] / decoded if decoded else 0.0,
         "prefetch_recall": (c1.predicted_needed - pred0[0]) / pred_total if pred_total else 0.0,
         **{f"decode_{k}": v for k, v in d.items()},
+        "decode_layer_io_stall_seconds": layer_stall,
     }
 
 
@@ -121,6 +123,8 @@ def _session_summary(runs: list[dict]) -> dict:
             "hit_rate": sum(r["hit_rate"] for r in runs) / len(runs),
             "bytes_read_per_token": sum(r["bytes_read_per_token"] * r["decoded_tokens"] for r in runs) / tok,
             "io_stall_seconds_per_token": sum(r["decode_io_stall_seconds"] for r in runs) / tok,
+            "layer_io_stall_seconds_per_token": {layer: sum(r["decode_layer_io_stall_seconds"][layer] for r in runs) / tok
+                                                 for layer in runs[0]["decode_layer_io_stall_seconds"]},
             "prefetch_recall": sum(r["prefetch_recall"] for r in runs) / len(runs)}
 
 
@@ -197,6 +201,10 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
                     f"I/O stall {1e3 * sess['io_stall_seconds_per_token']:.0f} ms/token, "
                     f"recall {100 * sess['prefetch_recall']:.1f}%, pinned {sess['pinned_experts']}, "
                     f"{sess['cache_slots_per_layer']} slots/layer")
+                stalls = [f"{layer}:{1e3 * t:.0f}" for layer, t in sess["layer_io_stall_seconds_per_token"].items()
+                          if t >= 1e-3]
+                if stalls:
+                    say(f"    I/O stall by layer (ms/token, layers over 1 ms): {' '.join(stalls)}")
                 if warm_experts:
                     say(f"    warm-up before the prompts: {warm_experts} pinned experts read in {warm_seconds:.2f} s")
                 if name == "cold":

@@ -138,8 +138,12 @@ def prometheus(metrics: Metrics, stats: dict | None, queue: dict, model: str) ->
                                               f"Engine statistic {key}."))
         _help(lines, name, kind, text)
         lines.append(f"{name} {value}")
-    per_layer = stats.get("layer_hit_rate")
-    if isinstance(per_layer, dict):
-        _help(lines, "colibri_layer_hit_rate", "gauge", "Expert cache hit rate per MoE layer.")
-        lines += [f'colibri_layer_hit_rate{{layer="{layer}"}} {rate:.6f}' for layer, rate in per_layer.items()]
+    for key, name, kind, text in (
+            ("layer_hit_rate", "colibri_layer_hit_rate", "gauge", "Expert cache hit rate per MoE layer."),
+            ("layer_io_stall_seconds", "colibri_layer_io_stall_seconds_total", "counter",
+             "Seconds each MoE layer waited for expert reads.")):
+        per_layer = stats.get(key)
+        if isinstance(per_layer, dict):
+            _help(lines, name, kind, text)
+            lines += [f'{name}{{layer="{layer}"}} {value:.6f}' for layer, value in per_layer.items()]
     return "\n".join(lines) + "\n"

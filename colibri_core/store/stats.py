@@ -7,7 +7,8 @@
   needed; ``prefetch_recall``: of the experts layers needed, the share the lookahead predicted;
   ``prefetch_skipped``: guesses not read because guesses of their rank for their layer were lately
   mostly wrong.
-- ``io_stall_seconds``: time a layer waited for reads after computing everything else it could.
+- ``io_stall_seconds``: time a layer waited for reads after computing everything else it could;
+  ``layer_io_stall_seconds``: the same per MoE layer (where the disk holds decode back).
 - ``layer_hit_rate``: hits / lookups per MoE layer.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ class StoreCounters:
     mirror_reads: int = 0
     layer_hits: dict = field(default_factory=dict)
     layer_misses: dict = field(default_factory=dict)
+    layer_stall: dict = field(default_factory=dict)  # layer -> io_stall_seconds in that layer
 
     def lookup(self, layer: int, hit: bool) -> None:
         if hit:
@@ -39,6 +41,10 @@ class StoreCounters:
         else:
             self.expert_misses += 1
             self.layer_misses[layer] = self.layer_misses.get(layer, 0) + 1
+
+    def stall(self, layer: int, seconds: float) -> None:
+        self.io_stall_seconds += seconds
+        self.layer_stall[layer] = self.layer_stall.get(layer, 0.0) + seconds
 
     def as_dict(self, layers) -> dict:
         lookups = self.expert_hits + self.expert_misses
@@ -55,6 +61,7 @@ class StoreCounters:
             "prefetch_recall": (self.predicted_needed / self.needed_after_prediction
                                 if self.needed_after_prediction else 0.0),
             "io_stall_seconds": self.io_stall_seconds,
+            "layer_io_stall_seconds": {layer: self.layer_stall.get(layer, 0.0) for layer in layers},
             "mirror_reads": self.mirror_reads,
             "layer_hit_rate": {
                 layer: self.layer_hits.get(layer, 0) / max(1, self.layer_hits.get(layer, 0) + self.layer_misses.get(layer, 0))

@@ -244,7 +244,7 @@ class ExpertStore:
         read = entry.read
         waited = self.pool.wait(read)
         if stall:
-            self.counters.io_stall_seconds += waited
+            self.counters.stall(layer, waited)
         self.counters.read_seconds += read.req.seconds
         buf, err = self.pool.result(read)
         src = read.source
@@ -332,7 +332,7 @@ class ExpertStore:
             loading = [entry for e, entry in cache.items() if e not in protected]
             if not loading:
                 raise AssertionError("the expert cache is full of experts the layer still needs")
-            self.counters.io_stall_seconds += self.pool.wait(loading[0].read)
+            self.counters.stall(layer, self.pool.wait(loading[0].read))
         return True
 
     # ---- router lookahead ----------------------------------------------------------------
