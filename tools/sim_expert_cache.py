@@ -67,8 +67,8 @@ def record(model: Path, trace: Path, n_prompts: int, prompt_tokens: int, new_tok
 class Sim:
     """The store's cache semantics: batch-union lookups, LRU (or LFU seeded with `lfu_prior`) eviction,
     lookahead prefetch of at most `slots` predicted experts (protected while inserted; a single
-    token's guesses gated by their rank's precision, as ExpertStore._lookahead does), pinned experts
-    never evicted. Reads complete at once: no timing, only what is read."""
+    token's guesses gated by their (layer, rank)'s precision, as ExpertStore._lookahead does), pinned
+    experts never evicted. Reads complete at once: no timing, only what is read."""
 
     def __init__(self, layers, slots: int, pinned: dict[int, set[int]], prefetch: bool, lfu_prior=None):
         self.slots, self.pinned, self.prefetch = slots, pinned, prefetch
