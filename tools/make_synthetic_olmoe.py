@@ -3,12 +3,13 @@
     python tools/make_synthetic_olmoe.py bench-data/olmoe-synth [--layers 16] [--seed 0]
 
 Random weights written straight in the container format (no HF checkpoint, no quantisation pass):
-int4 nibbles drawn uniformly, one float16 scale per group sized so weights have std ≈ 0.02.
-Routing is skewed the way real MoE routers are: column 0 of the embedding is a large constant, so
-the normalised hidden state keeps a steady component along it, and each layer's router row e
-carries a popularity term along that component (a per-layer permutation of a decaying profile).
-A few experts per layer are therefore routed to far more often than others, and since the steady
-component persists across layers, router lookahead predicts well — as on real models.
+int4 values drawn uniformly from -7..7 (mean 0), one float16 scale per group sized so weights have
+std ≈ 0.02. Routing is skewed the way real MoE routers are: column 0 of the embedding is a large
+constant, so the normalised hidden state keeps a steady component along it, and each layer's router
+row e carries a popularity term along that component (a per-layer permutation of a decaying
+profile). In every layer the top quarter of the experts takes about two thirds of the routings and
+most experts are used now and then; since the steady component persists across layers, router
+lookahead predicts well — as on real models.
 
 The result is a normal container: `colibri run`, `plan`, `doctor --deep` and `bench` read it.
 """
@@ -45,15 +46,21 @@ OLMOE_1B_7B = {  # allenai/OLMoE-1B-7B-0924 config.json (the fields colibri read
 }
 WEIGHT_STD = 0.02
 STEADY = 8.0  # the embedding's constant column 0
-POPULARITY = 0.3  # router weight along column 0 of the most popular expert
+POPULARITY = 0.6  # router weight along column 0 of the most popular expert (top quarter: ~2/3 of routings)
 OUT_STD = 0.005  # o_proj and expert down: small writes to the residual stream, which persists across layers
 
 
 def int4_random(rng, rows: int, cols: int, std: float = WEIGHT_STD) -> q.QTensor:
-    """A random int4 matrix: uniform nibbles (std of q ≈ 4.6), scales for weights of std `std`."""
+    """A random int4 matrix: q uniform in -7..7 (mean 0, std 4.3), scales for weights of std `std`.
+
+    Not all 16 nibbles: q = -8 would give every weight a mean of -std/9, and every matrix would then
+    add the same offset to all its outputs; layer after layer that common part grows until the
+    residual stream is the same for every token (norm 46 -> 6450 over 16 layers) and later layers
+    route every token to the same few experts."""
     (_, _, dshape), (_, _, sshape) = q.layout("int4", rows, cols)
-    data = rng.integers(0, 256, dshape, dtype=np.uint8)
-    scales = np.full(sshape, std / 4.6, np.float16)
+    nibbles = rng.integers(1, 16, (*dshape, 2), dtype=np.uint8)  # q + 8, two per byte
+    data = nibbles[..., 0] | (nibbles[..., 1] << 4)
+    scales = np.full(sshape, std / 4.32, np.float16)
     return q.QTensor("int4", rows, cols, data, scales)
 
 
