@@ -606,7 +606,6 @@ def test_bench_protocol_smoke(model, tmp_path):
     d = json.loads(r.stdout)
     sess = d["budgets"][0]["sessions"]
     assert set(sess) == {"cold", "learned"} and "warm_repeat" in sess["cold"] and d["activations"] == "f32"
-    assert d["disk_bandwidth"] >= d["disk_bandwidth_start"] > 0  # the floor takes the faster measurement
     for key in ("tokens_per_second", "ttft_seconds", "hit_rate", "bytes_read_per_token", "prefetch_recall",
                 "io_stall_seconds_per_token", "layer_io_stall_seconds_per_token", "floor_seconds_per_token",
                 "vs_floor"):

@@ -12,10 +12,8 @@
      hot-store is read in full before the first prompt (the warm-up: its seconds and experts are
      reported on their own, not in any per-token time).
 4. Per run: tok/s, time to first token, hit rate, bytes read per token, I/O stall per token (and
-   per MoE layer), prefetch recall.
-5. Disk bandwidth again; each run's decode time per token next to the floor max(bytes read ÷ disk
-   bandwidth, resident compute time), with the faster of the two disk measurements (this disk's
-   speed drifts: the floor is a lower bound, so it takes the disk at its best).
+   per MoE layer), prefetch recall, and the decode time per token next to the floor max(bytes read
+   ÷ disk bandwidth, resident compute time).
 The kernels' arithmetic is the engine's: exact f32 activations unless COLIBRI_ACTIVATIONS=int8
 (recorded in the results as "activations").
 Generation samples at temperature 1 with a fixed seed per prompt: decode visits varied tokens (and
@@ -115,17 +113,12 @@ def _floor(run: dict, resident_spt: float, disk_bw: float) -> None:
     run["vs_floor"] = run["seconds_per_token"] / run["floor_seconds_per_token"] if run["floor_seconds_per_token"] else 0.0
 
 
-def _session_floor(runs: list[dict]) -> dict:
-    tok = sum(r["decoded_tokens"] for r in runs)
-    secs = sum(r["decode_seconds"] for r in runs)
-    floor = sum(r["floor_seconds_per_token"] * r["decoded_tokens"] for r in runs)
-    return {"floor_seconds_per_token": floor / tok, "vs_floor": secs / floor if floor else 0.0}
-
-
 def _session_summary(runs: list[dict]) -> dict:
     tok = sum(r["decoded_tokens"] for r in runs)
     secs = sum(r["decode_seconds"] for r in runs)
+    floor = sum(r["floor_seconds_per_token"] * r["decoded_tokens"] for r in runs)
     return {"decoded_tokens": tok, "seconds_per_token": secs / tok, "tokens_per_second": tok / secs,
+            "floor_seconds_per_token": floor / tok, "vs_floor": secs / floor if floor else 0.0,
             "ttft_seconds": sum(r["ttft_seconds"] for r in runs) / len(runs),
             "hit_rate": sum(r["hit_rate"] for r in runs) / len(runs),
             "bytes_read_per_token": sum(r["bytes_read_per_token"] * r["decoded_tokens"] for r in runs) / tok,
@@ -149,8 +142,7 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
     disk_bw, direct_measured = disk_bandwidth(expert_files, 1 << 30)  # 4 threads, as the store reads
     mem_bw = memory_bandwidth()
     can_drop = drop and drop_page_cache()
-    say(f"machine: disk {format_bytes(disk_bw)}/s ({'O_DIRECT' if direct_measured else 'page cache'}; measured "
-        f"again at the end), memory "
+    say(f"machine: disk {format_bytes(disk_bw)}/s ({'O_DIRECT' if direct_measured else 'page cache'}), memory "
         f"{format_bytes(mem_bw)}/s; sessions start with the page cache {'dropped' if can_drop else 'not dropped'}, "
         f"experts read with O_DIRECT where allowed")
     result = {"model": str(model_dir), "sizes": sizes.__dict__, "disk_bandwidth": disk_bw,
@@ -190,17 +182,22 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
                     warm_seconds, warm_experts = engine.store.warm_up()
                     runs = []
                     for i, p in enumerate(prompts):
-                        runs.append(_run(engine, p, new_tokens, seed + i))
+                        r = _run(engine, p, new_tokens, seed + i)
+                        _floor(r, resident_spt, disk_bw)
+                        runs.append(r)
                     s = engine.stats()
                     sess = {"runs": runs, **_session_summary(runs), "pinned_experts": s["pinned_experts"],
                             "warm_up_seconds": warm_seconds, "warm_up_experts": warm_experts,
                             "cache_slots_per_layer": s["cache_slots_per_layer"], "direct_io": s["direct_io"]}
                     if name == "cold":  # the warm repeat: the first prompt again, same session
-                        sess["warm_repeat"] = _run(engine, prompts[0], new_tokens, seed)
+                        w = _run(engine, prompts[0], new_tokens, seed)
+                        _floor(w, resident_spt, disk_bw)
+                        sess["warm_repeat"] = w
                 entry["sessions"][name] = sess
                 say(f"budget {100 * frac:.0f}% of experts ({format_bytes(budget)}), {name}: "
-                    f"{sess['tokens_per_second']:.2f} tok/s, {sess['seconds_per_token']:.3f} s/token, "
-                    f"TTFT {sess['ttft_seconds']:.2f} s, hit rate {100 * sess['hit_rate']:.1f}%, read {format_bytes(sess['bytes_read_per_token'])}/token, "
+                    f"{sess['tokens_per_second']:.2f} tok/s, {sess['seconds_per_token']:.3f} s/token vs floor "
+                    f"{sess['floor_seconds_per_token']:.3f} ({sess['vs_floor']:.2f}×), TTFT {sess['ttft_seconds']:.2f} s, "
+                    f"hit rate {100 * sess['hit_rate']:.1f}%, read {format_bytes(sess['bytes_read_per_token'])}/token, "
                     f"I/O stall {1e3 * sess['io_stall_seconds_per_token']:.0f} ms/token, "
                     f"recall {100 * sess['prefetch_recall']:.1f}%, pinned {sess['pinned_experts']}, "
                     f"{sess['cache_slots_per_layer']} slots/layer")
@@ -215,19 +212,6 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
                     say(f"    warm repeat: {w['tokens_per_second']:.2f} tok/s, {w['seconds_per_token']:.3f} s/token, "
                         f"hit rate {100 * w['hit_rate']:.1f}%, read {format_bytes(w['bytes_read_per_token'])}/token")
         result["budgets"].append(entry)
-
-    # -- the floor: disk bandwidth measured again, the faster of the two taken
-    disk_bw = max(disk_bw, disk_bandwidth(expert_files, 1 << 30)[0])
-    result["disk_bandwidth_start"], result["disk_bandwidth"] = result["disk_bandwidth"], disk_bw
-    say(f"floor: max(bytes read ÷ disk {format_bytes(disk_bw)}/s (the faster of the measurements before "
-        f"and after), resident compute {resident_spt:.3f} s/token)")
-    for entry in result["budgets"]:
-        for name, sess in entry["sessions"].items():
-            for r in sess["runs"] + ([sess["warm_repeat"]] if "warm_repeat" in sess else []):
-                _floor(r, resident_spt, disk_bw)
-            sess.update(_session_floor(sess["runs"]))
-            say(f"budget {100 * entry['fraction']:.0f}%, {name}: {sess['seconds_per_token']:.3f} s/token vs "
-                f"floor {sess['floor_seconds_per_token']:.3f} ({sess['vs_floor']:.2f}×)")
     return result
 
 
