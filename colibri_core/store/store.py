@@ -7,9 +7,9 @@ start at once on the C I/O pool, and the layer computes the experts already resi
 run, then the read ones in groups as they arrive. Before that it applies the next layer's router to
 the current hidden state (router lookahead) and queues reads for the experts it predicts, so the
 next layer's reads overlap this layer's compute; each guess is scored when that layer runs, and a
-rank whose guesses for that layer have lately been mostly wrong is not read (PREFETCH_MIN_PRECISION). A demand
-read that finds the cache full takes the slot of a wrong guess still being read rather than wait
-for that read (which ends as an orphan).
+rank whose guesses for that layer have lately been mostly wrong is not read
+(PREFETCH_MIN_PRECISION). A demand read that finds the cache full takes the slot of a wrong guess
+still being read rather than wait for that read (which ends as an orphan).
 
 Pinned experts are read in the background, hottest first, behind the demand reads: at most one at
 a time while layers' reads are in flight, one per I/O thread while the disk is idle (`warm_up`
@@ -41,18 +41,19 @@ from .usage import UsageHistory, hot_set, pin_value, warn
 # right often enough: (right + 2) / (guesses + 3) ≥ PREFETCH_MIN_PRECISION, the counts decayed by
 # PREFETCH_DECAY per guess (a memory of ~20 guesses; a (layer, rank) starts at 2/3, and a wrong
 # first guess stops it until it scores better). A wrong guess costs a read, its checksum and a slot.
-# Measured on the synthetic OLMoE (BENCHMARKS.md): with the hot-store holding what the router is
-# likely to pick (a learned session at 50 % of the experts) nearly every guess the cache lacked was
-# wrong, and reading them cost 15 % of decode time; in a cold session at 25 % (disk-bound) ranks 5–8
-# were right 30–55 % of the time, and leaving out ranks under 0.65 (against 0.5) cut decode time 7 %,
-# with no change at 50 %. Precision differs by layer (on that model the early layers' guesses the
-# cache lacked were right far more often than the late ones'): scored per layer, 8–14 % fewer misses.
+# Measured (BENCHMARKS.md) on the first synthetic OLMoE, whose later layers routed nearly every token
+# to the same experts: with the hot-store holding those (a learned session at 50 % of the experts)
+# nearly every guess the cache lacked was wrong, and reading them cost 15 % of decode time; leaving
+# out ranks under 0.65 (against 0.5) cut cold 25 % decode time 7 %; scoring per layer (the early
+# layers' guesses were right far more often than the late ones') cut misses 8–14 %. On the corrected
+# model the guesses are mostly right and the gate changes neither reads (±2 %) nor time.
 PREFETCH_MIN_PRECISION = 0.65
 PREFETCH_DECAY = 0.95
 
 
 class GuessRecord:
-    """How often the lookahead's guesses of each (layer, rank) were right lately (PREFETCH_MIN_PRECISION)."""
+    """How often the lookahead's guesses of each (layer, rank) were right lately
+    (PREFETCH_MIN_PRECISION)."""
 
     def __init__(self):
         self._counts: dict[tuple[int, int], list[float]] = {}  # (layer, rank) -> [right, guesses], decayed
