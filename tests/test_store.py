@@ -608,9 +608,36 @@ def test_bench_protocol_smoke(model, tmp_path):
     assert set(sess) == {"cold", "learned"} and "warm_repeat" in sess["cold"] and d["activations"] == "f32"
     for key in ("tokens_per_second", "ttft_seconds", "hit_rate", "bytes_read_per_token", "prefetch_recall",
                 "io_stall_seconds_per_token", "layer_io_stall_seconds_per_token", "floor_seconds_per_token",
-                "vs_floor"):
-        assert key in sess["cold"]
+                "vs_floor", "cpu_steal", "measured_floor_seconds_per_token", "vs_measured_floor"):
+        assert key in sess["cold"] and key in sess["learned"]
+    assert sess["cold"]["measured_floor_seconds_per_token"] > 0
     assert not (m / USAGE_FILE).exists()  # the model's own history is never touched
+
+
+def test_measured_floor_reads_whole_extents_and_carries_the_rest(model):
+    """The bench's measured floor reads what it is asked per token, in whole checksummed extents
+    (what does not make a whole extent is read with a later token), into reused buffers."""
+    from colibri_core.bench.model import _TokenReads
+    from colibri_core.container import Container
+    from colibri_core.container.reader import TRAILER
+
+    c = Container(model)
+    nbytes = c.layer_expert_nbytes(c.moe_layers[0])
+    reads = _TokenReads(c)
+    try:
+        batches = [reads.start(2.5 * nbytes) for _ in range(4)]  # 2, 3, 2, 3 extents
+        assert [len(b) for b in batches] == [2, 3, 2, 3]
+        for batch in batches:
+            reads.finish(batch)
+            for r in batch:
+                crc = TRAILER.unpack_from(r.buf, nbytes - TRAILER.size)[0]
+                assert r.req.got == nbytes and r.req.crc == crc
+        assert len(reads.spare[nbytes]) == 10
+        again = reads.start(3 * nbytes)
+        assert len(reads.spare[nbytes]) == 7  # three of the ten reused, none allocated
+        reads.finish(again)
+    finally:
+        reads.close()
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 63, 64, 65, 79, 80, 127, 128, 129, 4095, 8192 + 13])

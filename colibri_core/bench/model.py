@@ -1,6 +1,8 @@
 """`colibri bench --model DIR` (also `colibri bench model --model DIR`): the decode benchmark protocol.
 
-1. Measure the machine: disk bandwidth (O_DIRECT reads of an expert file) and memory bandwidth.
+1. Measure the machine: disk bandwidth (O_DIRECT reads of random whole expert extents, 8 in
+   flight on the store's 4-thread I/O pool: the floor's disk term; a sequential scan of the expert
+   files is reported beside it) and memory bandwidth.
 2. Resident compute time: every prompt run twice with every expert cached; the second pass reads
    nothing, so its decode time per token is pure compute on this machine, in this run.
 3. For each budget (dense weights + 25 % / 50 % of the experts), with a fresh routing history:
@@ -12,8 +14,15 @@
      hot-store is read in full before the first prompt (the warm-up: its seconds and experts are
      reported on their own, not in any per-token time).
 4. Per run: tok/s, time to first token, hit rate, bytes read per token, I/O stall per token (and
-   per MoE layer), prefetch recall, and the decode time per token next to the floor max(bytes read
-   ÷ disk bandwidth, resident compute time).
+   per MoE layer), prefetch recall, the CPU time the hypervisor stole (on a VM), and the decode
+   time per token next to the floor max(bytes read ÷ disk bandwidth, resident compute time).
+5. The measured floor: every prompt again on an engine with every expert cached, while the I/O
+   pool reads, for each decoded token, as many bytes as the session read per token (random expert
+   extents, whole and checksummed, O_DIRECT where allowed, as the store reads), every read started
+   with its token and waited for at its end. That is compute and reads perfectly overlapped with
+   no store at all: what this machine allows for those bytes. The formula floor above assumes a
+   read costs no CPU; on a small VM it does (the hypervisor's disk emulation takes the vCPUs' time),
+   and this floor shows how much.
 The kernels' arithmetic is the engine's: exact f32 activations unless COLIBRI_ACTIVATIONS=int8
 (recorded in the results as "activations").
 Generation samples at temperature 1 with a fixed seed per prompt: decode visits varied tokens (and
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import tempfile
 import time
@@ -71,6 +81,23 @@ _COUNTERS = ("expert_hits", "expert_misses", "bytes_read", "prefetch_issued", "p
              "io_stall_seconds")
 
 
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(steal, all) CPU time of every CPU from /proc/stat, in ticks; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    return (ticks[7], sum(ticks)) if len(ticks) == 8 else None
+
+
+def _steal(t0: tuple[int, int] | None, t1: tuple[int, int] | None) -> float | None:
+    """Share of the CPUs' time between two `_cpu_ticks` that the hypervisor stole (None: unknown)."""
+    if t0 is None or t1 is None or t1[1] <= t0[1]:
+        return None
+    return (t1[0] - t0[0]) / (t1[1] - t0[1])
+
+
 def _run(engine, prompt: list[int], new_tokens: int, seed: int) -> dict:
     """One generation, sampled at temperature 1 with `seed` (so decode visits varied tokens and
     routes, as text does, and every placement replays the same tokens): time to first token, then
@@ -85,7 +112,9 @@ def _run(engine, prompt: list[int], new_tokens: int, seed: int) -> dict:
             s0 = engine.store.stats()
             c0 = engine.store.counters
             pred0 = (c0.predicted_needed, c0.needed_after_prediction)
+            ticks0 = _cpu_ticks()
     end = time.perf_counter()
+    steal = _steal(ticks0, _cpu_ticks())
     s1 = engine.store.stats()
     c1 = engine.store.counters
     d = {k: s1[k] - s0[k] for k in _COUNTERS}
@@ -101,6 +130,7 @@ def _run(engine, prompt: list[int], new_tokens: int, seed: int) -> dict:
         "hit_rate": d["expert_hits"] / lookups if lookups else 0.0,
         "bytes_read_per_token": d["bytes_read"] / decoded if decoded else 0.0,
         "prefetch_recall": (c1.predicted_needed - pred0[0]) / pred_total if pred_total else 0.0,
+        "cpu_steal": steal,
         **{f"decode_{k}": v for k, v in d.items()},
         "decode_layer_io_stall_seconds": layer_stall,
     }
@@ -111,6 +141,92 @@ def _floor(run: dict, resident_spt: float, disk_bw: float) -> None:
     run["floor_seconds_per_token"] = max(disk, resident_spt)
     run["floor_disk_seconds"], run["resident_compute_seconds"] = disk, resident_spt
     run["vs_floor"] = run["seconds_per_token"] / run["floor_seconds_per_token"] if run["floor_seconds_per_token"] else 0.0
+
+
+class _TokenReads:
+    """The measured floor's reads (protocol step 5): random whole expert extents of the model, on a
+    4-thread I/O pool with their crc32 computed, as the store reads; buffers are reused, as the
+    store reuses evicted experts' buffers."""
+
+    def __init__(self, container, seed: int = 0):
+        from ..container.reader import TRAILER
+        from ..store import io
+
+        self.io, self.pool = io, io.IOPool(4)
+        self.trailer = TRAILER.size  # the crc leaves out the trailer's own crc field, as the store's reads do
+        self.fds: dict[str, int] = {}
+        self.extents = []  # (fd, offset, nbytes) of every routed expert
+        self.direct = True  # O_DIRECT allowed for every file
+        for layer in container.moe_layers:
+            for e in range(container.n_experts):
+                path, offset, nbytes = container.expert_location(layer, e)
+                if path not in self.fds:
+                    self.fds[path], refused = io.open_expert_file(path, True)
+                    self.direct = self.direct and refused is None
+                self.extents.append((self.fds[path], offset, nbytes))
+        self.rng = random.Random(seed)
+        self.owed = 0.0  # bytes asked for and not read yet (less than the next extent)
+        self.spare: dict[int, list] = {}  # nbytes -> buffers not in use
+
+    def start(self, nbytes: float) -> list:
+        """Start reading `nbytes` more, in whole extents (what is left over is read with a later call)."""
+        self.owed += nbytes
+        reads = []
+        while True:
+            fd, offset, n = self.extents[self.rng.randrange(len(self.extents))]
+            if n > self.owed:
+                return reads
+            self.owed -= n
+            free = self.spare.setdefault(n, [])
+            buffer = free.pop() if free else self.io.aligned_buffer(n)
+            reads.append(self.pool.submit(fd, offset, n, crc_hole=(n - self.trailer, 4), buffer=buffer))
+
+    def bandwidth(self, nbytes: int) -> float:
+        """Bytes/s reading at least `nbytes` of random whole extents with 8 reads in flight: the disk
+        as the store's reads see it (on a VM a sequential scan can be much faster or slower)."""
+        unit = max(n for _, _, n in self.extents)
+        t0, got, window = time.perf_counter(), 0, []
+        while got < nbytes:
+            while len(window) < 8:
+                window += self.start(unit)
+            self.finish(window[:1])
+            got += window.pop(0).req.got
+        self.finish(window)
+        got += sum(r.req.got for r in window)
+        return got / (time.perf_counter() - t0)
+
+    def finish(self, reads: list) -> None:
+        for r in reads:
+            self.pool.wait(r)
+            self.spare[r.req.nbytes].append((r.buf, r.ptr))
+
+    def close(self) -> None:
+        self.pool.close()
+        for fd in self.fds.values():
+            self.io.close_fd(fd)
+
+
+def _loaded_run(engine, prompt: list[int], new_tokens: int, seed: int, bytes_per_token: float,
+                reads: _TokenReads) -> dict:
+    """Decode time per token of `engine` (every expert cached) while `reads` reads `bytes_per_token`
+    per decoded token: started before the token is computed, waited for once it is."""
+    pending, n = None, 0
+    for _ in engine.stream(prompt, new_tokens, temperature=1.0, seed=seed, stop_ids=()):
+        if pending is None:
+            t0, ticks0 = time.perf_counter(), _cpu_ticks()
+        else:
+            reads.finish(pending)
+            n += 1
+        pending = reads.start(bytes_per_token)
+    end = time.perf_counter()
+    steal = _steal(ticks0, _cpu_ticks())
+    reads.finish(pending)  # started for a token that never came: not timed
+    return {"seconds_per_token": (end - t0) / n if n else 0.0, "cpu_steal": steal}
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _session_summary(runs: list[dict]) -> dict:
@@ -125,7 +241,8 @@ def _session_summary(runs: list[dict]) -> dict:
             "io_stall_seconds_per_token": sum(r["decode_io_stall_seconds"] for r in runs) / tok,
             "layer_io_stall_seconds_per_token": {layer: sum(r["decode_layer_io_stall_seconds"][layer] for r in runs) / tok
                                                  for layer in runs[0]["decode_layer_io_stall_seconds"]},
-            "prefetch_recall": sum(r["prefetch_recall"] for r in runs) / len(runs)}
+            "prefetch_recall": sum(r["prefetch_recall"] for r in runs) / len(runs),
+            "cpu_steal": _mean(r["cpu_steal"] for r in runs)}
 
 
 def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, prompt_tokens: int = 8,
@@ -139,13 +256,21 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
     sizes = sizes_from_container(model_dir)
     c = Container(model_dir)
     expert_files = [c.expert_location(layer, 0)[0] for layer in c.moe_layers]
-    disk_bw, direct_measured = disk_bandwidth(expert_files, 1 << 30)  # 4 threads, as the store reads
+    scan_bw, _ = disk_bandwidth(expert_files, 1 << 30)
+    reads = _TokenReads(c, seed)
+    try:
+        experts_bytes = sizes.experts_total * sizes.expert_nbytes
+        disk_bw, direct_measured = reads.bandwidth(min(1 << 30, experts_bytes)), reads.direct  # the floor's disk term
+    finally:
+        reads.close()
     mem_bw = memory_bandwidth()
     can_drop = drop and drop_page_cache()
-    say(f"machine: disk {format_bytes(disk_bw)}/s ({'O_DIRECT' if direct_measured else 'page cache'}), memory "
+    say(f"machine: disk {format_bytes(disk_bw)}/s reading random experts ({'O_DIRECT' if direct_measured else 'page cache'}; "
+        f"a sequential scan {format_bytes(scan_bw)}/s), memory "
         f"{format_bytes(mem_bw)}/s; sessions start with the page cache {'dropped' if can_drop else 'not dropped'}, "
         f"experts read with O_DIRECT where allowed")
     result = {"model": str(model_dir), "sizes": sizes.__dict__, "disk_bandwidth": disk_bw,
+              "disk_bandwidth_sequential": scan_bw,
               "disk_bandwidth_o_direct": direct_measured, "memory_bandwidth": mem_bw,
               "page_cache_dropped": can_drop, "prompt_tokens": prompt_tokens,
               "new_tokens": new_tokens, "budgets": []}
@@ -200,7 +325,7 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
                     f"hit rate {100 * sess['hit_rate']:.1f}%, read {format_bytes(sess['bytes_read_per_token'])}/token, "
                     f"I/O stall {1e3 * sess['io_stall_seconds_per_token']:.0f} ms/token, "
                     f"recall {100 * sess['prefetch_recall']:.1f}%, pinned {sess['pinned_experts']}, "
-                    f"{sess['cache_slots_per_layer']} slots/layer")
+                    f"{sess['cache_slots_per_layer']} slots/layer{_steal_text(sess['cpu_steal'])}")
                 stalls = [f"{layer}:{1e3 * t:.0f}" for layer, t in sess["layer_io_stall_seconds_per_token"].items()
                           if t >= 1e-3]
                 if stalls:
@@ -212,7 +337,35 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
                     say(f"    warm repeat: {w['tokens_per_second']:.2f} tok/s, {w['seconds_per_token']:.3f} s/token, "
                         f"hit rate {100 * w['hit_rate']:.1f}%, read {format_bytes(w['bytes_read_per_token'])}/token")
         result["budgets"].append(entry)
+
+    # -- the measured floor: resident compute while reading what each session read per token
+    with load(model_dir, cache_slots=sizes.n_experts, usage=False, prefetch=False) as engine:
+        for i, p in enumerate(prompts):  # read every expert the prompts route to
+            _run(engine, p, new_tokens, seed + i)
+        reads = _TokenReads(c, seed)
+        say("measured floor: every expert cached, reading each session's bytes per token meanwhile "
+            "(random extents, started with each token, waited for at its end):")
+        try:
+            for entry in result["budgets"]:
+                for name, sess in entry["sessions"].items():
+                    loaded = [_loaded_run(engine, p, new_tokens, seed + i, r["bytes_read_per_token"], reads)
+                              for i, (p, r) in enumerate(zip(prompts, sess["runs"]))]
+                    for r, f in zip(sess["runs"], loaded):
+                        r["measured_floor_seconds_per_token"], r["measured_floor_cpu_steal"] = f["seconds_per_token"], f["cpu_steal"]
+                    floor = sum(f["seconds_per_token"] * r["decoded_tokens"] for r, f in zip(sess["runs"], loaded))
+                    sess["measured_floor_seconds_per_token"] = floor / sess["decoded_tokens"]
+                    sess["vs_measured_floor"] = sess["seconds_per_token"] / sess["measured_floor_seconds_per_token"]
+                    sess["measured_floor_cpu_steal"] = _mean(f["cpu_steal"] for f in loaded)
+                    say(f"    {100 * entry['fraction']:.0f}% {name} ({format_bytes(sess['bytes_read_per_token'])}/token): "
+                        f"{sess['measured_floor_seconds_per_token']:.3f} s/token{_steal_text(sess['measured_floor_cpu_steal'])}; "
+                        f"the session {sess['seconds_per_token']:.3f} ({sess['vs_measured_floor']:.2f}×)")
+        finally:
+            reads.close()
     return result
+
+
+def _steal_text(steal: float | None) -> str:
+    return "" if steal is None else f", CPU steal {100 * steal:.0f}%"
 
 
 def register(bench_app: typer.Typer) -> None:

@@ -51,10 +51,11 @@ class IOPool:
         self._inflight: set[Read] = set()
 
     def submit(self, fd: int, offset: int, nbytes: int, *, layer=-1, expert=-1, source=None, path="",
-               crc_hole: tuple[int, int] | None = None) -> Read:
+               crc_hole: tuple[int, int] | None = None, buffer=None) -> Read:
         """Start reading; with `crc_hole` (offset, length) the worker also computes the crc32 of
-        the bytes read less that hole (`Read.req.crc`)."""
-        buf, ptr = aligned_buffer(nbytes)
+        the bytes read less that hole (`Read.req.crc`). The bytes go into `buffer` (an
+        `aligned_buffer` of at least `nbytes`, not in use by another read) or a fresh buffer."""
+        buf, ptr = buffer if buffer is not None else aligned_buffer(nbytes)
         req = ffi.new("IoRequest *")
         req.fd, req.buf, req.offset, req.nbytes = fd, ptr, offset, nbytes
         if crc_hole is not None:
