@@ -606,12 +606,15 @@ def test_bench_protocol_smoke(model, tmp_path):
     d = json.loads(r.stdout)
     sess = d["budgets"][0]["sessions"]
     assert set(sess) == {"cold", "learned"} and "warm_repeat" in sess["cold"] and d["activations"] == "f32"
+    assert d["policy"] == "lru" and d["disk_bandwidth"] > 0 and d["disk_bandwidth_sequential"] > 0
     for key in ("tokens_per_second", "ttft_seconds", "hit_rate", "bytes_read_per_token", "prefetch_recall",
                 "io_stall_seconds_per_token", "layer_io_stall_seconds_per_token", "floor_seconds_per_token",
                 "vs_floor", "cpu_steal", "measured_floor_seconds_per_token", "vs_measured_floor"):
         assert key in sess["cold"] and key in sess["learned"]
     assert sess["cold"]["measured_floor_seconds_per_token"] > 0
     assert not (m / USAGE_FILE).exists()  # the model's own history is never touched
+    r = colibri("bench", "--model", m, "--policy", "nope")
+    assert r.returncode != 0 and "unknown cache policy 'nope'" in r.stderr
 
 
 def test_measured_floor_reads_whole_extents_and_carries_the_rest(model):

@@ -246,13 +246,16 @@ def _session_summary(runs: list[dict]) -> dict:
 
 
 def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, prompt_tokens: int = 8,
-                 new_tokens: int = 8, seed: int = 0, say=print, drop: bool = True) -> dict:
-    """The protocol above; `drop=False` never drops the page cache (cold runs use O_DIRECT)."""
+                 new_tokens: int = 8, seed: int = 0, say=print, drop: bool = True, policy: str = "lru") -> dict:
+    """The protocol above; `drop=False` never drops the page cache (cold runs use O_DIRECT); the
+    sessions' caches evict by `policy`."""
+    from .. import plugins
     from ..container import Container
     from ..engine import format_bytes, load
     from ..store.budget import disk_bandwidth, memory_bandwidth
     from ..store.plan import sizes_from_container
 
+    plugins.registry().cache_policy(policy)  # an unknown one fails now, not after the measurements
     sizes = sizes_from_container(model_dir)
     c = Container(model_dir)
     expert_files = [c.expert_location(layer, 0)[0] for layer in c.moe_layers]
@@ -272,7 +275,7 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
     result = {"model": str(model_dir), "sizes": sizes.__dict__, "disk_bandwidth": disk_bw,
               "disk_bandwidth_sequential": scan_bw,
               "disk_bandwidth_o_direct": direct_measured, "memory_bandwidth": mem_bw,
-              "page_cache_dropped": can_drop, "prompt_tokens": prompt_tokens,
+              "page_cache_dropped": can_drop, "policy": policy, "prompt_tokens": prompt_tokens,
               "new_tokens": new_tokens, "budgets": []}
 
     # -- resident compute time: second pass over each prompt with every expert cached
@@ -303,7 +306,7 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
                     drop_page_cache()
                 # O_DIRECT whenever the filesystem allows it: every byte counted as read came from the
                 # device (not from the page cache), so the disk floor is exact for every prompt.
-                with load(model_dir, ram=budget, usage=history, direct=True) as engine:
+                with load(model_dir, ram=budget, usage=history, direct=True, policy=policy) as engine:
                     warm_seconds, warm_experts = engine.store.warm_up()
                     runs = []
                     for i, p in enumerate(prompts):
@@ -373,7 +376,7 @@ def register(bench_app: typer.Typer) -> None:
     subcommands still work) and its explicit spelling `colibri bench model --model DIR`."""
 
     def bench(model: Path, fractions: str, prompts: int, prompt_tokens: int, new_tokens: int,
-              as_json: bool, out: Optional[Path], no_drop: bool) -> None:
+              as_json: bool, out: Optional[Path], no_drop: bool, policy: str) -> None:
         from ..errors import ColibriError
 
         try:
@@ -383,7 +386,7 @@ def register(bench_app: typer.Typer) -> None:
         if not fr or not all(0 < f <= 1 for f in fr) or min(prompts, prompt_tokens, new_tokens) < 1 or new_tokens < 2:
             raise ColibriError("--budgets must be fractions in (0, 1]; --prompts, --prompt-tokens ≥ 1; --new-tokens ≥ 2")
         say = (lambda msg: print(msg, file=sys.stderr)) if as_json else print
-        result = run_protocol(model, fr, prompts, prompt_tokens, new_tokens, say=say, drop=not no_drop)
+        result = run_protocol(model, fr, prompts, prompt_tokens, new_tokens, say=say, drop=not no_drop, policy=policy)
         if out is not None:
             out.write_text(json.dumps(result, indent=2))
         if as_json:
@@ -397,6 +400,7 @@ def register(bench_app: typer.Typer) -> None:
         as_json=typer.Option(False, "--json", help="Print the results as JSON (progress goes to stderr)."),
         out=typer.Option(None, "--out", help="Also write the JSON results to this file."),
         no_drop=typer.Option(False, "--no-drop", help="Never drop the page cache: cold runs read with O_DIRECT."),
+        policy=typer.Option("lru", "--policy", help="The sessions' expert cache eviction policy: lru, lfu, or one a plugin registers."),
     )
 
     @bench_app.callback(invoke_without_command=True)
@@ -405,7 +409,7 @@ def register(bench_app: typer.Typer) -> None:
                        fractions: str = opts["fractions"], prompts: int = opts["prompts"],
                        prompt_tokens: int = opts["prompt_tokens"], new_tokens: int = opts["new_tokens"],
                        as_json: bool = opts["as_json"], out: Optional[Path] = opts["out"],
-                       no_drop: bool = opts["no_drop"]):
+                       no_drop: bool = opts["no_drop"], policy: str = opts["policy"]):
         """Benchmarks. `colibri bench --model DIR` runs the decode protocol (cold, warm repeat, learned
         hot-store; at 25% and 50% of the experts) against the disk/compute floor."""
         if ctx.invoked_subcommand is not None:
@@ -415,13 +419,13 @@ def register(bench_app: typer.Typer) -> None:
             if not model:
                 print(ctx.get_help())
                 raise typer.Exit(0)
-        bench(Path(model), fractions, prompts, prompt_tokens, new_tokens, as_json, out, no_drop)
+        bench(Path(model), fractions, prompts, prompt_tokens, new_tokens, as_json, out, no_drop, policy)
 
     @bench_app.command("model")
     def bench_model(model: Path = typer.Option(..., "--model", "-m", envvar="COLIBRI_MODEL", help=MODEL_HELP),
                     fractions: str = opts["fractions"], prompts: int = opts["prompts"],
                     prompt_tokens: int = opts["prompt_tokens"], new_tokens: int = opts["new_tokens"],
                     as_json: bool = opts["as_json"], out: Optional[Path] = opts["out"],
-                    no_drop: bool = opts["no_drop"]):
+                    no_drop: bool = opts["no_drop"], policy: str = opts["policy"]):
         """The decode benchmark protocol (same as `colibri bench --model DIR`)."""
-        bench(model, fractions, prompts, prompt_tokens, new_tokens, as_json, out, no_drop)
+        bench(model, fractions, prompts, prompt_tokens, new_tokens, as_json, out, no_drop, policy)
