@@ -280,93 +280,145 @@ int io_probe(int fd, int64_t nbytes) {
     return n < 0 ? (int)n : 0;
 }
 
-// ---- buffers. Each is preceded by one IO_ALIGN block holding its size and how it was mapped. A few
-// freed buffers are kept for the next read of the same size: a streaming session frees an evicted
-// expert's buffer and reads another expert of the same size at once, and reusing the memory saves
-// page-faulting a fresh one in (~800 faults, ~2 ms of CPU for a 3 MB extent: more than the read's
-// checksum).
-// A buffer of 2 MB or more is its own mapping, the buffer 2 MB-aligned with transparent huge pages
-// asked for (madvise) where whole ones fit, its header on the 4 KB page just below (outside every
-// huge page, so writing it faults in 4 KB, not a huge page's 2 MB, on the caller's thread: the
-// read's first touch does that on an I/O thread). Measured: after a large engine had been freed in
-// the process, O_DIRECT expert reads (3.3 MB) into malloc'd buffers took 8.6–9.4 ms instead of ~5
-// on this machine's virtio disk; with these buffers 4.3–5.8. The likely mechanism: an O_DIRECT read
-// is one device segment per physically contiguous run of the buffer, the disk takes at most 254
-// segments per request, and a buffer of scattered 4 KB pages needs several requests. No memory is
-// added: the mapping is the buffer's size rounded to 4 KB pages, plus the header page.
+// ---- buffers. Two kinds, by size.
+//
+// Under 2 MB: posix_memalign, preceded by one IO_ALIGN block holding the size. A few freed ones are
+// kept for the next read of the same size (a streaming session frees an evicted expert's buffer and
+// reads another expert of the same size at once: reusing the memory saves page-faulting a fresh one).
+//
+// 2 MB and more (expert extents of real models): slabs. A slab is one mapping of as many buffers of
+// one size as fit in ~64 MB, back to back from a 2 MB boundary, transparent huge pages asked for
+// (madvise) over all of it, so every buffer is a few physically contiguous runs. That is what makes
+// reading cheap on a VM: an O_DIRECT read is one device segment per contiguous run, and a virtio
+// disk's host pays per segment. Measured on this project's VM (resident decode while another
+// process reads 600 MB/s of random extents with O_DIRECT): 3.3 MB buffers of one huge page plus 4 KB
+// pages slowed decode 1.5x with 17-20 % CPU steal; 4 MB buffers of two whole huge pages 1.2-1.3x,
+// ~10 % steal; 1 MB buffers of 4 KB pages 1.8-1.9x, 27 %. Back to back, buffers waste no memory
+// (a slab rounds up to a whole huge page at most); a freed buffer's slot is reused for the next read
+// of its size, already faulted in; of the slabs whose buffers are all free, the last one is kept
+// and the others unmapped.
 #define HUGE_PAGE ((size_t)2 << 20)
-#define SPARE_MAX 8                   // buffers kept
-#define SPARE_BYTES ((int64_t)64 << 20)  // … and bytes at most
+#define SLAB_BYTES ((size_t)64 << 20)
+#define SPARE_MAX 8                      // small buffers kept
+#define SPARE_BYTES ((int64_t)16 << 20)  // … and their bytes at most
+
+typedef struct Slab {
+    struct Slab *next;
+    char *base;     // 2 MB-aligned
+    size_t len;     // mapped bytes, whole huge pages
+    int64_t size;   // the buffers' size (io_alloc's nbytes)
+    int64_t stride; // size rounded up to IO_ALIGN
+    int n, used;
+    unsigned char busy[];  // n flags: buffer i in use
+} Slab;
+
+static Slab *slabs;
 static void *spare[SPARE_MAX];
 static int n_spare;
 static int64_t spare_bytes;
-static pthread_mutex_t spare_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t buffers_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void *slab_alloc(int64_t nbytes) {  // buffers_lock held
+    int64_t stride = (nbytes + IO_ALIGN - 1) / IO_ALIGN * IO_ALIGN;
+    for (Slab *s = slabs; s; s = s->next) {
+        if (s->size != nbytes || s->used == s->n) continue;
+        for (int i = 0; i < s->n; i++) {
+            if (!s->busy[i]) {
+                s->busy[i] = 1;
+                s->used++;
+                return s->base + i * stride;
+            }
+        }
+    }
+    size_t want = SLAB_BYTES / (size_t)stride < 1 ? (size_t)stride : SLAB_BYTES / (size_t)stride * (size_t)stride;
+    size_t len = (want + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+    int n = (int)(len / (size_t)stride);  // the rounding up may hold one more
+    Slab *s = calloc(1, sizeof *s + (size_t)n);
+    if (!s) return NULL;
+    char *m = mmap(NULL, len + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) {
+        free(s);
+        return NULL;
+    }
+    char *base = (char *)(((uintptr_t)m + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
+    if (base > m) munmap(m, (size_t)(base - m));
+    munmap(base + len, (size_t)(m + HUGE_PAGE - base));
+#ifdef MADV_HUGEPAGE
+    madvise(base, len, MADV_HUGEPAGE);
+#endif
+    s->base = base;
+    s->len = len;
+    s->size = nbytes;
+    s->stride = stride;
+    s->n = n;
+    s->used = s->busy[0] = 1;
+    s->next = slabs;
+    slabs = s;
+    return base;
+}
+
+static int slab_free(void *buf) {  // buffers_lock held; 0 when buf is not a slab's
+    for (Slab **link = &slabs; *link; link = &(*link)->next) {
+        Slab *s = *link;
+        if ((char *)buf < s->base || (char *)buf >= s->base + s->len) continue;
+        s->busy[((char *)buf - s->base) / s->stride] = 0;
+        if (--s->used == 0) {  // kept (a read of its size may follow at once); an older empty one goes
+            for (link = &slabs; *link; link = &(*link)->next) {
+                Slab *old = *link;
+                if (old != s && old->used == 0) {
+                    *link = old->next;
+                    munmap(old->base, old->len);
+                    free(old);
+                    break;
+                }
+            }
+        }
+        return 1;
+    }
+    return 0;
+}
 
 static int64_t *size_of(void *buf) { return (int64_t *)((char *)buf - IO_ALIGN); }
-static void release(int64_t *block) {
-    if (block[1] != 0) {
-        munmap(block, (size_t)block[1]);
-    } else {
-        free(block);
-    }
-}
 
 void *io_alloc(int64_t nbytes) {
     if (nbytes < IO_ALIGN) nbytes = IO_ALIGN;
-    pthread_mutex_lock(&spare_lock);
-    for (int i = 0; i < n_spare; i++) {
-        void *buf = spare[i];
-        if (*size_of(buf) == nbytes) {
-            spare[i] = spare[--n_spare];
-            spare_bytes -= nbytes;
-            pthread_mutex_unlock(&spare_lock);
-            return buf;
+    pthread_mutex_lock(&buffers_lock);
+    void *buf = NULL;
+    if ((size_t)nbytes >= HUGE_PAGE) {
+        buf = slab_alloc(nbytes);
+    } else {
+        for (int i = 0; i < n_spare && !buf; i++) {
+            if (*size_of(spare[i]) == nbytes) {
+                buf = spare[i];
+                spare[i] = spare[--n_spare];
+                spare_bytes -= nbytes;
+            }
         }
     }
-    pthread_mutex_unlock(&spare_lock);
-    size_t len = ((size_t)nbytes + 2 * IO_ALIGN - 1) / IO_ALIGN * IO_ALIGN;  // header + buffer, whole pages
-    void *block = NULL;
-    if (len < HUGE_PAGE) {
-        if (posix_memalign(&block, IO_ALIGN, len) != 0) return NULL;
-        len = 0;  // from malloc
-    } else {  // header page, then the buffer 2 MB-aligned, huge pages where whole ones fit (see above)
-        char *m = mmap(NULL, len + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        if (m == MAP_FAILED) return NULL;
-        char *start = (char *)(((uintptr_t)m + IO_ALIGN + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE) - IO_ALIGN;
-        if (start > m) munmap(m, (size_t)(start - m));
-        munmap(start + len, (size_t)(m + len + HUGE_PAGE - (start + len)));
-#ifdef MADV_HUGEPAGE
-        madvise(start + IO_ALIGN, len - IO_ALIGN, MADV_HUGEPAGE);
-#endif
-        block = start;
-    }
-    void *buf = (char *)block + IO_ALIGN;
+    pthread_mutex_unlock(&buffers_lock);
+    if (buf || (size_t)nbytes >= HUGE_PAGE) return buf;
+    void *block;
+    if (posix_memalign(&block, IO_ALIGN, (size_t)nbytes + IO_ALIGN) != 0) return NULL;
+    buf = (char *)block + IO_ALIGN;
     *size_of(buf) = nbytes;
-    size_of(buf)[1] = (int64_t)len;
     return buf;
 }
 
 void io_free(void *buf) {
     if (buf == NULL) return;
-    int64_t nbytes = *size_of(buf);
-    pthread_mutex_lock(&spare_lock);
-    if (n_spare == SPARE_MAX || spare_bytes + nbytes > SPARE_BYTES) {  // full: drop the oldest
-        if (n_spare == 0) {
-            pthread_mutex_unlock(&spare_lock);
-            release(size_of(buf));
-            return;
-        }
+    pthread_mutex_lock(&buffers_lock);
+    if (slab_free(buf)) {
+        pthread_mutex_unlock(&buffers_lock);
+        return;
+    }
+    int64_t nbytes = *size_of(buf);  // under 2 MB: kept, the oldest kept dropped to make room
+    while (n_spare == SPARE_MAX || (n_spare > 0 && spare_bytes + nbytes > SPARE_BYTES)) {
         void *old = spare[0];
         spare_bytes -= *size_of(old);
         spare[0] = spare[--n_spare];
-        release(size_of(old));
-        if (spare_bytes + nbytes > SPARE_BYTES) {  // still too big to keep
-            pthread_mutex_unlock(&spare_lock);
-            release(size_of(buf));
-            return;
-        }
+        free(size_of(old));
     }
     spare[n_spare++] = buf;
     spare_bytes += nbytes;
-    pthread_mutex_unlock(&spare_lock);
+    pthread_mutex_unlock(&buffers_lock);
 }

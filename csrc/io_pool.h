@@ -5,10 +5,10 @@
 // EINTR) and mark the request done. Waiting releases the GIL (cffi releases it around every call),
 // so Python computes the experts already resident while the reads run.
 //
-// Buffers come from io_alloc: 4096-byte aligned (2 MB-aligned mappings with huge pages asked for
-// from 2 MB on), as O_DIRECT requires of the buffer, the file offset and the length (expert extents
-// are 4096-aligned multiples of 4096). Freed buffers of the sizes being read are reused (a read
-// overwrites every byte it is checked on).
+// Buffers come from io_alloc: 4096-byte aligned, as O_DIRECT requires of the buffer, the file
+// offset and the length (expert extents are 4096-aligned multiples of 4096); from 2 MB on, back to
+// back in huge-page slabs (io_pool.c says why). Freed buffers of the sizes being read are reused (a
+// read overwrites every byte it is checked on).
 //
 // This header is also cffi's cdef (colibri_core/kernels/_build.py drops the lines starting with
 // '#'): keep it to plain declarations.
@@ -61,7 +61,7 @@ int io_probe(int fd, int64_t nbytes);
 uint32_t io_crc32(uint32_t crc, const void *data, int64_t nbytes);  // zlib.crc32(data, crc)
 uint32_t io_crc32_portable(uint32_t crc, const void *data, int64_t nbytes);  // the same, tables only
 void *io_alloc(int64_t nbytes);              // 4096-aligned, NULL when out of memory; may reuse a freed one
-void io_free(void *buf);                     // keeps a few for reuse (at most 8 buffers, 64 MB)
+void io_free(void *buf);                     // its memory is reused for the next buffer of its size
 // Read nbytes at offset into buf on the calling thread (GIL released): bytes read or -errno.
 int64_t io_pread_all(int fd, void *buf, int64_t nbytes, int64_t offset);
 

@@ -682,13 +682,20 @@ def test_io_buffers_are_aligned_and_reused():
     assert c != a and int(io.ffi.cast("uintptr_t", c)) % 4096 == 0
     lib.io_free(b)
     lib.io_free(c)
-    # 2 MB and more: a mapping of its own, the buffer at a 2 MB boundary (huge pages where whole ones fit)
-    big = [lib.io_alloc(n) for n in (2 << 20, 3 * (1 << 20) + 12345, 9 << 20)]
-    for buf, n in zip(big, (2 << 20, 3 * (1 << 20) + 12345, 9 << 20)):
-        assert int(io.ffi.cast("uintptr_t", buf)) % (2 << 20) == 0
-        io.ffi.memmove(buf, b"\x5a" * n, n)  # the whole buffer is writable
-    for buf in big:
-        lib.io_free(buf)
+    # 2 MB and more: slabs of huge pages, buffers of one size back to back from a 2 MB boundary, a
+    # freed one's memory the next of its size
+    addr = lambda buf: int(io.ffi.cast("uintptr_t", buf))
+    for n in (2 << 20, 3 * (1 << 20) + 12345, 9 << 20):
+        stride = -(-n // 4096) * 4096
+        bufs = [lib.io_alloc(n) for _ in range(3)]
+        assert addr(bufs[0]) % (2 << 20) == 0 and [addr(b) - addr(bufs[0]) for b in bufs] == [0, stride, 2 * stride]
+        for buf in bufs:
+            io.ffi.memmove(buf, b"\x5a" * n, n)  # the whole buffer is writable
+        lib.io_free(bufs[1])
+        again = lib.io_alloc(n)
+        assert again == bufs[1]
+        for buf in (bufs[0], again, bufs[2]):
+            lib.io_free(buf)
 
 
 def test_io_pool_reads_extents_of_several_megabytes(tmp_path):
