@@ -617,6 +617,15 @@ def test_bench_protocol_smoke(model, tmp_path):
     assert r.returncode != 0 and "unknown cache policy 'nope'" in r.stderr
 
 
+def test_bench_refuses_a_model_larger_than_memory(model, monkeypatch):
+    """The resident pass holds every expert: a model that cannot fit is refused at once, in one line."""
+    from colibri_core.bench.model import run_protocol
+
+    monkeypatch.setattr("colibri_core.engine.available_memory", lambda: 4096)
+    with pytest.raises(ColibriError, match="colibri bench measures compute with every expert in memory"):
+        run_protocol(model, say=lambda msg: pytest.fail(f"measured before refusing: {msg}"))
+
+
 def test_measured_floor_reads_whole_extents_and_carries_the_rest(model):
     """The bench's measured floor reads what it is asked per token, in whole checksummed extents
     (what does not make a whole extent is read with a later token), into reused buffers."""

@@ -251,12 +251,18 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
     sessions' caches evict by `policy`."""
     from .. import plugins
     from ..container import Container
-    from ..engine import format_bytes, load
+    from ..engine import available_memory, format_bytes, load
+    from ..errors import ColibriError
     from ..store.budget import disk_bandwidth, memory_bandwidth
     from ..store.plan import sizes_from_container
 
     plugins.registry().cache_policy(policy)  # an unknown one fails now, not after the measurements
     sizes = sizes_from_container(model_dir)
+    whole, free = sizes.dense_bytes + sizes.experts_total * sizes.expert_nbytes, available_memory()
+    if whole > free:  # the resident pass would be killed for memory after minutes of measuring
+        raise ColibriError(f"colibri bench measures compute with every expert in memory: {format_bytes(whole)}, "
+                           f"and {format_bytes(free)} is available; benchmark a model that fits (such as "
+                           f"tools/make_synthetic_olmoe.py's, with --layers to size it)")
     c = Container(model_dir)
     expert_files = [c.expert_location(layer, 0)[0] for layer in c.moe_layers]
     scan_bw, _ = disk_bandwidth(expert_files, 1 << 30)
