@@ -5,9 +5,10 @@
     read = pool.submit(fd, offset, nbytes)                  # returns at once; a worker preads
     buf = pool.wait(read)                                   # GIL released while waiting; a memoryview
 
-Buffers are 4096-byte aligned (posix_memalign) and freed when the last view of them is gone (the
-QTensors the container parses from a buffer view it without copying). A read in flight keeps its
-request and buffer alive in the pool until it is done; `close` waits for every read.
+Buffers are 4096-byte aligned (from 2 MB on, back to back in huge-page slabs: csrc/io_pool.c says
+why) and freed when the last view of them is gone (the QTensors the container parses from a buffer
+view it without copying). A read in flight keeps its request and buffer alive in the pool until it
+is done; `close` waits for every read.
 """
 from __future__ import annotations
 
