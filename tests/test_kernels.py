@@ -86,7 +86,7 @@ def simd_path(request):
     """Each SIMD code path in turn (forced, as COLIBRI_SIMD does); the CPU's best one after."""
     name = request.param
     if not kernels.simd_supported(name):
-        pytest.skip(f"this CPU lacks the {name} path's instructions: it cannot be tested here")
+        pytest.skip(reason=f"this CPU lacks the {name} path's instructions: it cannot be tested here")
     kernels.set_simd(name)
     yield name
     kernels.set_simd("auto")

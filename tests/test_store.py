@@ -437,7 +437,7 @@ def test_direct_io_refused_falls_back_with_a_message(model, baseline, tmp_path, 
     shm = Path("/dev/shm")
     if where == "tmpfs":
         if not shm.is_dir():
-            pytest.skip("no /dev/shm on this machine")
+            pytest.skip(reason="no /dev/shm on this machine")
         m = shm / f"colibri-test-{os.getpid()}"
         shutil.rmtree(m, ignore_errors=True)
         copy_model(model, m)
@@ -446,7 +446,7 @@ def test_direct_io_refused_falls_back_with_a_message(model, baseline, tmp_path, 
             io.close_fd(fd)
         if err == 0:
             shutil.rmtree(m)
-            pytest.skip(f"this kernel's tmpfs accepts O_DIRECT (Linux {os.uname().release}); the refusal is "
+            pytest.skip(reason=f"this kernel's tmpfs accepts O_DIRECT (Linux {os.uname().release}); the refusal is "
                         f"tested by the refusing-filesystem case")
     else:
         m = copy_model(model, tmp_path / "m")

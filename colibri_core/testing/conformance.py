@@ -106,7 +106,7 @@ class ConformanceSuite:
 
     def _check(self, name: str) -> None:
         if name in self.unsupported:
-            pytest.skip(f"{type(self).__name__} declares {name} unsupported: {self.unsupported[name]}")
+            pytest.skip(reason=f"{type(self).__name__} declares {name} unsupported: {self.unsupported[name]}")
 
     # ---- agreement with the oracle ----------------------------------------------------------
     @pytest.mark.parametrize("q", QUANTS)
