@@ -258,7 +258,8 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
 
     plugins.registry().cache_policy(policy)  # an unknown one fails now, not after the measurements
     sizes = sizes_from_container(model_dir)
-    whole, free = sizes.dense_bytes + sizes.experts_total * sizes.expert_nbytes, available_memory()
+    experts_bytes = sizes.experts_total * sizes.expert_nbytes
+    whole, free = sizes.dense_bytes + experts_bytes, available_memory()
     if whole > free:  # the resident pass would be killed for memory after minutes of measuring
         raise ColibriError(f"colibri bench measures compute with every expert in memory: {format_bytes(whole)}, "
                            f"and {format_bytes(free)} is available; benchmark a model that fits (such as "
@@ -268,7 +269,6 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
     scan_bw, _ = disk_bandwidth(expert_files, 1 << 30)
     reads = _TokenReads(c, seed)
     try:
-        experts_bytes = sizes.experts_total * sizes.expert_nbytes
         disk_bw, direct_measured = reads.bandwidth(min(1 << 30, experts_bytes)), reads.direct  # the floor's disk term
     finally:
         reads.close()
@@ -303,7 +303,7 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
         f"{result['activations']} activations)")
 
     for frac in fractions:
-        budget = sizes.dense_bytes + int(frac * sizes.experts_total * sizes.expert_nbytes)
+        budget = sizes.dense_bytes + int(frac * experts_bytes)
         entry = {"fraction": frac, "ram": budget, "sessions": {}}
         with tempfile.TemporaryDirectory(prefix="colibri-bench-") as tmp:
             history = Path(tmp) / "usage.json"
