@@ -47,7 +47,7 @@ def _open(model, ram, cache_slots, **store):
 
 def store_report(engine) -> str:
     """Every expert-store counter, a few lines (`run --stats`, `chat` /stats)."""
-    from .engine import format_bytes
+    from .sizes import format_bytes
 
     s = engine.stats()
     layers = " ".join(f"{layer}:{100 * r:.0f}%" for layer, r in s["layer_hit_rate"].items())
@@ -65,7 +65,7 @@ def store_report(engine) -> str:
 
 
 def stats_line(engine, seconds: float) -> str:
-    from .engine import format_bytes
+    from .sizes import format_bytes
 
     s = engine.stats()
     return (f"[{s['generated_tokens']} tokens · {s['decode_tokens_per_second']:.1f} tok/s · "
@@ -291,7 +291,7 @@ def plan(
     """Show how a model fits a RAM budget: resident bytes, experts, the budget split, expected bytes
     read per token and the floor times from this machine's measured disk and memory bandwidth."""
     from . import planning
-    from .engine import available_memory, format_bytes, parse_size
+    from .sizes import available_memory, format_bytes, parse_size
     from .store import budget as bw
     from .store.plan import make_plan, sizes_from_config, sizes_from_container
 

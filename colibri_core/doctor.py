@@ -55,7 +55,7 @@ def run_checks(model_dir: str | Path, deep: bool = False) -> list[Check]:
     except ColibriError as e:
         add("files", False, str(e))
 
-    from .engine import available_memory, format_bytes
+    from .sizes import available_memory, format_bytes
 
     free = shutil.disk_usage(model_dir if model_dir.is_dir() else model_dir.parent).free
     add("free disk", free >= 100 * 10**6, f"{format_bytes(free)} free beside the model", warn=True)

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import os
-import re
 import resource
 import time
 import warnings
@@ -24,44 +23,11 @@ from .generate import sample
 from .kv.session import PersistentSession, SessionWarning
 from .model import Weights
 from .probe import Probe
+from .sizes import available_memory, parse_size
 from .store import ExpertStore
 from .store.budget import Split, split_budget
-from .store.plan import top_k_of
 from .store.usage import UsageHistory
 from .tokenizer import Tokenizer, generation_defaults
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string like "512MB", "2GB", "1.5GiB"."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(size))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ColibriError(f"cannot read size {size!r}: use bytes or a number with KB, MB, GB, GiB, …")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return ""
-
-
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo (bytes), or 8 GB where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 10**9
-
 
 class Session:
     """A token sequence and the model state holding all of it but the last sampled token."""
@@ -83,26 +49,36 @@ class Engine:
         self.activations = kernels._act_name(activations or os.environ.get("COLIBRI_ACTIVATIONS") or "f32")
         registry = plugins.registry()
         self.arch = registry.resolve(read_config(model_dir), where=str(model_dir))  # a missing plugin first
-        self.container = Container(model_dir)
-        if self.arch.name != self.container.architecture:
-            raise ColibriError(f"{model_dir}: container is for architecture {self.container.architecture}, "
-                               f"but config.json is served by {self.arch.name} ({self.arch.plugin})")
-        registry.cache_policy(policy)  # an unknown policy before anything is read
+        policy_info = registry.cache_policy(policy)  # an unknown policy before anything is read
         if pin_gb is not None and pin_gb < 0:
             raise ColibriError(f"--pin-gb must be 0 or more, got {pin_gb}")
         model_cls = registry.model_class(self.arch)
-        cfg = model_cls.parse_config(self.container.config)
-        resident = self.container.resident()
-        self.resident_bytes = sum(t.nbytes for t in resident.values())
-        weights = Weights(resident, str(model_dir))
-        self.split = self._split(ram, cache_slots, pin_gb, usage, top_k_of(cfg, self.container.config))
-        self.store = ExpertStore(self.container, self.split.cache_slots, pinned=self.split.pinned_experts,
-                                 prefetch=prefetch, direct=direct, mirror=None if mirror is None else str(mirror),
-                                 policy=policy, io_threads=io_threads, record_usage=usage is not False,
-                                 usage_path=None if isinstance(usage, bool) else str(usage))
-        self.model = model_cls(cfg, weights, self.store)
-        weights.check_all_taken()
-        self.store.attach(self.model)
+        self.container = Container(model_dir)
+        self.store = None
+        try:  # what fails past here closes what was opened: the container's files, the store's I/O threads
+            if self.arch.name != self.container.architecture:
+                raise ColibriError(f"{model_dir}: container is for architecture {self.container.architecture}, "
+                                   f"but config.json is served by {self.arch.name} ({self.arch.plugin})")
+            cfg = model_cls.parse_config(self.container.config)
+            layout = model_cls.layout(cfg)
+            resident = self.container.resident()
+            self.resident_bytes = sum(t.nbytes for t in resident.values())
+            weights = Weights(resident, str(model_dir))
+            self.split = self._split(ram, cache_slots, pin_gb, usage, layout.top_k)
+            self.store = ExpertStore(self.container, self.split.cache_slots, policy_info,
+                                     pinned=self.split.pinned_experts, prefetch=prefetch, direct=direct,
+                                     mirror=None if mirror is None else str(mirror), io_threads=io_threads,
+                                     record_usage=usage is not False,
+                                     usage_path=None if isinstance(usage, bool) else str(usage))
+            self.model = model_cls(cfg, weights, self.store)
+            weights.check_all_taken()
+            routed = tuple(self.model.routers())
+            if sorted(routed) != sorted(self.container.moe_layers):
+                raise ColibriError(f"plugin {self.arch.plugin} {self.arch.version}: {self.arch.name} declares routers "
+                                   f"for layers {list(routed)}, but its MoE layers are {list(self.container.moe_layers)}")
+        except BaseException:
+            self.close()
+            raise
         self.generation = generation_defaults(model_dir)
         self._tokenizer: Tokenizer | None = None
         self.probe = Probe(self.container.n_experts)  # seconds per section, routing per (layer, expert)
@@ -238,7 +214,9 @@ class Engine:
         }
 
     def close(self) -> None:
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
+        self.container.close()
 
     def __enter__(self):
         return self

@@ -36,10 +36,14 @@ class ExpertNames:
 
 @dataclass(frozen=True)
 class ContainerLayout:
+    """What a plugin's `MoEModel.layout(cfg)` returns: the checkpoint's tensors and the routed experts'
+    shape. Every field is read by the converter, by `colibri plan` or by the store."""
+
     resident: tuple[str, ...]  # every non-expert tensor the model needs, by checkpoint name
     keep_f32: tuple[str, ...]  # regexes (re.search) of resident tensors never quantised
     moe_layers: tuple[int, ...]  # layer indices that have routed experts
     n_experts: int  # routed experts per MoE layer (E)
+    top_k: int  # experts each token is routed to per MoE layer (k): planning sizes reads with it
     hidden: int  # expert input / output width (H)
     intermediate: int  # expert hidden width (I)
     experts: ExpertNames

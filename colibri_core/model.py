@@ -6,14 +6,18 @@ dataclass, describes its container layout, takes its resident tensors from `Weig
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import kernels
 from .errors import ColibriError
+from .kv import State
 from .layout import ContainerLayout
 from .quant import QTensor, dequantize
+
+if TYPE_CHECKING:
+    from .layers.router import Router
 
 
 class Weights:
@@ -61,9 +65,22 @@ def embed(ids: np.ndarray, table) -> np.ndarray:
 
 
 class MoEModel:
-    """One architecture's forward pass over resident weights and the expert store.
+    """One architecture's forward pass over resident weights and the expert store: the model half of
+    the plugin contract (docs/plugins.md). The core calls exactly the methods below.
 
-    Subclasses implement the four methods below; the engine calls nothing else.
+    From the config alone (classmethods: `convert` and `plan` call them before any weight exists):
+      parse_config(config)            config.json (dict) → the architecture's config dataclass
+      layout(cfg)                     the container layout: resident tensors, routed experts, top-k
+      resident_shapes(cfg)            every resident tensor's shape, by checkpoint name
+      state_floats_per_token(cfg)     per layer, the state floats each token adds
+      kept_apart_floats_per_token(cfg)  optional: growing state kept beside the layers' (DSA indexer keys)
+      fixed_state_floats(cfg)         optional: state that does not grow (recurrent + conv states)
+    With the weights (the engine builds the model once per load):
+      __init__(cfg, weights, store)   take every resident tensor from `weights`; keep `store` for `moe`
+      routers()                       per MoE layer, its declared `Router` (run by the core, lookahead too)
+      lookahead()                     optional: which MoE layer each layer's lookahead predicts
+      new_state()                     a fresh per-sequence `colibri_core.kv.State`
+      forward(ids, state, last_only)  logits of new tokens; MoE layers call `self.moe(...)`
     """
 
     @classmethod
@@ -73,7 +90,7 @@ class MoEModel:
 
     @classmethod
     def layout(cls, cfg) -> ContainerLayout:
-        """Which checkpoint tensors are resident, which are routed experts, which stay f32."""
+        """Which checkpoint tensors are resident, which are routed experts, which stay f32; top-k."""
         raise NotImplementedError
 
     @classmethod
@@ -85,23 +102,40 @@ class MoEModel:
     @classmethod
     def state_floats_per_token(cls, cfg) -> list[int]:
         """Per layer, the floats its state grows by per token (K + V for GQA; 576 for GLM-5.2's MLA
-        latent + rope key; 0 for a fixed-size recurrent state). State kept apart (e.g. DSA indexer
-        keys) is reported by its own classmethod, named in the plugin's docstring."""
+        latent + rope key; 0 for a fixed-size recurrent state)."""
         raise NotImplementedError
+
+    @classmethod
+    def kept_apart_floats_per_token(cls, cfg) -> dict[str, list[int]]:
+        """Growing state kept beside the layers' own, by name, per layer in floats per token (GLM-5.2:
+        {"indexer_keys": [128, 0, …]}). Default: none."""
+        return {}
+
+    @classmethod
+    def fixed_state_floats(cls, cfg) -> int:
+        """State floats that do not grow with the context (Gated DeltaNet: conv + recurrent state of
+        every linear-attention layer). Default: 0."""
+        return 0
 
     def __init__(self, cfg, weights: Weights, store):
         self.cfg = cfg
         self.store = store
+        self._moe = None  # layers.moe.MoE over `routers()`, built on the first MoE layer run
 
-    def new_state(self):
-        """Fresh per-sequence state (KV caches, …) with a `length` attribute (tokens seen)."""
+    def routers(self) -> dict[int, Router]:
+        """Every MoE layer's router ({absolute layer index: Router}), exactly the layout's
+        `moe_layers`, in the order the forward pass runs them."""
         raise NotImplementedError
 
-    def predict_experts(self, layer: int, hidden: np.ndarray) -> np.ndarray | None:
-        """Router lookahead (optional): the expert ids (T, k) MoE layer `layer`'s router picks for the
-        residual stream `hidden` (T, H) of an earlier layer. The store calls it to prefetch; the
-        default, None, means no prediction. It never changes an output, only what is read early."""
+    def lookahead(self) -> dict[int, int] | None:
+        """{MoE layer: the MoE layer whose experts its lookahead predicts}. Default (None): each
+        router's successor in `routers()`. Override to leave out a layer the forward pass does not
+        run next (GLM-5.2's MTP layer)."""
         return None
+
+    def new_state(self) -> State:
+        """Fresh per-sequence state (KV caches, …): a `colibri_core.kv.State`."""
+        raise NotImplementedError
 
     def forward(self, ids: np.ndarray, state, last_only: bool = False) -> np.ndarray:
         """Run new tokens `ids` (T,) after the `state.length` tokens already in `state`.
@@ -109,3 +143,15 @@ class MoEModel:
         Returns logits float32 (T, vocab), or (1, vocab) for the last token when `last_only`.
         """
         raise NotImplementedError
+
+    def moe(self, layer: int, x: np.ndarray, residual: np.ndarray, token_ids: np.ndarray,
+            expert_input: np.ndarray | None = None) -> np.ndarray:
+        """The core's MoE block for MoE layer `layer` (`colibri_core.layers.moe.MoE`): routes x (T, H)
+        with the layer's declared router, starts the lookahead for the next MoE layer from
+        `residual` (T, H) (the residual stream x was normalised from), runs the routed experts
+        on `expert_input` (default x) → (T, H). Call it from `forward`; never override it."""
+        if self._moe is None:
+            from .layers.moe import MoE  # the layers import this module's helpers
+
+            self._moe = MoE(self.store, self.routers(), self.lookahead())
+        return self._moe(layer, x, residual, token_ids, expert_input)

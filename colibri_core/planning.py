@@ -3,7 +3,9 @@
 `resident_shapes`, stored as the container would store it at --quant: the layout's f32 rules,
 then `quant.layout`), the bytes of one routed expert and of all of them (the on-disk extents,
 `container.reader.expert_extent` over `quant.packed_size`, with the layout's per-layer precision
-floors), and the per-token state (`state_floats_per_token`)."""
+floors), and the state: per token (`state_floats_per_token` plus `kept_apart_floats_per_token`) and
+fixed (`fixed_state_floats`). Everything comes from declared fields of the plugin's model class
+and layout, never from guessing config.json names."""
 from __future__ import annotations
 
 import math
@@ -30,7 +32,6 @@ def plan(model_cls, cfg, kind: str) -> dict:
     per_layer = {layer: expert_extent(layout.expert_kind(layer, kind), layout.hidden, layout.intermediate)[1]
                  for layer in layout.moe_layers}
     state = list(model_cls.state_floats_per_token(cfg))
-    extra = getattr(model_cls, "indexer_floats_per_token", None)
     out = {
         "quant": kind,
         "resident_bytes": resident,
@@ -40,20 +41,21 @@ def plan(model_cls, cfg, kind: str) -> dict:
         "experts_total_bytes": sum(per_layer.values()) * layout.n_experts,
         "moe_layers": len(layout.moe_layers),
         "experts_per_layer": layout.n_experts,
+        "top_k": layout.top_k,
         "kv_floats_per_token_per_layer": state[0] if len(set(state)) == 1 else state,
         "state_bytes_per_token": state_bytes_per_token(model_cls, cfg),
+        "fixed_state_bytes": 4 * model_cls.fixed_state_floats(cfg),
     }
-    if extra is not None:
-        out["indexer_floats_per_token_per_layer"] = list(extra(cfg))
+    for name, floats in model_cls.kept_apart_floats_per_token(cfg).items():
+        out[f"{name}_floats_per_token_per_layer"] = list(floats)
     return out
 
 
 def state_bytes_per_token(model_cls, cfg) -> int:
     """float32 bytes of per-sequence state each token adds: every layer's growing state
     (`state_floats_per_token`) plus any kept apart, such as DSA indexer keys."""
-    floats = sum(model_cls.state_floats_per_token(cfg))
-    extra = getattr(model_cls, "indexer_floats_per_token", None)
-    return 4 * (floats + (sum(extra(cfg)) if extra is not None else 0))
+    kept_apart = model_cls.kept_apart_floats_per_token(cfg).values()
+    return 4 * (sum(model_cls.state_floats_per_token(cfg)) + sum(sum(f) for f in kept_apart))
 
 
 def plan_config(config: dict, kind: str, where: str = "config.json") -> dict:

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from colibri_core import load
-from colibri_core.engine import parse_size
+from colibri_core.sizes import parse_size
 from colibri_core.errors import ColibriError
 from colibri_core.generate import sample
 

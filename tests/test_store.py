@@ -196,17 +196,13 @@ def test_lookahead_stops_reading_a_rank_whose_guesses_are_wrong_and_starts_again
         first, second, third = list(s.layer_index)[:3]
         guess = {"ids": None}
 
-        class Stub:
-            def predict_experts(self, layer, hidden):
-                return np.array([guess["ids"]])
-
-        s.attach(Stub())
-        hidden = np.zeros((1, e.container.hidden), np.float32)
+        def predict(layer):  # the store is told which layer the guess is for, and asks for it
+            return layer, lambda: np.array([guess["ids"]])
 
         def step(guessed, needed):  # layer `first` guesses `second`'s experts; then `second` runs
             guess["ids"] = guessed
             for layer, ids in ((first, [0, 1]), (second, needed)):
-                for _ in s.experts(layer, np.array([ids]), hidden=hidden if layer == first else None):
+                for _ in s.experts(layer, np.array([ids]), predict=predict(second) if layer == first else None):
                     pass
 
         c = s.counters
@@ -214,7 +210,7 @@ def test_lookahead_stops_reading_a_rank_whose_guesses_are_wrong_and_starts_again
             step([2 + 2 * i, 3 + 2 * i], [14, 15])
         assert c.prefetch_issued == 2 and c.prefetch_skipped == 10
         guess["ids"] = [4, 5]  # the same ranks guessing another layer's experts: still read
-        for _ in s.experts(second, np.array([[14, 15]]), hidden=hidden):
+        for _ in s.experts(second, np.array([[14, 15]]), predict=predict(third)):
             pass
         assert c.prefetch_issued == 4 and c.prefetch_skipped == 10
         for i in range(12):  # right every time: the ranks earn their reads back
@@ -621,7 +617,7 @@ def test_bench_refuses_a_model_larger_than_memory(model, monkeypatch):
     """The resident pass holds every expert: a model that cannot fit is refused at once, in one line."""
     from colibri_core.bench.model import run_protocol
 
-    monkeypatch.setattr("colibri_core.engine.available_memory", lambda: 4096)
+    monkeypatch.setattr("colibri_core.sizes.available_memory", lambda: 4096)
     with pytest.raises(ColibriError, match="colibri bench measures compute with every expert in memory"):
         run_protocol(model, say=lambda msg: pytest.fail(f"measured before refusing: {msg}"))
 

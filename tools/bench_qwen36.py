@@ -32,7 +32,7 @@ import numpy as np
 import yaml
 
 from colibri_core import load, quant
-from colibri_core.engine import available_memory
+from colibri_core.sizes import available_memory
 from colibri_core.container.reader import (
     ARRAY, MANIFEST, RESIDENT_FILE, SCALES_SUFFIX, crc32_file, expert_extent,
     expert_file_name, extent_crc,

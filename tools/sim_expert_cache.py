@@ -36,13 +36,13 @@ def record(model: Path, trace: Path, n_prompts: int, prompt_tokens: int, new_tok
         steps: list[dict] = []  # one per forward pass: {"decode": bool, "use": {layer: ids}, "pred": {layer: ids}}
         inner = store.experts
 
-        def experts(layer, ids, hidden=None):
+        def experts(layer, ids, predict=None):  # the core's MoE block hands the store its lookahead guess
             step = steps[-1]
             step["use"][layer] = np.asarray(ids).tolist()
-            nxt = store.next_layer.get(layer)
-            if hidden is not None and nxt is not None:
-                step["pred"][nxt] = np.asarray(m.predict_experts(nxt, hidden)).tolist()
-            yield from inner(layer, ids, hidden)
+            if predict is not None:
+                nxt, guess = predict
+                step["pred"][nxt] = np.asarray(guess()).tolist()
+            yield from inner(layer, ids, predict)
 
         store.experts = experts
         forward = m.forward

@@ -251,7 +251,8 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
     sessions' caches evict by `policy`."""
     from .. import plugins
     from ..container import Container
-    from ..engine import available_memory, format_bytes, load
+    from ..engine import load
+    from ..sizes import available_memory, format_bytes
     from ..errors import ColibriError
     from ..store.budget import disk_bandwidth, memory_bandwidth
     from ..store.plan import sizes_from_container

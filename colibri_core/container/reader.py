@@ -462,11 +462,27 @@ class Container:
         buf = os.pread(fd, nbytes, offset)
         if len(buf) != nbytes:
             raise ColibriError(f"expert file {path} is truncated (layer {layer} expert {expert}); reconvert the model")
-        got_layer, got_expert, tensors = self._parse(buf, layer)
+        return self.expert_views(buf, layer, expert)
+
+    def expert_views(self, buf, layer: int, expert: int, crc: int | None = None):
+        """(gate, up, down) QTensor views of the extent of (`layer`, `expert`) held in `buf`, after
+        checking it: its crc32 (`crc`, computed by the caller's I/O thread, else here) must equal
+        both the trailer's and the manifest's, and the trailer must name this (layer, expert)."""
+        kind, offsets, n = self._extents[layer]
+        mv = memoryview(buf)
+        mv = (mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))[:n]
+        path = self._paths[layer]
+        stored, magic, got_layer, got_expert = TRAILER.unpack_from(mv, n - TRAILER.size)
+        if crc is None:
+            crc = extent_crc(mv)
+        if magic != TRAILER_MAGIC or crc != stored or crc != self._layers[layer]["extent_crc32"][expert]:
+            raise ColibriError(f"corrupt expert data in {path} layer {layer} expert {expert}: checksum "
+                               f"mismatch; run `colibri doctor --model {self.path} --deep` and reconvert the model")
         if (got_layer, got_expert) != (layer, expert):
-            raise ColibriError(f"expert file {path} holds layer {got_layer} expert {got_expert} where layer "
-                               f"{layer} expert {expert} belongs; reconvert the model")
-        return tensors
+            raise ColibriError(f"expert file {path} holds layer {got_layer} expert {got_expert} where "
+                               f"layer {layer} expert {expert} belongs; reconvert the model")
+        shapes = [_proj_shape(p, self.hidden, self.intermediate) for p in PROJS]
+        return tuple(quant.from_buffer(kind, rows, cols, mv, off)[0] for (rows, cols), off in zip(shapes, offsets))
 
     def close(self) -> None:
         """Close the expert files `read_expert` opened (it reopens them if called again)."""

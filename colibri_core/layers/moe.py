@@ -1,13 +1,18 @@
-"""The routed-expert block: every expert a batch needs, fetched from the store, run by the C kernels.
+"""The routed-expert block: the core runs a layer's declared router, the lookahead for the next MoE
+layer, and every expert the batch needs, fetched from the store and run by the C kernels.
 
 Placement never changes the result: each expert's FFN is computed by the same kernel wherever its
 weights came from and whichever experts were ready first, each token's expert output lands in a
 fixed slot (its top-k rank), and the weighted sum over ranks is taken in rank order.
 """
+from __future__ import annotations
+
 import numpy as np
 
 from .. import kernels
+from ..errors import ColibriError
 from ..probe import route, timed
+from .router import Router
 
 
 def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict) -> None:
@@ -24,19 +29,43 @@ def combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return kernels.moe_combine(outs, weights)  # one C call, the same float32 operations as NumPy's
 
 
-@timed("moe")
-def moe_block(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, store, layer: int,
-              hidden: np.ndarray | None = None) -> np.ndarray:
-    """x (T, H), ids / weights (T, k) from the router → (T, H) = Σ_rank weight · expert(x).
+class MoE:
+    """Every MoE layer of one model: its declared routers, the lookahead between them, the store.
 
-    The store reads the batch union once, yields the experts already resident first and the others
-    in groups as their reads arrive, so compute overlaps the reads. `hidden` (T, H), the residual
-    stream entering this block, lets the store predict and prefetch the next layer's experts
-    (router lookahead).
+    `routers` {layer: Router} in the order the forward pass runs them; `lookahead` {layer: the MoE
+    layer whose experts it predicts} (by default each layer's successor in `routers`).
     """
-    route(layer, ids)
-    T, k = ids.shape
-    outs = np.zeros((T, k, x.shape[1]), np.float32)  # (T, k, H): one slot per (token, rank)
-    for ready in store.experts(layer, ids, hidden=hidden):  # {expert: (gate, up, down)}, resident first
-        run_experts(outs, x, ids, ready)
-    return combine(outs, weights)
+
+    def __init__(self, store, routers: dict[int, Router], lookahead: dict[int, int] | None = None):
+        for layer, router in routers.items():
+            if not isinstance(router, Router):
+                raise ColibriError(f"MoE layer {layer}: the model declared {router!r}, not a colibri Router")
+        layers = list(routers)
+        self.store, self.routers = store, routers
+        self.lookahead = dict(zip(layers, layers[1:])) if lookahead is None else dict(lookahead)
+
+    @timed("moe")
+    def __call__(self, layer: int, x: np.ndarray, residual: np.ndarray, token_ids: np.ndarray,
+                 expert_input: np.ndarray | None = None) -> np.ndarray:
+        """MoE layer `layer`: x (T, H) the router's input (the layer's normalised residual stream),
+        residual (T, H) the residual stream it was computed from (the lookahead's input), token_ids
+        (T,) → (T, H) = Σ_rank weight · expert(expert_input), expert_input defaulting to x.
+
+        The store reads the batch union once and yields the experts already resident first, the
+        others in groups as their reads arrive, so compute overlaps the reads; once this layer's
+        reads are queued, the next MoE layer's router guesses its experts from `residual` and the
+        store starts reading those too.
+        """
+        router = self.routers.get(layer)
+        if router is None:
+            raise ColibriError(f"MoE layer {layer} has no declared router (declared: {list(self.routers)})")
+        weights, ids = router.route(x, token_ids)  # (T, k) each, best first
+        route(layer, ids)
+        xe = x if expert_input is None else expert_input  # (T, H)
+        nxt = self.lookahead.get(layer)
+        predict = None if nxt is None else (nxt, lambda: self.routers[nxt].predict(residual, token_ids))
+        T, k = ids.shape
+        outs = np.zeros((T, k, xe.shape[1]), np.float32)  # (T, k, H): one slot per (token, rank)
+        for ready in self.store.experts(layer, ids, predict=predict):  # {expert: (gate, up, down)}, resident first
+            run_experts(outs, xe, ids, ready)
+        return combine(outs, weights)

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.reference import silu
 from ..model import linear
 from .gated_attention import sigmoid
+from .mlp import swiglu_mlp
 
 
 def shared_expert(x: np.ndarray, gate, up, down, expert_gate=None) -> np.ndarray:
     """x (T, H) → (T, H). gate, up (I, H) and down (H, I): QTensors or float32 arrays;
     expert_gate (1, H) float32, or None for an ungated shared expert."""
-    out = linear(silu(linear(x, gate)) * linear(x, up), down)  # (T, H)
+    out = swiglu_mlp(x, gate, up, down)  # (T, H)
     if expert_gate is None:
         return out
     return sigmoid(linear(x, expert_gate)) * out  # (T, 1) * (T, H)

@@ -51,7 +51,7 @@ def split_budget(budget: int, dense: int, state: int, expert_nbytes: int, moe_la
     fit = (budget - dense - state) // expert_nbytes  # experts the budget holds
     if fit < moe_layers:
         need = dense + state + moe_layers * expert_nbytes
-        from ..engine import format_bytes
+        from ..sizes import format_bytes
 
         what = "resident weights + state + one expert per layer" if state else "resident weights + one expert per layer"
         raise ColibriError(f"RAM budget {format_bytes(budget)} is below this model's minimum {format_bytes(need)} ({what})")

@@ -33,15 +33,6 @@ class ModelSizes:
         return self.moe_layers * self.n_experts
 
 
-def top_k_of(cfg, config: dict) -> int:
-    """Experts each token routes to per layer, from the parsed config or config.json."""
-    for key in ("num_experts_per_tok", "moe_topk", "top_k"):
-        v = getattr(cfg, key, None) or config.get(key)
-        if isinstance(v, int) and v > 0:
-            return v
-    raise ColibriError("cannot tell experts per token from config.json (num_experts_per_tok)")
-
-
 def sizes_from_container(model_dir: str | Path) -> ModelSizes:
     from ..container import Container
 
@@ -52,7 +43,7 @@ def sizes_from_container(model_dir: str | Path) -> ModelSizes:
     cfg = model_cls.parse_config(c.config)
     measured = planning.measured(model_dir)
     return ModelSizes(arch.name, c.quant, measured["resident_bytes"], c.expert_nbytes, len(c.moe_layers),
-                      c.n_experts, top_k_of(cfg, c.config), planning.state_bytes_per_token(model_cls, cfg))
+                      c.n_experts, model_cls.layout(cfg).top_k, planning.state_bytes_per_token(model_cls, cfg))
 
 
 def sizes_from_config(config_path: str | Path, quant_kind: str) -> tuple[ModelSizes, dict]:
@@ -74,7 +65,7 @@ def sizes_from_config(config_path: str | Path, quant_kind: str) -> tuple[ModelSi
         raise ColibriError(f"plugin {arch.plugin} cannot plan {arch.name} from config.json alone; "
                            f"convert the model and use --model") from None
     sizes = ModelSizes(arch.name, quant_kind, report["resident_bytes"], report["expert_bytes"], report["moe_layers"],
-                       report["experts_per_layer"], top_k_of(cfg, config), report["state_bytes_per_token"])
+                       report["experts_per_layer"], report["top_k"], report["state_bytes_per_token"])
     return sizes, report
 
 

@@ -4,35 +4,39 @@ Per MoE layer: a cache of `slots` experts under an eviction policy, plus the exp
 hot-store (chosen from the routing history, revised at turn boundaries with hysteresis). A layer
 asks for the *batch union* of its experts (`experts`): each one is read at most once; the reads
 start at once on the C I/O pool, and the layer computes the experts already resident while they
-run, then the read ones in groups as they arrive. Before that it applies the next layer's router to
-the current hidden state (router lookahead) and queues reads for the experts it predicts, so the
-next layer's reads overlap this layer's compute; each guess is scored when that layer runs, and a
-rank whose guesses for that layer have lately been mostly wrong is not read
-(PREFETCH_MIN_PRECISION). A demand read that finds the cache full takes the slot of a wrong guess
+run, then the read ones in groups as they arrive. Before that it asks the caller for its guess of
+a later layer's experts (router lookahead: the core's MoE block runs that layer's declared router
+on the current residual stream) and queues reads for them, so the next layer's reads overlap this
+layer's compute; each guess is scored when that layer runs, and a rank whose guesses for that layer
+have lately been mostly wrong is not read (PREFETCH_MIN_PRECISION). A demand read that finds the cache full takes the slot of a wrong guess
 still being read rather than wait for that read (which ends as an orphan).
 
 Pinned experts are read in the background, hottest first, behind the demand reads: at most one at
 a time while layers' reads are in flight, one per I/O thread while the disk is idle (`warm_up`
 reads them all at once and waits). A layer that needs a pinned expert not read yet reads it at once.
 
+The store is a passive cache: it knows no model, engine or plugin registry. It is handed the
+container, the eviction policy and what to read; it is told what will be needed.
+
 Placement changes speed only: every expert is handed to the kernels as the same QTensor views of
 its extent, verified (crc32 computed by the I/O thread against the trailer and the manifest, layer
 and expert) on every read from disk, so an I/O error or
-corruption raises an error (or falls back to the primary copy) and never produces a wrong token.
+corruption raises an error (or falls back to the primary copy) and never produces a wrong token;
+a failed read leaves nothing cached, so the next request for that expert reads it again.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
-from .. import quant
-from ..container.reader import TRAILER, TRAILER_MAGIC, _proj_shape
+from ..container.reader import TRAILER
 from ..errors import ColibriError
-from ..layout import PROJS
 from . import mirror as mirror_mod
 from .io import IOPool
+from .policies import PolicyInfo
 from .stats import StoreCounters
 from .usage import UsageHistory, hot_set, pin_value, warn
 
@@ -71,11 +75,11 @@ class GuessRecord:
 @dataclass
 class StoreConfig:
     slots: int  # cache slots per MoE layer (pinned experts are not counted here)
+    policy: PolicyInfo  # eviction policy (`Registry.cache_policy(name)`: colibri_register_cache_policies)
     pinned: int = 0  # hot-store capacity in experts, over all MoE layers (0: no pinning)
     prefetch: bool = True  # router lookahead prefetch of the next layer's experts
     direct: bool = False  # read with O_DIRECT (falls back, with a warning, where refused)
     mirror: str | None = None  # a byte-identical copy of the container on another disk
-    policy: str = "lru"  # eviction policy (colibri_register_cache_policies)
     io_threads: int = 4  # threads of the C I/O pool
     record_usage: bool = True  # count routing in .coli_usage beside the model
     usage_path: str | None = None  # … or in this file instead
@@ -94,26 +98,21 @@ class _Entry:
 class ExpertStore:
     """Per-layer expert caches and hot-store over the container (and its mirror), with counters."""
 
-    def __init__(self, container, slots: int, **options):
+    def __init__(self, container, slots: int, policy: PolicyInfo, **options):
+        """Per-layer caches of `slots` experts of the open `container`, evicting under `policy`; the
+        other options are `StoreConfig`'s. Starts the I/O threads last, after everything that can
+        fail; `close` them."""
         if slots < 1:
             raise ValueError("the expert cache needs at least one slot per layer")
-        from .. import plugins
-
-        self.config = cfg = StoreConfig(slots=slots, **options)
+        self.config = cfg = StoreConfig(slots=slots, policy=policy, **options)
         self.container = container
         self.slots = min(slots, container.n_experts)
-        self._extent_crcs = {f["layer"]: f["extent_crc32"] for f in container.manifest["experts"]["files"]}
-        self._shapes = [_proj_shape(p, container.hidden, container.intermediate) for p in PROJS]  # (rows, cols)
         layers = tuple(container.moe_layers)
         self.layer_index = {layer: i for i, layer in enumerate(layers)}
-        self.next_layer = dict(zip(layers, layers[1:]))
-        info = plugins.registry().cache_policy(cfg.policy)
-        self.policy_info = info
-        self.policies = {layer: info.factory(slots=self.slots, n_experts=container.n_experts) for layer in layers}
+        self.policies = {layer: policy.factory(slots=self.slots, n_experts=container.n_experts) for layer in layers}
         self.cache: dict[int, dict[int, _Entry]] = {layer: {} for layer in layers}
         self.pinned: dict[int, dict[int, _Entry]] = {layer: {} for layer in layers}
         self.counters = StoreCounters()
-        self.model = None  # set by `attach`: the model whose routers predict the next layer
         self._predicted: dict[int, set[int]] = {}  # layer -> experts the lookahead predicted for it
         self._guesses: dict[int, list[tuple[int, int]]] = {}  # layer -> (expert, rank) guessed, not resident
         self._guess_record = GuessRecord()
@@ -121,33 +120,36 @@ class ExpertStore:
         self._pin_reads: list = []  # background reads of pinned experts that may be in flight
         self._layer_reads: list = []  # demand and lookahead reads that may be in flight
         self._orphans: list = []  # reads of experts evicted while in flight (wrong prefetches)
-        self.pool = IOPool(cfg.io_threads)
+        self.pool = None  # the I/O threads, started once nothing before them has failed
         self.sources = [mirror_mod.Source(container, cfg.direct, "primary")]
         self.primary_share = 1.0
         self._retired = []  # a mirror that failed (its files are closed with the others)
-        if cfg.mirror is not None:
-            m = mirror_mod.open_mirror(container, cfg.mirror)
-            self.sources.append(mirror_mod.Source(m, cfg.direct, "mirror"))
-            bw = [s.measure() for s in self.sources]
-            self.primary_share = bw[0] / (bw[0] + bw[1])
-        else:
-            self.sources[0].fd(layers[0]) if layers else None  # O_DIRECT refused: say so now
-        self.usage = UsageHistory(container, cfg.usage_path) if cfg.record_usage else None
-        if cfg.pinned and self.usage is not None:
-            self._repin()
-
-    def attach(self, model) -> None:
-        """The model whose `predict_experts` drives router lookahead."""
-        self.model = model
+        try:
+            if cfg.mirror is not None:
+                m = mirror_mod.open_mirror(container, cfg.mirror)
+                self.sources.append(mirror_mod.Source(m, cfg.direct, "mirror"))
+                bw = [s.measure() for s in self.sources]
+                self.primary_share = bw[0] / (bw[0] + bw[1])
+            else:
+                self.sources[0].fd(layers[0]) if layers else None  # O_DIRECT refused: say so now
+            self.usage = UsageHistory(container, cfg.usage_path) if cfg.record_usage else None
+            self.pool = IOPool(cfg.io_threads)
+            if cfg.pinned and self.usage is not None:
+                self._repin()
+        except BaseException:
+            self.close()
+            raise
 
     # ---- a layer's experts ---------------------------------------------------------------
-    def experts(self, layer: int, ids: np.ndarray, hidden: np.ndarray | None = None):
+    def experts(self, layer: int, ids: np.ndarray, predict: tuple[int, Callable[[], np.ndarray | None]] | None = None):
         """Yield {expert: (gate, up, down)} groups covering the batch union of `ids` (T, k).
 
         First the experts already resident, then the others as their reads arrive (each group: the
-        next to arrive and every other that has meanwhile). `hidden` (T, H), the residual stream
-        entering this layer's MoE, drives the lookahead for the next layer. Call `next` only after
-        computing the group yielded before: its experts may then be evicted.
+        next to arrive and every other that has meanwhile). `predict` (later layer, guess): once
+        this layer's reads are queued, and unless every expert of that layer is resident already,
+        `guess()` returns the ids (T, k) it will likely need, each token's likeliest first (router
+        lookahead), and the store starts reading them. Call `next` only after computing the group
+        yielded before: its experts may then be evicted.
         """
         c = self.counters
         self._reap_orphans()
@@ -185,8 +187,8 @@ class ExpertStore:
         for e in waiting:  # demand reads first, as many as the cache has room for now
             if e not in cache and e not in pinned and self._make_room(layer, protected, block=False, demand=True):
                 self._insert(layer, e, prefetched=False)
-        if hidden is not None:
-            self._lookahead(layer, hidden)  # queued behind this layer's reads
+        if predict is not None and self.config.prefetch:
+            self._lookahead(*predict)  # queued behind this layer's reads
         self._read_pinned()  # … and the hot-store behind both
         if ready:
             yield ready
@@ -252,9 +254,10 @@ class ExpertStore:
         try:
             if err:
                 raise ColibriError(f"cannot read layer {layer} expert {expert} from {read.path}: {err}")
-            tensors = self._verified_views(buf, read, layer, expert)
+            tensors = self.container.expert_views(buf, layer, expert, crc=read.req.crc)
         except ColibriError as e:
             if src is self.sources[0]:
+                self._forget(layer, expert, entry)
                 raise
             if len(self.sources) > 1:  # the first mirror failure: one warning, then primary only
                 warn(f"reading from mirror {src.container.path} failed ({e}); reading from the primary "
@@ -265,20 +268,15 @@ class ExpertStore:
         entry.tensors, entry.read = tensors, None
         return tensors
 
-    def _verified_views(self, buf, read, layer: int, expert: int):
-        """(gate, up, down) QTensor views of a read extent, after checking it: the crc32 the I/O thread
-        computed must equal both the trailer's and the manifest's, and the trailer must name this
-        (layer, expert). The same checks as `Container.parse_expert`, without hashing on this thread."""
-        c = self.container
-        crc, magic, got_layer, got_expert = TRAILER.unpack_from(buf, c.layer_expert_nbytes(layer) - TRAILER.size)
-        if magic != TRAILER_MAGIC or read.req.crc != crc or crc != self._extent_crcs[layer][expert]:
-            raise ColibriError(f"corrupt expert data in {read.path} layer {layer} expert {expert}: checksum "
-                               f"mismatch; run `colibri doctor --model {c.path} --deep` and reconvert the model")
-        if (got_layer, got_expert) != (layer, expert):
-            raise ColibriError(f"expert file {read.path} holds layer {got_layer} expert {got_expert} where "
-                               f"layer {layer} expert {expert} belongs; reconvert the model")
-        kind, offsets, _ = c.layer_extent(layer)
-        return tuple(quant.from_buffer(kind, rows, cols, buf, off)[0] for (rows, cols), off in zip(self._shapes, offsets))
+    def _forget(self, layer: int, expert: int, entry: _Entry) -> None:
+        """Drop the entry of a read that failed: never a hit later, the next request reads it again
+        (a pinned expert goes back to not read yet)."""
+        if self.pinned[layer].get(expert) is entry:
+            self.pinned[layer][expert] = _Entry()
+        elif self.cache[layer].get(expert) is entry:
+            del self.cache[layer][expert]
+            self.policies[layer].on_evict(expert)
+        entry.read = None
 
     def _settled(self, entry: _Entry) -> bool:
         return entry.read is None or self.pool.done(entry.read)
@@ -286,7 +284,7 @@ class ExpertStore:
     def _victim(self, layer: int, candidates: list[int]) -> int:
         victim = self.policies[layer].victim(candidates)
         if victim not in candidates:
-            info = self.policy_info
+            info = self.config.policy
             raise ColibriError(f"cache policy {info.name} ({info.plugin}) chose expert {victim!r}, "
                                f"which is not one of the evictable experts {candidates}")
         return victim
@@ -337,14 +335,11 @@ class ExpertStore:
         return True
 
     # ---- router lookahead ----------------------------------------------------------------
-    def _lookahead(self, layer: int, hidden: np.ndarray) -> None:
-        """Predict the next MoE layer's experts from `hidden` with its router; start reading them."""
-        nxt = self.next_layer.get(layer)
-        if not self.config.prefetch or nxt is None or self.model is None:
-            return
+    def _lookahead(self, nxt: int, guess: Callable[[], np.ndarray | None]) -> None:
+        """Start reading the experts `guess()` predicts MoE layer `nxt` will need."""
         if len(self.cache[nxt]) + len(self.pinned[nxt]) == self.container.n_experts:
-            return  # every expert of the next layer is resident: nothing to predict
-        ids = self.model.predict_experts(nxt, hidden)
+            return  # every expert of that layer is resident: nothing to predict
+        ids = guess()
         if ids is None:
             return
         ids = np.asarray(ids)  # (T, k), each token's best first as the core's routers return them
@@ -460,7 +455,7 @@ class ExpertStore:
             "pinned_bytes": sum(self._pinned_read(layer) * self.container.layer_expert_nbytes(layer) for layer in self.pinned),
             "pinned_queued": pinned - sum(self._pinned_read(layer) for layer in self.pinned),
             "pin_capacity": self.config.pinned,
-            "policy": self.config.policy,
+            "policy": self.config.policy.name,
             "prefetch": self.config.prefetch,
             "direct_io": self.sources[0].direct,
             "mirror": str(self.config.mirror) if self.config.mirror else None,
@@ -471,7 +466,8 @@ class ExpertStore:
 
     def close(self) -> None:
         """Wait for reads in flight, drop every cached expert, close the files."""
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()
         for d in (*self.cache.values(), *self.pinned.values()):
             d.clear()
         for s in (*self.sources, *self._retired):

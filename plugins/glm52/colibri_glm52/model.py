@@ -16,21 +16,21 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
-from colibri_core import kernels, kv
+from colibri_core import kv
 from colibri_core.errors import ColibriError
+from colibri_core.kv.cache import Rows
 from colibri_core.layers.dsa import Indexer
 from colibri_core.layers.mla import MLA, MLACache, MLADims
-from colibri_core.layers.moe import moe_block
+from colibri_core.layers.mlp import swiglu_mlp
 from colibri_core.layers.norm import rms_norm
 from colibri_core.layers.rope import Rope
-from colibri_core.layers.router import sigmoid_group_topk
-from colibri_core.kv.cache import Rows
+from colibri_core.layers.router import SigmoidGroupTopK
 from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, embed, linear
-from colibri_core.quant import QTensor
 
 
 @dataclass(frozen=True)
@@ -201,13 +201,6 @@ class State(kv.State):
             keys.append(arrays[f"layer.{i}.index_k"])
 
 
-def swiglu_mlp(x: np.ndarray, gate, up, down) -> np.ndarray:
-    """down(silu(gate x) * (up x)) for a resident MLP (dense layer or shared expert); x (T, H) → (T, H)."""
-    if all(isinstance(w, QTensor) for w in (gate, up, down)) and gate.kind == up.kind == down.kind:
-        return kernels.expert_ffn(gate, up, down, np.ascontiguousarray(x, np.float32))
-    return linear(kernels.reference.silu(linear(x, gate)) * linear(x, up), down)
-
-
 class Glm52(MoEModel):
     @classmethod
     def parse_config(cls, config: dict) -> Glm52Config:
@@ -227,14 +220,14 @@ class Glm52(MoEModel):
     @classmethod
     def state_floats_per_token(cls, cfg: Glm52Config) -> list[int]:
         """Cached floats per token for each main layer: the MLA latent + rope key (576 for GLM-5.2).
-        The DSA indexer keys are counted apart, by `indexer_floats_per_token`."""
+        The DSA indexer keys are counted apart (`kept_apart_floats_per_token`)."""
         return [cfg.kv_lora_rank + cfg.qk_rope_head_dim] * cfg.num_hidden_layers
 
     @classmethod
-    def indexer_floats_per_token(cls, cfg: Glm52Config) -> list[int]:
-        """Indexer-key floats per token for each main layer (index_head_dim where the layer runs its
-        own indexer, 0 on IndexShare layers)."""
-        return [cfg.index_head_dim if t == "full" else 0 for t in cfg.indexer_types]
+    def kept_apart_floats_per_token(cls, cfg: Glm52Config) -> dict[str, list[int]]:
+        """The DSA indexer keys, per main layer: index_head_dim floats per token where the layer runs
+        its own indexer, 0 on IndexShare layers."""
+        return {"indexer_keys": [cfg.index_head_dim if t == "full" else 0 for t in cfg.indexer_types]}
 
     @classmethod
     def layout(cls, cfg: Glm52Config) -> ContainerLayout:
@@ -244,7 +237,7 @@ class Glm52(MoEModel):
             resident=tuple(cls.resident_shapes(cfg)),
             keep_f32=(r"\.mlp\.gate\.weight$", r"\.indexer\.weights_proj\.weight$"),  # router; HF keeps it fp32
             moe_layers=cfg.moe_layers,
-            n_experts=cfg.n_routed_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
+            n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
             experts=ExpertNames(
                 per_expert={"gate": expert + ".gate_proj.weight", "up": expert + ".up_proj.weight",
                             "down": expert + ".down_proj.weight"},
@@ -285,8 +278,10 @@ class Glm52(MoEModel):
             L["indexer"] = Indexer(*(w(n) for n in INDEXER), n_heads=cfg.index_n_heads, head_dim=cfg.index_head_dim,
                                    rope_dim=cfg.qk_rope_head_dim, topk=cfg.index_topk)
         if MOE[0] in names:
-            L["router"] = w("mlp.gate.weight")  # (E, H) float32
-            L["bias"] = w("mlp.gate.e_score_correction_bias")  # (E,)
+            L["router"] = SigmoidGroupTopK(
+                w("mlp.gate.weight"), w("mlp.gate.e_score_correction_bias"),  # (E, H) float32, (E,)
+                cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
+                input=partial(rms_norm, weight=L["post_norm"], eps=cfg.rms_norm_eps))
             L["shared"] = tuple(w(f"mlp.shared_experts.{p}_proj.weight") for p in ("gate", "up", "down"))
         else:
             L["mlp"] = tuple(w(f"mlp.{p}_proj.weight") for p in ("gate", "up", "down"))
@@ -295,6 +290,17 @@ class Glm52(MoEModel):
             L["eh_proj"] = w("eh_proj.weight")  # (H, 2H)
             L["head_norm"] = w("shared_head.norm.weight")  # (H,)
         return L
+
+    def routers(self) -> dict:
+        """Every sparse layer, then the MTP layer: sigmoid scores + correction bias, group-limited,
+        renormalised × routed_scaling_factor, on the post-attention RMSNorm of the residual."""
+        return {L["layer"]: L["router"] for L in (*self.layers, *self.mtp) if "router" in L}
+
+    def lookahead(self) -> dict[int, int]:
+        """Each sparse main layer predicts the next; the last one predicts nothing (the MTP layer runs
+        only when a draft is asked for, so guessing its experts would read them for nothing)."""
+        sparse = [L["layer"] for L in self.layers if "router" in L]
+        return dict(zip(sparse, sparse[1:]))
 
     def new_state(self) -> State:
         return State(self.cfg, range(self.cfg.num_hidden_layers), self.dims)
@@ -307,8 +313,8 @@ class Glm52(MoEModel):
         return State(self.cfg, range(n, n + len(self.mtp)), self.dims)
 
     # ---- the layer graph ---------------------------------------------------------------------
-    def _decoder_layer(self, L: dict, h: np.ndarray, state: State, cos, sin, prev_keep):
-        """One decoder layer on h (T, H); returns (h, this layer's key selection)."""
+    def _decoder_layer(self, L: dict, h: np.ndarray, ids: np.ndarray, state: State, cos, sin, prev_keep):
+        """One decoder layer on h (T, H) of tokens `ids` (T,); returns (h, this layer's key selection)."""
         cfg, i = self.cfg, L["layer"]
         # ---- attention: MLA over the compressed cache, keys chosen by the DSA indexer
         x = rms_norm(h, L["input_norm"], cfg.rms_norm_eps)
@@ -321,10 +327,7 @@ class Glm52(MoEModel):
         x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
         if "mlp" in L:
             return h + swiglu_mlp(x, *L["mlp"]), keep
-        weights, experts = sigmoid_group_topk(linear(x, L["router"]), L["bias"], cfg.num_experts_per_tok, cfg.n_group,
-                                              cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-        routed = moe_block(x, experts, weights, self.store, layer=i)
-        return h + (routed + swiglu_mlp(x, *L["shared"])), keep
+        return h + (self.moe(i, x, h, ids) + swiglu_mlp(x, *L["shared"])), keep
 
     def hidden(self, ids: np.ndarray, state: State) -> np.ndarray:
         """The final-normalised hidden states (T, H) of new tokens `ids` (T,): what lm_head reads."""
@@ -333,7 +336,7 @@ class Glm52(MoEModel):
         h = embed(ids, self.embed_tokens)  # (T, H)
         keep = None
         for L in self.layers:
-            h, keep = self._decoder_layer(L, h, state, cos, sin, keep)
+            h, keep = self._decoder_layer(L, h, ids, state, cos, sin, keep)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
     def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
@@ -359,5 +362,5 @@ class Glm52(MoEModel):
         eps = self.cfg.rms_norm_eps
         e = rms_norm(embed(next_ids, self.embed_tokens), L["enorm"], eps)  # (T, H)
         x = linear(np.concatenate([e, rms_norm(hidden, L["hnorm"], eps)], axis=-1), L["eh_proj"])  # (T, H)
-        x, _ = self._decoder_layer(L, x, state, cos, sin, keep)
+        x, _ = self._decoder_layer(L, x, next_ids, state, cos, sin, keep)
         return linear(rms_norm(x, L["head_norm"], eps), self.lm_head)

@@ -235,7 +235,7 @@ def test_plan_matches_the_container(fp8_checkpoint, tmp_path, quant):
     p = plan_config(json.loads((src / "config.json").read_text()), quant)
     assert {k: p[k] for k in measured(tmp_path / quant)} == measured(tmp_path / quant)
     assert p["experts_total"] == 4 * 16 and p["kv_floats_per_token_per_layer"] == 32 + 16
-    assert p["indexer_floats_per_token_per_layer"] == [32, 0, 32, 0]
+    assert p["indexer_keys_floats_per_token_per_layer"] == [32, 0, 32, 0]
 
 
 def test_plan_of_the_real_glm52_config():
@@ -252,7 +252,7 @@ def test_plan_of_the_real_glm52_config():
     assert abs(p["expert_bytes"] / 19e6 - 1) <= 0.10, p["expert_bytes"]
     assert p["experts_total"] == 19_456 and p["moe_layers"] == 76
     assert p["kv_floats_per_token_per_layer"] == 576
-    assert p["indexer_floats_per_token_per_layer"] == [128] * 78
+    assert p["indexer_keys_floats_per_token_per_layer"] == [128] * 78
 
 
 def test_plan_command_on_the_real_glm52_config():

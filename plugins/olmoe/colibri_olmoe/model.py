@@ -8,16 +8,16 @@ Every layer: RMSNorm → MHA/GQA with QK-norm over the *full* projected width an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from colibri_core import kv
 from colibri_core.kv.cache import KVCache
 from colibri_core.layers.attention import gqa_attention
-from colibri_core.layers.moe import moe_block
 from colibri_core.layers.norm import rms_norm
 from colibri_core.layers.rope import Rope, apply_rotate_half
-from colibri_core.layers.router import softmax_topk
+from colibri_core.layers.router import SoftmaxTopK
 from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, embed, linear, linears
 
@@ -90,7 +90,7 @@ class Olmoe(MoEModel):
             resident=("model.embed_tokens.weight", *per_layer, "model.norm.weight", "lm_head.weight"),
             keep_f32=(r"\.mlp\.gate\.weight$",),  # the router
             moe_layers=tuple(range(cfg.num_hidden_layers)),
-            n_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
+            n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
             experts=ExpertNames(
                 per_expert={"gate": expert + ".gate_proj.weight", "up": expert + ".up_proj.weight",
                             "down": expert + ".down_proj.weight"},
@@ -122,6 +122,7 @@ class Olmoe(MoEModel):
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             w = lambda name: weights(f"{LAYER}.{name}".format(layer=i))  # noqa: E731
+            post_norm = w("post_attention_layernorm.weight")  # (H,)
             self.layers.append(dict(
                 input_norm=w("input_layernorm.weight"),  # (H,)
                 q_proj=w("self_attn.q_proj.weight"),  # (heads * D, H)
@@ -130,8 +131,9 @@ class Olmoe(MoEModel):
                 o_proj=w("self_attn.o_proj.weight"),  # (H, heads * D)
                 q_norm=w("self_attn.q_norm.weight"),  # (heads * D,)
                 k_norm=w("self_attn.k_norm.weight"),  # (kv_heads * D,)
-                post_norm=w("post_attention_layernorm.weight"),  # (H,)
-                router=w("mlp.gate.weight"),  # (E, H) float32
+                post_norm=post_norm,
+                router=SoftmaxTopK(w("mlp.gate.weight"), cfg.num_experts_per_tok, cfg.norm_topk_prob,  # (E, H) f32
+                                   input=partial(rms_norm, weight=post_norm, eps=cfg.rms_norm_eps)),
             ))
         self.norm = weights("model.norm.weight")  # (H,)
         self.lm_head = weights("lm_head.weight")  # (V, H)
@@ -140,11 +142,9 @@ class Olmoe(MoEModel):
     def new_state(self) -> State:
         return State(self.cfg)
 
-    def predict_experts(self, layer: int, hidden: np.ndarray) -> np.ndarray:
-        """Layer `layer`'s router applied to an earlier residual stream `hidden` (T, H) → ids (T, k)."""
-        L = self.layers[layer]
-        x = rms_norm(hidden, L["post_norm"], self.cfg.rms_norm_eps)
-        return softmax_topk(linear(x, L["router"]), self.cfg.num_experts_per_tok, False)[1]
+    def routers(self) -> dict:
+        """Every layer: softmax over all experts, top-k, on the post-attention RMSNorm of the residual."""
+        return {i: L["router"] for i, L in enumerate(self.layers)}
 
     def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
         cfg = self.cfg
@@ -167,8 +167,7 @@ class Olmoe(MoEModel):
             h = h + linear(attn, L["o_proj"])
             # ---- routed experts
             x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
-            weights, experts = softmax_topk(linear(x, L["router"]), cfg.num_experts_per_tok, cfg.norm_topk_prob)
-            h = h + moe_block(x, experts, weights, self.store, layer=i, hidden=h)
+            h = h + self.moe(i, x, h, ids)
         if last_only:
             h = h[-1:]
         return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head)  # (T, V)

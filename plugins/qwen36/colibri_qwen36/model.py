@@ -20,6 +20,7 @@ the multi-token-prediction head `mtp.*` are skipped). Routed experts may be per-
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -28,10 +29,9 @@ from colibri_core.errors import ColibriError
 from colibri_core.kv.cache import KVCache
 from colibri_core.layers.deltanet import DeltaNetDims, DeltaNetState, GatedDeltaNet
 from colibri_core.layers.gated_attention import GatedAttention
-from colibri_core.layers.moe import moe_block
 from colibri_core.layers.norm import rms_norm_zero_centred
 from colibri_core.layers.rope import Rope
-from colibri_core.layers.router import softmax_topk
+from colibri_core.layers.router import SoftmaxTopK
 from colibri_core.layers.shared_expert import shared_expert
 from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, embed, linear
@@ -218,7 +218,7 @@ class Layer:
     mixer: GatedDeltaNet | GatedAttention
     input_norm: np.ndarray  # (H,) zero-centred
     post_norm: np.ndarray  # (H,) zero-centred
-    router: np.ndarray  # (E, H) float32
+    router: SoftmaxTopK  # (E, H) float32 weights, on zRMSNorm(h, post_norm)
     shared: tuple  # gate (S, H), up (S, H), down (H, S), gate of the shared expert (1, H) float32
 
 
@@ -242,7 +242,7 @@ class Qwen36(MoEModel):
             keep_f32=(r"\.mlp\.gate\.weight$", r"\.mlp\.shared_expert_gate\.weight$",
                       r"\.linear_attn\.in_proj_[ab]\.weight$"),
             moe_layers=tuple(range(cfg.num_hidden_layers)),
-            n_experts=cfg.num_experts, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
+            n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
             experts=ExpertNames(
                 per_expert={"gate": expert + ".{expert}.gate_proj.weight", "up": expert + ".{expert}.up_proj.weight",
                             "down": expert + ".{expert}.down_proj.weight"},
@@ -307,7 +307,9 @@ class Qwen36(MoEModel):
                 kind=kind, mixer=mixer,
                 input_norm=w("input_layernorm.weight"),  # (H,)
                 post_norm=w("post_attention_layernorm.weight"),  # (H,)
-                router=w("mlp.gate.weight"),  # (E, H) float32
+                router=SoftmaxTopK(w("mlp.gate.weight"), cfg.num_experts_per_tok, renormalize=True,  # (E, H) float32
+                                   input=partial(rms_norm_zero_centred, weight=w("post_attention_layernorm.weight"),
+                                                 eps=cfg.rms_norm_eps)),
                 shared=(w("mlp.shared_expert.gate_proj.weight"),  # (S, H)
                         w("mlp.shared_expert.up_proj.weight"),  # (S, H)
                         w("mlp.shared_expert.down_proj.weight"),  # (H, S)
@@ -316,6 +318,10 @@ class Qwen36(MoEModel):
         self.norm = weights(f"{p}norm.weight")  # (H,)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else weights("lm_head.weight")  # (V, H)
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta)
+
+    def routers(self) -> dict:
+        """Every layer: softmax over all experts, top-k, always renormalised."""
+        return {i: L.router for i, L in enumerate(self.layers)}
 
     def new_state(self) -> State:
         return State(self.cfg)
@@ -334,8 +340,7 @@ class Qwen36(MoEModel):
                 h = h + L.mixer(x, state.layers[i], cos, sin)
             # ---- routed experts + gated shared expert
             x = rms_norm_zero_centred(h, L.post_norm, cfg.rms_norm_eps)
-            weights, experts = softmax_topk(linear(x, L.router), cfg.num_experts_per_tok, renormalize=True)
-            h = h + (moe_block(x, experts, weights, self.store, layer=i) + shared_expert(x, *L.shared))
+            h = h + (self.moe(i, x, h, ids) + shared_expert(x, *L.shared))
         state.advance(T)
         if last_only:
             h = h[-1:]

@@ -1,0 +1,21 @@
+"""The dense SwiGLU MLP: dense layers (GLM-5.2's first layers, DeepSeek's) and shared experts.
+
+    out = down( silu(gate x) · (up x) )
+
+Quantised weights of one kind run as one fused C call, the same kernel as a routed expert.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels
+from ..kernels.reference import silu
+from ..model import linear
+from ..quant import QTensor
+
+
+def swiglu_mlp(x: np.ndarray, gate, up, down) -> np.ndarray:
+    """x (T, H) → (T, H). gate, up (I, H) and down (H, I): QTensors or float32 arrays."""
+    if all(isinstance(w, QTensor) for w in (gate, up, down)) and gate.kind == up.kind == down.kind:
+        return kernels.expert_ffn(gate, up, down, np.ascontiguousarray(x, np.float32))
+    return linear(silu(linear(x, gate)) * linear(x, up), down)
