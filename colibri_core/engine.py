@@ -21,7 +21,7 @@ from .convert import read_config
 from .errors import ColibriError
 from .generate import sample
 from .kv.session import PersistentSession, SessionWarning
-from .model import Weights
+from .model import MoEModel, Weights
 from .probe import Probe
 from .sizes import available_memory, parse_size
 from .store import ExpertStore
@@ -72,6 +72,9 @@ class Engine:
                                      usage_path=None if isinstance(usage, bool) else str(usage))
             self.model = model_cls(cfg, weights, self.store)
             weights.check_all_taken()
+            if type(self.model).routers is MoEModel.routers:
+                raise ColibriError(f"plugin {self.arch.plugin} {self.arch.version}: {self.arch.name} declares no "
+                                   "routers (MoEModel.routers; see docs/plugins.md)")
             routed = tuple(self.model.routers())
             if sorted(routed) != sorted(self.container.moe_layers):
                 raise ColibriError(f"plugin {self.arch.plugin} {self.arch.version}: {self.arch.name} declares routers "

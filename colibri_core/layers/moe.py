@@ -39,7 +39,7 @@ class MoE:
     def __init__(self, store, routers: dict[int, Router], lookahead: dict[int, int] | None = None):
         for layer, router in routers.items():
             if not isinstance(router, Router):
-                raise ColibriError(f"MoE layer {layer}: the model declared {router!r}, not a colibri Router")
+                raise ColibriError(f"MoE layer {layer}: the model declared a {type(router).__name__}, not a colibri Router")
         layers = list(routers)
         self.store, self.routers = store, routers
         self.lookahead = dict(zip(layers, layers[1:])) if lookahead is None else dict(lookahead)
