@@ -1,0 +1,67 @@
+"""A tiny random model of any shipped architecture, converted and ready for `colibri run` — to try a
+store or CLI feature on every architecture without a download (needs the test extra: torch,
+transformers). Its vocabulary is the demo model's tokenizer, so prompts are text; its output is
+random text, its routing real.
+
+    python tools/tiny_model.py glm52 /tmp/tiny-glm52 [--quant int4]
+    colibri run --model /tmp/tiny-glm52 --cache-slots 2 --stats --max-tokens 24 "And the LORD said"
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+DEMO = Path(__file__).parents[1] / "demo" / "colibri-demo-kjv"
+VOCAB = 2048  # the demo tokenizer's
+
+
+def hf_config(arch: str):
+    """The conformance suites' tiny configs (plugins/*/tests), with the demo's vocabulary."""
+    import transformers as tf
+
+    if arch == "olmoe":
+        return tf.OlmoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
+                              num_attention_heads=4, num_experts=16, num_experts_per_tok=2)
+    if arch == "glm52":
+        return tf.GlmMoeDsaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=24,
+            qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
+            n_group=4, topk_group=2, routed_scaling_factor=2.5, index_topk=8, index_n_heads=32, index_head_dim=32,
+            first_k_dense_replace=1, indexer_types=["full", "shared", "full", "shared"], initializer_range=0.1,
+            max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if arch == "qwen36":
+        return tf.Qwen3_5MoeTextConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=8, full_attention_interval=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6,
+            linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=16,
+            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            initializer_range=0.1, max_position_embeddings=2048)
+    raise SystemExit(f"unknown architecture {arch!r}: olmoe, glm52 or qwen36")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("arch", choices=("olmoe", "glm52", "qwen36"))
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--quant", default="int4")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from colibri_core.convert import convert_checkpoint
+
+    torch.manual_seed(args.seed)
+    hf = args.out.with_name(args.out.name + "-hf")
+    AutoModelForCausalLM.from_config(hf_config(args.arch), dtype=torch.float32).save_pretrained(hf)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO / name, hf / name)
+    convert_checkpoint(hf, args.out, args.quant, progress=False)
+    shutil.rmtree(hf)
+    print(f"{args.arch} ({args.quant}) written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
