@@ -518,6 +518,27 @@ def test_mirror_read_error_falls_back_to_the_primary_with_one_warning(model, bas
     assert s["mirror_reads"] >= 1 and not s["mirror_in_use"]
 
 
+def test_primary_read_error_is_read_from_the_mirror(model, baseline, tmp_path):
+    """A damaged extent in the primary is read from the mirror's copy (a warning each time), and
+    the tokens are those of the undamaged model; without a mirror the same read is a clear error."""
+    primary = copy_model(model, tmp_path / "primary")
+    m = copy_model(model, tmp_path / "mirror")
+    for layer in range(4):
+        for e in (1, 2, 3):  # experts the mirror's start-up check does not sample (it checks 0, 5, 10, 15)
+            flip_byte(primary / "experts" / f"layer-{layer:03d}.bin", e * 8192 + 10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with load(primary, cache_slots=2, mirror=m, usage=False) as e:
+            e.store.primary_share = 1.0  # every read goes to the primary first
+            check_same(e, baseline)
+            s = e.stats()
+    msgs = [str(w.message) for w in caught if issubclass(w.category, ColibriWarning)]
+    assert msgs and all("corrupt expert data" in w and "from mirror" in w for w in msgs), msgs
+    assert s["mirror_reads"] == len(msgs) and s["mirror_in_use"]
+    with load(primary, cache_slots=2, usage=False) as e, pytest.raises(ColibriError, match="corrupt expert data"):
+        check_same(e, baseline)
+
+
 def test_mirror_choice_is_deterministic_and_weighted(model, tmp_path):
     from colibri_core.store.mirror import choose
 

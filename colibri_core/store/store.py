@@ -221,9 +221,12 @@ class ExpertStore:
             return group[expert]
 
     # ---- reads ---------------------------------------------------------------------------
-    def _submit(self, layer: int, expert: int, primary_only: bool = False):
+    def _submit(self, layer: int, expert: int, which: int | None = None):
+        """Start reading one expert from source `which` (0 primary, 1 mirror; default: the mirror's
+        weighted choice)."""
         c = self.counters
-        which = 0 if primary_only or len(self.sources) == 1 else mirror_mod.choose(layer, expert, self.primary_share)
+        if which is None:
+            which = 0 if len(self.sources) == 1 else mirror_mod.choose(layer, expert, self.primary_share)
         src = self.sources[which]
         path, offset, nbytes = src.location(layer, expert)
         read = self.pool.submit(src.fd(layer), offset, nbytes, layer=layer, expert=expert, source=src, path=path,
@@ -254,16 +257,21 @@ class ExpertStore:
         try:
             if err:
                 raise ColibriError(f"cannot read layer {layer} expert {expert} from {read.path}: {err}")
-            tensors = self.container.expert_views(buf, layer, expert, crc=read.req.crc)
+            tensors = src.container.expert_views(buf, layer, expert, crc=read.req.crc)
         except ColibriError as e:
-            if src is self.sources[0]:
+            if src is not self.sources[0]:  # a mirror read failed: read the primary
+                if len(self.sources) > 1:  # the first mirror failure: one warning, then primary only
+                    warn(f"reading from mirror {src.container.path} failed ({e}); reading from the primary "
+                         f"{self.container.path} instead, and not using the mirror again this session")
+                    self._retired.append(self.sources.pop())
+                which = 0
+            elif len(self.sources) > 1:  # the primary failed: the mirror's copy
+                warn(f"{e}; reading it from mirror {self.sources[1].container.path} instead")
+                which = 1
+            else:  # nothing left to read from: the next request for this expert reads it again
                 self._forget(layer, expert, entry)
                 raise
-            if len(self.sources) > 1:  # the first mirror failure: one warning, then primary only
-                warn(f"reading from mirror {src.container.path} failed ({e}); reading from the primary "
-                     f"{self.container.path} instead, and not using the mirror again this session")
-                self._retired.append(self.sources.pop())
-            entry.read = self._submit(layer, expert, primary_only=True)
+            entry.read = self._submit(layer, expert, which)
             return self._tensors(layer, expert, entry, stall)
         entry.tensors, entry.read = tensors, None
         return tensors
