@@ -101,11 +101,21 @@ def test_generation_config_supplies_defaults():
 
 
 class FakeEngine:
-    """Yields token 1 then fails, as an engine meeting a damaged expert file does."""
+    """Yields token 1 then fails, as an engine meeting a damaged expert file does; has the parts a
+    snapshot reads (one MoE layer of 2 experts, nothing cached)."""
 
     def __init__(self):
+        from types import SimpleNamespace
+
+        from colibri_core.probe import Probe
+
         self.tokenizer = type("T", (), {"decode": staticmethod(lambda ids: "x" * len(ids))})()
         self.gate = __import__("threading").Event()
+        self.arch = SimpleNamespace(name="fake")
+        self.container = SimpleNamespace(moe_layers=[0], n_experts=2, expert_nbytes=1)
+        self.store = SimpleNamespace(slots=1, cache={0: {}}, pinned={0: {}})
+        self.probe = Probe(2)
+        self.resident_bytes = 0
 
     def stats(self):
         return {"generated_tokens": 0}
@@ -146,5 +156,6 @@ def test_worker_queue_bounds_and_engine_failures():
         assert isinstance(first[0], Delta) and first[0].text == "x"
         assert isinstance(first[1], Failed) and "truncated" in first[1].message
         worker.stop()
+        assert worker.snapshot.live is None  # a failed job leaves nothing running behind
 
     asyncio.run(main())

@@ -3,7 +3,8 @@
     from colibri_core.server import ServerConfig, serve
     serve(ServerConfig(model_dir="models/olmoe"), host="127.0.0.1", port=8000)
 
-See `app.py` for the endpoints, `worker.py` for the queue, `static/` for the dashboard.
+See `app.py` for the endpoints, `worker.py` for the queue (and the one thread that runs the engine),
+`snapshot.py` for what the endpoints read of the engine, `static/` for the dashboard.
 """
 from __future__ import annotations
 

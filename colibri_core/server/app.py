@@ -10,7 +10,10 @@
     GET  /                         the dashboard (`colibri web`)
 
 The model loads on a thread after the server starts listening; requests are validated on the
-event loop, then run one at a time by the `Worker`. Every error is a JSON body of the OpenAI form
+event loop, then run one at a time by the `Worker`, the engine's only user once it is loaded.
+/metrics, /api/stats, /api/brain and the once-a-second sampler read the `Snapshot` the worker
+publishes between two tokens, never the engine (whose tokenizer, chat template and generation
+defaults are read-only and shared). Every error is a JSON body of the OpenAI form
 with a 4xx status (503 while loading); a 500 is a bug.
 """
 from __future__ import annotations
@@ -37,7 +40,8 @@ from starlette.staticfiles import StaticFiles
 from ..errors import ColibriError
 from . import brain, metrics as metrics_mod
 from .schemas import ApiError, Sampling, invalid, parse_chat, parse_completion, parse_json
-from .worker import Delta, End, Job, Params, QueueFull, Worker, _number_stats
+from .snapshot import Snapshot
+from .worker import Delta, End, Job, Params, QueueFull, Worker
 
 log = logging.getLogger("colibri.server")
 STATIC = Path(__file__).parent / "static"
@@ -57,7 +61,10 @@ class ServerConfig:
 
 
 class Server:
-    """Everything the handlers share: the engine (None while loading), its worker, the metrics."""
+    """Everything the handlers share: the engine (None while loading), its worker, the metrics.
+
+    The handlers use the engine only for its read-only parts (tokenizer, generation defaults);
+    everything that changes as it runs they read from `snapshot()`."""
 
     def __init__(self, cfg: ServerConfig):
         self.cfg = cfg
@@ -159,6 +166,10 @@ class Server:
             stop=s.stop,
             stop_ids=() if s.ignore_eos else tuple(gen.get("eos_token_id", [])),
         )
+
+    def snapshot(self) -> Snapshot | None:
+        """The engine as the worker last published it; None until the model is loaded."""
+        return self.worker.snapshot if self.engine is not None else None
 
     def queue_state(self) -> dict:
         w = self.worker
@@ -450,7 +461,8 @@ async def detokenize(request: Request) -> Response:
 
 async def prometheus_metrics(request: Request) -> Response:
     server = server_of(request)
-    stats = server.engine.stats() if server.engine is not None else None
+    snap = server.snapshot()
+    stats = snap.stats if snap is not None else None
     text = metrics_mod.prometheus(server.metrics, stats, server.queue_state(), server.model_id)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -469,13 +481,12 @@ async def api_stats(request: Request) -> Response:
            "uptime_seconds": time.time() - server.metrics.started, "queue": server.queue_state(),
            "requests": [{"endpoint": e, "outcome": o, "count": n} for (e, o), n in sorted(snap["requests"].items())],
            "turns": snap["turns"][-20:], "history": [h for h in snap["history"] if h["t"] > since], "live": None}
-    engine = server.engine
-    if engine is not None:
-        stats = engine.stats()
-        out["architecture"] = engine.arch.name
-        out["engine"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool, dict))}
-        out["memory"] = brain.memory(engine, server.ram_budget)
-        live = server.worker.live
+    snap = server.snapshot()
+    if snap is not None:
+        out["architecture"] = snap.architecture
+        out["engine"] = {k: v for k, v in snap.stats.items() if isinstance(v, (int, float, str, bool, dict))}
+        out["memory"] = brain.memory(snap, server.ram_budget)
+        live = snap.live
         if live is not None:
             now = time.perf_counter()
             first = live["first_token"]
@@ -490,11 +501,12 @@ async def api_brain(request: Request) -> Response:
     """The expert map: tiers, routing heat and the latest token's experts, per (layer, expert)."""
     server = server_of(request)
     server.authorize(request)
-    engine = server.ready()
+    server.ready()
+    snap = server.snapshot()
     since = request.query_params.get("since")
-    if since is not None and since.isdigit() and int(since) == engine.probe.passes:
-        return JSONResponse({"passes": engine.probe.passes, "unchanged": True})
-    return JSONResponse(brain.brain(engine))
+    if since is not None and since.isdigit() and int(since) == snap.passes:
+        return JSONResponse({"passes": snap.passes, "unchanged": True})
+    return JSONResponse(brain.brain(snap))
 
 
 async def dashboard(request: Request) -> Response:
@@ -573,8 +585,9 @@ def create_app(cfg: ServerConfig) -> Starlette:
 async def _sample_every_second(server: Server) -> None:
     while True:
         await asyncio.sleep(1.0)
-        if server.engine is not None:
+        snap = server.snapshot()
+        if snap is not None:
             try:
-                server.metrics.sample(_number_stats(server.engine))
+                server.metrics.sample(snap.stats)
             except Exception:  # a sample lost is no reason to stop sampling
                 log.warning("metrics sample failed:\n%s", traceback.format_exc())

@@ -1,5 +1,6 @@
 """What the server measures: request counters, latency histograms, recent turns, a history of the
-hit rate and token rate over time, and their Prometheus text form (`colibri_` prefix)."""
+hit rate and token rate over time, and their Prometheus text form (`colibri_` prefix). The engine's
+own counters come from the worker's latest snapshot (snapshot.py)."""
 from __future__ import annotations
 
 import re

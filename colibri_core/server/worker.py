@@ -1,10 +1,12 @@
 """One generation at a time: a bounded first-in-first-out queue in front of a worker thread.
 
-The engine is not thread-safe, so one thread runs every generation; HTTP handlers (on the event
-loop) submit a `Job` and read its events back through an asyncio queue. Beyond `max_queue`
-waiting jobs a request is refused at once (`QueueFull` → 429 with Retry-After). A job whose client
-went away is cancelled: dropped from the queue if it has not started, stopped between two tokens
-if it has.
+The engine is not thread-safe, so one thread, the worker, is its only user: it runs every
+generation, and it publishes what the rest of the server may know of the engine as a `Snapshot`
+(snapshot.py) after loading, after every generated token and at the end of every job. HTTP
+handlers (on the event loop) submit a `Job` and read its events back through an asyncio queue;
+for statistics and the expert map they read `Worker.snapshot`. Beyond `max_queue` waiting jobs a
+request is refused at once (`QueueFull` → 429 with Retry-After). A job whose client went away is
+cancelled: dropped from the queue if it has not started, stopped between two tokens if it has.
 """
 from __future__ import annotations
 
@@ -15,13 +17,13 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import ColibriError
+from .snapshot import Snapshot, take
 from .text import TextStream
 
 log = logging.getLogger("colibri.server")
-
 
 
 @dataclass
@@ -107,12 +109,12 @@ class Worker:
     """Runs jobs one by one on its own thread; at most `max_queue` wait behind the running one."""
 
     def __init__(self, engine, max_queue: int, on_turn=None):
-        self.engine = engine
+        self.engine = engine  # touched by the worker thread only, once it runs
         self.max_queue = max_queue
         self.on_turn = on_turn or (lambda turn: None)  # called (worker thread) with each turn record
         self.waiting: deque[Job] = deque()
         self.running: Job | None = None
-        self.live: dict | None = None  # progress of the running job: tokens, started, first_token
+        self.snapshot: Snapshot = take(engine)  # the engine after loading; replaced, never changed
         self.turn_seconds: deque[float] = deque(maxlen=20)  # recent turn durations, for Retry-After
         self._cv = threading.Condition()
         self._stop = False
@@ -166,15 +168,22 @@ class Worker:
                 log.error("generation failed:\n%s", traceback.format_exc())
                 job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
             finally:
+                if self.snapshot.live is not None:  # the job failed: nothing runs any more
+                    self.snapshot = replace(self.snapshot, live=None)
                 with self._cv:
-                    self.running, self.live = None, None
+                    self.running = None
+
+    def _publish(self, live: dict | None) -> None:
+        """Replace the snapshot with the engine as it is now (worker thread, between two steps)."""
+        self.snapshot = take(self.engine, live)
 
     def _generate(self, job: Job) -> None:
         engine, p = self.engine, job.params
         before = _number_stats(engine)
         started = time.perf_counter()
-        self.live = {"kind": job.kind, "prompt_tokens": len(job.prompt_ids), "tokens": 0,
-                     "started": started, "first_token": None}
+        live = {"kind": job.kind, "prompt_tokens": len(job.prompt_ids), "tokens": 0, "started": started,
+                "first_token": None}
+        self._publish(live)
         text = TextStream(engine.tokenizer, p.stop)
         finish, n, first = "cancelled", 0, None
         # persistent sessions (issue 5) plug in here: a request's session → engine.stream(session=...)
@@ -184,8 +193,9 @@ class Worker:
             for token in tokens:
                 n += 1
                 if first is None:
-                    first = self.live["first_token"] = time.perf_counter()
-                self.live["tokens"] = n
+                    first = live["first_token"] = time.perf_counter()
+                live["tokens"] = n
+                self._publish(live)  # the token's pass is done: statistics and map as they are now
                 piece = text.push(token)
                 done = ("stop" if text.stopped or token in p.stop_ids
                         else "length" if n >= p.max_tokens else None)
@@ -220,4 +230,5 @@ class Worker:
             "finished_at": time.time(),
         }
         self.on_turn(turn)
+        self._publish(None)  # the turn's end: its routing history saved, the hot-store revised
         job.emit(End(turn))

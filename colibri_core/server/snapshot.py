@@ -1,0 +1,67 @@
+"""What the HTTP side knows of the engine: an immutable copy the worker takes between two steps.
+
+The engine is not thread-safe, and the worker thread is its one user. Handlers on the event loop
+(and the once-a-second sampler) never touch it: they read `Worker.snapshot`, which the worker
+replaces (one reference assignment) after loading, after every generated token and at the end of
+every job. A reader therefore sees one consistent moment, at most one token old, and never a
+picture torn in the middle of a forward pass or of a hot-store revision.
+
+Taking one costs a call of `engine.stats()` and a copy of the small per-layer tables: the cache and
+hot-store sets and the (E,) routing counts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The engine at a step boundary. Nothing in it is changed after it is taken."""
+
+    stats: dict  # engine.stats(): counters, gauges, per-layer dicts (built fresh by each call)
+    architecture: str
+    layers: tuple[int, ...]  # the MoE layer indices
+    n_experts: int
+    expert_nbytes: int  # one expert (gate + up + down)
+    cache_slots: int  # expert cache slots per layer
+    resident_bytes: int  # dense weights: embeddings, attention, norms, routers
+    cached: dict[int, frozenset[int]]  # layer → experts in the cache (some may still be being read)
+    pinned: dict[int, frozenset[int]]  # layer → experts in the hot-store
+    routed: dict[int, np.ndarray]  # layer → (E,) int64: tokens routed to each expert (copies)
+    latest: dict[int, list[int]]  # layer → the experts of the most recent token
+    passes: int  # forward passes so far
+    live: dict | None  # the running job: kind, prompt_tokens, tokens, started, first_token; None: idle
+
+
+def pinned(store) -> dict[int, frozenset[int]]:
+    """Pinned experts per layer, from a `store.pinned` of either form: {layer: experts} or a set of
+    (layer, expert) pairs (none: no hot-store)."""
+    p = getattr(store, "pinned", None)
+    if isinstance(p, dict):
+        return {int(layer): frozenset(int(e) for e in experts) for layer, experts in p.items()}
+    out: dict[int, set[int]] = {}
+    for layer, expert in p or ():
+        out.setdefault(int(layer), set()).add(int(expert))
+    return {layer: frozenset(experts) for layer, experts in out.items()}
+
+
+def take(engine, live: dict | None = None) -> Snapshot:
+    """A snapshot of `engine`, on the thread that runs it (the worker), between two steps."""
+    store, c, probe = engine.store, engine.container, engine.probe
+    return Snapshot(
+        stats=engine.stats(),
+        architecture=engine.arch.name,
+        layers=tuple(c.moe_layers),
+        n_experts=c.n_experts,
+        expert_nbytes=c.expert_nbytes,
+        cache_slots=store.slots,
+        resident_bytes=engine.resident_bytes,
+        cached={layer: frozenset(experts) for layer, experts in store.cache.items()},
+        pinned=pinned(store),
+        routed={layer: counts.copy() for layer, counts in probe.routed.items()},
+        latest=dict(probe.latest),  # its lists are replaced by each pass, never changed
+        passes=probe.passes,
+        live=dict(live) if live is not None else None,
+    )
