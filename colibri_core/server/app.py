@@ -83,7 +83,8 @@ class Server:
     # ---- loading ------------------------------------------------------------------------------
     def load(self) -> None:
         from ..chat_template import ChatTemplate
-        from ..engine import available_memory, load, parse_size
+        from ..engine import load
+        from ..sizes import available_memory, parse_size
 
         cfg = self.cfg
         try:
