@@ -1,0 +1,215 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder): the whole architecture, top to bottom.
+
+Reference: transformers/models/qwen3_moe/modeling_qwen3_moe.py (the oracle the conformance suite
+uses). Every layer:
+
+    x = RMSNorm(h);  h += GQA(x)    per-head RMSNorm of q and k, rotate-half RoPE
+    x = RMSNorm(h);  h += MoE(x)    softmax over all experts, top-k, renormalised if norm_topk_prob
+                  or h += MLP(x)    a dense SwiGLU MLP on the layers mlp_only_layers /
+                                    decoder_sparse_step leave without experts
+
+Final RMSNorm, lm_head (the embedding table when tie_word_embeddings). No shared expert.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+
+from colibri_core import kv
+from colibri_core.errors import ColibriError
+from colibri_core.kv.cache import KVCache
+from colibri_core.layers.attention import gqa_attention
+from colibri_core.layers.mlp import swiglu_mlp
+from colibri_core.layers.norm import rms_norm
+from colibri_core.layers.rope import Rope, apply_rotate_half
+from colibri_core.layers.router import SoftmaxTopK
+from colibri_core.layout import ContainerLayout, ExpertNames
+from colibri_core.model import MoEModel, embed, linear, linears
+
+
+@dataclass(frozen=True)
+class Qwen3MoeConfig:
+    vocab_size: int  # V
+    hidden_size: int  # H
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int  # GQA: each K/V head serves num_attention_heads / num_key_value_heads queries
+    head_dim: int  # D: not always hidden_size / num_attention_heads (Qwen3-30B-A3B: 2048 / 32, D = 128)
+    num_experts: int  # E routed experts per MoE layer
+    num_experts_per_tok: int  # k
+    moe_intermediate_size: int  # I: width of one routed expert
+    norm_topk_prob: bool  # renormalise the k chosen weights to sum 1
+    moe_layers: tuple[int, ...]  # layers with routed experts; the others have a dense MLP
+    intermediate_size: int  # width of the dense layers' MLP
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool  # lm_head is the embedding table
+
+    @classmethod
+    def from_hf(cls, c: dict) -> Qwen3MoeConfig:
+        for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("use_sliding_window", False)):
+            if c.get(key, supported) != supported:
+                raise ColibriError(f"Qwen3-MoE with {key} {c[key]!r} is not supported (only {supported!r})")
+        rope = {"rope_theta": c.get("rope_theta", 10000.0), **(c.get("rope_scaling") or {}),
+                **(c.get("rope_parameters") or {})}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ColibriError(f"Qwen3-MoE with RoPE scaling {rope!r} is not supported (only the default RoPE)")
+        layers, heads = c["num_hidden_layers"], c["num_attention_heads"]
+        experts = c["num_experts"] if "num_experts" in c else c["num_local_experts"]  # transformers 5 writes the latter
+        dense, step = set(c.get("mlp_only_layers") or ()), c.get("decoder_sparse_step", 1)
+        moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)  # as transformers
+        if experts < 1 or not moe_layers:
+            raise ColibriError("this Qwen3-MoE config has no layer with routed experts")
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            num_experts=experts, num_experts_per_tok=c["num_experts_per_tok"],
+            moe_intermediate_size=c["moe_intermediate_size"], norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+            moe_layers=moe_layers, intermediate_size=c["intermediate_size"],
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(rope["rope_theta"]),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        )
+
+
+LAYER = "model.layers.{layer}."  # every checkpoint name of layer `layer` starts so
+
+
+class State(kv.State):
+    """Per sequence: one KV cache per layer."""
+
+    def __init__(self, cfg: Qwen3MoeConfig):
+        self.caches = [KVCache(cfg.num_key_value_heads, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.caches[0].length
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return kv.cache_arrays(self.caches)  # "layer.{i}.k", "layer.{i}.v": (length, Hkv, D)
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        kv.load_cache_arrays(self.caches, arrays)
+
+
+@dataclass
+class Layer:
+    input_norm: np.ndarray  # (H,)
+    qkv: tuple  # q_proj (heads D, H), k_proj (Hkv D, H), v_proj (Hkv D, H)
+    o_proj: object  # (H, heads D)
+    q_norm: np.ndarray  # (D,): RMSNorm of each query head
+    k_norm: np.ndarray  # (D,): RMSNorm of each key head
+    post_norm: np.ndarray  # (H,)
+    router: SoftmaxTopK | None  # (E, H) float32 weights; None on a dense layer
+    mlp: tuple | None  # dense layers: gate (F, H), up (F, H), down (H, F); None on an MoE layer
+
+
+class Qwen3Moe(MoEModel):
+    # ---- from the config alone -----------------------------------------------------------------
+    @classmethod
+    def parse_config(cls, config: dict) -> Qwen3MoeConfig:
+        try:
+            return Qwen3MoeConfig.from_hf(config)
+        except KeyError as e:
+            raise ColibriError(f"config.json lacks {e.args[0]!r}, which a Qwen3-MoE model needs") from None
+
+    @classmethod
+    def resident_shapes(cls, cfg: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
+        """Every resident (non-routed-expert) tensor's shape, by checkpoint name, in load order."""
+        H, V, D, F = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
+        q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+        shapes = {"model.embed_tokens.weight": (V, H)}
+        for i in range(cfg.num_hidden_layers):
+            p = LAYER.format(layer=i)
+            shapes.update({
+                p + "input_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+                p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,),
+                p + "post_attention_layernorm.weight": (H,),
+            })
+            if i in cfg.moe_layers:
+                shapes[p + "mlp.gate.weight"] = (cfg.num_experts, H)  # the router
+            else:
+                shapes.update({p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
+                               p + "mlp.down_proj.weight": (H, F)})
+        shapes["model.norm.weight"] = (H,)
+        if not cfg.tie_word_embeddings:
+            shapes["lm_head.weight"] = (V, H)
+        return shapes
+
+    @classmethod
+    def layout(cls, cfg: Qwen3MoeConfig) -> ContainerLayout:
+        experts = "model.layers.{layer}.mlp.experts"
+        return ContainerLayout(
+            resident=tuple(cls.resident_shapes(cfg)),
+            keep_f32=(r"\.mlp\.gate\.weight$",),  # the routers
+            moe_layers=cfg.moe_layers,
+            n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+            hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
+            experts=ExpertNames(
+                per_expert={"gate": experts + ".{expert}.gate_proj.weight", "up": experts + ".{expert}.up_proj.weight",
+                            "down": experts + ".{expert}.down_proj.weight"},
+                fused_gate_up=experts + ".gate_up_proj",  # (E, 2I, H)
+                fused_down=experts + ".down_proj",  # (E, H, I)
+            ),
+        )
+
+    @classmethod
+    def state_floats_per_token(cls, cfg: Qwen3MoeConfig) -> list[int]:
+        return [2 * cfg.num_key_value_heads * cfg.head_dim] * cfg.num_hidden_layers  # K and V
+
+    # ---- with the weights ------------------------------------------------------------------------
+    def __init__(self, cfg: Qwen3MoeConfig, weights, store):
+        super().__init__(cfg, weights, store)
+        self.embed_tokens = weights("model.embed_tokens.weight")  # (V, H)
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            w = lambda name: weights(LAYER.format(layer=i) + name)  # noqa: E731
+            post_norm = w("post_attention_layernorm.weight")
+            moe = i in cfg.moe_layers
+            self.layers.append(Layer(
+                input_norm=w("input_layernorm.weight"),
+                qkv=(w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")),
+                o_proj=w("self_attn.o_proj.weight"),
+                q_norm=w("self_attn.q_norm.weight"), k_norm=w("self_attn.k_norm.weight"),
+                post_norm=post_norm,
+                router=SoftmaxTopK(w("mlp.gate.weight"), cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                   input=partial(rms_norm, weight=post_norm, eps=cfg.rms_norm_eps)) if moe else None,
+                mlp=None if moe else (w("mlp.gate_proj.weight"), w("mlp.up_proj.weight"), w("mlp.down_proj.weight")),
+            ))
+        self.norm = weights("model.norm.weight")  # (H,)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else weights("lm_head.weight")  # (V, H)
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta)
+
+    def routers(self) -> dict:
+        """Each MoE layer's router: softmax top-k on the post-attention RMSNorm of the residual stream."""
+        return {i: L.router for i, L in enumerate(self.layers) if L.router is not None}
+
+    def new_state(self) -> State:
+        return State(self.cfg)
+
+    def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
+        cfg = self.cfg
+        T, heads, kv_heads, D = len(ids), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        cos, sin = self.rope.cos_sin(np.arange(state.length, state.length + T))  # (T, D)
+        h = embed(ids, self.embed_tokens)  # (T, H)
+        for i, L in enumerate(self.layers):
+            # ---- attention
+            x = rms_norm(h, L.input_norm, cfg.rms_norm_eps)
+            q, k, v = linears(x, L.qkv)  # (T, heads D), (T, Hkv D), (T, Hkv D): one kernel call
+            q = apply_rotate_half(rms_norm(q.reshape(T, heads, D), L.q_norm, cfg.rms_norm_eps), cos, sin)
+            k = apply_rotate_half(rms_norm(k.reshape(T, kv_heads, D), L.k_norm, cfg.rms_norm_eps), cos, sin)
+            attn = gqa_attention(q, k, v.reshape(T, kv_heads, D), state.caches[i], D ** -0.5)  # (T, heads D)
+            h = h + linear(attn, L.o_proj)
+            # ---- routed experts, or the dense MLP
+            x = rms_norm(h, L.post_norm, cfg.rms_norm_eps)
+            if L.router is not None:
+                h = h + self.moe(i, x, h, ids)
+            else:
+                h = h + swiglu_mlp(x, *L.mlp)
+        if last_only:
+            h = h[-1:]
+        return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head)  # (T, V)
