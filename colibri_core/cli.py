@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from .errors import ColibriError
+from .plugins import SHIPPED_PLUGINS
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Run Mixture-of-Experts language models larger than RAM, streaming experts from disk.")
@@ -247,11 +248,14 @@ def convert(
 
 @app.command("plugins")
 def plugins_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
-    """List installed plugins: name, version, architectures, hooks (imports no model code)."""
+    """List installed plugins: name, version, hooks, and the architectures each serves with the
+    config.json `architectures` and `model_type` values they answer to (imports no model code)."""
     from . import plugins
 
     registry = plugins.registry()
-    rows = [{"name": p.distribution, "version": p.version, "architectures": p.architectures, "hooks": p.hooks}
+    rows = [{"name": p.distribution, "version": p.version, "hooks": p.hooks, "architectures": [
+                {"name": a.name, "hf_architectures": list(a.hf_architectures), "model_types": list(a.model_types),
+                 "model": a.model} for a in map(registry.architectures.get, p.architectures)]}
             for p in registry.plugins.values()]
     if as_json:
         print(json.dumps(rows, indent=2))
@@ -259,19 +263,35 @@ def plugins_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON."
     if not rows:
         print("no plugins installed (colibri install colibri-olmoe)")
     for r in rows:
-        print(f"{r['name']} {r['version']}: architectures {', '.join(r['architectures']) or '-'}; hooks {', '.join(r['hooks'])}")
+        print(f"{r['name']} {r['version']}: hooks {', '.join(r['hooks'])}")
+        for a in r["architectures"]:
+            print(f"  {a['name']}: architectures {', '.join(a['hf_architectures']) or '-'}; "
+                  f"model_type {', '.join(a['model_types']) or '-'}")
     for name in registry.skipped:
         print(f"{name}: not loaded (COLIBRI_LOAD_PLUGINS)")
 
 
 @app.command()
-def install(target: str = typer.Argument(..., help="A plugin directory, a wheel, or a package name.")):
+def install(
+    target: str = typer.Argument(..., help="A plugin directory, a wheel, or the name of a plugin shipped with "
+                                           f"colibri ({', '.join(SHIPPED_PLUGINS)})."),
+    editable: bool = typer.Option(False, "--editable", "-e", help="Install a plugin directory in development "
+                                  "mode (pip install -e): edits to its source count without reinstalling."),
+):
     """Install a plugin with pip into colibri's own environment."""
-    if Path(target).exists():
-        target = str(Path(target).resolve())
-    elif "/" in target or target.startswith("."):
-        raise ColibriError(f"{target}: no such plugin directory or wheel")
-    rc = subprocess.call([sys.executable, "-m", "pip", "install", target])
+    from . import plugins
+
+    path = Path(target)
+    if not path.exists():
+        if "/" in target or target.startswith(".") or target.endswith(".whl"):
+            raise ColibriError(f"{target}: no such plugin directory or wheel")
+        path = plugins.shipped_plugin(target)  # an unknown name: one line naming the shipped plugins
+        if path is None and editable:
+            raise ColibriError(f"--editable needs a plugin directory: {target}'s source is not beside this colibri")
+    if editable and not (path / "pyproject.toml").is_file():
+        raise ColibriError(f"--editable needs a plugin directory (with a pyproject.toml), not {target}")
+    spec = target if path is None else str(path.resolve())
+    rc = subprocess.call([sys.executable, "-m", "pip", "install", *(["-e"] if editable else []), spec])
     if rc:
         raise ColibriError(f"pip could not install {target} (exit status {rc})")
 

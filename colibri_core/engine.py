@@ -144,7 +144,8 @@ class Engine:
         return out
 
     def _feed(self, session: Session, ids: list[int]) -> np.ndarray:
-        """Bring `session` to `ids` (reusing the longest cached prefix); logits of the last token (V,)."""
+        """Bring `session` to `ids` (reusing the longest cached prefix); logits of the last token (V,).
+        A forward that fails leaves the state half-fed: `stream` puts the session back."""
         n = len(session.ids)
         if not (n < len(ids) and ids[:n] == session.ids):
             session.state, session.ids, n = self.model.new_state(), [], 0
@@ -161,7 +162,8 @@ class Engine:
         `stop_ids` defaults to generation_config.json's eos_token_id; pass () to never stop early.
         A `session` keeps its state across calls: a prompt that extends it is prefilled only past
         what the session already holds. A persistent session (`open_session`, or its name) is
-        saved when the call ends (also when the caller stops iterating early).
+        saved when the call ends (also when the caller stops iterating early). A call that fails
+        (a read error, MemoryError, Ctrl-C) leaves the session as it was before it, unsaved.
         """
         prompt_ids = [int(i) for i in prompt_ids]
         if not prompt_ids:
@@ -170,14 +172,18 @@ class Engine:
         if isinstance(session, str):
             session = self.open_session(session)
         session = session or self.new_session()
+        # the session as it was, put back if the call fails: no later forward modifies these arrays
+        # (the kv.State contract): views of the caches, copies of fixed-size states (once per call)
+        kept_ids = list(session.ids)
+        kept = session.state.arrays() if kept_ids else None  # a fresh state is put back as a fresh one
         rng = np.random.default_rng(seed)
         t0 = time.perf_counter()
-        logits = self._feed(session, prompt_ids)
-        self.counters["prompt_tokens"] += len(prompt_ids)
-        self.counters["prefill_seconds"] += time.perf_counter() - t0
         ids = list(prompt_ids)
         save = getattr(session, "save", lambda: None)
         try:
+            logits = self._feed(session, prompt_ids)
+            self.counters["prompt_tokens"] += len(prompt_ids)
+            self.counters["prefill_seconds"] += time.perf_counter() - t0
             for i in range(max_new_tokens):
                 token = sample(logits, rng, temperature, top_p, top_k)
                 if i == 0:
@@ -193,6 +199,13 @@ class Engine:
         except GeneratorExit:  # the caller stopped early: the state is whole, keep the turn
             save()
             self.store.end_turn()
+            raise
+        except BaseException:  # e.g. a forward failed midway (a read error, Ctrl-C): its state is half-fed
+            session.state, session.ids = self.model.new_state(), []  # never reused, even if what follows fails
+            if kept is not None:
+                state = self.model.new_state()
+                state.load_arrays(kept)
+                session.state, session.ids = state, kept_ids
             raise
         save()
         self.store.end_turn()  # only after a whole turn: routing history, hot-store revision

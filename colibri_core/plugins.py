@@ -14,6 +14,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pluggy
 
@@ -21,15 +22,32 @@ from . import hookspecs
 from .errors import ColibriError
 from .hookspecs import Architecture
 
-# The plugin to install for architectures colibri knows of, by config.json model_type.
+# The plugin distributions shipped in this repository, by their directory in it: what
+# `colibri install NAME` accepts as a NAME (from a source checkout; without one, pip looks NAME up).
+SHIPPED_PLUGINS = {
+    "colibri-olmoe": "plugins/olmoe",
+    "colibri-glm52": "plugins/glm52",
+    "colibri-qwen36": "plugins/qwen36",
+}
+# The shipped plugin serving each config.json model_type, named when no installed plugin serves a model.
 KNOWN_PLUGINS = {
     "olmoe": "colibri-olmoe",
     "glm_moe_dsa": "colibri-glm52",
     "qwen3_5_moe": "colibri-qwen36",
     "qwen3_5_moe_text": "colibri-qwen36",
-    "deepseek_v4": "colibri-deepseek-v4",
-    "kimi_linear": "colibri-kimi-k3",
 }
+REPOSITORY = Path(__file__).resolve().parent.parent  # a source checkout's root (SHIPPED_PLUGINS are below it)
+
+
+def shipped_plugin(name: str) -> Path | None:
+    """The directory of shipped plugin `name` in this source checkout (None when colibri was installed
+    without its source); a ColibriError naming the shipped plugins if `name` is none of them."""
+    dist = re.sub(r"[-_.]+", "-", name).lower()
+    if dist not in SHIPPED_PLUGINS:
+        raise ColibriError(f"unknown plugin {name!r}: colibri ships {', '.join(SHIPPED_PLUGINS)}; "
+                           f"to install another, give its directory or wheel")
+    path = REPOSITORY / SHIPPED_PLUGINS[dist]
+    return path if (path / "pyproject.toml").is_file() else None
 
 
 @dataclass

@@ -1,6 +1,11 @@
 """The command line: generation, the budget, and bad input (one line, exit 1, nothing written)."""
+import json
 import os
 import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 import yaml
@@ -117,26 +122,94 @@ def test_chat_streams_and_handles_commands(tiny_model):
     assert '"expert_hits"' in r.stderr and "(conversation reset)" in r.stderr
 
 
-def test_install_runs_pip_in_colibri_environment(tmp_path):
-    """`colibri install DIR` installs a third-party plugin that `colibri plugins` then lists."""
-    import sys
-    import subprocess
+# ---- colibri install, into a throwaway environment ------------------------------------------------
+REPO = Path(__file__).resolve().parent.parent
 
+
+@pytest.fixture
+def throwaway_env(tmp_path) -> Path:
+    """A fresh venv (no pip of its own) that sees everything installed beside colibri: `colibri
+    install` run with its python installs into it, never into colibri's own environment."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    ours = sysconfig.get_paths()["purelib"]  # processed as a site dir, so its editable installs count
+    (Path(purelib) / "colibri-parent.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
+    return python
+
+
+def colibri_in(python: Path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([python, "-m", "colibri_core", *map(str, args)], capture_output=True, text=True)
+
+
+def where(python: Path, module: str) -> Path:
+    code = f"import {module}; print({module}.__file__)"
+    return Path(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
+
+
+def test_example_plugin_installs_as_the_guide_says(throwaway_env, tmp_path):
+    """docs/plugins.md's last step: `colibri install DIR` (a regular install: the files are copied)
+    and `colibri plugins` lists the plugin with what it serves."""
+    example = tmp_path / "qwen3moe"  # a copy, so the build leaves nothing in the repository
+    shutil.copytree(REPO / "examples" / "qwen3moe", example,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    r = colibri_in(throwaway_env, "install", example)
+    assert r.returncode == 0, r.stderr
+    assert throwaway_env.parent.parent in where(throwaway_env, "colibri_qwen3moe").parents  # installed, not linked
+    (plugin,) = [p for p in json.loads(colibri_in(throwaway_env, "plugins", "--json").stdout)
+                 if p["name"] == "colibri-qwen3moe"]
+    assert plugin["architectures"] == [{"name": "qwen3moe", "hf_architectures": ["Qwen3MoeForCausalLM"],
+                                        "model_types": ["qwen3_moe"], "model": "colibri_qwen3moe.model:Qwen3Moe"}]
+    text = colibri_in(throwaway_env, "plugins").stdout
+    assert "qwen3moe: architectures Qwen3MoeForCausalLM; model_type qwen3_moe" in text
+
+
+def test_install_editable_picks_up_edits(throwaway_env, tmp_path):
+    """`colibri install -e DIR`: the environment points at DIR, so an edit counts without reinstalling."""
     pkg = tmp_path / "colibri-toyplug"
     (pkg / "colibri_toyplug").mkdir(parents=True)
-    (pkg / "colibri_toyplug" / "__init__.py").write_text(
-        "from colibri_core.hookspecs import Architecture, hookimpl\n\n@hookimpl\n"
-        "def colibri_register_architectures(register):\n"
-        "    register(Architecture('toy', ('ToyForCausalLM',), ('toy',), 'colibri_toyplug.model:Toy'))\n")
+    register = ("from colibri_core.hookspecs import Architecture, hookimpl\n\n@hookimpl\n"
+                "def colibri_register_architectures(register):\n"
+                "    register(Architecture({name!r}, ('ToyForCausalLM',), ('toy',), 'colibri_toyplug.model:Toy'))\n")
+    (pkg / "colibri_toyplug" / "__init__.py").write_text(register.format(name="toy"))
     (pkg / "pyproject.toml").write_text(
         '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
         '[project]\nname = "colibri-toyplug"\nversion = "0.0.1"\n'
         '[project.entry-points.colibri]\ntoyplug = "colibri_toyplug"\n')
-    try:
-        r = colibri("install", pkg)
-        assert r.returncode == 0, r.stderr
-        listed = colibri("plugins", "--json")
-        assert "colibri-toyplug" in listed.stdout and '"toy"' in listed.stdout
-    finally:
-        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "colibri-toyplug"], check=True)
-    one_line_error(colibri("install", tmp_path / "missing" / "plugin-dir-name-that-is-not-on-pypi"))
+    r = colibri_in(throwaway_env, "install", "--editable", pkg)
+    assert r.returncode == 0, r.stderr
+    assert where(throwaway_env, "colibri_toyplug") == pkg / "colibri_toyplug" / "__init__.py"
+    assert "toy: architectures ToyForCausalLM; model_type toy" in colibri_in(throwaway_env, "plugins").stdout
+    (pkg / "colibri_toyplug" / "__init__.py").write_text(register.format(name="toy_renamed"))
+    assert "toy_renamed: architectures ToyForCausalLM" in colibri_in(throwaway_env, "plugins").stdout
+
+
+def test_install_errors_are_one_line(tmp_path):
+    one_line_error(colibri("install", tmp_path / "missing" / "plugin-dir"), "no such plugin directory")
+    one_line_error(colibri("install", "colibri-mystery"), "unknown plugin 'colibri-mystery'",
+                   "colibri-olmoe, colibri-glm52, colibri-qwen36")
+    wheel = tmp_path / "x.whl"
+    wheel.write_bytes(b"")
+    one_line_error(colibri("install", "-e", wheel), "--editable needs a plugin directory")
+
+
+@pytest.mark.parametrize("args, want", [
+    (["colibri-olmoe"], [str(REPO / "plugins" / "olmoe")]),
+    (["colibri_glm52"], [str(REPO / "plugins" / "glm52")]),
+    (["-e", "colibri-qwen36"], ["-e", str(REPO / "plugins" / "qwen36")]),
+    (["--editable", "examples/qwen3moe"], ["-e", str(REPO / "examples" / "qwen3moe")]),
+])
+def test_install_runs_pip_in_colibri_environment(monkeypatch, args, want):
+    """A shipped plugin's name installs its directory in this checkout; pip runs with colibri's python."""
+    from typer.testing import CliRunner
+
+    from colibri_core import cli
+
+    calls = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda argv: calls.append(argv) or 0)
+    monkeypatch.chdir(REPO)
+    r = CliRunner().invoke(cli.app, ["install", *args])
+    assert r.exit_code == 0, r.output
+    assert calls == [[sys.executable, "-m", "pip", "install", *want]]

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,13 @@ from colibri_core.errors import ColibriError
 from colibri_core.hookspecs import Architecture, hookimpl
 
 from conftest import colibri
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parent.parent
 
 GOOD = Architecture(name="toy", hf_architectures=("ToyForCausalLM",), model_types=("toy",), model="toy.model:Toy")
 
@@ -100,8 +108,45 @@ def test_plugins_json_lists_olmoe():
     r = colibri("plugins", "--json")
     assert r.returncode == 0, r.stderr
     (olmoe,) = [p for p in json.loads(r.stdout) if p["name"] == "colibri-olmoe"]
-    assert olmoe["architectures"] == ["olmoe"] and olmoe["hooks"] == ["colibri_register_architectures"]
-    assert olmoe["version"]
+    assert olmoe["architectures"] == [{"name": "olmoe", "hf_architectures": ["OlmoeForCausalLM"],
+                                       "model_types": ["olmoe"], "model": "colibri_olmoe.model:Olmoe"}]
+    assert olmoe["hooks"] == ["colibri_register_architectures"] and olmoe["version"]
+
+
+def test_plugins_text_says_what_each_architecture_serves():
+    r = colibri("plugins")
+    assert r.returncode == 0, r.stderr
+    assert "colibri-olmoe 0.1.0: hooks colibri_register_architectures" in r.stdout
+    assert ("  qwen36: architectures Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration; "
+            "model_type qwen3_5_moe, qwen3_5_moe_text") in r.stdout
+
+
+def test_known_plugins_are_shipped_and_serve_what_they_claim():
+    """Every distribution colibri names for a model_type is one this repository ships, in the
+    directory the table says, and (installed, as `make setup-test` does) registers an architecture
+    serving that model_type."""
+    reg = plugins.registry()
+    for model_type, dist in plugins.KNOWN_PLUGINS.items():
+        assert dist in plugins.SHIPPED_PLUGINS, f"{model_type}: {dist} is not shipped"
+        assert any(a.plugin == dist and model_type in a.model_types for a in reg.architectures.values()), \
+            f"{dist} does not serve model_type {model_type}"
+    for dist, where in plugins.SHIPPED_PLUGINS.items():
+        pyproject = tomllib.loads((REPO / where / "pyproject.toml").read_text())
+        assert pyproject["project"]["name"] == dist and pyproject["project"]["entry-points"]["colibri"]
+        assert plugins.shipped_plugin(dist) == REPO / where
+    with pytest.raises(ColibriError, match="unknown plugin 'colibri-nope': colibri ships colibri-olmoe, "):
+        plugins.shipped_plugin("colibri-nope")
+
+
+def test_test_module_names_are_unique():
+    """pytest imports test modules by their file name (rootdir without __init__.py files): two
+    test_conformance.py under different plugins would collide, so every name under testpaths differs."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert "examples" in config["testpaths"], "the example plugin's tests must run with `make test`"
+    names = [p.name for root in config["testpaths"] for p in (REPO / root).rglob("test_*.py")
+             if ".venv" not in p.parts and "build" not in p.parts]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    assert "test_qwen3moe.py" in names
 
 
 def test_listing_plugins_imports_no_model_code():

@@ -176,3 +176,15 @@ def test_an_unwritable_model_directory_is_one_clear_error(tmp_path):
     s.ids = [1]
     with pytest.raises(ColibriError, match="cannot save session s in"):
         s.save()
+
+
+def test_failed_forward_leaves_session_intact(tmp_path):
+    """A read error or Ctrl-C in the middle of a forward on the demo model: the session is as it was,
+    continuing it gives the uninterrupted run's tokens, a persistent session never saves the failed turn."""
+    from colibri_core.cli import DEFAULT_MODEL
+    from colibri_core.testing.sessions import check_failed_forward
+    from colibri_core.tokenizer import Tokenizer
+
+    vocab = json.loads((DEFAULT_MODEL / "config.json").read_text())["vocab_size"]
+    prompt = Tokenizer.from_dir(DEFAULT_MODEL).encode("And the LORD said unto Moses")
+    check_failed_forward(DEFAULT_MODEL, tmp_path, prompt, vocab)

@@ -2,7 +2,8 @@
 
 Every architecture's state is a `State`: it knows how many tokens it holds and can be flattened
 to named arrays and rebuilt from them. Sessions (saving a conversation beside the model and
-resuming it after a restart) rely only on this protocol, so they work for every architecture.
+resuming it after a restart) and the engine's rollback of a failed call rely only on this
+protocol, so they work for every architecture.
 """
 from __future__ import annotations
 
@@ -18,7 +19,14 @@ class State:
         raise NotImplementedError
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """Everything needed to resume, as named arrays (e.g. "layer.3.k": (length, Hkv, D))."""
+        """Everything needed to resume, as named arrays (e.g. "layer.3.k": (length, Hkv, D)).
+
+        Arrays no later forward modifies (part of the plugin contract): the engine takes them
+        before a call and, if the call fails midway (a read error, MemoryError, Ctrl-C), rebuilds
+        the session's state from them (`load_arrays` into a fresh state). So rows appended to a
+        cache are views (rows once written never change: `KVCache.view`, `Rows.view`), and a state
+        updated in place (a recurrent state) is copied, unless it is replaced rather than modified.
+        Taken once per call, not per token."""
         raise NotImplementedError
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:

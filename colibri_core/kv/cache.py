@@ -24,7 +24,8 @@ class KVCache:
         self.length = need
 
     def view(self) -> tuple[np.ndarray, np.ndarray]:
-        """Cached keys and values, (length, Hkv, D) each."""
+        """Cached keys and values, (length, Hkv, D) each: views no later `append` changes (it writes
+        past them, or into a grown copy), so they are `State.arrays()` as they are."""
         return self.k[: self.length], self.v[: self.length]
 
     @property
@@ -50,7 +51,7 @@ class Rows:
         self.length = need
 
     def view(self) -> np.ndarray:
-        """Every row held, (length, *shape)."""
+        """Every row held, (length, *shape): a view no later `append` changes (as `KVCache.view`)."""
         return self.data[: self.length]
 
     @property

@@ -43,13 +43,15 @@ class IOPool:
     """Worker threads reading extents with pread; `threads` reads in parallel."""
 
     def __init__(self, threads: int = 4):
+        self._pool = None  # until the threads start: `close` (and `__del__`) of a pool that never did
+        self._inflight: set[Read] = set()
         if threads < 1:
             raise ColibriError(f"the I/O pool needs at least one thread, got {threads}")
         self.threads = threads
-        self._pool = lib.io_pool_new(threads)
-        if self._pool == ffi.NULL:
+        pool = lib.io_pool_new(threads)
+        if pool == ffi.NULL:
             raise ColibriError(f"cannot start {threads} I/O threads")
-        self._inflight: set[Read] = set()
+        self._pool = pool
 
     def submit(self, fd: int, offset: int, nbytes: int, *, layer=-1, expert=-1, source=None, path="",
                crc_hole: tuple[int, int] | None = None, buffer=None) -> Read:

@@ -12,7 +12,7 @@ from ..container import Container, dequantize
 from ..convert import convert_checkpoint, read_config
 from ..engine import load
 from ..errors import ColibriError
-from .sessions import check_kill_during_save, check_torn_saves
+from .sessions import check_failed_forward, check_kill_during_save, check_torn_saves
 
 QUANTS = ("f32", "int8", "int4")
 
@@ -167,6 +167,12 @@ class ConformanceSuite:
         """kill -9 in the middle of a save: the restart resumes from the last whole turn, token-identical."""
         self._check("session")
         check_kill_during_save(oracle.container("int4"), tmp_path, oracle.prompt, self.hf_config.vocab_size)
+
+    def test_failed_forward_leaves_session_intact(self, oracle: Oracle, tmp_path):
+        """A read error or Ctrl-C in the middle of a forward leaves the session as it was: continuing
+        gives the uninterrupted run's tokens; a persistent session never saves the failed turn."""
+        self._check("session")
+        check_failed_forward(oracle.container("int4"), tmp_path, oracle.prompt, self.hf_config.vocab_size)
 
     # ---- planning ------------------------------------------------------------------------------
     @pytest.mark.parametrize("q", ("f32", "int4"))

@@ -1,7 +1,8 @@
-"""Persistent-session checks every architecture must pass (used by the conformance suite and by the
-core's tests): a resumed session continues with exactly the tokens of an uninterrupted run and
-re-prefills only the new tokens, a save torn at any byte is dropped cleanly, and a `kill -9` in
-the middle of a save loses only that turn."""
+"""Session checks every architecture must pass (used by the conformance suite and by the core's
+tests): a resumed session continues with exactly the tokens of an uninterrupted run and re-prefills
+only the new tokens, a save torn at any byte is dropped cleanly, a `kill -9` in the middle of a
+save loses only that turn, and a forward that fails midway (a read error, Ctrl-C) leaves the
+session as it was."""
 from __future__ import annotations
 
 import os
@@ -11,12 +12,15 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from ..engine import load
+from ..errors import ColibriError
 from ..kv.session import PAUSE_ENV, SessionFile, SessionWarning, session_path
+from ..store.io import IOPool
 
 NEW_TOKENS = 6
 
@@ -144,3 +148,97 @@ def check_kill_during_save(model_dir: Path, work: Path, prompt: list[int], vocab
     assert "unfinished" in (session.notice or ""), session.notice
     assert a2 == a2_ref, "after kill -9 during a save, the resumed session's tokens differ"
     assert fed == len(extra) + 1
+
+
+INJECTED = "Input/output error (injected)"
+
+
+@contextmanager
+def failing_read(error: str | BaseException = INJECTED):
+    """Within the block the next expert read to finish fails, once: `IOPool.result` (the C I/O pool
+    every expert read goes through) reports `error`, so the store raises ColibriError, or raises
+    `error` itself when it is an exception (e.g. KeyboardInterrupt, as Ctrl-C would)."""
+    real = IOPool.__dict__["result"]
+    armed = [True]
+
+    def result(read):
+        if armed:
+            armed.clear()
+            if isinstance(error, BaseException):
+                raise error
+            return None, error
+        return real.__func__(read)
+
+    IOPool.result = staticmethod(result)
+    try:
+        yield
+    finally:
+        IOPool.result = real
+
+
+def _fail_turn(engine, ids: list[int], session, after: int, error: str | BaseException = INJECTED) -> None:
+    """A turn whose next expert read, once `after` tokens have come (0: in the prompt's forward, more:
+    in a decode step's), fails with `error`: the failure must reach the caller and leave `session`
+    exactly as it was before the call."""
+    before = list(session.ids), {k: np.array(v) for k, v in session.state.arrays().items()}
+    tokens = engine.stream(ids, NEW_TOKENS, stop_ids=(), session=session)
+    for _ in range(after):
+        next(tokens)
+    try:
+        with failing_read(error):
+            for _ in tokens:
+                pass
+    except (ColibriError, KeyboardInterrupt) as e:
+        assert isinstance(e, KeyboardInterrupt) or INJECTED in str(e), f"another error than the injected one: {e}"
+    else:
+        raise AssertionError(f"a read failing after {after} tokens did not reach the caller")
+    arrays = session.state.arrays()
+    assert session.ids == before[0] and session.state.length == len(before[0]), \
+        f"a forward failing after {after} tokens left the session changed"
+    assert arrays.keys() == before[1].keys() and all(np.array_equal(arrays[k], a) for k, a in before[1].items()), \
+        f"a forward failing after {after} tokens left the state changed"
+
+
+def check_failed_forward(model_dir: Path, work: Path, prompt: list[int], vocab: int) -> None:
+    """A read error or Ctrl-C in the middle of a forward (the prompt's, a decode step's) leaves the
+    session exactly as it was before the call, and continuing it gives the uninterrupted run's
+    tokens; `logits` leaves nothing behind either, and no failed turn ends (`store.end_turn`). A
+    persistent session never saves a failed turn: a fresh engine resumes it from the last good one."""
+    a1_ref, a2_ref = uninterrupted(model_dir, prompt, vocab)
+    model = work / "model-faults"
+    shutil.copytree(model_dir, model)
+    first, extra = _turns(prompt, vocab)
+    second = first + a1_ref + extra
+    with load(model, cache_slots=1, usage=False) as engine:  # one slot per layer: every forward reads
+        s = engine.new_session()
+        assert engine.generate(first, NEW_TOKENS, stop_ids=(), session=s) == a1_ref
+        logits = engine.logits(second)
+        ended, end_turn = [], engine.store.end_turn
+        engine.store.end_turn = lambda: (ended.append(1), end_turn())
+        _fail_turn(engine, first, engine.new_session(), 1)  # a fresh session stays fresh
+        for after, error in ((0, INJECTED), (2, INJECTED), (2, KeyboardInterrupt())):
+            _fail_turn(engine, second, s, after, error)
+        try:
+            with failing_read():
+                engine.logits(second)
+            raise AssertionError("a read failing in `logits` did not reach the caller")
+        except ColibriError as e:
+            assert INJECTED in str(e), f"another error than the injected one: {e}"
+        assert not ended, "a failed call ended its turn (store.end_turn: routing history, hot-store)"
+        assert engine.generate(second, NEW_TOKENS, stop_ids=(), session=s) == a2_ref, \
+            "after failed forwards, the session's tokens differ from the uninterrupted run"
+        assert np.array_equal(engine.logits(second), logits), "after a failed `logits`, the logits differ"
+        # persistent sessions: the failed turn is never saved, in this engine or a fresh one
+        assert engine.generate(first, NEW_TOKENS, stop_ids=(), session="s") == a1_ref
+        saved = session_path(model, "s").read_bytes()
+        _fail_turn(engine, second, engine.open_session("s"), 2)
+        assert session_path(model, "s").read_bytes() == saved, "the failed turn was saved"
+        assert engine.generate(first, NEW_TOKENS, stop_ids=(), session="t") == a1_ref
+        _fail_turn(engine, second, engine.open_session("t"), 0, KeyboardInterrupt())
+        assert engine.generate(second, NEW_TOKENS, stop_ids=(), session="t") == a2_ref
+    a2, fed, session = resume_and_continue(model, prompt, vocab, a1_ref)
+    assert session.notice is None and a2 == a2_ref, "a resumed session's tokens differ after a failed turn"
+    assert fed == len(extra) + 1, f"resuming re-prefilled {fed} tokens, expected only the {len(extra) + 1} new ones"
+    with load(model, usage=False) as engine:
+        t = engine.open_session("t")
+        assert t.notice is None and t.ids == second + a2_ref[:-1], "a turn after a failed one was not saved whole"
