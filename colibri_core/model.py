@@ -80,7 +80,10 @@ class MoEModel:
       routers()                       per MoE layer, its declared `Router` (run by the core, lookahead too)
       lookahead()                     optional: which MoE layer each layer's lookahead predicts
       new_state()                     a fresh per-sequence `colibri_core.kv.State`
-      forward(ids, state, last_only)  logits of new tokens; MoE layers call `self.moe(...)`
+      forward(ids, state, last_only)  logits of new tokens; MoE layers call `self.moe(...)`; after each
+                                      decoder layer ``probe.record(i, l_out=h)`` (the residual stream:
+                                      free unless someone records; lets the conformance kit name the
+                                      layer where a plugin leaves transformers)
     """
 
     @classmethod

@@ -9,6 +9,11 @@ from the core's layers is measured without code of its own:
 
 The listener is a context variable, so a probe only sees the thread (and pass) it listens in;
 with no listener the hooks cost one lookup. Recording never changes a result.
+
+A second, debugging listener records *named intermediates* (llama.cpp's ``cb(cur, name, il)``):
+``record(layer, name=tensor)`` from the core's MoE block and each plugin's forward, kept by a
+`Recorder` only while one listens (``with probe.recording() as rec: engine.logits(ids)``). The
+conformance kit uses it to name the first layer and sub-block where an engine leaves its oracle.
 """
 from __future__ import annotations
 
@@ -78,3 +83,67 @@ def route(layer: int, ids: np.ndarray) -> None:
     probe = _listening.get()
     if probe is not None:
         probe.add_route(layer, ids)
+
+
+# ---- named intermediates ---------------------------------------------------------------------
+# llama.cpp's ``cb(cur, "ffn_moe_out", il)``: the core's MoE block and each plugin's forward name the
+# tensors they compute, per layer; a `Recorder` keeps copies while someone listens (the conformance
+# kit, to find where an engine first diverges from its oracle). Names the core records:
+#
+#     ffn_inp          (T, H)  the residual stream entering a MoE sub-block (MoE's `residual`)
+#     ffn_norm         (T, H)  the router's input (the layer's pre-MoE norm of ffn_inp)
+#     ffn_moe_ids      (T, k)  the experts each token was routed to, best first
+#     ffn_moe_weights  (T, k)  their weights
+#     ffn_moe_tokens   (T,)    the token ids the router was given
+#     ffn_moe_out      (T, H)  the routed experts' weighted sum (no shared expert)
+#
+# and every plugin's forward records ``l_out`` (T, H), the residual stream after each decoder layer
+# (one line: ``record(i, l_out=h)``), so a divergence can be pinned to a layer.
+
+_recording: ContextVar[Recorder | None] = ContextVar("colibri_record", default=None)
+
+
+class Recorder:
+    """Copies of the named intermediates recorded while it listens: ``tensors[(name, layer)]`` is the
+    list of every pass's tensor, in call order; ``calls`` the (name, layer) of every record, in order.
+    `names` (optional) keeps only those names."""
+
+    def __init__(self, names=None):
+        self.names = None if names is None else frozenset(names)
+        self.tensors: dict[tuple[str, int], list[np.ndarray]] = {}
+        self.calls: list[tuple[str, int]] = []
+
+    def add(self, layer: int, tensors: dict) -> None:
+        for name, value in tensors.items():
+            if self.names is not None and name not in self.names:
+                continue
+            self.tensors.setdefault((name, layer), []).append(np.array(value, copy=True))
+            self.calls.append((name, layer))
+
+    def get(self, name: str, layer: int, call: int = -1) -> np.ndarray | None:
+        """The tensor `name` of `layer` from one call (default: the latest); None if never recorded."""
+        seen = self.tensors.get((name, layer))
+        return None if not seen else seen[call]
+
+    def layers(self, name: str) -> list[int]:
+        """The layers that recorded `name`, in the order they first did."""
+        return list(dict.fromkeys(layer for n, layer in self.calls if n == name))
+
+
+@contextmanager
+def recording(names=None):
+    """Record named intermediates (this thread, this context) into a fresh `Recorder`, yielded."""
+    recorder = Recorder(names)
+    token = _recording.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _recording.reset(token)
+
+
+def record(layer: int, **tensors) -> None:
+    """Name intermediates of layer `layer` for the listening recorder (if any): ``record(i, l_out=h)``.
+    With nobody listening it costs one context-variable lookup; recording never changes a result."""
+    recorder = _recording.get()
+    if recorder is not None:
+        recorder.add(layer, tensors)

@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import kernels
 from ..errors import ColibriError
-from ..probe import route, timed
+from ..probe import record, route, timed
 from .router import Router
 
 
@@ -61,6 +61,7 @@ class MoE:
             raise ColibriError(f"MoE layer {layer} has no declared router (declared: {list(self.routers)})")
         weights, ids = router.route(x, token_ids)  # (T, k) each, best first
         route(layer, ids)
+        record(layer, ffn_inp=residual, ffn_norm=x, ffn_moe_ids=ids, ffn_moe_weights=weights, ffn_moe_tokens=token_ids)
         xe = x if expert_input is None else expert_input  # (T, H)
         nxt = self.lookahead.get(layer)
         predict = None if nxt is None else (nxt, lambda: self.routers[nxt].predict(residual, token_ids))
@@ -68,4 +69,6 @@ class MoE:
         outs = np.zeros((T, k, xe.shape[1]), np.float32)  # (T, k, H): one slot per (token, rank)
         for ready in self.store.experts(layer, ids, predict=predict):  # {expert: (gate, up, down)}, resident first
             run_experts(outs, xe, ids, ready)
-        return combine(outs, weights)
+        out = combine(outs, weights)  # (T, H)
+        record(layer, ffn_moe_out=out)
+        return out

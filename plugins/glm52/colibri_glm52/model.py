@@ -31,6 +31,7 @@ from colibri_core.layers.rope import Rope
 from colibri_core.layers.router import SigmoidGroupTopK
 from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, embed, linear
+from colibri_core.probe import record
 
 
 @dataclass(frozen=True)
@@ -337,6 +338,7 @@ class Glm52(MoEModel):
         keep = None
         for L in self.layers:
             h, keep = self._decoder_layer(L, h, ids, state, cos, sin, keep)
+            record(L["layer"], l_out=h)  # the residual stream after this layer (colibri_core.probe)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
     def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:

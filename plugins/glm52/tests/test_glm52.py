@@ -123,6 +123,24 @@ def test_mtp_experts_stay_int8(fp8_checkpoint, tmp_path):
     assert c.verify(deep=True) == []
 
 
+def test_the_kits_moe_layers_check_reads_the_mtp_layer_as_draft_only(fp8_checkpoint, tmp_path, monkeypatch):
+    """The conformance kit's moe_layers check on a model with an MTP layer (the conformance suites'
+    tiny configs have none: transformers drops it): layer N is in layout.moe_layers and routers(),
+    the forward pass never runs it, and GLM's lookahead leaves it out; the default lookahead (each
+    router's successor, so layer 3 → the MTP layer) is refused."""
+    from colibri_core.testing import checks
+    from colibri_glm52.model import Glm52
+
+    src, _ = fp8_checkpoint
+    convert_checkpoint(src, tmp_path / "int4", "int4", progress=False)
+    ids = [int(i) for i in np.random.default_rng(1).integers(0, 256, 12)]
+    checks.check_moe_layers_of(tmp_path / "int4", ids, main_layers=N, oracle_routed=[1, 2, 3])
+    monkeypatch.setattr(Glm52, "lookahead", lambda self: None)
+    with pytest.raises(checks.ConformanceFailure, match=f"^moe_layers: layer 3's lookahead predicts layer {N}, "
+                                                        "which the forward pass does not run"):
+        checks.check_moe_layers_of(tmp_path / "int4", ids, main_layers=N)
+
+
 def _mtp_reference(weights: dict, hidden: np.ndarray, next_ids: np.ndarray, start: int) -> np.ndarray:
     """The published MTP forward (DeepSeek-V3 §2.2 as vLLM/SGLang run GLM's): NumPy for the MTP-specific
     parts (enorm, hnorm, eh_proj, shared head), transformers' own GlmMoeDsaDecoderLayer (layer N

@@ -20,6 +20,7 @@ from colibri_core.layers.rope import Rope, apply_rotate_half
 from colibri_core.layers.router import SoftmaxTopK
 from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, embed, linear, linears
+from colibri_core.probe import record
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ class Olmoe(MoEModel):
             # ---- routed experts
             x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
             h = h + self.moe(i, x, h, ids)
+            record(i, l_out=h)  # the residual stream after layer i (for whoever debugs: colibri_core.probe)
         if last_only:
             h = h[-1:]
         return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head)  # (T, V)

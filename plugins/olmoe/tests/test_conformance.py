@@ -5,12 +5,21 @@ from transformers import OlmoeConfig
 from colibri_core.testing import ConformanceSuite
 
 
+def released_0924(config: dict) -> dict:
+    """config.json as allenai/OLMoE-1B-7B-0924 ships it (written by transformers 4.43): RoPE as a
+    top-level rope_theta with ``"rope_scaling": null``, no rope_parameters, ``torch_dtype``."""
+    rope = config.pop("rope_parameters")
+    return {**config, "rope_theta": rope["rope_theta"], "rope_scaling": None, "torch_dtype": "bfloat16",
+            "transformers_version": "4.43.0.dev0"}
+
+
 class TestTinyOlmoe(ConformanceSuite):
     hf_config = OlmoeConfig(
         vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
         initializer_range=0.1, max_position_embeddings=256,
     )
+    config_variants = {"olmoe_1b_7b_0924": released_0924}
 
 
 class TestTinyOlmoeWide(ConformanceSuite):
@@ -20,3 +29,4 @@ class TestTinyOlmoeWide(ConformanceSuite):
         num_attention_heads=6, num_key_value_heads=2, num_experts=12, num_experts_per_tok=3,
         norm_topk_prob=True, clip_qkv=3.0, initializer_range=0.1, max_position_embeddings=256,
     )
+    config_variants = {"olmoe_1b_7b_0924": released_0924}

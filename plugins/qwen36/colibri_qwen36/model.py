@@ -35,6 +35,7 @@ from colibri_core.layers.router import SoftmaxTopK
 from colibri_core.layers.shared_expert import shared_expert
 from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, embed, linear
+from colibri_core.probe import record
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -341,6 +342,7 @@ class Qwen36(MoEModel):
             # ---- routed experts + gated shared expert
             x = rms_norm_zero_centred(h, L.post_norm, cfg.rms_norm_eps)
             h = h + (self.moe(i, x, h, ids) + shared_expert(x, *L.shared))
+            record(i, l_out=h)  # the residual stream after layer i (colibri_core.probe)
         state.advance(T)
         if last_only:
             h = h[-1:]

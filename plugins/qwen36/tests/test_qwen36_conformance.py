@@ -17,6 +17,28 @@ from colibri_core.testing import ConformanceSuite
 from colibri_qwen36.model import Qwen36
 
 
+def released_text_config(config: dict) -> dict:
+    """The text config as Qwen3.5-MoE / Qwen3.6 releases carry it (under text_config): the layer
+    schedule as full_attention_interval (no layer_types), multimodal RoPE keys (mrope_section,
+    mrope_interleaved: a no-op for text, where the three position ids coincide), the MTP head's keys
+    (its weights are skipped), attn_output_gate, dtype."""
+    interval = next(i for i in range(1, len(config["layer_types"]) + 1)
+                    if config["layer_types"] == ["full_attention" if (j + 1) % i == 0 else "linear_attention"
+                                                 for j in range(len(config["layer_types"]))])
+    config.pop("layer_types")
+    rope = {**config.pop("rope_parameters"), "mrope_interleaved": True, "mrope_section": [11, 11, 10]}
+    return {**config, "full_attention_interval": interval, "rope_parameters": rope, "mtp_num_hidden_layers": 1,
+            "mtp_use_dedicated_embeddings": False, "attn_output_gate": True, "dtype": "bfloat16"}
+
+
+def top_level_rope(config: dict) -> dict:
+    """RoPE at the top level as Qwen3-Next's config.json writes it: rope_theta and partial_rotary_factor
+    as keys of their own, ``"rope_scaling": null``, no rope_parameters."""
+    rope = config.pop("rope_parameters")
+    return {**config, "rope_theta": rope["rope_theta"], "partial_rotary_factor": rope["partial_rotary_factor"],
+            "rope_scaling": None}
+
+
 class Qwen36Checks:
     """Checks of this plugin beyond the conformance kit (mixed into each conformance subclass)."""
 
@@ -125,6 +147,7 @@ class TestTinyQwen36(Qwen36Checks, ConformanceSuite):
         linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, initializer_range=0.1, max_position_embeddings=2048,
     )
+    config_variants = {"released_text_config": released_text_config, "top_level_rope": top_level_rope}
 
     def test_prefill_then_decode_equals_one_long_forward_1000_tokens(self, oracle):
         """Chunked prefill of the first 872 tokens, then 128 single-token recurrent decode steps:
@@ -192,3 +215,4 @@ class TestTinyQwen36Wide(Qwen36Checks, ConformanceSuite):
         shared_expert_intermediate_size=40, tie_word_embeddings=True, initializer_range=0.1,
         max_position_embeddings=2048,
     )
+    config_variants = {"top_level_rope": top_level_rope}  # an irregular layer schedule: no interval form

@@ -1,0 +1,318 @@
+"""The conformance checks as plain functions of an `Oracle` (the suite's test methods call them; a
+test can call them directly, e.g. on a deliberately broken plugin). Each raises `ConformanceFailure`
+(an AssertionError) whose message starts with the check's name and says the layer and the position
+where it applies."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from .. import plugins
+from ..engine import load
+from .oracle import Oracle, edit_config, one_torch_thread
+from .trace import explain
+
+
+class ConformanceFailure(AssertionError):
+    """A conformance check failed; the message names the check."""
+
+
+class TieWarning(UserWarning):
+    """A greedy token differs from the oracle's where the oracle itself is tied (reported, accepted)."""
+
+
+def fail(check: str, message: str) -> None:
+    raise ConformanceFailure(f"{check}: {message}")
+
+
+def _first_difference(a, b) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+# ---- agreement with the oracle -------------------------------------------------------------------
+def check_greedy(oracle: Oracle, q: str, n: int, rel_tol: float) -> list[str]:
+    """The whole greedy continuation (n tokens) equals the oracle's. Where colibri's token differs,
+    it is accepted as a tie only if the oracle itself cannot tell them apart at that step (its
+    top-1/top-2 gap, and its preference for its own token over colibri's, both below rel_tol ×
+    max|logit|); the comparison then continues teacher-forced from the oracle's token. Returns the
+    ties (also printed and warned as `TieWarning`)."""
+    check = f"greedy_{q}"
+    expected = oracle.hf_greedy(q, n)
+    prompt, P = oracle.prompt, len(oracle.prompt)
+    ties: list[str] = []
+    start = 0
+    with load(oracle.container(q), activations="f32") as engine:
+        while start < n:
+            got = engine.generate(prompt + expected[:start], n - start, stop_ids=())
+            d = _first_difference(got, expected[start:])
+            if d is None:
+                break
+            i = start + d
+            if d >= len(got):
+                fail(check, f"position {i}: colibri stopped after {i} tokens, transformers generated {n}")
+            path = prompt + expected
+            ref = oracle.trace(q, path).logits[P - 1 + i]  # the oracle's logits where it chose expected[i]
+            top2 = np.sort(ref)[-2:]
+            gap, tol = float(top2[1] - top2[0]), rel_tol * float(np.abs(ref).max())
+            behind = float(ref[expected[i]] - ref[got[d]])
+            where = (f"position {i} (new token {i + 1} of {n} after the {P}-token prompt"
+                     + (", teacher-forced from the oracle's tokens" if start else "") + ")")
+            if not (gap < tol and behind < tol):
+                earlier = f" Ties accepted before it: {'; '.join(ties)}." if ties else ""
+                diagnosis = explain(oracle.engine_trace(q, path), oracle.trace(q, path), rel_tol)
+                fail(check, f"{where}: colibri chose token {got[d]}, transformers {expected[i]}; the oracle's "
+                            f"logit for its token is {behind:+.3g} over colibri's and its top-1/top-2 gap is "
+                            f"{gap:.3g}, tolerance {tol:.3g}: not a tie.{earlier} On the oracle's tokens, {diagnosis}")
+            tie = (f"position {i}: colibri {got[d]}, transformers {expected[i]} (oracle top-1/top-2 gap "
+                   f"{gap:.3g} < tolerance {tol:.3g})")
+            ties.append(tie)
+            print(f"{check}: TIE at {tie}; continuing from the oracle's token")
+            warnings.warn(f"{check}: tie at {tie}", TieWarning, stacklevel=2)
+            start = i + 1
+    return ties
+
+
+def check_logits(oracle: Oracle, q: str, ids: list[int], rel_tol: float) -> None:
+    """Teacher-forced logits within rel_tol × max|logit| of the oracle's; a failure names the first
+    layer and sub-block where colibri's intermediates leave the oracle's (`trace.first_divergence`)."""
+    check = f"logits_{q}"
+    ref, got = oracle.trace(q, ids), oracle.engine_trace(q, ids)
+    if got.logits.shape != ref.logits.shape or got.logits.dtype != np.float32:
+        fail(check, f"colibri's logits are {got.logits.dtype} {got.logits.shape}, transformers' {ref.logits.shape}")
+    diff = np.abs(got.logits - ref.logits)
+    err, tol = float(np.nanmax(np.where(np.isnan(diff), np.inf, diff))), rel_tol * float(np.abs(ref.logits).max())
+    if not err <= tol:
+        position = int(np.argmax(np.where(np.isnan(diff), np.inf, diff).max(axis=1)))
+        fail(check, f"max |logit difference| {err:.3g} > tolerance {tol:.3g} at position {position} of {len(ids)}; "
+                    f"{explain(got, ref, rel_tol)}")
+
+
+# ---- the router lookahead ------------------------------------------------------------------------
+def check_lookahead_predicts_routing(oracle: Oracle, ids: list[int]) -> None:
+    """Every MoE layer's declared predictor, applied to the layer's *own* residual stream, gives the
+    ids the layer routed (the lookahead is the same routing, only run earlier): for every MoE layer
+    the forward pass runs, every position of `ids`. Residual, token ids and routing come from the
+    core's named-intermediates recording (`ffn_inp`, `ffn_moe_tokens`, `ffn_moe_ids`)."""
+    check = "lookahead_predicts_routing"
+    trace = oracle.engine_trace("f32", ids)
+    with load(oracle.container("f32"), activations="f32") as engine:
+        routers = engine.model.routers()
+        layers = trace.layers("ffn_moe_ids")
+        if not layers:
+            fail(check, "the forward pass ran no MoE layer through MoEModel.moe")
+        for layer in layers:
+            routed, residual = trace.get("ffn_moe_ids", layer), trace.get("ffn_inp", layer)
+            guess = routers[layer].predict(residual, trace.get("ffn_moe_tokens", layer))
+            if guess is None:
+                fail(check, f"layer {layer}: {type(routers[layer]).__name__}.predict returned None (cannot guess) "
+                            "on its own layer's residual stream, at every position")
+            guess = np.asarray(guess)
+            if guess.shape != routed.shape:
+                fail(check, f"layer {layer}: predict gives ids of shape {guess.shape}, the layer routed {routed.shape}")
+            bad = np.nonzero((guess != routed).any(axis=1))[0]
+            if len(bad):
+                t = int(bad[0])
+                fail(check, f"layer {layer}, position {t}: predict on the layer's own residual stream gives experts "
+                            f"{guess[t].tolist()}, the layer routed {routed[t].tolist()} (best first; "
+                            f"{len(bad)} of {len(routed)} positions differ)")
+
+
+def effective_lookahead(model) -> dict[int, int]:
+    """{MoE layer: the layer its lookahead predicts}: `lookahead()`, or each router's successor."""
+    declared = model.lookahead()
+    if declared is not None:
+        return dict(declared)
+    layers = list(model.routers())
+    return dict(zip(layers, layers[1:]))
+
+
+def check_lookahead_active(oracle: Oracle, q: str) -> dict:
+    """With 1 expert slot per layer a generation issues prefetches (the lookahead really runs, and
+    its recall is reported). Returns the run's stats."""
+    check = f"lookahead_active_{q}"
+    run = oracle.engine_run(q, 1, prefetch=True)
+    s = run["stats"]
+    line = (f"{check}: 1 slot per layer, prompt logits + {len(run['tokens'])} tokens: {s['prefetch_issued']} "
+            f"prefetches issued, {s['prefetch_used']} used, recall {s['prefetch_recall']:.1%} "
+            f"({s['expert_hits']} hits, {s['expert_misses']} misses); lookahead {run['lookahead']}")
+    print(line)
+    if not run["lookahead"]:
+        return s  # the caller skips: no layer has a lookahead target
+    if s["prefetch_issued"] <= 0:
+        fail(check, f"routers and lookahead targets are declared ({run['lookahead']}), but no prefetch was issued "
+                    f"at 1 slot per layer at any layer or position: {line}")
+    return s
+
+
+def check_prefetch_invisible(oracle: Oracle, q: str, slots=(1, 2)) -> None:
+    """Prefetch on or off, at 1 and 2 slots per layer: bit-identical logits, identical tokens."""
+    check = f"prefetch_invisible_{q}"
+    for n in slots:
+        on, off = oracle.engine_run(q, n, prefetch=True), oracle.engine_run(q, n, prefetch=False)
+        if off["stats"]["prefetch_issued"]:
+            fail(check, f"{n} slot(s): {off['stats']['prefetch_issued']} prefetches issued with prefetch=False")
+        if not np.array_equal(on["logits"], off["logits"]):
+            position = int(np.argmax((on["logits"] != off["logits"]).any(axis=1)))
+            fail(check, f"{n} slot(s): logits differ with prefetch on and off, first at position {position}")
+        i = _first_difference(on["tokens"], off["tokens"])
+        if i is not None:
+            fail(check, f"{n} slot(s): generated tokens differ with prefetch on and off at position {i}: "
+                        f"{on['tokens'][i:i + 1]} vs {off['tokens'][i:i + 1]}")
+
+
+# ---- the plugin contract -------------------------------------------------------------------------
+def check_state_round_trip(oracle: Oracle, q: str = "int4", follow: int = 8) -> None:
+    """`new_state()` is a `colibri_core.kv.State`; its `arrays()` taken mid-stream (right after the
+    prompt's prefill) and `load_arrays()`-ed into a fresh state continue exactly like the original:
+    same length, same tokens. (The session checks cover the same protocol through files on disk,
+    after whole turns.)"""
+    from ..kv import State
+
+    check = "state_round_trip"
+    prompt = oracle.prompt
+    with load(oracle.container(q), activations="f32") as engine:
+        state = engine.model.new_state()
+        if not isinstance(state, State):
+            fail(check, f"new_state() returned {type(state).__name__}, not a colibri_core.kv.State")
+        if state.length != 0:
+            fail(check, f"a fresh state holds {state.length} tokens")
+        original = engine.new_session()
+        first = engine.generate(prompt, 1, stop_ids=(), session=original)  # the prefill, and its first token
+        if original.state.length != len(prompt):
+            fail(check, f"after a {len(prompt)}-token prefill the state's length is {original.state.length}")
+        arrays = original.state.arrays()
+        odd = [k for k, v in arrays.items() if not isinstance(v, np.ndarray)]
+        if odd:
+            fail(check, f"arrays()[{odd[0]!r}] is a {type(arrays[odd[0]]).__name__}, not a numpy array")
+        restored = engine.new_session()
+        restored.state.load_arrays({k: np.array(v, copy=True) for k, v in arrays.items()})
+        restored.ids = list(original.ids)
+        if restored.state.length != original.state.length:
+            fail(check, f"restored length {restored.state.length} != the original's {original.state.length}")
+        want = engine.generate(prompt + first, follow, stop_ids=(), session=original)
+        got = engine.generate(prompt + first, follow, stop_ids=(), session=restored)
+    i = _first_difference(got, want)
+    if i is not None:
+        fail(check, f"position {len(prompt) + 1 + i} (token {i + 1} after the restored prefill): the restored state "
+                    f"gives {got[i:i + 1]}, the original {want[i:i + 1]}")
+
+
+def check_moe_layers(oracle: Oracle, ids: list[int]) -> None:
+    """The MoE layers agree everywhere they are declared (`check_moe_layers_of` on the f32 container),
+    and the forward pass runs exactly the layers where transformers' model routes (those whose
+    decoder layer has a ``mlp.gate`` router)."""
+    ref = oracle.trace("f32", ids)
+    main = ref.n_layers if ref.n_layers is not None else oracle.suite.hf_config.num_hidden_layers
+    check_moe_layers_of(oracle.container("f32"), ids, main, ref.layers("ffn_moe_ids") or None,
+                        oracle.engine_trace("f32", ids))
+
+
+def check_moe_layers_of(model_dir: Path, ids: list[int], main_layers: int, oracle_routed: list[int] | None = None,
+                        trace=None) -> None:
+    """The MoE layers of the model in `model_dir` (a converted container) agree everywhere:
+
+    - `routers()` declares exactly `layout.moe_layers`, in the same order (the order the forward
+      pass runs them: the default lookahead predicts each router's successor);
+    - the forward pass (on `ids`) runs each MoE layer at most once, in that order, and, given
+      `oracle_routed`, exactly the layers transformers routes in;
+    - a layout layer the forward pass does not run must lie beyond the main decoder stack (index ≥
+      `main_layers`): a layer only a draft head runs, like GLM-5.2's MTP layer (in
+      `layout.moe_layers` and `routers()`, run by `mtp_forward`, never by `forward`);
+    - the lookahead (`lookahead()`, default: each router's successor) maps MoE layers to MoE layers
+      the forward pass runs *later*: predicting a layer it never runs (a draft-only layer) reads
+      experts for nothing, predicting an earlier one is too late to help.
+    """
+    from .trace import engine_trace
+
+    check = "moe_layers"
+    with load(model_dir, activations="f32") as engine:
+        layout = list(engine.container.moe_layers)  # the converter wrote the layout's
+        declared = list(engine.model.routers())
+        lookahead = effective_lookahead(engine.model)
+    if declared != layout:
+        extra, missing = sorted(set(declared) - set(layout)), sorted(set(layout) - set(declared))
+        what = (f"layer {extra[0]} has a router but is not in layout.moe_layers" if extra else
+                f"layer {missing[0]} is in layout.moe_layers but has no router" if missing else "the order differs")
+        fail(check, f"routers() declares layers {declared}, layout.moe_layers is {layout}: {what}")
+    trace = trace if trace is not None else engine_trace(model_dir, ids)
+    calls = [layer for name, layer in trace.calls if name == "ffn_moe_ids"]
+    run = list(dict.fromkeys(calls))
+    twice = [layer for layer in run if calls.count(layer) > 1]
+    if twice:
+        fail(check, f"layer {twice[0]}: the forward pass ran its MoE {calls.count(twice[0])} times in one pass")
+    unknown = [layer for layer in run if layer not in declared]
+    if unknown:
+        fail(check, f"layer {unknown[0]}: the forward pass ran a MoE layer routers() does not declare")
+    if run != [layer for layer in declared if layer in run]:
+        fail(check, f"the forward pass runs MoE layers in the order {run}, routers() declares {declared}")
+    if oracle_routed is not None and run != list(oracle_routed):
+        odd = sorted(set(run) ^ set(oracle_routed))
+        fail(check, f"layer {odd[0] if odd else run[0]}: the forward pass runs MoE layers {run}, transformers' model "
+                    f"routes in {list(oracle_routed)}")
+    for layer in declared:
+        if layer not in run and layer < main_layers:
+            fail(check, f"layer {layer} is in layout.moe_layers and within the {main_layers} decoder layers, but "
+                        "the forward pass never runs its MoE")
+    for src, dst in lookahead.items():
+        if src not in declared or dst not in declared:
+            fail(check, f"lookahead {src} → {dst}: layer {src if src not in declared else dst} is not a MoE layer")
+        if dst not in run:
+            fail(check, f"layer {src}'s lookahead predicts layer {dst}, which the forward pass does not run "
+                        "(a draft-only layer): its prefetches would be read for nothing")
+        if src in run and run.index(dst) <= run.index(src):
+            fail(check, f"layer {src}'s lookahead predicts layer {dst}, which the forward pass runs before it")
+
+
+def check_config_variant(oracle: Oracle, name: str, edits, work: Path, rel_tol: float) -> None:
+    """A released-style config.json (the oracle's config with `edits`) describes the same model:
+    transformers computes the same logits from it; the plugin resolves it to the same architecture
+    and parses it to an equal config dataclass and layout; the checkpoint with that config.json
+    converts (f32) and loads, and computes bit-identical logits to the base container."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    check = f"config_variant[{name}]"
+    base = json.loads((oracle.checkpoint / "config.json").read_text())
+    variant = edit_config(base, edits)
+    if variant == base:
+        fail(check, "the variant does not change config.json")
+    registry = plugins.registry()
+    arch, want = registry.resolve(variant), registry.resolve(base)
+    if arch.name != want.name:
+        fail(check, f"resolves to architecture {arch.name} ({arch.plugin}), the base config to {want.name}")
+    cls = oracle.model_class
+    got_cfg, want_cfg = cls.parse_config(variant), cls.parse_config(base)
+    if got_cfg != want_cfg:
+        if dataclasses.is_dataclass(want_cfg):
+            diffs = [f"{f.name}={getattr(got_cfg, f.name)!r} (base {getattr(want_cfg, f.name)!r})"
+                     for f in dataclasses.fields(want_cfg) if getattr(got_cfg, f.name) != getattr(want_cfg, f.name)]
+        else:
+            diffs = [f"{got_cfg!r} != {want_cfg!r}"]
+        fail(check, f"parse_config differs from the base config's: {', '.join(diffs)}")
+    if cls.layout(got_cfg) != cls.layout(want_cfg):
+        fail(check, "the layout differs from the base config's")
+    src = work / name
+    src.mkdir(parents=True)
+    (src / "config.json").write_text(json.dumps(variant, indent=2))
+    for f in oracle.checkpoint.iterdir():
+        if f.name != "config.json":
+            os.symlink(f, src / f.name)
+    with one_torch_thread(), torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager", dtype=torch.float32).eval()
+        logits = hf(torch.tensor([oracle.prompt])).logits[0].float().numpy()
+    ref = oracle.trace("f32", oracle.prompt).logits
+    err, tol = float(np.abs(logits - ref).max()), rel_tol * float(np.abs(ref).max())
+    if not err <= tol:
+        fail(check, f"transformers reads the variant as another model: its logits differ by {err:.3g} > {tol:.3g} "
+                    "(the variant is not the same model; fix the variant)")
+    dst = work / f"{name}-f32"
+    oracle.convert(src, dst, "f32")
+    with load(dst, activations="f32") as engine:
+        got = engine.logits(oracle.prompt)
+    if not np.array_equal(got, oracle.engine_trace("f32", oracle.prompt).logits):
+        fail(check, "the container converted from the variant computes other logits than the base container")

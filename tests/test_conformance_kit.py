@@ -1,0 +1,217 @@
+"""The conformance kit checks itself: on a deliberately broken plugin — OLMoE served under another
+architecture name, broken in one place at a time — each stricter check fails, and its message names
+the check, the layer and the position. Also: a conversion that fails is reported as itself, for
+every test that asks for that quantisation. One tiny oracle (3 layers, 4 experts) for the module."""
+import types
+
+import numpy as np
+import pytest
+from transformers import OlmoeConfig
+
+from colibri_core import plugins
+from colibri_core.hookspecs import Architecture, hookimpl
+from colibri_core.layers.attention import gqa_attention
+from colibri_core.layers.norm import rms_norm
+from colibri_core.layers.rope import apply_rotate_half
+from colibri_core.layers.router import SoftmaxTopK
+from colibri_core.model import embed, linear, linears
+from colibri_core.probe import record
+from colibri_core.quant import dequantize
+from colibri_core.testing import ConformanceSuite, checks
+from colibri_core.testing.oracle import Oracle
+from colibri_olmoe.model import Olmoe
+
+ARCH = "olmoe_broken_for_the_kit"
+
+
+class BrokenOlmoe(Olmoe):
+    """OLMoE with one fault, chosen by `BrokenOlmoe.fault` (None: none):
+
+    - "q_norm": layer 1 skips its q-norm (attention);
+    - "router": layer 2 routes with its gate's rows reversed (the wrong experts);
+    - "weights": layer 2 renormalises its top-k weights (the right experts, the wrong weights);
+    - "predict": layer 1's declared router predicts from the raw residual stream (no norm);
+    - "lookahead": layer 2's lookahead predicts layer 0, which runs before it.
+    """
+
+    fault: str | None = None
+
+    def routers(self) -> dict:
+        out = super().routers()
+        cfg = self.cfg
+        if self.fault == "router":
+            r = out[2]
+            out[2] = SoftmaxTopK(np.ascontiguousarray(dequantize(r.weight)[::-1]), r.k, r.renormalize, input=r.input)
+        elif self.fault == "weights":
+            out[2] = SoftmaxTopK(out[2].weight, out[2].k, not cfg.norm_topk_prob, input=out[2].input)
+        elif self.fault == "predict":
+            out[1] = SoftmaxTopK(out[1].weight, out[1].k, out[1].renormalize)  # input: the identity
+        return out
+
+    def lookahead(self):
+        return {0: 1, 1: 2, 2: 0} if self.fault == "lookahead" else None
+
+    def forward(self, ids, state, last_only=False):  # Olmoe.forward, with the q-norm fault
+        cfg = self.cfg
+        T = len(ids)
+        cos, sin = self.rope.cos_sin(np.arange(state.length, state.length + T))
+        h = embed(ids, self.embed_tokens)
+        for i, L in enumerate(self.layers):
+            x = rms_norm(h, L["input_norm"], cfg.rms_norm_eps)
+            q, k, v = linears(x, (L["q_proj"], L["k_proj"], L["v_proj"]))
+            if not (self.fault == "q_norm" and i == 1):
+                q = rms_norm(q, L["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, L["k_norm"], cfg.rms_norm_eps)
+            q = apply_rotate_half(q.reshape(T, cfg.num_attention_heads, cfg.head_dim), cos, sin)
+            k = apply_rotate_half(k.reshape(T, cfg.num_key_value_heads, cfg.head_dim), cos, sin)
+            v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
+            h = h + linear(gqa_attention(q, k, v, state.caches[i], cfg.head_dim ** -0.5), L["o_proj"])
+            x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
+            h = h + self.moe(i, x, h, ids)
+            record(i, l_out=h)
+        if last_only:
+            h = h[-1:]
+        return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head)
+
+
+class BrokenSuite(ConformanceSuite):  # not collected (no Test prefix): the tests below drive its checks
+    hf_config = OlmoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, initializer_range=0.1,
+        max_position_embeddings=128,
+    )
+    config_edits = {"architectures": ["BrokenOlmoeForCausalLM"]}  # served by BrokenOlmoe, not colibri-olmoe
+    prompt_tokens = 8
+    new_tokens = 8
+
+
+@hookimpl
+def colibri_register_architectures(register):
+    register(Architecture(name=ARCH, hf_architectures=("BrokenOlmoeForCausalLM",), model_types=(),
+                          model=f"{__name__}:BrokenOlmoe"))
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    reg = plugins.registry()
+    module = types.ModuleType("colibri_broken_olmoe")
+    module.colibri_register_architectures = colibri_register_architectures
+    reg.add("broken-olmoe", "colibri-broken-olmoe", "0.0", module)
+    try:
+        yield Oracle(BrokenSuite, tmp_path_factory.mktemp("broken"))
+    finally:
+        reg.pm.unregister(module)
+        reg.plugins.pop("broken-olmoe", None)
+        reg.architectures.pop(ARCH, None)
+
+
+@pytest.fixture
+def fault(oracle, monkeypatch):
+    def set_fault(name):
+        monkeypatch.setattr(BrokenOlmoe, "fault", name)
+        oracle.forget_engine()
+
+    yield set_fault
+    oracle.forget_engine()
+
+
+def failure(check, *args) -> str:
+    with pytest.raises(checks.ConformanceFailure) as e:
+        check(*args)
+    print(e.value)
+    return str(e.value)
+
+
+def test_unbroken_passes(oracle, fault):
+    """The control: without a fault, every check the tests below break passes on the same oracle."""
+    fault(None)
+    tol = BrokenSuite.rel_tol
+    checks.check_greedy(oracle, "f32", BrokenSuite.new_tokens, tol)
+    checks.check_logits(oracle, "int4", oracle.logits_ids, tol)
+    checks.check_lookahead_predicts_routing(oracle, oracle.logits_ids)
+    checks.check_moe_layers(oracle, oracle.logits_ids)
+
+
+def test_skipped_q_norm_fails_greedy_at_a_position_and_logits_at_layer_1_attention(oracle, fault):
+    fault("q_norm")
+    message = failure(checks.check_greedy, oracle, "f32", BrokenSuite.new_tokens, BrokenSuite.rel_tol)
+    assert message.startswith("greedy_f32: position ") and "colibri chose token" in message and "not a tie" in message
+    assert "layer 1, attention" in message  # the greedy failure also says where the model diverges
+    message = failure(checks.check_logits, oracle, "int4", oracle.logits_ids, BrokenSuite.rel_tol)
+    assert message.startswith("logits_int4: max |logit difference|") and " at position " in message
+    assert "first divergence: layer 1, attention" in message and "layers before 1 agree" in message
+
+
+def test_wrong_experts_are_named_as_the_router(oracle, fault):
+    fault("router")
+    message = failure(checks.check_logits, oracle, "f32", oracle.logits_ids, BrokenSuite.rel_tol)
+    assert "first divergence: layer 2, router (the experts chosen): colibri routes to experts" in message
+    assert " at position " in message
+
+
+def test_wrong_expert_weights_are_named_as_the_router(oracle, fault):
+    fault("weights")
+    message = failure(checks.check_logits, oracle, "f32", oracle.logits_ids, BrokenSuite.rel_tol)
+    assert "first divergence: layer 2, router (the weights of the experts chosen" in message
+
+
+def test_a_predictor_that_is_not_the_routing_fails_at_its_layer(oracle, fault):
+    fault("predict")
+    checks.check_logits(oracle, "f32", oracle.logits_ids, BrokenSuite.rel_tol)  # routing itself is right
+    message = failure(checks.check_lookahead_predicts_routing, oracle, oracle.logits_ids)
+    assert message.startswith("lookahead_predicts_routing: layer 1, position ")
+
+
+def test_a_lookahead_to_an_earlier_layer_fails_moe_layers(oracle, fault):
+    fault("lookahead")
+    message = failure(checks.check_moe_layers, oracle, oracle.logits_ids)
+    assert message == ("moe_layers: layer 2's lookahead predicts layer 0, which the forward pass runs before it")
+
+
+def test_a_tie_is_accepted_only_below_the_tolerance_and_the_comparison_goes_on(oracle, fault, monkeypatch):
+    """The oracle's greedy run is replaced by one that takes its runner-up at position 3 and then
+    continues greedily: with a tolerance above the oracle's top-1/top-2 gap there, colibri's token
+    is a tie, reported, and the rest is compared teacher-forced from the oracle's token (and agrees);
+    with the kit's tolerance it is a failure naming the position, both tokens and the gap."""
+    import torch
+
+    fault(None)
+    n, P = BrokenSuite.new_tokens, len(oracle.prompt)
+    real = oracle.hf_greedy("f32", n)
+    ref = oracle.trace("f32", oracle.prompt + real).logits[P - 1 + 3]
+    runner_up = int(np.argsort(ref)[-2])
+    with torch.no_grad():
+        out = oracle.model.generate(torch.tensor([oracle.prompt + real[:3] + [runner_up]]), max_new_tokens=n - 4,
+                                    min_new_tokens=n - 4, do_sample=False, pad_token_id=0)
+    forced = real[:3] + [runner_up] + out[0, P + 4:].tolist()
+    monkeypatch.setitem(oracle._memo, ("hf_greedy", "f32", n), forced)
+    gap = float(np.sort(ref)[-1] - np.sort(ref)[-2])
+    loose = 1.5 * gap / float(np.abs(ref).max())
+    with pytest.warns(checks.TieWarning, match="position 3"):
+        ties = checks.check_greedy(oracle, "f32", n, loose)
+    assert len(ties) == 1 and ties[0].startswith(f"position 3: colibri {real[3]}, transformers {runner_up}")
+    message = failure(checks.check_greedy, oracle, "f32", n, BrokenSuite.rel_tol)
+    assert message.startswith(f"greedy_f32: position 3 (new token 4 of {n} after the {P}-token prompt): colibri "
+                              f"chose token {real[3]}, transformers {runner_up}; the oracle's logit for its token "
+                              f"is {-gap:+.3g} over colibri's")
+    assert f"top-1/top-2 gap is {gap:.3g}" in message and "not a tie" in message
+
+
+def test_a_failed_conversion_is_reported_as_itself_every_time(oracle, monkeypatch):
+    """The real conversion error, for the container and the oracle, on every call; nothing left on disk
+    (no oracle-int8 directory for a later call to trip over)."""
+    calls = []
+
+    def convert(src, dst, q):
+        calls.append(q)
+        raise RuntimeError(f"the converter broke at {q}")
+
+    monkeypatch.setattr(oracle, "convert", convert)
+    monkeypatch.setattr(oracle, "_failed", {})
+    monkeypatch.setattr(oracle, "_containers", {})
+    monkeypatch.setattr(oracle, "_oracles", {"f32": oracle.model})
+    for ask in (oracle.oracle, oracle.container, oracle.oracle):
+        with pytest.raises(RuntimeError, match="the converter broke at int8"):
+            ask("int8")
+    assert calls == ["int8"], "the failed conversion was retried"
+    assert not (oracle.root / "oracle-int8").exists()
