@@ -27,6 +27,7 @@ from colibri_core.layers.rope import Rope, apply_rotate_half
 from colibri_core.layers.router import SoftmaxTopK
 from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, embed, linear, linears
+from colibri_core.probe import record
 
 
 @dataclass(frozen=True)
@@ -119,14 +120,14 @@ class Qwen3Moe(MoEModel):
     def resident_shapes(cls, cfg: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
         """Every resident (non-routed-expert) tensor's shape, by checkpoint name, in load order."""
         H, V, D, F = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
-        q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+        q_rows, kv_rows = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
         shapes = {"model.embed_tokens.weight": (V, H)}
         for i in range(cfg.num_hidden_layers):
             p = LAYER.format(layer=i)
             shapes.update({
                 p + "input_layernorm.weight": (H,),
-                p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
-                p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+                p + "self_attn.q_proj.weight": (q_rows, H), p + "self_attn.k_proj.weight": (kv_rows, H),
+                p + "self_attn.v_proj.weight": (kv_rows, H), p + "self_attn.o_proj.weight": (H, q_rows),
                 p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,),
                 p + "post_attention_layernorm.weight": (H,),
             })
@@ -210,6 +211,7 @@ class Qwen3Moe(MoEModel):
                 h = h + self.moe(i, x, h, ids)
             else:
                 h = h + swiglu_mlp(x, *L.mlp)
+            record(i, l_out=h)  # the residual stream after layer i: the kit names the first layer that differs
         if last_only:
             h = h[-1:]
         return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head)  # (T, V)

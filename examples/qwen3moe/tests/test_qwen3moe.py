@@ -1,10 +1,11 @@
 """Qwen3-MoE against transformers' Qwen3MoeForCausalLM: the conformance kit on a tiny config with GQA,
 a head width other than hidden_size / heads, a dense layer between MoE layers, renormalised top-k
-and tied embeddings; and the choice of dense layers checked against transformers' own."""
+and tied embeddings, also read from a config.json in the released checkpoints' form; and the choice of
+dense layers checked against transformers' own."""
 import pytest
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from colibri_core.testing import ConformanceSuite
+from colibri_core.testing import DROP, ConformanceSuite
 from colibri_qwen3moe.model import Qwen3Moe
 
 TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -14,6 +15,9 @@ TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_h
 
 class TestTinyQwen3Moe(ConformanceSuite):
     hf_config = Qwen3MoeConfig(**TINY, mlp_only_layers=[1], norm_topk_prob=True, tie_word_embeddings=True)
+    # the released checkpoints' config.json says num_experts, and keeps rope_theta at the top level
+    config_variants = {"released": {"num_experts": TINY["num_experts"], "num_local_experts": DROP,
+                                    "rope_theta": 10000.0, "rope_scaling": None, "rope_parameters": DROP}}
 
 
 @pytest.mark.parametrize("mlp_only_layers, decoder_sparse_step", [([], 1), ([0, 3], 1), ([], 2), ([1], 2)])
