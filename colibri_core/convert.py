@@ -9,6 +9,8 @@ from .container import convert
 from .errors import ColibriError
 from .hookspecs import Architecture
 
+__all__ = ["convert_checkpoint"]
+
 
 def read_config(model_dir: str | Path) -> dict:
     path = Path(model_dir) / "config.json"

@@ -5,6 +5,8 @@ one line that says what is wrong and, where it can, what to do; the CLI prints i
 with status 1, never a traceback. Anything else escaping is a bug.
 """
 
+__all__ = ["ColibriError"]
+
 
 class ColibriError(Exception):
     """A problem the user can fix; `str(err)` is one line."""

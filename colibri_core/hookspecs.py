@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import pluggy
 
+__all__ = ["Architecture", "hookimpl"]
+
 hookspec = pluggy.HookspecMarker("colibri")
 hookimpl = pluggy.HookimplMarker("colibri")
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+__all__ = ["ContainerLayout", "ExpertNames"]
+
 PROJS = ("gate", "up", "down")  # storage order inside one expert's extent
 PRECISION = ("f32", "int8", "int4")  # most precise first
 

@@ -16,6 +16,8 @@ from .kv import State
 from .layout import ContainerLayout
 from .quant import QTensor, dequantize
 
+__all__ = ["MoEModel", "Weights", "linear", "linears", "embed"]
+
 if TYPE_CHECKING:
     from .layers.router import Router
 

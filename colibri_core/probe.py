@@ -24,6 +24,8 @@ from contextvars import ContextVar
 
 import numpy as np
 
+__all__ = ["record"]  # what a plugin may use (docs/plugins.md); the rest serves the core and the kit
+
 _listening: ContextVar[Probe | None] = ContextVar("colibri_probe", default=None)
 
 

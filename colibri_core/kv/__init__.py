@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+__all__ = ["State", "cache_arrays", "load_cache_arrays"]
+
 
 class State:
     """Base class of an architecture's per-sequence state."""

@@ -1,6 +1,8 @@
 """The key/value cache of one attention layer."""
 import numpy as np
 
+__all__ = ["KVCache", "Rows"]
+
 
 class KVCache:
     """Keys and values of every token seen so far, grown by doubling."""

@@ -5,6 +5,8 @@ from .. import kernels
 from ..kv.cache import KVCache
 from ..probe import timed
 
+__all__ = ["gqa_attention"]
+
 
 @timed("attention")
 def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, scale: float) -> np.ndarray:

@@ -24,6 +24,8 @@ from ..model import linear
 from .gated_attention import sigmoid
 from .norm import rms_norm_gated
 
+__all__ = ["DeltaNetDims", "DeltaNetState", "GatedDeltaNet"]
+
 
 def softplus(x: np.ndarray) -> np.ndarray:
     """log(1 + exp(x)) in float32, and x itself above 20 (as torch.nn.functional.softplus)."""

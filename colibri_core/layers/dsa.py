@@ -21,6 +21,8 @@ from ..model import linear
 from .mla import QUERY_BLOCK
 from .rope import apply_interleaved
 
+__all__ = ["Indexer"]
+
 
 def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
     """LayerNorm over the last axis (biased variance), float32. x (..., D)."""

@@ -19,6 +19,8 @@ from .attention import gqa_attention
 from .norm import rms_norm_zero_centred
 from .rope import apply_rotate_half
 
+__all__ = ["GatedAttention"]
+
 
 def apply_partial_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """x (T, heads, D) with rotate_half RoPE on its leading cos.shape[-1] dims; the rest unchanged.

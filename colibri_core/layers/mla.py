@@ -25,6 +25,8 @@ from ..quant import QTensor
 from .norm import rms_norm
 from .rope import apply_interleaved
 
+__all__ = ["MLA", "MLACache", "MLADims"]
+
 QUERY_BLOCK = 256  # queries attended at once (bounds the (heads, block, S) scores of a long prefill)
 
 

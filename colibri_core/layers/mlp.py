@@ -13,6 +13,8 @@ from ..kernels.reference import silu
 from ..model import linear
 from ..quant import QTensor
 
+__all__ = ["swiglu_mlp"]
+
 
 def swiglu_mlp(x: np.ndarray, gate, up, down) -> np.ndarray:
     """x (T, H) → (T, H). gate, up (I, H) and down (H, I): QTensors or float32 arrays."""

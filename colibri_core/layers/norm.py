@@ -3,6 +3,8 @@ import numpy as np
 
 from .. import kernels
 
+__all__ = ["rms_norm", "rms_norm_zero_centred", "rms_norm_gated"]
+
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis: x / sqrt(mean(x²) + eps) * weight.  x (..., D), weight (D,).

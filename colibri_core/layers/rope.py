@@ -3,6 +3,8 @@ import numpy as np
 
 from .. import kernels
 
+__all__ = ["Rope", "apply_rotate_half", "apply_interleaved"]
+
 
 class Rope:
     """Default RoPE for heads of width `dim`, computed in float32 as `transformers` does."""

@@ -21,6 +21,9 @@ import numpy as np
 from .. import kernels
 from ..model import linear
 
+__all__ = ["Router", "SoftmaxTopK", "SigmoidGroupTopK", "SqrtSoftplusTopK", "HashRouter",
+           "topk", "softmax_topk", "sigmoid_group_topk", "sqrt_softplus"]
+
 
 def topk(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest scores per row, largest first; ties go to the lower index. (T, E) → (T, k)."""

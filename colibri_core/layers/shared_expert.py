@@ -11,6 +11,8 @@ from ..model import linear
 from .gated_attention import sigmoid
 from .mlp import swiglu_mlp
 
+__all__ = ["shared_expert"]
+
 
 def shared_expert(x: np.ndarray, gate, up, down, expert_gate=None) -> np.ndarray:
     """x (T, H) → (T, H). gate, up (I, H) and down (H, I): QTensors or float32 arrays;

@@ -18,6 +18,8 @@ from typing import Callable
 
 from ..hookspecs import hookimpl
 
+__all__ = ["CachePolicy"]
+
 
 class CachePolicy:
     """Which cached expert of one MoE layer to evict. Subclass it and override what you need.
