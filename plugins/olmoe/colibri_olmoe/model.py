@@ -13,6 +13,7 @@ from functools import partial
 import numpy as np
 
 from colibri_core import kv
+from colibri_core.errors import ColibriError
 from colibri_core.kv.cache import KVCache
 from colibri_core.layers.attention import gqa_attention
 from colibri_core.layers.norm import rms_norm
@@ -41,9 +42,10 @@ class OlmoeConfig:
 
     @classmethod
     def from_hf(cls, c: dict) -> OlmoeConfig:
-        rope = c.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"OLMoE with rope_type {rope['rope_type']!r} is not supported")
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}  # released configs: rope_scaling
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ColibriError(f"OLMoE with rope_type {rope_type!r} is not supported (only default RoPE)")
         heads = c["num_attention_heads"]
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],

@@ -30,3 +30,17 @@ class TestTinyOlmoeWide(ConformanceSuite):
         norm_topk_prob=True, clip_qkv=3.0, initializer_range=0.1, max_position_embeddings=256,
     )
     config_variants = {"olmoe_1b_7b_0924": released_0924}
+
+
+def test_scaled_rope_in_a_released_config_is_refused_not_ignored():
+    """A released config.json says RoPE scaling in `rope_scaling`; OLMoE runs default RoPE only, so
+    linear or YaRN scaling is a one-line error rather than silently different positions."""
+    import pytest
+
+    from colibri_core.errors import ColibriError
+    from colibri_olmoe.model import OlmoeConfig as Parsed
+
+    config = released_0924(TestTinyOlmoe.hf_config.to_dict())
+    assert Parsed.from_hf(config).rope_theta == config["rope_theta"]
+    with pytest.raises(ColibriError, match="OLMoE with rope_type 'yarn' is not supported"):
+        Parsed.from_hf({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
