@@ -1,8 +1,11 @@
 """OLMoE against transformers' OlmoeForCausalLM: the conformance kit on two tiny configs that
 differ in dimensions, expert count and top-k (and one with GQA, clip_qkv and renormalised top-k)."""
+import pytest
 from transformers import OlmoeConfig
 
+from colibri_core.errors import ColibriError
 from colibri_core.testing import ConformanceSuite
+from colibri_olmoe.model import OlmoeConfig as Parsed
 
 
 def released_0924(config: dict) -> dict:
@@ -35,11 +38,6 @@ class TestTinyOlmoeWide(ConformanceSuite):
 def test_scaled_rope_in_a_released_config_is_refused_not_ignored():
     """A released config.json says RoPE scaling in `rope_scaling`; OLMoE runs default RoPE only, so
     linear or YaRN scaling is a one-line error rather than silently different positions."""
-    import pytest
-
-    from colibri_core.errors import ColibriError
-    from colibri_olmoe.model import OlmoeConfig as Parsed
-
     config = released_0924(TestTinyOlmoe.hf_config.to_dict())
     assert Parsed.from_hf(config).rope_theta == config["rope_theta"]
     with pytest.raises(ColibriError, match="OLMoE with rope_type 'yarn' is not supported"):
