@@ -42,6 +42,7 @@ def olmoe_layout(cfg: dict) -> ContainerLayout:
         keep_f32=(r"mlp\.gate\.weight$",),
         moe_layers=tuple(range(n_layers)),
         n_experts=cfg["num_experts"],
+        top_k=cfg["num_experts_per_tok"],
         hidden=cfg["hidden_size"],
         intermediate=cfg["intermediate_size"],
         experts=ExpertNames(

@@ -475,12 +475,13 @@ class Container:
         stored, magic, got_layer, got_expert = TRAILER.unpack_from(mv, n - TRAILER.size)
         if crc is None:
             crc = extent_crc(mv)
-        if magic != TRAILER_MAGIC or crc != stored or crc != self._layers[layer]["extent_crc32"][expert]:
-            raise ColibriError(f"corrupt expert data in {path} layer {layer} expert {expert}: checksum "
-                               f"mismatch; run `colibri doctor --model {self.path} --deep` and reconvert the model")
-        if (got_layer, got_expert) != (layer, expert):
+        whole = magic == TRAILER_MAGIC and crc == stored  # the extent agrees with its own trailer …
+        if whole and (got_layer, got_expert) != (layer, expert):  # … but is another expert's
             raise ColibriError(f"expert file {path} holds layer {got_layer} expert {got_expert} where "
                                f"layer {layer} expert {expert} belongs; reconvert the model")
+        if not whole or crc != self._layers[layer]["extent_crc32"][expert]:
+            raise ColibriError(f"corrupt expert data in {path} layer {layer} expert {expert}: checksum "
+                               f"mismatch; run `colibri doctor --model {self.path} --deep` and reconvert the model")
         shapes = [_proj_shape(p, self.hidden, self.intermediate) for p in PROJS]
         return tuple(quant.from_buffer(kind, rows, cols, mv, off)[0] for (rows, cols), off in zip(shapes, offsets))
 
