@@ -53,6 +53,8 @@ class ContainerLayout:
     # (layer, kind): that layer's experts are stored at least this precisely whatever --quant says
     # (f32 > int8 > int4), e.g. GLM's MTP layer keeps int8 experts in an int4 container
     expert_min_kind: tuple[tuple[int, str], ...] = field(default=())
+    # the experts' SwiGLU clamp: silu(min(gate x, L)) · clip(up x, -L, L) (DeepSeek V4: 10); None: none
+    swiglu_limit: float | None = None
 
     def stays_f32(self, name: str, ndim: int) -> bool:
         """True if resident tensor `name` is kept float32 (all 1-D tensors are)."""

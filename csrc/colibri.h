@@ -116,12 +116,13 @@ int threads_set(int n);
 // ----------------------------------------------------------------------------
 // expert_ffn.c — routed experts, fused
 
-// out = down( silu(gate x) * (up x) ), silu(a) = a / (1 + exp(-a)); the [n, inter] intermediate
-// lives in a scratch buffer owned by this call.
+// out = down( silu(min(gate x, limit)) * clamp(up x, -limit, limit) ), silu(a) = a / (1 + exp(-a));
+// limit > 0, INFINITY for the plain SwiGLU (DeepSeek V4 clamps at swiglu_limit = 10). The [n, inter]
+// intermediate lives in a scratch buffer owned by this call.
 // out: f32 [n, hidden] (written); gate, up: QMatrix [inter, hidden]; down: QMatrix [hidden, inter];
 // x: f32 [n, hidden]. Returns COLI_OK, COLI_EINVAL (shapes/kinds) or COLI_ENOMEM.
 int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix *down,
-               const float *x, int n, int act);
+               const float *x, int n, int act, float limit);
 
 // Many experts of one MoE layer in one call, each exactly as expert_ffn computes it.
 // Slots are the flat (token, rank) positions t * k + r of the (T, k) routing table `ids`.
@@ -129,11 +130,11 @@ int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix
 // x: f32 [T, hidden]; mats: 3 * n_experts matrices, gate, up, down of experts[e] at 3e, 3e+1, 3e+2;
 // ids: int64 [T, k] expert of each slot; experts: int64 [n_experts] (distinct).
 int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
-                int n_experts, const int64_t *ids, const int64_t *experts, int act);
+                int n_experts, const int64_t *ids, const int64_t *experts, int act, float limit);
 
 // The same with the slots already grouped: those of expert e are slots[start[e] .. start[e+1]).
 int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
-                      int n_experts, const int32_t *slots, const int32_t *start, int act);
+                      int n_experts, const int32_t *slots, const int32_t *start, int act, float limit);
 
 // out[t] = Σ_r weights[t, r] · outs[t, r], summed in rank order (out = o0 w0; out += o_r w_r).
 // out: f32 [T, hidden]; outs: f32 [T, k, hidden]; weights: f32 [T, k].

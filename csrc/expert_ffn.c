@@ -1,5 +1,6 @@
 // expert_ffn.c — routed experts' SwiGLU feed-forward, fused, many experts per call:
-//   out = down( silu(gate x) * (up x) ),  silu(a) = a / (1 + exp(-a)).
+//   out = down( silu(min(gate x, L)) * clamp(up x, -L, L) ),  silu(a) = a / (1 + exp(-a)),
+// L the clamp limit (DeepSeek V4's swiglu_limit; INFINITY: no clamp, the plain SwiGLU).
 //
 // One call runs every expert of an MoE layer that is ready (moe_experts), in two parallel phases:
 //   1. gate and up rows of every expert, for that expert's tokens, read together: the gated
@@ -16,6 +17,15 @@
 
 static float silu(float a) { return a / (1.0f + expf(-a)); }
 
+// silu(min(g, limit)) * clamp(u, -limit, limit); comparisons, so NaN stays NaN and limit = INFINITY
+// is exactly the unclamped product.
+static float swiglu(float g, float u, float limit) {
+    if (g > limit) g = limit;
+    if (u > limit) u = limit;
+    if (u < -limit) u = -limit;
+    return silu(g) * u;
+}
+
 typedef struct {
     const QMatrix *gate, *up, *down;
     int n;              // tokens routed to this expert
@@ -31,6 +41,7 @@ typedef struct {
 typedef struct {
     const Path *path;
     int act;
+    float limit;        // SwiGLU clamp (INFINITY: none)
     Expert *e;          // [n_experts]
     int n_experts;
     const Acts *x_acts; // [3]: x laid out per weight kind
@@ -63,7 +74,7 @@ static void gate_up_task(void *ctx, int task) {
             ru(e->up, r, a, e->tok, e->n, e->hrow);
         }
         for (int i = 0; i < e->n; i++) {
-            for (int r = r0; r < r1; r++) e->hrow[i][r] = silu(e->grow[i][r]) * e->hrow[i][r];
+            for (int r = r0; r < r1; r++) e->hrow[i][r] = swiglu(e->grow[i][r], e->hrow[i][r], m->limit);
         }
         return;
     }
@@ -71,7 +82,7 @@ static void gate_up_task(void *ctx, int task) {
         for (int i = 0; i < e->n; i++) {
             float g = dg(e->gate, r, a, e->tok[i]);
             float u = du(e->up, r, a, e->tok[i]);
-            e->h[(size_t)i * (size_t)inter + (size_t)r] = silu(g) * u;
+            e->h[(size_t)i * (size_t)inter + (size_t)r] = swiglu(g, u, m->limit);
         }
     }
 }
@@ -109,8 +120,10 @@ static int check_expert(const QMatrix *gate, const QMatrix *up, const QMatrix *d
 }
 
 int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
-                      int n_experts, const int32_t *slots, const int32_t *start, int act) {
-    if (T < 0 || k < 1 || hidden < 0 || n_experts < 0 || (act != ACT_F32 && act != ACT_Q8)) return COLI_EINVAL;
+                      int n_experts, const int32_t *slots, const int32_t *start, int act, float limit) {
+    if (T < 0 || k < 1 || hidden < 0 || n_experts < 0 || (act != ACT_F32 && act != ACT_Q8) || !(limit > 0)) {
+        return COLI_EINVAL;
+    }
     if (n_experts == 0) return COLI_OK;
     if (start[0] != 0) return COLI_EINVAL;
     long long nslots = (long long)T * k;
@@ -127,7 +140,7 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
         return COLI_OK;
     }
 
-    MoeJob m = {path_current(), act, NULL, n_experts, NULL, NULL};
+    MoeJob m = {path_current(), act, limit, NULL, n_experts, NULL, NULL};
     Acts x_acts[3];
     int have[3] = {0, 0, 0};
     int status = COLI_OK;
@@ -183,7 +196,7 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
     m.x_acts = x_acts;
     m.first = first;
 
-    // ---- phase 1: h = silu(gate x) * (up x), every expert
+    // ---- phase 1: h = silu(min(gate x, L)) * clamp(up x, ±L), every expert
     if (status == COLI_OK) {
         for (int e = 0; e < n_experts; e++) {
             first[e + 1] = first[e] + (ex[e].n > 0 && ex[e].gate->rows > 0 ? (ex[e].gate->rows + ex[e].per_up - 1) / ex[e].per_up : 0);
@@ -220,7 +233,7 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
 }
 
 int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix *down,
-               const float *x, int n, int act) {
+               const float *x, int n, int act, float limit) {
     if (n < 0 || gate == NULL) return COLI_EINVAL;
     if (check_expert(gate, up, down, gate->cols) != COLI_OK) return COLI_EINVAL;
     int32_t *slots = malloc(((size_t)n + 1) * sizeof *slots);
@@ -228,13 +241,13 @@ int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix
     for (int i = 0; i < n; i++) slots[i] = i;
     int32_t start[2] = {0, n};
     const QMatrix *mats[3] = {gate, up, down};
-    int status = moe_experts_slots(out, x, n, 1, gate->cols, mats, 1, slots, start, act);
+    int status = moe_experts_slots(out, x, n, 1, gate->cols, mats, 1, slots, start, act, limit);
     free(slots);
     return status;
 }
 
 int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
-                int n_experts, const int64_t *ids, const int64_t *experts, int act) {
+                int n_experts, const int64_t *ids, const int64_t *experts, int act, float limit) {
     if (T < 0 || k < 1 || n_experts < 0) return COLI_EINVAL;
     size_t nslots = (size_t)T * (size_t)k;
     int32_t *slots = malloc((nslots + 1) * sizeof *slots);
@@ -253,7 +266,7 @@ int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMa
         }
     }
     start[n_experts] = at;
-    int status = moe_experts_slots(outs, x, T, k, hidden, mats, n_experts, slots, start, act);
+    int status = moe_experts_slots(outs, x, T, k, hidden, mats, n_experts, slots, start, act, limit);
     free(slots);
     free(start);
     return status;

@@ -520,3 +520,31 @@ def test_softmax_topk_ties_go_to_the_lower_index_and_nan_never_gives_a_bad_id():
     assert sorted(ids[1]) == sorted(set(ids[1])) and ids[1].min() >= 0 and ids[1].max() < 5
     with pytest.raises(ValueError, match="k must be 1..5"):
         kernels.softmax_topk(logits, 6, False)
+
+
+@pytest.mark.parametrize("kind,act", MODES)
+def test_expert_ffn_swiglu_limit_clamps_gate_and_up(kind, act):
+    """DeepSeek V4's clamped SwiGLU: silu(min(g, L)) · clip(u, ±L). With L above every |g|, |u| it is
+    the plain SwiGLU bit for bit; with L inside their range it matches the reference (which clamps),
+    differs from the unclamped result, and moe_experts gives each slot exactly expert_ffn's row."""
+    rng = np.random.default_rng(15)
+    hidden, inter, T, k = 130, 63, 4, 2
+    gate, up, down = (random_weights(rng, inter, hidden, kind), random_weights(rng, inter, hidden, kind),
+                      random_weights(rng, hidden, inter, kind))
+    x = random_x(rng, T, hidden, scale=30.0)
+    g = reference.matmul(gate, x, act)
+    big = float(np.abs(np.concatenate([g, reference.matmul(up, x, act)])).max()) * 2
+    assert_same_bits(kernels.expert_ffn(gate, up, down, x, act, limit=big), kernels.expert_ffn(gate, up, down, x, act),
+                     "a limit nothing reaches")
+    limit = float(np.median(np.abs(g)))
+    y = kernels.expert_ffn(gate, up, down, x, act, limit=limit)
+    want = reference.expert_ffn(gate, up, down, x, act, limit=limit)
+    assert np.abs(y - want).max() <= 1e-4 * np.abs(want).max()
+    assert not np.allclose(y, kernels.expert_ffn(gate, up, down, x, act))
+    outs = np.zeros((T, k, hidden), np.float32)
+    ids = np.zeros((T, k), np.int64)
+    kernels.moe_experts(outs, x, ids, {0: (gate, up, down)}, act, limit=limit)
+    for r in range(k):
+        assert_same_bits(outs[:, r], y, "moe_experts vs expert_ffn")
+    with pytest.raises(ValueError, match="positive"):
+        kernels.expert_ffn(gate, up, down, x, act, limit=0.0)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 import os
 
 import numpy as np
@@ -175,8 +176,10 @@ def matmul_t(w: QTensor, x: np.ndarray) -> np.ndarray:
     return y
 
 
-def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: str | None = None) -> np.ndarray:
-    """``down(silu(gate x) * (up x))``, ``silu(a) = a / (1 + exp(-a))``, fused in one C call.
+def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: str | None = None,
+               limit: float | None = None) -> np.ndarray:
+    """``down(silu(min(gate x, limit)) * clip(up x, ±limit))``, ``silu(a) = a / (1 + exp(-a))``, fused
+    in one C call; limit None: the plain SwiGLU.
 
     gate, up: ``[I, H]``; down: ``[H, I]``, all of one kind; x float32 ``[n, H]`` -> float32 ``[n, H]``.
     """
@@ -187,12 +190,15 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: st
     out = np.zeros((n, gate.cols), np.float32)
     if n == 0 or gate.cols == 0:
         return out
-    _check(lib.expert_ffn(_floats(out, writable=True), gm, um, dm, _floats(x), n, _act_code(act)), "expert_ffn")
+    _check(lib.expert_ffn(_floats(out, writable=True), gm, um, dm, _floats(x), n, _act_code(act), _limit(limit)),
+           "expert_ffn")
     return out
 
 
-def moe_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, act: str | None = None) -> None:
-    """Every expert of `experts` ({expert id: (gate, up, down)}) in one C call.
+def moe_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, act: str | None = None,
+                limit: float | None = None) -> None:
+    """Every expert of `experts` ({expert id: (gate, up, down)}) in one C call, SwiGLU clamped at
+    `limit` as in `expert_ffn`.
 
     outs float32 ``(T, k, H)``, C-contiguous: ``outs[t, r] = expert_ffn(*experts[ids[t, r]], x[t])``
     for every slot (t, r) whose expert is in `experts`; other slots are left as they are.
@@ -218,7 +224,7 @@ def moe_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict,
         mats += (_qmatrix(gate, "gate"), _qmatrix(up, "up"), _qmatrix(down, "down"))
     status = lib.moe_experts(_floats(outs, writable=True), _floats(x), T, k, hidden, ffi.new("QMatrix *[]", mats),
                              len(keys), ffi.from_buffer("int64_t[]", ids), ffi.from_buffer("int64_t[]", keys),
-                             _act_code(act))
+                             _act_code(act), _limit(limit))
     if status == lib.COLI_EINVAL:
         for gate, up, down in experts.values():
             _check_expert(gate, up, down, hidden)
@@ -300,6 +306,15 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: fl
 
 # ----------------------------------------------------------------------------
 # Argument checks and conversion to C
+
+
+def _limit(limit: float | None) -> float:
+    """The C kernels' SwiGLU clamp: inf for none; a limit must be positive."""
+    if limit is None:
+        return math.inf
+    if not limit > 0:
+        raise ValueError(f"SwiGLU limit must be positive, got {limit!r}")
+    return float(limit)
 
 
 def _check_expert(gate: QTensor, up: QTensor, down: QTensor, hidden: int | None = None) -> None:

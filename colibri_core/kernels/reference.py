@@ -127,10 +127,13 @@ def silu(a: np.ndarray) -> np.ndarray:
         return a / (np.float32(1) + np.exp(-a))
 
 
-def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: str = "f32") -> np.ndarray:
-    """``down(silu(gate x) * (up x))``: x float32 ``[n, H]`` -> float32 ``[n, H]``;
-    gate, up ``[I, H]``, down ``[H, I]``."""
-    h = silu(matmul(gate, x, act)) * matmul(up, x, act)  # [n, I]
+def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: str = "f32",
+               limit: float = np.inf) -> np.ndarray:
+    """``down(silu(min(gate x, limit)) * clip(up x, -limit, limit))``: x float32 ``[n, H]`` -> float32
+    ``[n, H]``; gate, up ``[I, H]``, down ``[H, I]``; limit inf: the plain SwiGLU."""
+    lim = np.float32(limit)
+    g, u = matmul(gate, x, act), matmul(up, x, act)  # [n, I] each
+    h = silu(np.where(g > lim, lim, g)) * np.where(u > lim, lim, np.where(u < -lim, -lim, u))
     return matmul(down, h, act)
 
 

@@ -15,13 +15,14 @@ from ..probe import record, route, timed
 from .router import Router
 
 
-def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict) -> None:
+def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, limit: float | None = None) -> None:
     """Fill the slots of `experts` ({expert id: (gate, up, down)}) in outs (T, k, H).
 
-    outs[t, r] = FFN_{ids[t, r]}(x[t]) for every (t, r) routed to one of `experts`; each row is
-    computed independently of the others, so batching never changes a result.
+    outs[t, r] = FFN_{ids[t, r]}(x[t]) for every (t, r) routed to one of `experts` (SwiGLU, clamped at
+    `limit` if given); each row is computed independently of the others, so batching never changes a
+    result.
     """
-    kernels.moe_experts(outs, x, ids, experts)  # one C call: every expert, every slot, threads inside
+    kernels.moe_experts(outs, x, ids, experts, limit=limit)  # one C call: every expert, every slot, threads inside
 
 
 def combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -33,15 +34,17 @@ class MoE:
     """Every MoE layer of one model: its declared routers, the lookahead between them, the store.
 
     `routers` {layer: Router} in the order the forward pass runs them; `lookahead` {layer: the MoE
-    layer whose experts it predicts} (by default each layer's successor in `routers`).
+    layer whose experts it predicts} (by default each layer's successor in `routers`); `swiglu_limit`
+    the experts' SwiGLU clamp (`ContainerLayout.swiglu_limit`).
     """
 
-    def __init__(self, store, routers: dict[int, Router], lookahead: dict[int, int] | None = None):
+    def __init__(self, store, routers: dict[int, Router], lookahead: dict[int, int] | None = None,
+                 swiglu_limit: float | None = None):
         for layer, router in routers.items():
             if not isinstance(router, Router):
                 raise ColibriError(f"MoE layer {layer}: the model declared a {type(router).__name__}, not a colibri Router")
         layers = list(routers)
-        self.store, self.routers = store, routers
+        self.store, self.routers, self.swiglu_limit = store, routers, swiglu_limit
         self.lookahead = dict(zip(layers, layers[1:])) if lookahead is None else dict(lookahead)
 
     @timed("moe")
@@ -68,7 +71,7 @@ class MoE:
         T, k = ids.shape
         outs = np.zeros((T, k, xe.shape[1]), np.float32)  # (T, k, H): one slot per (token, rank)
         for ready in self.store.experts(layer, ids, predict=predict):  # {expert: (gate, up, down)}, resident first
-            run_experts(outs, xe, ids, ready)
+            run_experts(outs, xe, ids, ready, self.swiglu_limit)
         out = combine(outs, weights)  # (T, H)
         record(layer, ffn_moe_out=out)
         return out
