@@ -18,7 +18,7 @@ setup: $(BIN)/python
 setup-test: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]' -e plugins/olmoe -e plugins/glm52 -e plugins/qwen36 -e examples/qwen3moe
 
-# The bundled demo model (demo/colibri-demo-kjv) is the default when no --model is given.
+# The bundled demo model (colibri_core/demo/colibri-demo-kjv) is the default when no --model is given.
 run: setup
 	$(BIN)/colibri run --max-tokens 60 --temperature 0 "$(PROMPT)"
 

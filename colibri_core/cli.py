@@ -11,6 +11,7 @@ from typing import Optional
 
 import typer
 
+from .demo import demo_model
 from .errors import ColibriError
 from .plugins import SHIPPED_PLUGINS
 
@@ -28,8 +29,9 @@ PolicyOpt = typer.Option("lru", "--policy", help="Expert cache eviction policy: 
 StatsOpt = typer.Option(False, "--stats", help="After the stats line, print every expert-store counter.")
 
 
-# The trained demo model shipped in the repository (see README): the default without --model.
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "demo" / "colibri-demo-kjv"
+# The trained demo model shipped inside the colibri distribution (colibri_core/demo, found through
+# importlib.resources; see README): the default without --model.
+DEFAULT_MODEL = demo_model()
 
 
 def _model_dir(model: Optional[Path]) -> Path:
@@ -37,13 +39,17 @@ def _model_dir(model: Optional[Path]) -> Path:
         return model
     if (DEFAULT_MODEL / "colibri.yaml").is_file():
         return DEFAULT_MODEL
-    raise ColibriError("no model given: pass --model DIR or set COLIBRI_MODEL")
+    raise ColibriError(f"no model given: pass --model DIR or set COLIBRI_MODEL (the bundled demo model is "
+                       f"missing from {DEFAULT_MODEL}: reinstall colibri)")
 
 
 def _open(model, ram, cache_slots, **store):
     from .engine import load
 
-    return load(_model_dir(model), ram=ram, cache_slots=cache_slots, **store)
+    model_dir = _model_dir(model)
+    if model is None:  # the bundled demo is read-only package data: no routing history beside it
+        store.setdefault("usage", False)  # (it fits any sensible budget whole, so pinning has nothing to do)
+    return load(model_dir, ram=ram, cache_slots=cache_slots, **store)
 
 
 def store_report(engine) -> str:

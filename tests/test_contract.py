@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from colibri_core import load
+from colibri_core.demo import demo_model
 from colibri_core.errors import ColibriError
 from colibri_core.layers.moe import MoE
 from colibri_core.layers.router import HashRouter, SigmoidGroupTopK, SoftmaxTopK, SqrtSoftplusTopK
 
 STORE = Path(__file__).parents[1] / "colibri_core" / "store"
-DEMO = Path(__file__).parents[1] / "demo" / "colibri-demo-kjv"
+DEMO = demo_model()  # the bundled demo model (colibri_core/demo)
 # What the store must not know: the engine, the model and its layers, the plugin registry, the server.
 FORBIDDEN = ("colibri_core.engine", "colibri_core.model", "colibri_core.layers", "colibri_core.plugins",
              "colibri_core.generate", "colibri_core.server", "colibri_core.testing", "colibri_core.cli")

@@ -1,4 +1,4 @@
-"""The shipped demo model (demo/colibri-demo-kjv, trained by tools/train_demo.py): the conformance
+"""The shipped demo model (colibri_core/demo/colibri-demo-kjv, trained by tools/train_demo.py): the conformance
 checks that apply to a trained model — agreement with the transformers oracle loaded with its
 dequantised weights, and placement invariance — plus the default-model CLI path."""
 import numpy as np

@@ -12,7 +12,9 @@ import argparse
 import shutil
 from pathlib import Path
 
-DEMO = Path(__file__).parents[1] / "demo" / "colibri-demo-kjv"
+from colibri_core.demo import demo_model
+
+DEMO = demo_model()  # the bundled demo model (colibri_core/demo)
 VOCAB = 2048  # the demo tokenizer's
 
 

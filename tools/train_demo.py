@@ -2,7 +2,7 @@
 Bible (public domain; Debian's `bible-kjv-text`), with a byte-level BPE tokenizer.
 
     apt-get install bible-kjv-text            # the corpus (provides the `bible` reader)
-    python tools/train_demo.py demo/colibri-demo-kjv [--steps N]
+    python tools/train_demo.py colibri_core/demo/colibri-demo-kjv [--steps N]
 
 Deterministic: a fixed seed, fixed data order, one thread (so reductions never change order). Exports a Hugging Face directory
 (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a chat template,
