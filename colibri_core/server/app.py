@@ -28,6 +28,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -44,7 +45,9 @@ from .snapshot import Snapshot
 from .worker import Delta, End, Job, Params, QueueFull, Worker
 
 log = logging.getLogger("colibri.server")
-STATIC = Path(__file__).parent / "static"
+# The dashboard's files: package data (pyproject: package-data), found through importlib.resources;
+# installed as files, so a real directory StaticFiles can serve.
+STATIC = Path(str(resources.files(__package__) / "static"))
 CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "n_ctx")
 
 
