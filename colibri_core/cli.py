@@ -18,6 +18,20 @@ from .plugins import SHIPPED_PLUGINS
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Run Mixture-of-Experts language models larger than RAM, streaming experts from disk.")
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from . import plugins
+
+        print(plugins.versions_text())
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
+                                          help="Print colibri's version and every installed plugin's, then exit.")):
+    """Run Mixture-of-Experts language models larger than RAM, streaming experts from disk."""
+
 ModelOpt = typer.Option(None, "--model", "-m", envvar="COLIBRI_MODEL", help="Converted model directory [env: COLIBRI_MODEL; default: the bundled demo model].")
 RamOpt = typer.Option(None, "--ram", help="RAM budget for weights and expert cache, e.g. 4GB (default: 80% of available).")
 SlotsOpt = typer.Option(None, "--cache-slots", help="Expert cache slots per layer (overrides --ram).")
@@ -254,27 +268,44 @@ def convert(
 
 @app.command("plugins")
 def plugins_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
-    """List installed plugins: name, version, hooks, and the architectures each serves with the
-    config.json `architectures` and `model_type` values they answer to (imports no model code)."""
+    """List colibri's version, then the installed plugins: name, version, the colibri versions each
+    supports, hooks, and the architectures each serves with the config.json `architectures` and
+    `model_type` values they answer to; plugins not loaded and why (imports no model code)."""
     from . import plugins
 
     registry = plugins.registry()
-    rows = [{"name": p.distribution, "version": p.version, "hooks": p.hooks, "architectures": [
+    rows = [{"name": p.distribution, "version": p.version, "requires_colibri": p.requires, "loaded": True,
+             "error": None, "hooks": p.hooks, "architectures": [
                 {"name": a.name, "hf_architectures": list(a.hf_architectures), "model_types": list(a.model_types),
                  "model": a.model} for a in map(registry.architectures.get, p.architectures)]}
             for p in registry.plugins.values()]
-    if as_json:
-        print(json.dumps(rows, indent=2))
+    metadata = {p.distribution: p for p in plugins.installed()}
+    for name in registry.skipped:
+        rows.append({"name": name, "version": metadata[name].version if name in metadata else "?",
+                     "requires_colibri": metadata[name].requires if name in metadata else None, "loaded": False,
+                     "error": "left out by COLIBRI_LOAD_PLUGINS", "hooks": [], "architectures": []})
+    for name, (version, wanted, message) in registry.incompatible.items():
+        rows.append({"name": name, "version": version, "requires_colibri": wanted, "loaded": False,
+                     "error": message, "hooks": [], "architectures": []})
+    if as_json:  # the core first, as a row of its own (its hooks: the cache policies it registers)
+        core = {"name": "colibri", "version": plugins.core_version(), "requires_colibri": None, "loaded": True,
+                "error": None, "hooks": ["colibri_register_cache_policies"], "architectures": []}
+        print(json.dumps([core, *rows], indent=2))
         return
+    print(f"colibri {plugins.core_version()}")
     if not rows:
         print("no plugins installed (colibri install colibri-olmoe)")
     for r in rows:
-        print(f"{r['name']} {r['version']}: hooks {', '.join(r['hooks'])}")
+        supports = f"supports colibri {r['requires_colibri']}" if r["requires_colibri"] else "supports any colibri"
+        if not r["loaded"]:
+            print(f"{r['name']} {r['version']}: not loaded: "
+                  + ("COLIBRI_LOAD_PLUGINS leaves it out" if r["error"].startswith("left out") else
+                     f"{supports}, not this colibri {plugins.core_version()}"))
+            continue
+        print(f"{r['name']} {r['version']}: hooks {', '.join(r['hooks'])}; {supports}")
         for a in r["architectures"]:
             print(f"  {a['name']}: architectures {', '.join(a['hf_architectures']) or '-'}; "
                   f"model_type {', '.join(a['model_types']) or '-'}")
-    for name in registry.skipped:
-        print(f"{name}: not loaded (COLIBRI_LOAD_PLUGINS)")
 
 
 @app.command()
@@ -284,22 +315,45 @@ def install(
     editable: bool = typer.Option(False, "--editable", "-e", help="Install a plugin directory in development "
                                   "mode (pip install -e): edits to its source count without reinstalling."),
 ):
-    """Install a plugin with pip into colibri's own environment."""
+    """Install a plugin with pip into colibri's own environment: a plugin directory, a wheel, or a
+    shipped plugin by name (from its directory in a source checkout of colibri, else from pip's
+    configured index and find-links). This colibri is kept as it is: a plugin whose supported
+    colibri versions leave it out is refused, never a reason to change colibri."""
     from . import plugins
 
     path = Path(target)
-    if not path.exists():
-        if "/" in target or target.startswith(".") or target.endswith(".whl"):
-            raise ColibriError(f"{target}: no such plugin directory or wheel")
-        path = plugins.shipped_plugin(target)  # an unknown name: one line naming the shipped plugins
+    if path.is_dir():
+        if not any((path / f).is_file() for f in ("pyproject.toml", "setup.py")):
+            raise ColibriError(f"{target}: not a plugin directory (it has no pyproject.toml)")
+    elif path.is_file():
+        if editable:
+            raise ColibriError(f"--editable needs a plugin directory (with a pyproject.toml), not {target}")
+        plugins.check_wheel(path)  # a wheel that is no colibri plugin, or not for this colibri: one line
+    elif "/" in target or target.startswith(".") or target.endswith(".whl"):
+        raise ColibriError(f"{target}: no such plugin directory or wheel")
+    else:
+        name = plugins.shipped_name(target)  # an unknown name: one line naming the shipped plugins
+        path = plugins.shipped_plugin(name)
         if path is None and editable:
-            raise ColibriError(f"--editable needs a plugin directory: {target}'s source is not beside this colibri")
-    if editable and not (path / "pyproject.toml").is_file():
-        raise ColibriError(f"--editable needs a plugin directory (with a pyproject.toml), not {target}")
+            raise ColibriError(f"--editable needs a plugin directory: {name}'s source is not beside this colibri")
+        target = name
     spec = target if path is None else str(path.resolve())
-    rc = subprocess.call([sys.executable, "-m", "pip", "install", *(["-e"] if editable else []), spec])
+    rc = subprocess.call([sys.executable, "-m", "pip", "install", *(["-e"] if editable else []), spec,
+                          *plugins.core_pin()])
     if rc:
         raise ColibriError(f"pip could not install {target} (exit status {rc})")
+
+
+@app.command()
+def uninstall(name: str = typer.Argument(..., help="An installed plugin: its distribution or entry-point name "
+                                                   "(as `colibri plugins` lists it).")):
+    """Remove an installed plugin from colibri's own environment with pip."""
+    from . import plugins
+
+    dist = plugins.installed_name(name)  # not installed: one line naming those that are
+    rc = subprocess.call([sys.executable, "-m", "pip", "uninstall", "--yes", dist])
+    if rc:
+        raise ColibriError(f"pip could not uninstall {dist} (exit status {rc})")
 
 
 @app.command()
@@ -416,7 +470,11 @@ def main() -> None:
     try:
         from . import plugins
 
-        plugins.registry().call_commands(app)
+        try:
+            plugins.registry().call_commands(app)
+        except ColibriError:  # a broken plugin: the commands that repair or report still run
+            if sys.argv[1:2] not in (["install"], ["uninstall"], ["--version"], ["-V"]):
+                raise
         app()
     except ColibriError as e:
         print(f"colibri: error: {e}", file=sys.stderr)

@@ -55,6 +55,13 @@ class ContainerLayout:
     expert_min_kind: tuple[tuple[int, str], ...] = field(default=())
     # the experts' SwiGLU clamp: silu(min(gate x, L)) · clip(up x, -L, L) (DeepSeek V4: 10); None: none
     swiglu_limit: float | None = None
+    # the experts' gated unit: "swiglu" (silu(gate x) · up x) or "situ" (Kimi K3's SiTU-GLU,
+    # 4 tanh(g/4) σ(g) · 25 tanh(u/25); colibri_core.layers.situ)
+    expert_activation: str = "swiglu"
+    # resident tensors a checkpoint may hold under another name: (name, other name, first row, end row),
+    # the rows a slice of the other tensor's first axis (None, None: all of it). Used when `name` itself
+    # is absent, e.g. Kimi-Linear's q/k/v convs stacked into one conv1d by transformers' fused save
+    aliases: tuple[tuple[str, str, int | None, int | None], ...] = field(default=())
 
     def stays_f32(self, name: str, ndim: int) -> bool:
         """True if resident tensor `name` is kept float32 (all 1-D tensors are)."""
@@ -66,3 +73,7 @@ class ContainerLayout:
 
     def ignored(self, name: str) -> bool:
         return any(re.search(p, name) for p in self.ignore)
+
+    def sources(self, name: str) -> list[tuple[str, int | None, int | None]]:
+        """Where resident tensor `name` may be found: itself, then its aliases, in order."""
+        return [(name, None, None)] + [(other, a, b) for n, other, a, b in self.aliases if n == name]

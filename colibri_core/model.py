@@ -158,5 +158,6 @@ class MoEModel:
         if self._moe is None:
             from .layers.moe import MoE  # the layers import this module's helpers
 
-            self._moe = MoE(self.store, self.routers(), self.lookahead(), self.layout(self.cfg).swiglu_limit)
+            layout = self.layout(self.cfg)
+            self._moe = MoE(self.store, self.routers(), self.lookahead(), layout.swiglu_limit, layout.expert_activation)
         return self._moe(layer, x, residual, token_ids, expert_input)

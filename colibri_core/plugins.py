@@ -4,21 +4,34 @@ validation of registrations, and resolving a model directory's ``config.json`` t
 - ``COLIBRI_LOAD_PLUGINS=a,b`` loads only the named plugins (entry-point or distribution names);
   set but empty, it loads none: the escape hatch from a broken plugin.
 - ``COLIBRI_TRACE_PLUGINS=1`` prints every hook call with its arguments and results on stderr.
+
+A plugin declares the colibri versions it supports as its distribution's requirement on
+``colibri`` (``dependencies = ["colibri>=0.1,<0.2"]``); one whose range leaves out this colibri is
+not imported, and a model it would serve is a one-line error naming the plugin, its range and this
+version (`colibri plugins` lists it as not loaded).
 """
 from __future__ import annotations
 
 import dataclasses
+import email.parser
 import importlib
 import os
 import re
 import sys
+import types
+import zipfile
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, entry_points
+from importlib.metadata import version as dist_version
 from pathlib import Path
 
 import pluggy
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
-from . import hookspecs
+from . import __version__, hookspecs
 from .errors import ColibriError
 from .hookspecs import Architecture
 
@@ -39,15 +52,136 @@ KNOWN_PLUGINS = {
 REPOSITORY = Path(__file__).resolve().parent.parent  # a source checkout's root (SHIPPED_PLUGINS are below it)
 
 
+def core_version() -> str:
+    """This colibri's version: its distribution's (what pip sees), else the package's own."""
+    try:
+        return dist_version("colibri")
+    except PackageNotFoundError:  # colibri_core imported from a source tree that was never installed
+        return __version__
+
+
+def shipped_name(name: str) -> str:
+    """The shipped plugin distribution `name` stands for (`colibri-glm52`, `colibri_glm52` or just
+    `glm52`); a ColibriError naming the shipped plugins if it is none of them."""
+    dist = canonicalize_name(name)
+    for candidate in (dist, f"colibri-{dist}"):
+        if candidate in SHIPPED_PLUGINS:
+            return candidate
+    raise ColibriError(f"unknown plugin {name!r}: colibri ships {', '.join(SHIPPED_PLUGINS)}; "
+                       f"to install another, give its directory or wheel")
+
+
 def shipped_plugin(name: str) -> Path | None:
     """The directory of shipped plugin `name` in this source checkout (None when colibri was installed
-    without its source); a ColibriError naming the shipped plugins if `name` is none of them."""
-    dist = re.sub(r"[-_.]+", "-", name).lower()
-    if dist not in SHIPPED_PLUGINS:
-        raise ColibriError(f"unknown plugin {name!r}: colibri ships {', '.join(SHIPPED_PLUGINS)}; "
-                           f"to install another, give its directory or wheel")
-    path = REPOSITORY / SHIPPED_PLUGINS[dist]
+    without its source, from a wheel); a ColibriError naming the shipped plugins if `name` is none of them."""
+    path = REPOSITORY / SHIPPED_PLUGINS[shipped_name(name)]
     return path if (path / "pyproject.toml").is_file() else None
+
+
+def supported_range(dist) -> str | None:
+    """The colibri versions distribution `dist` (importlib.metadata) declares it supports, as a
+    specifier string ('' for any version), or None when it does not depend on colibri at all."""
+    for line in dist.requires or []:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if canonicalize_name(req.name) == "colibri" and (req.marker is None or req.marker.evaluate({"extra": ""})):
+            return ",".join(sorted(map(str, req.specifier), key=lambda c: (not c.startswith(">"), c)))  # lower bound first
+    return None
+
+
+def version_problem(dist, core: str | None = None) -> str | None:
+    """Why plugin distribution `dist` cannot run on this colibri (or on version `core`), in words; None if it can."""
+    wanted = supported_range(dist)
+    core = core or core_version()
+    if not wanted or SpecifierSet(wanted).contains(Version(core), prereleases=True):
+        return None
+    return f"supports colibri {wanted}, not this colibri {core}"
+
+
+def core_pin() -> list[str]:
+    """What pip is given beside a plugin so that installing it never changes colibri: this
+    colibri's exact version, when it is installed as a distribution pip knows."""
+    try:
+        return [f"colibri=={dist_version('colibri')}"]
+    except PackageNotFoundError:
+        return []
+
+
+def check_wheel(path: Path) -> None:
+    """A ColibriError (one line) unless `path` is a wheel of a colibri plugin that supports this colibri."""
+    if path.suffix != ".whl":
+        raise ColibriError(f"{path}: not a wheel (.whl) or a plugin directory")
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+            metadata = [n for n in names if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
+            if len(metadata) != 1:
+                raise ColibriError(f"{path}: not a wheel (no .dist-info/METADATA)")
+            meta = email.parser.Parser().parsestr(z.read(metadata[0]).decode("utf-8"))
+            ep_file = metadata[0].replace("METADATA", "entry_points.txt")
+            groups = z.read(ep_file).decode("utf-8").split() if ep_file in names else []
+    except (zipfile.BadZipFile, OSError, UnicodeDecodeError) as e:
+        raise ColibriError(f"{path}: not a readable wheel ({e})") from e
+    dist = f"{meta['Name']} {meta['Version']}"
+    if "[colibri]" not in groups:
+        raise ColibriError(f"{path}: {dist} is not a colibri plugin (no entry point in the group colibri)")
+    problem = version_problem(types.SimpleNamespace(requires=meta.get_all("Requires-Dist") or []))
+    if problem:
+        raise ColibriError(f"{path}: {dist} {problem}")
+
+
+@dataclass
+class Installed:
+    """An installed plugin distribution as its metadata describes it (nothing imported)."""
+    distribution: str
+    version: str
+    names: list[str]  # its entry points in the group ``colibri``
+    requires: str | None  # the colibri versions it supports ('' any; None: it names no colibri)
+    problem: str | None  # why it cannot run on this colibri, or None
+
+
+def installed() -> list[Installed]:
+    """Every installed distribution with an entry point in the group ``colibri``, by name."""
+    found: dict[str, Installed] = {}
+    for ep in entry_points(group="colibri"):
+        if ep.dist is None:
+            continue
+        key = canonicalize_name(ep.dist.name)
+        if key not in found:  # the first on sys.path is the one imported
+            found[key] = Installed(ep.dist.name, ep.dist.version, [], supported_range(ep.dist), version_problem(ep.dist))
+        if ep.name not in found[key].names:
+            found[key].names.append(ep.name)
+    return sorted(found.values(), key=lambda i: canonicalize_name(i.distribution))
+
+
+def installed_name(name: str) -> str:
+    """The installed plugin distribution `name` stands for (its distribution or entry-point name);
+    a ColibriError naming the installed plugins if it is none of them."""
+    want = canonicalize_name(name)
+    if want == "colibri":
+        raise ColibriError("colibri uninstall removes plugins; to remove colibri itself: "
+                           f"{Path(sys.executable).name} -m pip uninstall colibri")
+    plugins = installed()
+    for p in plugins:
+        if want in (canonicalize_name(p.distribution), *(canonicalize_name(n) for n in p.names)):
+            return p.distribution
+    listed = ", ".join(p.distribution for p in plugins) or "none"
+    raise ColibriError(f"no installed plugin is called {name!r} (installed: {listed})")
+
+
+def versions_text() -> str:
+    """`colibri --version`: this colibri's version, then each installed plugin's and the colibri
+    versions it supports (read from metadata: nothing is imported)."""
+    import platform
+
+    lines = [f"colibri {core_version()} (Python {platform.python_version()}, {Path(__file__).resolve().parent})"]
+    for p in installed():
+        supports = "any colibri" if not p.requires else f"colibri {p.requires}"
+        lines.append(f"{p.distribution} {p.version} (supports {supports})"
+                     + (f": not loaded: {p.problem}" if p.problem else ""))
+    return "\n".join(lines)
 
 
 @dataclass
@@ -58,6 +192,7 @@ class PluginInfo:
     module: object
     architectures: list[str] = field(default_factory=list)
     hooks: list[str] = field(default_factory=list)
+    requires: str | None = None  # the colibri versions it supports ('' any; None: it names no colibri)
 
 
 class Registry:
@@ -69,6 +204,9 @@ class Registry:
         self.plugins: dict[str, PluginInfo] = {}
         self.architectures: dict[str, Architecture] = {}
         self.skipped: list[str] = []  # installed plugins left out by COLIBRI_LOAD_PLUGINS
+        # installed plugins whose supported colibri versions leave this one out (never imported):
+        # distribution -> (version, declared range, the one-line error that names them)
+        self.incompatible: dict[str, tuple[str, str, str]] = {}
         self._policies = None  # name -> PolicyInfo, collected on first use
         from .store import policies  # the core's own cache policies, registered like a plugin's
 
@@ -88,6 +226,12 @@ class Registry:
             if allowed is not None and ep.name not in allowed and dist not in allowed:
                 self.skipped.append(dist)
                 continue
+            problem = version_problem(ep.dist) if ep.dist else None
+            if problem:  # checked before its import: its code may need what this colibri lacks
+                self.incompatible[dist] = (version, supported_range(ep.dist), (
+                    f"plugin {dist} {version} {problem}: install a matching version "
+                    f"(colibri install {dist}) or leave it out with COLIBRI_LOAD_PLUGINS"))
+                continue
             try:
                 module = ep.load()
             except Exception as e:  # a broken plugin names itself, and how to get past it
@@ -96,6 +240,7 @@ class Registry:
                     f"(set COLIBRI_LOAD_PLUGINS to load only the others)"
                 ) from e
             self.add(ep.name, dist, version, module)
+            self.plugins[ep.name].requires = supported_range(ep.dist) if ep.dist else None
 
     def add(self, name: str, distribution: str, version: str, module: object) -> None:
         """Register one plugin module (tests use this to add plugins by hand)."""
@@ -155,10 +300,15 @@ class Registry:
                 return arch
         what = f"{'/'.join(names) or '?'} (model_type {model_type or '?'})"
         hint = KNOWN_PLUGINS.get(model_type or "")
+        if hint and hint in self.incompatible:
+            raise ColibriError(f"{where}: {what} is served by {self.incompatible[hint][2]}")
         if hint and hint in self.skipped:
             raise ColibriError(f"{where}: {what} is served by plugin {hint}, which COLIBRI_LOAD_PLUGINS leaves out")
         if hint:
             raise ColibriError(f"{where}: no installed plugin serves {what}: install it with `colibri install {hint}`")
+        if self.incompatible:  # one of them may be the one: say so
+            not_loaded = "; ".join(m for _, _, m in self.incompatible.values())
+            raise ColibriError(f"{where}: no loaded plugin serves {what} (not loaded: {not_loaded})")
         raise ColibriError(f"{where}: no installed plugin serves {what}, and colibri knows no plugin for it")
 
     def model_class(self, arch: Architecture):

@@ -205,6 +205,7 @@ def test_install_runs_pip_in_colibri_environment(monkeypatch, args, want):
     """A shipped plugin's name installs its directory in this checkout; pip runs with colibri's python."""
     from typer.testing import CliRunner
 
+    import colibri_core
     from colibri_core import cli
 
     calls = []
@@ -212,4 +213,4 @@ def test_install_runs_pip_in_colibri_environment(monkeypatch, args, want):
     monkeypatch.chdir(REPO)
     r = CliRunner().invoke(cli.app, ["install", *args])
     assert r.exit_code == 0, r.output
-    assert calls == [[sys.executable, "-m", "pip", "install", *want]]
+    assert calls == [[sys.executable, "-m", "pip", "install", *want, f"colibri=={colibri_core.__version__}"]]

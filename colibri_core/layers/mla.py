@@ -99,12 +99,14 @@ class MLA:
         cache.latent.append(rms_norm(ckv[:, : d.kv_lora_rank], self.kv_a_norm, d.norm_eps))
         cache.k_rope.append(apply_interleaved(ckv[:, None, d.kv_lora_rank:], cos, sin)[:, 0])
 
-    def attend(self, q_nope: np.ndarray, q_rope: np.ndarray, cache: MLACache, keep: np.ndarray | None = None):
+    def attend(self, q_nope: np.ndarray, q_rope: np.ndarray, cache: MLACache, keep: np.ndarray | None = None,
+               gate: np.ndarray | None = None):
         """Causal attention of the last T cached tokens' queries over the whole cache → (T, H_model).
 
         q_nope (T, heads, nope), q_rope (T, heads, r); `keep` (T, S) bool: the keys each query may
         see (a sparse selection, e.g. DSA's); None: every key (dense attention). Future keys are
-        always masked. With `keep` all True the result is bit-identical to `keep=None`.
+        always masked. With `keep` all True the result is bit-identical to `keep=None`. `gate` (T,
+        heads·v): the heads' outputs are multiplied by it before o_proj (Kimi K3's sigmoid output gate).
         """
         d = self.d
         T = q_nope.shape[0]
@@ -115,7 +117,8 @@ class MLA:
             b = min(T, a + QUERY_BLOCK)
             out[a:b] = self._attend_block(q_nope[a:b], q_rope[a:b], latent, k_rope, S - T + a,
                                           None if keep is None else keep[a:b])
-        return linear(out.reshape(T, d.heads * d.v_head_dim), self.o_proj)
+        out = out.reshape(T, d.heads * d.v_head_dim)
+        return linear(out if gate is None else out * gate, self.o_proj)
 
     def _attend_block(self, q_nope, q_rope, latent, k_rope, start: int, keep) -> np.ndarray:
         """Queries at positions start … start + n over keys (S, ·) → per-head values (n, heads, v)."""

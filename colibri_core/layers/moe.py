@@ -25,6 +25,18 @@ def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict,
     kernels.moe_experts(outs, x, ids, experts, limit=limit)  # one C call: every expert, every slot, threads inside
 
 
+def run_situ_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, limit: float | None = None) -> None:
+    """`run_experts` with Kimi K3's SiTU-GLU instead of SwiGLU (`layers.situ`; no clamp). Each expert
+    runs on all its tokens at once, as the fused kernel does, so placement never changes a result;
+    the matrix products are the C kernels', the gated unit NumPy."""
+    from .situ import situ_mlp
+
+    for e, (gate, up, down) in experts.items():
+        t, r = np.nonzero(ids == e)
+        if len(t):
+            outs[t, r] = situ_mlp(np.ascontiguousarray(x[t]), gate, up, down)
+
+
 def combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Σ_rank weights[t, r] · outs[t, r], summed in rank order. outs (T, k, H), weights (T, k) → (T, H)."""
     return kernels.moe_combine(outs, weights)  # one C call, the same float32 operations as NumPy's
@@ -35,16 +47,20 @@ class MoE:
 
     `routers` {layer: Router} in the order the forward pass runs them; `lookahead` {layer: the MoE
     layer whose experts it predicts} (by default each layer's successor in `routers`); `swiglu_limit`
-    the experts' SwiGLU clamp (`ContainerLayout.swiglu_limit`).
+    the experts' SwiGLU clamp (`ContainerLayout.swiglu_limit`); `activation` their gated unit
+    (`ContainerLayout.expert_activation`: "swiglu", or "situ", Kimi K3's SiTU-GLU).
     """
 
     def __init__(self, store, routers: dict[int, Router], lookahead: dict[int, int] | None = None,
-                 swiglu_limit: float | None = None):
+                 swiglu_limit: float | None = None, activation: str = "swiglu"):
         for layer, router in routers.items():
             if not isinstance(router, Router):
                 raise ColibriError(f"MoE layer {layer}: the model declared a {type(router).__name__}, not a colibri Router")
         layers = list(routers)
+        if activation not in ("swiglu", "situ"):
+            raise ColibriError(f"unknown expert activation {activation!r} (colibri runs 'swiglu' and 'situ')")
         self.store, self.routers, self.swiglu_limit = store, routers, swiglu_limit
+        self.run = run_experts if activation == "swiglu" else run_situ_experts
         self.lookahead = dict(zip(layers, layers[1:])) if lookahead is None else dict(lookahead)
 
     @timed("moe")
@@ -71,7 +87,7 @@ class MoE:
         T, k = ids.shape
         outs = np.zeros((T, k, xe.shape[1]), np.float32)  # (T, k, H): one slot per (token, rank)
         for ready in self.store.experts(layer, ids, predict=predict):  # {expert: (gate, up, down)}, resident first
-            run_experts(outs, xe, ids, ready, self.swiglu_limit)
+            self.run(outs, xe, ids, ready, self.swiglu_limit)
         out = combine(outs, weights)  # (T, H)
         record(layer, ffn_moe_out=out)
         return out
