@@ -161,6 +161,12 @@ class _Plan:
     resident: list[tuple[str, str, tuple[int, ...]]]  # (name, kind, logical shape); kind ARRAY or a quant kind
     form: str  # "per_expert" | "fused"
     names: dict[str, str]  # expert name patterns of that form
+    sources: dict[str, tuple[str, int | None, int | None]] = dataclasses.field(default_factory=dict)  # aliases read
+
+    def read_resident(self, ckpt: Checkpoint, name: str) -> np.ndarray:
+        """Resident tensor `name` as float32, from the checkpoint tensor (or rows of it) that holds it."""
+        src, first, end = self.sources.get(name, (name, None, None))
+        return ckpt.read_f32(src) if first is None else ckpt.read_f32(src, first, end - first)
 
     def expert_weights(self, ckpt: Checkpoint, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [I, H], up [I, H], down [H, I]) of one expert, float32."""
@@ -185,7 +191,10 @@ def _plan(ckpt: Checkpoint, layout: ContainerLayout, architecture: str, quant: s
             patterns = {"gate_up": names.fused_gate_up, "down": names.fused_down}
         else:
             patterns = {p: names.per_expert[p] for p in PROJS}
-        expected: dict[str, tuple[int, ...] | None] = dict.fromkeys(layout.resident)
+        # each resident tensor under its own name, else under the first alias the checkpoint holds
+        sources = {name: next(((src, a, b) for src, a, b in layout.sources(name) if src in ckpt.where),
+                              (name, None, None)) for name in layout.resident}
+        expected: dict[str, tuple[int, ...] | None] = dict.fromkeys(src for src, _, _ in sources.values())
         for layer in layout.moe_layers:
             if fused:
                 expected[patterns["gate_up"].format(layer=layer)] = (E, 2 * I, H)
@@ -219,9 +228,16 @@ def _plan(ckpt: Checkpoint, layout: ContainerLayout, architecture: str, quant: s
                                f"expects {list(shape)} (experts {E}, hidden {H}, intermediate {I}): {ckpt.path}")
     resident = []
     for name in layout.resident:
-        shape = ckpt.shape(name)
+        src, first, end = sources[name]
+        shape = ckpt.shape(src)
+        if first is not None:
+            if not (shape and 0 <= first < end <= shape[0]):
+                raise ColibriError(f"tensor {src} has shape {list(shape)}: it cannot hold rows {first}..{end} as "
+                                   f"{name} (architecture {architecture}): {ckpt.path}")
+            shape = (end - first, *shape[1:])
         resident.append((name, ARRAY if layout.stays_f32(name, len(shape)) else quant, shape))
-    return _Plan(architecture, quant, layout, resident, "fused" if fused else "per_expert", patterns)
+    return _Plan(architecture, quant, layout, resident, "fused" if fused else "per_expert", patterns,
+                 {n: s for n, s in sources.items() if s != (n, None, None)})
 
 
 def _layout_digest(layout: ContainerLayout) -> str:
@@ -269,7 +285,7 @@ def _write_resident(ckpt: Checkpoint, plan: _Plan, path: Path, bar) -> dict:
     out = _CrcWriter(path)
     out.write(len(head).to_bytes(8, "little") + head)
     for name, kind, shape in plan.resident:
-        w = ckpt.read_f32(name)
+        w = plan.read_resident(ckpt, name)
         if kind == ARRAY:
             arrays = [w]
         else:
