@@ -41,6 +41,7 @@ SHIPPED_PLUGINS = {
     "colibri-olmoe": "plugins/olmoe",
     "colibri-glm52": "plugins/glm52",
     "colibri-qwen36": "plugins/qwen36",
+    "colibri-kimi-k3": "plugins/kimi_k3",
 }
 # The shipped plugin serving each config.json model_type, named when no installed plugin serves a model.
 KNOWN_PLUGINS = {
@@ -48,6 +49,8 @@ KNOWN_PLUGINS = {
     "glm_moe_dsa": "colibri-glm52",
     "qwen3_5_moe": "colibri-qwen36",
     "qwen3_5_moe_text": "colibri-qwen36",
+    "kimi_linear": "colibri-kimi-k3",
+    "kimi_k3": "colibri-kimi-k3",
 }
 REPOSITORY = Path(__file__).resolve().parent.parent  # a source checkout's root (SHIPPED_PLUGINS are below it)
 
