@@ -7,6 +7,14 @@
 //         (a padding high nibble for odd cols holds 8, i.e. q = 0);
 //         scales float16 bits [rows, ceil(cols/64)], one per group of 64 columns
 //         (the last group of a row may be shorter); w = q * float32(scale).
+//   fp8:  (DeepSeek V3/V4 dense weights, loaded as they are) data uint8 [rows, cols], float8 e4m3fn
+//         bytes (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; 0x7f/0xff NaN);
+//         scales uint8 [ceil(rows/128), ceil(cols/128)], one UE8M0 byte s per 128x128 block;
+//         w = e4m3(q) * 2^(s - 127) (s = 255: NaN).
+//   fp4:  (DeepSeek V4 routed experts, loaded as they are) data uint8 [rows, ceil(cols/2)], E2M1
+//         nibbles (bit 3 the sign; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), even column in the low
+//         nibble; scales uint8 [rows, ceil(cols/32)], one UE8M0 byte per 32 columns;
+//         w = e2m1(q) * 2^(s - 127).
 // Matrices are row-major [rows, cols] = [out, in]; activations are float32 row-major [n, dim].
 //
 // Activations reach the quantised products in one of two arithmetics (`act`):
@@ -14,7 +22,7 @@
 //            the transformers oracle computes (up to the order of the additions);
 //   ACT_Q8:  activations quantised to int8 per block of 64 (scale = absmax/127, round half to
 //            even), integer dot products per block, then float32 scaling — the fast mode, an
-//            explicit option (f32 weights always use ACT_F32).
+//            explicit option (f32, fp8 and fp4 weights always use ACT_F32).
 //
 // Determinism: each output element is reduced by one thread in one fixed order (matmul.c states
 // it exactly), the same in the portable, AVX2 and AVX-512 code paths, so a result depends only on
@@ -36,7 +44,12 @@ enum {
     QKIND_F32 = 0,
     QKIND_INT8 = 1,
     QKIND_INT4 = 2,
+    QKIND_FP8 = 3,
+    QKIND_FP4 = 4,
+    QKIND_COUNT = 5,  // number of kinds
     INT4_GROUP = 64,  // columns per int4 scale group
+    FP8_BLOCK = 128,  // rows and columns per fp8 scale block
+    FP4_GROUP = 32,   // columns per fp4 scale group
 };
 
 enum {
@@ -55,11 +68,13 @@ enum {
 
 // A (possibly quantised) weight matrix [rows, cols]; the arrays are borrowed, never copied.
 typedef struct {
-    int kind;            // QKIND_F32 | QKIND_INT8 | QKIND_INT4
+    int kind;            // QKIND_F32 | QKIND_INT8 | QKIND_INT4 | QKIND_FP8 | QKIND_FP4
     int rows;            // output dimension
     int cols;            // input dimension
-    const void *data;    // f32 [rows, cols] | int8 [rows, cols] | uint8 [rows, ceil(cols/2)]
+    const void *data;    // f32 [rows, cols] | int8 [rows, cols] | uint8 [rows, ceil(cols/2)] (int4, fp4)
+                         // | uint8 [rows, cols] (fp8)
     const void *scales;  // NULL | f32 [rows] | f16 bits, uint16 [rows, ceil(cols/64)]
+                         // | uint8 [ceil(rows/128), ceil(cols/128)] (fp8) | uint8 [rows, ceil(cols/32)] (fp4)
 } QMatrix;
 
 // ----------------------------------------------------------------------------
@@ -67,6 +82,16 @@ typedef struct {
 
 // IEEE half (its bit pattern) to float, exactly; handles zero, subnormals, inf and NaN.
 float f16_to_f32(uint16_t h);
+
+// float8 e4m3fn byte to float, exactly (0x7f, 0xff: NaN).
+float e4m3_to_f32(uint8_t q);
+
+// UE8M0 scale byte to float: 2^(s - 127) exactly (s = 0: 2^-127, a subnormal; s = 255: NaN).
+float e8m0_to_f32(uint8_t s);
+
+// out = dequant(w), every element q * scale in float32, exactly what colibri_core.quant.dequantize
+// gives (bit for bit). out: f32 [w->rows, w->cols] (written). COLI_OK or COLI_EINVAL.
+int qmatrix_dequantize(float *out, const QMatrix *w);
 
 // COLI_OK if w names a known kind, a non-negative shape and the (non-NULL) arrays that kind needs,
 // else COLI_EINVAL. w: QMatrix.

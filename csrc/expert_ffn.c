@@ -44,7 +44,7 @@ typedef struct {
     float limit;        // SwiGLU clamp (INFINITY: none)
     Expert *e;          // [n_experts]
     int n_experts;
-    const Acts *x_acts; // [3]: x laid out per weight kind
+    const Acts *x_acts; // [QKIND_COUNT]: x laid out per weight kind
     int *first;         // [n_experts + 1] first task of each expert in the current phase
 } MoeJob;
 
@@ -141,8 +141,8 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
     }
 
     MoeJob m = {path_current(), act, limit, NULL, n_experts, NULL, NULL};
-    Acts x_acts[3];
-    int have[3] = {0, 0, 0};
+    Acts x_acts[QKIND_COUNT];
+    int have[QKIND_COUNT] = {0};
     int status = COLI_OK;
     Expert *ex = calloc((size_t)n_experts, sizeof *ex);
     int *first = calloc((size_t)n_experts + 1, sizeof *first);
@@ -188,7 +188,7 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
             E->hrow[i] = E->h + (size_t)i * (size_t)inter;
         }
         h_at += (size_t)E->n * (size_t)inter;
-        int bytes_per_row = kind == QKIND_F32 ? 4 * hidden : kind == QKIND_INT8 ? hidden : hidden / 2;
+        int bytes_per_row = kind == QKIND_F32 ? 4 * hidden : kind == QKIND_INT8 || kind == QKIND_FP8 ? hidden : hidden / 2;
         E->per_up = rows_per_task(inter, n_experts * (2.0 * E->n * hidden + 2 * bytes_per_row));
         E->per_down = rows_per_task(hidden, n_experts * ((double)E->n * inter + bytes_per_row * inter / (double)hidden));
     }
@@ -219,7 +219,7 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
     }
 
     for (int e = 0; ex != NULL && e < n_experts; e++) acts_free(&ex[e].h_acts);
-    for (int kk = 0; kk < 3; kk++) {
+    for (int kk = 0; kk < QKIND_COUNT; kk++) {
         if (have[kk]) acts_free(&x_acts[kk]);
     }
     free(ex);

@@ -1,4 +1,4 @@
-// matmul.c — quantised matrix products: y = x @ dequant(w).T for f32, int8 and int4 weights.
+// matmul.c — quantised matrix products: y = x @ dequant(w).T for f32, int8, int4, fp8 and fp4 weights.
 //
 // The weights are dequantised on the fly, never expanded in memory. Each output element is
 // reduced by one thread in this fixed order (all float32, no FMA: built with -ffp-contract=off),
@@ -15,11 +15,20 @@
 //             A[l] = lo[l]*xe[l]; A[l] += lo[l+16]*xe[l+16]; A[l] += hi[l]*xo[l];
 //             A[l] += hi[l+16]*xo[l+16];   S[l] += A[l] * float32(scale[g])   (S[l] = 0 first);
 //           y = tree16(S).
+//     fp8:  per block b of 128 columns in order, with v[j] = e4m3(q[j]) (exact in float32) and sc =
+//           2^(s - 127) the scale of the 128x128 block holding row r and block b:
+//             A[l] = v[128b + l] * x[128b + l]; A[l] += v[128b + l + 16i] * x[128b + l + 16i] for
+//             i = 1, …, 7 in order;   S[l] += A[l] * sc   (S[l] = 0 first);   y = tree16(S).
+//     fp4:  per group g of 32 columns in order, with v[j] = 2 * e2m1(q[j]) (an integer in [-12, 12],
+//           FP4_TWICE) and hs = 2^(s - 128) (half the group's scale, so v * hs is the weight exactly):
+//             A[l] = v[32g + 2l] * x[32g + 2l]; A[l] += v[32g + 2l + 1] * x[32g + 2l + 1];
+//             S[l] += A[l] * hs   (S[l] = 0 first);   y = tree16(S).
 //   ACT_Q8 (fast mode; x quantised per block of 64: xq, xs = absmax / 127, see acts_prepare)
 //     int4: isum[g] = Σ q * xq over group g (exact, integer); term[g] = float(isum[g]) *
 //           (float32(scale[g]) * xs[g]); L[l] = 0; L[l] += term[g] for g = l, l+8, … in order;
 //           y = tree8(L).
 //     int8: isum[b] = Σ q * xq over block b; term[b] = float(isum[b]) * xs[b]; y = tree8(L) * scale.
+//     f32, fp8 and fp4 weights always take ACT_F32 (an ACT_Q8 request computes the exact mode).
 //   Columns past `cols` count as zeros: they add +0.0 (0 * 0) to their lane, and groups/blocks
 //   past the last add a term of +0.0, exactly as the SIMD paths' zero padding does.
 //
@@ -65,6 +74,48 @@ float f16_to_f32(uint16_t h) {
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+
+// ----------------------------------------------------------------------------
+// fp8 (e4m3fn), fp4 (e2m1) and their UE8M0 scales -> float32
+
+float e4m3_to_f32(uint8_t q) {
+    int e = (q >> 3) & 15, m = q & 7;
+    float mag = (q & 0x7f) == 0x7f ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8 + m), e - 10);
+    return q & 0x80 ? -mag : mag;
+}
+
+static float e4m3_table[256];
+static pthread_once_t e4m3_once = PTHREAD_ONCE_INIT;
+
+static void e4m3_init(void) {
+    for (int q = 0; q < 256; q++) e4m3_table[q] = e4m3_to_f32((uint8_t)q);
+}
+
+static const float *e4m3_values(void) {
+    pthread_once(&e4m3_once, e4m3_init);
+    return e4m3_table;
+}
+
+static float f32_from_bits(uint32_t bits) {
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// 2^(s - 127 - shift) for shift 0 or 1: the biased exponent s - shift, a subnormal below 1.
+static float e8m0_shifted(uint8_t s, int shift) {
+    if (s == 255) return NAN;
+    int e = (int)s - shift;
+    return f32_from_bits(e >= 1 ? (uint32_t)e << 23 : 0x00400000u >> -e);  // 2^-127 >> k = 2^(-127-k)
+}
+
+float e8m0_to_f32(uint8_t s) { return e8m0_shifted(s, 0); }
+float fp8_scale(uint8_t s) { return e8m0_shifted(s, 0); }
+float fp4_half_scale(uint8_t s) { return e8m0_shifted(s, 1); }
+
+const int8_t FP4_TWICE[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static const float FP4_VALUES[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};  // e2m1
 
 // ----------------------------------------------------------------------------
 // Prepared activations
@@ -117,14 +168,17 @@ static void acts_transpose(int8_t *dst, const int8_t *chunk) {
 
 int acts_prepare(Acts *a, const float *x, int n, int cols, int kind, int act) {
     memset(a, 0, sizeof *a);
-    if (kind == QKIND_F32) act = ACT_F32;
+    if (kind == QKIND_F32 || kind == QKIND_FP8 || kind == QKIND_FP4) act = ACT_F32;
     a->act = act;
     a->kind = kind;
     a->cols = cols;
     a->n = n;
     size_t nt = (size_t)n;
     if (act == ACT_F32) {
-        a->stride = kind == QKIND_INT4 ? round_up((size_t)cols, INT4_GROUP) : round_up((size_t)cols, 16);
+        a->stride = kind == QKIND_INT4 ? round_up((size_t)cols, INT4_GROUP)
+                    : kind == QKIND_FP8  ? round_up((size_t)cols, FP8_BLOCK)
+                    : kind == QKIND_FP4  ? round_up((size_t)cols, FP4_GROUP)
+                                         : round_up((size_t)cols, 16);
         a->xf = calloc(nt * a->stride + 1, sizeof(float));
         if (a->xf == NULL) return COLI_ENOMEM;
         for (size_t t = 0; t < nt; t++) {
@@ -132,6 +186,8 @@ int acts_prepare(Acts *a, const float *x, int n, int cols, int kind, int act) {
             float *dst = a->xf + t * a->stride;
             if (kind == QKIND_INT4) {
                 for (int j = 0; j < cols; j++) dst[(j / 64) * 64 + (j & 1) * 32 + (j % 64) / 2] = src[j];
+            } else if (kind == QKIND_FP4) {
+                for (int j = 0; j < cols; j++) dst[(j / 32) * 32 + (j & 1) * 16 + (j % 32) / 2] = src[j];
             } else {
                 memcpy(dst, src, (size_t)cols * sizeof(float));
             }
@@ -287,8 +343,52 @@ static float dot_int4_q8_portable(const QMatrix *w, int r, const Acts *a, int t)
     return tree8(L);
 }
 
+static float dot_fp8_f32_portable(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols, nblocks = (cols + FP8_BLOCK - 1) / FP8_BLOCK;
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * (size_t)cols;                     // [cols]
+    const uint8_t *sr = (const uint8_t *)w->scales + (size_t)(r / FP8_BLOCK) * (size_t)nblocks;  // [nblocks]
+    const float *x = a->xf + (size_t)t * a->stride;  // zero padded to whole blocks
+    const float *e4m3 = e4m3_values();
+    float S[16] = {0};
+    for (int b = 0; b < nblocks; b++) {
+        float A[16];
+        for (int i = 0; i < 8; i++) {
+            for (int l = 0; l < 16; l++) {
+                int j = b * FP8_BLOCK + 16 * i + l;
+                float p = (j < cols ? e4m3[wr[j]] : 0.0f) * x[j];
+                A[l] = i == 0 ? p : A[l] + p;
+            }
+        }
+        float sc = fp8_scale(sr[b]);
+        for (int l = 0; l < 16; l++) S[l] += A[l] * sc;
+    }
+    return tree16(S);
+}
+
+static float dot_fp4_f32_portable(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols, ngroups = (cols + FP4_GROUP - 1) / FP4_GROUP;
+    size_t row_bytes = ((size_t)cols + 1) / 2;
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;         // [row_bytes]
+    const uint8_t *sr = (const uint8_t *)w->scales + (size_t)r * (size_t)ngroups;  // [ngroups]
+    const float *x = a->xf + (size_t)t * a->stride;  // per group: 16 even, then 16 odd columns
+    float S[16] = {0};
+    for (int g = 0; g < ngroups; g++) {
+        const float *xe = x + (size_t)g * 32, *xo = xe + 16;
+        float hs = fp4_half_scale(sr[g]);
+        for (int l = 0; l < 16; l++) {
+            size_t at = (size_t)g * 16 + (size_t)l;
+            uint8_t byte = at < row_bytes ? wr[at] : 0;  // past the row: +0 against x = 0
+            float A = (float)FP4_TWICE[byte & 15] * xe[l];
+            A += (float)FP4_TWICE[byte >> 4] * xo[l];
+            S[l] += A * hs;
+        }
+    }
+    return tree16(S);
+}
+
 const Path PATH_PORTABLE = {"portable", dot_f32_portable, dot_int8_f32_portable, dot_int8_q8_portable,
-                            dot_int4_f32_portable, dot_int4_q8_portable, NULL};
+                            dot_int4_f32_portable, dot_int4_q8_portable, NULL, dot_fp8_f32_portable,
+                            dot_fp4_f32_portable};
 
 // ----------------------------------------------------------------------------
 // Code paths: chosen once from COLIBRI_SIMD / the CPU, changeable with simd_select.
@@ -376,6 +476,10 @@ dot_fn path_dot(const Path *p, int kind, int act) {
         return act == ACT_Q8 ? p->int8_q8 : p->int8_f32;
     case QKIND_INT4:
         return act == ACT_Q8 ? p->int4_q8 : p->int4_f32;
+    case QKIND_FP8:
+        return p->fp8_f32;  // ACT_F32 whatever `act` (acts_prepare lays x out so)
+    case QKIND_FP4:
+        return p->fp4_f32;
     default:
         return NULL;
     }
@@ -395,6 +499,8 @@ int qmatrix_check(const QMatrix *w) {
         return COLI_OK;
     case QKIND_INT8:
     case QKIND_INT4:
+    case QKIND_FP8:
+    case QKIND_FP4:
         return w->scales != NULL ? COLI_OK : COLI_EINVAL;
     default:
         return COLI_EINVAL;
@@ -452,8 +558,8 @@ int matmul_multi(float *const *y, const QMatrix *const *w, int count, const floa
     }
     if (n == 0) return COLI_OK;
     const Path *p = path_current();
-    Acts acts[3];  // one layout per weight kind present
-    int have[3] = {0, 0, 0};
+    Acts acts[QKIND_COUNT];  // one layout per weight kind present
+    int have[QKIND_COUNT] = {0};
     int status = COLI_OK;
     RowsJob *jobs = calloc((size_t)count, sizeof *jobs);
     int *first = calloc((size_t)count + 1, sizeof *first);
@@ -470,7 +576,7 @@ int matmul_multi(float *const *y, const QMatrix *const *w, int count, const floa
         for (int t = 0; t < n; t++) yrow[(size_t)i * n + t] = y[i] + (size_t)t * (size_t)w[i]->rows;
         jobs[i] = (RowsJob){path_dot(p, kind, acts[kind].act), path_rows(p, kind, acts[kind].act), w[i], &acts[kind],
                             n, NULL, yrow + (size_t)i * n};
-        int bytes_per_row = kind == QKIND_F32 ? 4 * cols : kind == QKIND_INT8 ? cols : cols / 2;
+        int bytes_per_row = kind == QKIND_F32 ? 4 * cols : kind == QKIND_INT8 || kind == QKIND_FP8 ? cols : cols / 2;
         per[i] = rows_per_task(w[i]->rows, (double)n * cols + bytes_per_row);
         first[i + 1] = first[i] + (w[i]->rows + per[i] - 1) / per[i];
     }
@@ -484,7 +590,7 @@ int matmul_multi(float *const *y, const QMatrix *const *w, int count, const floa
             pool_run(multi_task, &m, first[count]);
         }
     }
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < QKIND_COUNT; k++) {
         if (have[k]) acts_free(&acts[k]);
     }
     free(jobs);
@@ -501,7 +607,8 @@ int matmul(float *y, const QMatrix *w, const float *x, int n, int act) {
 // ----------------------------------------------------------------------------
 // Transposed product (MLA's absorbed key projection: a query times kv_b's key rows)
 
-// Row r of w dequantised into out: f32 [cols], each element q * scale in float32.
+// Row r of w dequantised into out: f32 [cols], each element q * scale in float32 (fp8: e4m3(q) *
+// 2^(s - 127); fp4: e2m1(q) * 2^(s - 127), the number FP4_TWICE[q] * 2^(s - 128) is, -0 kept).
 static void dequant_row(const QMatrix *w, int r, float *out) {
     size_t row = (size_t)r, cols = (size_t)w->cols;
     switch (w->kind) {
@@ -524,7 +631,31 @@ static void dequant_row(const QMatrix *w, int r, float *out) {
         }
         break;
     }
+    case QKIND_FP8: {
+        size_t blocks = (cols + FP8_BLOCK - 1) / FP8_BLOCK;
+        const uint8_t *q = (const uint8_t *)w->data + row * cols;
+        const uint8_t *scales = (const uint8_t *)w->scales + row / FP8_BLOCK * blocks;
+        const float *e4m3 = e4m3_values();
+        for (size_t j = 0; j < cols; j++) out[j] = e4m3[q[j]] * fp8_scale(scales[j / FP8_BLOCK]);
+        break;
     }
+    case QKIND_FP4: {
+        size_t row_bytes = (cols + 1) / 2, groups = (cols + FP4_GROUP - 1) / FP4_GROUP;
+        const uint8_t *q = (const uint8_t *)w->data + row * row_bytes;
+        const uint8_t *scales = (const uint8_t *)w->scales + row * groups;
+        for (size_t j = 0; j < cols; j++) {
+            int nibble = j % 2 ? q[j / 2] >> 4 : q[j / 2] & 0x0f;
+            out[j] = FP4_VALUES[nibble] * e8m0_to_f32(scales[j / FP4_GROUP]);
+        }
+        break;
+    }
+    }
+}
+
+int qmatrix_dequantize(float *out, const QMatrix *w) {
+    if (qmatrix_check(w) != COLI_OK) return COLI_EINVAL;
+    for (int r = 0; r < w->rows; r++) dequant_row(w, r, out + (size_t)r * (size_t)w->cols);
+    return COLI_OK;
 }
 
 int matmul_t(float *y, const QMatrix *w, const float *x, int n) {

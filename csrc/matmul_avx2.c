@@ -364,7 +364,89 @@ AVX2 static float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t
     return tree8_avx2(L);
 }
 
+// ----------------------------------------------------------------------------
+// fp8 and fp4 weights (ACT_F32); the AVX-512 path uses these too.
+
+// 16 e4m3 bytes -> 16 floats (lo: 0-7, hi: 8-15), exactly: each byte becomes a float16 holding
+// e4m3 · 2^-8 (its sign bit, then its 7 magnitude bits as the half's exponent and mantissa, so
+// subnormals stay subnormals), NaN (magnitude 0x7f) becomes a half NaN, F16C converts, · 256.
+AVX2 static inline void e4m3x16(__m128i q, __m256 *lo, __m256 *hi) {
+    __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(q), 8);                  // byte in the high half
+    h = _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xbfff));  // s.mmmmmmm << 7
+    __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), _mm256_set1_epi16(0x3f80));
+    h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
+    const __m256 k256 = _mm256_set1_ps(256.0f);
+    *lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k256);
+    *hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k256);
+}
+
+AVX2 float dot_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols, nblocks = (cols + FP8_BLOCK - 1) / FP8_BLOCK;
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * (size_t)cols;
+    const uint8_t *sr = (const uint8_t *)w->scales + (size_t)(r / FP8_BLOCK) * (size_t)nblocks;
+    const float *x = a->xf + (size_t)t * a->stride;  // zero padded to whole blocks
+    __m256 SA = _mm256_setzero_ps(), SB = _mm256_setzero_ps();
+    uint8_t tmp[FP8_BLOCK];
+    for (int b = 0; b < nblocks; b++) {
+        const uint8_t *bp = wr + (size_t)b * FP8_BLOCK;
+        if (b * FP8_BLOCK + FP8_BLOCK > cols) {  // the row's last, short block: zeros past cols
+            memset(tmp, 0, sizeof tmp);
+            memcpy(tmp, bp, (size_t)(cols - b * FP8_BLOCK));
+            bp = tmp;
+        } else {
+            _mm_prefetch((const char *)bp + 2048, _MM_HINT_T0);  // a row is read once: ask ahead
+            _mm_prefetch((const char *)bp + 2048 + 64, _MM_HINT_T0);
+        }
+        const float *xb = x + (size_t)b * FP8_BLOCK;
+        __m256 va, vb;
+        e4m3x16(_mm_loadu_si128((const __m128i *)bp), &va, &vb);
+        __m256 A = _mm256_mul_ps(va, _mm256_loadu_ps(xb)), B = _mm256_mul_ps(vb, _mm256_loadu_ps(xb + 8));
+        for (int i = 1; i < 8; i++) {
+            e4m3x16(_mm_loadu_si128((const __m128i *)(bp + 16 * i)), &va, &vb);
+            A = _mm256_add_ps(A, _mm256_mul_ps(va, _mm256_loadu_ps(xb + 16 * i)));
+            B = _mm256_add_ps(B, _mm256_mul_ps(vb, _mm256_loadu_ps(xb + 16 * i + 8)));
+        }
+        __m256 sc = _mm256_set1_ps(fp8_scale(sr[b]));
+        SA = _mm256_add_ps(SA, _mm256_mul_ps(A, sc));
+        SB = _mm256_add_ps(SB, _mm256_mul_ps(B, sc));
+    }
+    return tree16_avx2(SA, SB);
+}
+
+AVX2 float dot_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols, ngroups = (cols + FP4_GROUP - 1) / FP4_GROUP;
+    size_t row_bytes = ((size_t)cols + 1) / 2;
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+    const uint8_t *sr = (const uint8_t *)w->scales + (size_t)r * (size_t)ngroups;
+    const float *x = a->xf + (size_t)t * a->stride;  // per group: 16 even, then 16 odd columns
+    const __m128i low4 = _mm_set1_epi8(0x0f), twice = _mm_loadu_si128((const __m128i *)FP4_TWICE);
+    __m256 SA = _mm256_setzero_ps(), SB = _mm256_setzero_ps();
+    uint8_t tmp[16];
+    for (int g = 0; g < ngroups; g++) {
+        const uint8_t *bp = wr + (size_t)g * 16;
+        if ((size_t)g * 16 + 16 > row_bytes) {  // the row's last, short group: +0 past it
+            memset(tmp, 0, sizeof tmp);
+            memcpy(tmp, bp, row_bytes - (size_t)g * 16);
+            bp = tmp;
+        } else if (g % 4 == 0) {
+            _mm_prefetch((const char *)bp + 2048, _MM_HINT_T0);
+        }
+        __m128i b = _mm_loadu_si128((const __m128i *)bp);
+        __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(b, low4));                      // even columns
+        __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(b, 4), low4));  // odd columns
+        const float *xe = x + (size_t)g * 32, *xo = xe + 16;
+        __m256 A = _mm256_mul_ps(cvt8_lo(lo), _mm256_loadu_ps(xe));
+        __m256 B = _mm256_mul_ps(cvt8_lo(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(xe + 8));
+        A = _mm256_add_ps(A, _mm256_mul_ps(cvt8_lo(hi), _mm256_loadu_ps(xo)));
+        B = _mm256_add_ps(B, _mm256_mul_ps(cvt8_lo(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(xo + 8)));
+        __m256 hs = _mm256_set1_ps(fp4_half_scale(sr[g]));
+        SA = _mm256_add_ps(SA, _mm256_mul_ps(A, hs));
+        SB = _mm256_add_ps(SB, _mm256_mul_ps(B, hs));
+    }
+    return tree16_avx2(SA, SB);
+}
+
 const Path PATH_AVX2 = {"avx2", dot_f32_avx2, dot_int8_f32_avx2, dot_int8_q8_avx2, dot_int4_f32_avx2,
-                        dot_int4_q8_avx2, rows_int4_q8_avx2};
+                        dot_int4_q8_avx2, rows_int4_q8_avx2, dot_fp8_f32_avx2, dot_fp4_f32_avx2};
 
 #endif  // COLI_X86

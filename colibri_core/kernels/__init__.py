@@ -4,6 +4,7 @@
     y = kernels.matmul(w, x)                   # x f32 [n, w.cols] -> f32 [n, w.rows] = x @ dequant(w).T
     q, k, v = kernels.matmul_multi([wq, wk, wv], x)   # one call, one input, several weights
     y = kernels.matmul_t(w, x)                 # x f32 [n, w.rows] -> f32 [n, w.cols] = x @ dequant(w)
+    wf = kernels.dequantize(w)                 # f32 [w.rows, w.cols], bit for bit quant.dequantize(w)
     y = kernels.expert_ffn(gate, up, down, x)  # x f32 [n, H] -> f32 [n, H] = down(silu(gate x) * (up x))
     kernels.moe_experts(outs, x, ids, experts) # every ready expert of an MoE layer in one call
     with kernels.activations("int8"): ...      # the fast arithmetic (default "f32", the exact one)
@@ -11,7 +12,8 @@
     kernels.threads(), kernels.set_threads(2)  # threads inside the kernels
     kernels.reference.matmul(w, x)             # the NumPy reference of each kernel
 
-Weights are `QTensor`s (colibri_core.quant). Their arrays go to C by pointer and are never copied,
+Weights are `QTensor`s (colibri_core.quant) of any kind in ``quant.ALL_KINDS``: f32, int8, int4 and
+the checkpoint-native fp8 / fp4 (DeepSeek's, computed on as they are). Their arrays go to C by pointer and are never copied,
 so they may be read-only views of a buffer (``np.frombuffer`` of bytes, an mmap). Everything is
 checked here before C sees it: a wrong shape, dtype or kind raises ValueError. The C calls release
 the GIL. Each output element is reduced by one thread in one fixed order (csrc/matmul.c), the same
@@ -21,8 +23,8 @@ the code path, the thread count, or which other tokens or experts shared the cal
 Activation arithmetic (``act``): ``"f32"`` multiplies float32 activations by the dequantised
 weights (what the `transformers` oracle computes; the conformance kit's mode); ``"int8"`` quantises
 the activations to int8 per block of 64 and takes integer dot products (about 3x faster on int4
-weights, the arithmetic llama.cpp uses; `reference` models it exactly). f32 weights always use
-``"f32"``. Choose it per call (``act=``) or for a block of code (``with kernels.activations(...)``).
+weights, the arithmetic llama.cpp uses; `reference` models it exactly). f32, fp8 and fp4 weights
+always use ``"f32"`` (an ``"int8"`` request computes the exact mode for them). Choose it per call (``act=``) or for a block of code (``with kernels.activations(...)``).
 
 Environment: ``COLIBRI_SIMD=portable|avx2|avx512`` forces a code path (one this CPU lacks is an
 error), ``COLIBRI_THREADS=N`` sets the kernel threads (default: the CPUs this process may use).
@@ -39,7 +41,7 @@ import numpy as np
 
 from colibri_core.errors import ColibriError
 from colibri_core.kernels import reference
-from colibri_core.quant import KINDS, QTensor, layout
+from colibri_core.quant import ALL_KINDS, QTensor, layout
 
 try:
     from colibri_core.kernels._colibri_kernels import ffi, lib
@@ -49,14 +51,15 @@ except ImportError as e:  # pragma: no cover - only without a build
         "install the package (`pip install -e .` in a checkout) to compile csrc/"
     ) from e
 
-__all__ = ["matmul", "matmul_multi", "matmul_t", "expert_ffn", "moe_experts", "moe_combine", "softmax_topk", "rms_norm", "rope_rotate_half", "attention",
+__all__ = ["matmul", "matmul_multi", "matmul_t", "dequantize", "expert_ffn", "moe_experts", "moe_combine", "softmax_topk", "rms_norm", "rope_rotate_half", "attention",
            "activations", "ACTIVATIONS",
            "simd", "set_simd", "simd_supported", "SIMD_PATHS", "threads", "set_threads", "reference"]
 
 SIMD_PATHS = ("portable", "avx2", "avx512")
 ACTIVATIONS = ("f32", "int8")
 _ACT_CODES = {"f32": lib.ACT_F32, "int8": lib.ACT_Q8}
-_KIND_CODES = {"f32": lib.QKIND_F32, "int8": lib.QKIND_INT8, "int4": lib.QKIND_INT4}
+_KIND_CODES = {"f32": lib.QKIND_F32, "int8": lib.QKIND_INT8, "int4": lib.QKIND_INT4, "fp8": lib.QKIND_FP8,
+               "fp4": lib.QKIND_FP4}
 _INT_MAX = 2**31 - 1  # C takes the dimensions as int
 _layout = functools.lru_cache(maxsize=1024)(layout)  # a model has few distinct weight shapes
 _act = contextvars.ContextVar("colibri_activations", default="f32")
@@ -174,6 +177,15 @@ def matmul_t(w: QTensor, x: np.ndarray) -> np.ndarray:
     y = np.empty((n, w.cols), np.float32)
     _check(lib.matmul_t(_floats(y, writable=True), wm, _floats(x), n), "matmul_t")
     return y
+
+
+def dequantize(w: QTensor) -> np.ndarray:
+    """The float32 ``[w.rows, w.cols]`` values of `w`, computed in C: bit for bit `quant.dequantize`."""
+    wm = _qmatrix(w, "w")
+    out = np.empty((w.rows, w.cols), np.float32)
+    if out.size:
+        _check(lib.qmatrix_dequantize(_floats(out, writable=True), wm), "dequantize")
+    return out
 
 
 def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: str | None = None,
@@ -341,7 +353,7 @@ def _qmatrix(t: QTensor, name: str):
         return c[0]
     kind = getattr(t, "kind", None)
     if kind not in _KIND_CODES:
-        raise ValueError(f"{name}: unknown quantisation {kind!r} (expected one of {', '.join(KINDS)})")
+        raise ValueError(f"{name}: unknown quantisation {kind!r} (expected one of {', '.join(ALL_KINDS)})")
     rows, cols = t.rows, t.cols
     if not (0 <= rows <= _INT_MAX and 0 <= cols <= _INT_MAX):
         raise ValueError(f"{name}: shape [{rows}, {cols}] out of range")

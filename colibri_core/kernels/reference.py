@@ -10,6 +10,11 @@ operations, so for `matmul` the C kernels (every code path) must agree **bit for
 - ``int4``, ``act="f32"``: per group of 64 (in order) ``A[l] = lo[l] xe[l] + lo[l+16] xe[l+16]
   + hi[l] xo[l] + hi[l+16] xo[l+16]`` (left to right; lo/hi the even/odd columns),
   ``S[l] += A[l] * scale[g]``; ``y = tree16(S)``
+- ``fp8`` (any ``act``): per block b of 128 columns (in order) ``A[l] = v[l] x[l]``, then
+  ``A[l] += v[l + 16i] x[l + 16i]`` for i = 1..7 (v = e4m3(q), exact; columns of the block),
+  ``S[l] += A[l] * 2^(s - 127)`` with the scale of the row's 128×128 block; ``y = tree16(S)``
+- ``fp4`` (any ``act``): per group g of 32 (in order) ``A[l] = v[2l] x[2l] + v[2l+1] x[2l+1]``
+  (left to right; v = 2·e2m1(q), integers), ``S[l] += A[l] * 2^(s - 128)``; ``y = tree16(S)``
 - ``act="int8"``: x quantised per block of 64 (`quantize_activations`); ``isum`` per block is an
   exact integer; int4: ``L[g % 8] += float(isum[g]) * (scale[g] * xs[g])``, ``y = tree8(L)``;
   int8: ``L[b % 8] += float(isum[b]) * xs[b]``, ``y = tree8(L) * scale``.
@@ -23,7 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_core.quant import INT4_GROUP, QTensor, dequantize, int4_values
+from colibri_core.quant import (E2M1_VALUES, E4M3_VALUES, FP4_GROUP, FP8_BLOCK, INT4_GROUP, QTensor, dequantize,
+                                 e8m0_values, fp4_nibbles, int4_values)
 
 Q8_BLOCK = 64  # columns per activation block in act="int8"
 
@@ -78,6 +84,28 @@ def dequantize_activations(x: np.ndarray) -> np.ndarray:
 def matmul(w: QTensor, x: np.ndarray, act: str = "f32") -> np.ndarray:
     """``x @ dequantize(w).T`` in the C kernels' order: x float32 ``[n, w.cols]`` -> float32 ``[n, w.rows]``."""
     x = np.asarray(x, np.float32)
+    if w.kind == "fp8":  # always the exact arithmetic
+        v = _pad_cols(E4M3_VALUES[w.data], FP8_BLOCK).reshape(w.rows, -1, FP8_BLOCK)  # (rows, B, 128)
+        xb = _pad_cols(x, FP8_BLOCK).reshape(len(x), 1, -1, FP8_BLOCK)  # (n, 1, B, 128)
+        A = v[..., :16] * xb[..., :16]
+        for i in range(1, 8):
+            A = A + v[..., 16 * i:16 * i + 16] * xb[..., 16 * i:16 * i + 16]  # (n, rows, B, 16)
+        scales = e8m0_values(w.scales)[np.arange(w.rows) // FP8_BLOCK]  # (rows, B)
+        S = np.zeros((len(x), w.rows, 16), np.float32)
+        for b in range(scales.shape[1]):
+            S = S + A[:, :, b, :] * scales[None, :, b, None]
+        return tree(S)
+    if w.kind == "fp4":  # always the exact arithmetic
+        twice = (E2M1_VALUES * 2).astype(np.float32)
+        v = _pad_cols(twice[fp4_nibbles(w)], FP4_GROUP).reshape(w.rows, -1, FP4_GROUP)  # (rows, G, 32)
+        xg = _pad_cols(x, FP4_GROUP).reshape(len(x), 1, -1, FP4_GROUP)  # (n, 1, G, 32)
+        A = v[..., 0::2] * xg[..., 0::2]
+        A = A + v[..., 1::2] * xg[..., 1::2]  # (n, rows, G, 16)
+        half = (e8m0_values(w.scales) * np.float32(0.5)).astype(np.float32)  # 2^(s - 128) (exact, even 2^-128)
+        S = np.zeros((len(x), w.rows, 16), np.float32)
+        for g in range(half.shape[1]):
+            S = S + A[:, :, g, :] * half[None, :, g, None]
+        return tree(S)
     if w.kind == "f32" or (act == "f32" and w.kind == "int8"):
         q = np.asarray(w.data, np.float32) if w.kind == "f32" else w.data.astype(np.float32)  # [rows, cols]
         y = _lanes(x[:, None, :] * q[None, :, :], 16)  # (n, rows)
@@ -139,7 +167,7 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: st
 
 def exact(w: QTensor, x: np.ndarray, act: str = "f32") -> np.ndarray:
     """float64 ``x @ dequantize(w).T`` (x as ``act`` stands it for): what every order approximates."""
-    xv = dequantize_activations(x) if act == "int8" and w.kind != "f32" else np.asarray(x, np.float32)
+    xv = dequantize_activations(x) if act == "int8" and w.kind in ("int8", "int4") else np.asarray(x, np.float32)
     return xv.astype(np.float64) @ dequantize(w).astype(np.float64).T
 
 

@@ -27,7 +27,9 @@ typedef struct {
     size_t stride;  // elements per token in xf / xq
     int nb8;        // elements per token in xs / xsum: blocks of 64, padded to a multiple of 8
     // ACT_F32, f32 and int8 weights: x, then zeros up to a multiple of 16 columns;
-    // ACT_F32, int4 weights: per group of 64 columns the 32 even then the 32 odd ones, zeros past cols.
+    // ACT_F32, int4 weights: per group of 64 columns the 32 even then the 32 odd ones, zeros past cols;
+    // ACT_F32, fp8 weights: x, then zeros up to a multiple of 128 columns;
+    // ACT_F32, fp4 weights: per group of 32 columns the 16 even then the 16 odd ones, zeros past cols.
     float *xf;      // [n, stride] or NULL
     // ACT_Q8: q = rint(x * (127 / absmax)) per block of 64; int4 weights: per block the 32 even
     // then the 32 odd columns; int8 weights: natural order; zeros past cols.
@@ -40,7 +42,8 @@ typedef struct {
     int8_t *xt;     // [n, stride] or NULL
 } Acts;
 
-// Lay out x f32 [n, cols] for weights of `kind` in arithmetic `act` (f32 weights: always ACT_F32).
+// Lay out x f32 [n, cols] for weights of `kind` in arithmetic `act` (f32, fp8 and fp4 weights:
+// always ACT_F32).
 // Returns COLI_OK or COLI_ENOMEM. The same code for every path, so every path sees the same bits.
 int acts_prepare(Acts *a, const float *x, int n, int cols, int kind, int act);
 void acts_free(Acts *a);
@@ -62,12 +65,25 @@ typedef struct {
     dot_fn int4_f32;  // int4 weights, ACT_F32
     dot_fn int4_q8;   // int4 weights, ACT_Q8
     rows_fn int4_q8_rows;  // optional (NULL): int4 weights, ACT_Q8, several tokens per row pass
+    dot_fn fp8_f32;   // fp8 weights (ACT_F32 only)
+    dot_fn fp4_f32;   // fp4 weights (ACT_F32 only)
 } Path;
+
+// 2 * e2m1(nibble): the fp4 values as the integers 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12 (matmul.c).
+extern const int8_t FP4_TWICE[16];
+
+// The float32 scale a row's fp8 block / fp4 group is multiplied by: 2^(s - 127) for fp8 and, as
+// the fp4 values are taken twice (FP4_TWICE), 2^(s - 128) for fp4; NaN for s = 255.
+float fp8_scale(uint8_t s);
+float fp4_half_scale(uint8_t s);
 
 extern const Path PATH_PORTABLE;
 #if COLI_X86
 extern const Path PATH_AVX2;    // matmul_avx2.c
 extern const Path PATH_AVX512;  // matmul_avx512.c
+// matmul_avx2.c's fp8 and fp4 dot products, which the AVX-512 path uses too (it needs AVX2).
+float dot_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
+float dot_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
 #endif
 
 const Path *path_current(void);
