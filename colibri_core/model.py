@@ -16,7 +16,7 @@ from .kv import State
 from .layout import ContainerLayout
 from .quant import QTensor, dequantize
 
-__all__ = ["MoEModel", "Weights", "linear", "linears", "embed"]
+__all__ = ["MoEModel", "Weights", "linear", "linears", "embed", "dense"]
 
 if TYPE_CHECKING:
     from .layers.router import Router
@@ -55,6 +55,12 @@ def linears(x: np.ndarray, ws) -> list[np.ndarray]:
     if all(isinstance(w, QTensor) for w in ws) and len({w.cols for w in ws}) == 1:
         return kernels.matmul_multi(list(ws), x)
     return [linear(x, w) for w in ws]
+
+
+def dense(w) -> np.ndarray:
+    """A resident tensor as a float32 ndarray: a QTensor dequantised (a 2-D tensor kept f32 arrives as
+    a QTensor of kind f32, e.g. a position bias or a hash table), an array as it is."""
+    return dequantize(w) if isinstance(w, QTensor) else np.asarray(w, np.float32)
 
 
 def embed(ids: np.ndarray, table) -> np.ndarray:

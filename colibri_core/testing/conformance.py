@@ -37,6 +37,12 @@ class ConformanceSuite:
     config_variants: dict = {}
     config_edits: dict = {}  # edits to the saved checkpoint's config.json itself (rarely needed)
 
+    @classmethod
+    def prepare_model(cls, model) -> None:
+        """Edit the tiny `transformers` model (under no_grad, after the constant-initialised parameters
+        are perturbed, before it is saved): e.g. fill a buffer HF initialises to a constant, such as
+        DeepSeek V4's hash table `tid2eid` (zeros: every token would pick expert 0). Default: nothing."""
+
     @pytest.fixture(scope="class")
     @classmethod
     def oracle(cls, tmp_path_factory) -> Oracle:

@@ -87,6 +87,7 @@ class Oracle:
                     flat = p.reshape(-1)
                     if bool((flat == flat[0]).all()):  # a constant initialisation hides code paths: perturb it
                         p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * suite.perturb_std)
+                suite.prepare_model(model)  # e.g. a hash table of distinct experts (a buffer, not perturbed)
         self.model = model.eval()
         self.checkpoint = root / "hf"
         self.fused_checkpoint = root / "hf-fused"
@@ -170,7 +171,9 @@ class Oracle:
 
             model = self.oracle(q)
             with torch.no_grad(), one_torch_thread():
-                out = model.generate(torch.tensor([self.prompt]), max_new_tokens=n, min_new_tokens=n,
+                # eos_token_id=[]: plain argmax for n tokens (min_new_tokens would suppress the EOS
+                # token's logit where the model's own argmax is EOS; colibri's greedy does not)
+                out = model.generate(torch.tensor([self.prompt]), max_new_tokens=n, eos_token_id=[],
                                      do_sample=False, pad_token_id=0)
             return out[0, len(self.prompt):].tolist()
 

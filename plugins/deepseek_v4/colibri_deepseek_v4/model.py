@@ -1,0 +1,502 @@
+"""DeepSeek V4 (Flash, Pro; `DeepseekV4ForCausalLM`): the whole architecture, top to bottom.
+
+Reference: transformers/models/deepseek_v4/modeling_deepseek_v4.py (the oracle the conformance suite
+uses). The residual stream is `hc_mult` (4) parallel streams h (T, n, H), mixed around each sub-block
+by manifold-constrained hyper-connections (`colibri_core.layers.hyper`). Every layer:
+
+    x = RMSNorm(collapse(h));  h = mix(h, Attention(x))     (attn_hc)
+    x = RMSNorm(collapse(h));  h = mix(h, MoE(x) + SharedExpert(x))   (ffn_hc)
+
+Attention is shared-KV multi-query: q = RMS(wq_b · RMSNorm(wq_a x)) per head (unweighted), one
+K = V vector RMSNorm(wkv x) per token, RoPE on the trailing `qk_rope_head_dim` dims (interleaved
+pairs), a learned sink per head, over a sliding window of `sliding_window` tokens; the output's
+rope dims are rotated back, then the grouped low-rank projection wo_a (o_groups) → wo_b. By
+`layer_types`, a layer also attends to compressed entries (`colibri_core.layers.compressor`):
+  sliding_attention             the window only (main RoPE, θ = rope_theta)
+  compressed_sparse_attention   CSA: an entry per `compress_rates[csa]` tokens with half-window
+                                overlap; the lightning indexer keeps each query's `index_topk` best
+  heavily_compressed_attention  HCA: an entry per `compress_rates[hca]` tokens, all visible
+Compressed layers use the compress RoPE (θ = compress_rope_theta, YaRN when configured).
+
+MoE in every layer: `mlp_layer_types` "hash_moe" layers take their experts from a table by token id
+(tid2eid), "moe" layers top-k on sqrt(softplus(logits)) + bias; weights are the chosen scores
+renormalised × routed_scaling_factor; experts and the shared expert are SwiGLU clamped at
+swiglu_limit. Final: hc_head collapse, RMSNorm, head.
+
+Tensor names: the container keeps the names `transformers`' save_pretrained writes
+(`model.layers.N.attn.wq_a.weight`, experts `model.layers.N.ffn.experts.E.w1.weight`), and reads
+the internal names of a fused save (`model.layers.N.self_attn.q_a_proj.weight`) and the official
+checkpoint's (`layers.N.attn.wq_a.weight`, `embed.weight`) as aliases.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+
+from colibri_core import kv
+from colibri_core.errors import ColibriError
+from colibri_core.layers.compressor import CompressedIndexer, Compressor, CompressorState, visible_entries
+from colibri_core.layers.hyper import HyperConnection, HyperHead
+from colibri_core.layers.mlp import swiglu_mlp
+from colibri_core.layers.norm import rms_norm
+from colibri_core.layers.rope import Rope, rotate_tail_interleaved, yarn_inv_freq
+from colibri_core.layers.router import HashRouter, SqrtSoftplusTopK
+from colibri_core.layers.sink_attention import SlidingWindow, grouped_linear, sink_attention, split_rows
+from colibri_core.layout import ContainerLayout, ExpertNames
+from colibri_core.model import MoEModel, dense, embed, linear
+from colibri_core.probe import record
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # the legacy `compress_ratios`
+
+
+@dataclass(frozen=True)
+class CompressRope:
+    """The compressed layers' RoPE: θ = compress_rope_theta, YaRN when `factor` is set."""
+
+    theta: float
+    factor: float | None = None  # YaRN scaling factor (None: default RoPE)
+    original_max_position: int = 0  # YaRN: the pretraining context
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+@dataclass(frozen=True)
+class DeepseekV4Config:
+    vocab_size: int
+    hidden_size: int  # H
+    moe_intermediate_size: int  # I: one routed expert's width, and the shared expert's (transformers
+    # builds one shared expert of this width whatever n_shared_experts says)
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int  # D: query head and shared K = V width
+    q_lora_rank: int
+    qk_rope_head_dim: int  # r: the trailing rope dims of each head
+    n_routed_experts: int  # E
+    num_experts_per_tok: int  # k
+    routed_scaling_factor: float
+    rms_norm_eps: float
+    rope_theta: float  # main RoPE (sliding layers)
+    compress_rope: CompressRope  # compressed layers
+    layer_types: tuple[str, ...]  # per layer: SLIDING | CSA | HCA
+    compress_rates: tuple[int, int]  # (CSA, HCA) tokens per entry
+    mlp_layer_types: tuple[str, ...]  # per layer: "hash_moe" | "moe"
+    hc_mult: int  # residual streams
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    swiglu_limit: float
+    sliding_window: int
+    o_groups: int
+    o_lora_rank: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    num_nextn_predict_layers: int  # MTP layers in the checkpoint (skipped: nothing runs them yet)
+
+    def rate(self, i: int) -> int:
+        """Tokens per compressed entry of layer i (0 for a sliding layer)."""
+        return {SLIDING: 0, CSA: self.compress_rates[0], HCA: self.compress_rates[1]}[self.layer_types[i]]
+
+    @classmethod
+    def from_hf(cls, c: dict) -> DeepseekV4Config:
+        n = c["num_hidden_layers"]
+        if c.get("scoring_func", "sqrtsoftplus") != "sqrtsoftplus":
+            raise ColibriError(f"DeepSeek V4 with scoring_func {c['scoring_func']!r} is not supported (only sqrtsoftplus)")
+        if not c.get("norm_topk_prob", True) or c.get("tie_word_embeddings") or c.get("hidden_act", "silu") != "silu":
+            raise ColibriError("DeepSeek V4 config: only norm_topk_prob, untied embeddings and silu are supported")
+        if c.get("num_key_value_heads", 1) != 1:
+            raise ColibriError("DeepSeek V4 config: num_key_value_heads must be 1 (shared K = V)")
+        rates = {**{CSA: 4, HCA: 128}, **(c.get("compress_rates") or {})}
+        rates[CSA] = c.get("compress_rate_csa", rates[CSA])
+        rates[HCA] = c.get("compress_rate_hca", rates[HCA])
+        types = c.get("layer_types")
+        if types is None and c.get("compress_ratios") is not None:
+            bad = [r for r in c["compress_ratios"] if r not in RATIO_TO_TYPE]
+            if bad:
+                raise ColibriError(f"DeepSeek V4 config: compress_ratios may only hold 0, 4 and 128, not {bad[0]}")
+            types = [RATIO_TO_TYPE[r] for r in c["compress_ratios"]]
+        if types is None:  # transformers' default: 2 HCA, then CSA / HCA alternating
+            types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+        mlp_types = c.get("mlp_layer_types")
+        if mlp_types is None:
+            hashed = c.get("num_hash_layers", 3)
+            mlp_types = ["hash_moe"] * min(n, hashed) + ["moe"] * max(0, n - hashed)
+        if len(types) < n or len(mlp_types) < n or not set(types[:n]) <= {SLIDING, CSA, HCA} \
+                or not set(mlp_types[:n]) <= {"hash_moe", "moe"}:
+            raise ColibriError("DeepSeek V4 config: layer_types / mlp_layer_types must name a known kind for every layer")
+        head_dim = c.get("head_dim", 512)
+        partial_rotary = c.get("partial_rotary_factor")
+        rope_dim = int(head_dim * partial_rotary) if partial_rotary else c.get("qk_rope_head_dim", 64)
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], moe_intermediate_size=c["moe_intermediate_size"],
+            num_hidden_layers=n, num_attention_heads=c["num_attention_heads"], head_dim=head_dim,
+            q_lora_rank=c["q_lora_rank"], qk_rope_head_dim=rope_dim, n_routed_experts=c["n_routed_experts"],
+            num_experts_per_tok=c["num_experts_per_tok"],
+            routed_scaling_factor=float(c.get("routed_scaling_factor", 1.5)), rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(_main_rope(c)), compress_rope=_compress_rope(c), layer_types=tuple(types[:n]),
+            compress_rates=(rates[CSA], rates[HCA]), mlp_layer_types=tuple(mlp_types[:n]),
+            hc_mult=c.get("hc_mult", 4), hc_sinkhorn_iters=c.get("hc_sinkhorn_iters", 20), hc_eps=c.get("hc_eps", 1e-6),
+            swiglu_limit=float(c.get("swiglu_limit", 10.0)), sliding_window=c.get("sliding_window", 128),
+            o_groups=c.get("o_groups", 8), o_lora_rank=c.get("o_lora_rank", 1024),
+            index_n_heads=c.get("index_n_heads", 64), index_head_dim=c.get("index_head_dim", 128),
+            index_topk=c.get("index_topk", 512), num_nextn_predict_layers=c.get("num_nextn_predict_layers", 0),
+        )
+
+
+def _rope_dicts(c: dict) -> tuple[dict, dict]:
+    """(main, compress) RoPE parameters from `rope_parameters` (nested by "main" / "compress", or one
+    flat dict that applies to the compressed layers) or the legacy `rope_scaling`."""
+    rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        return rp["main"], rp["compress"]
+    flat = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+    return {"rope_type": "default", "rope_theta": c.get("rope_theta", 10000.0)}, \
+        {**flat, "rope_theta": c.get("compress_rope_theta", 160000.0)}
+
+
+def _main_rope(c: dict) -> float:
+    main, _ = _rope_dicts(c)
+    if main.get("rope_type", main.get("type", "default")) != "default":
+        raise ColibriError(f"DeepSeek V4: main rope_type {main.get('rope_type')!r} is not supported (only default)")
+    return main.get("rope_theta", c.get("rope_theta", 10000.0))
+
+
+def _compress_rope(c: dict) -> CompressRope:
+    _, rp = _rope_dicts(c)
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    theta = float(rp.get("rope_theta", c.get("compress_rope_theta", 160000.0)))
+    if kind == "default":
+        return CompressRope(theta)
+    if kind != "yarn":
+        raise ColibriError(f"DeepSeek V4: compress rope_type {kind!r} is not supported (default or yarn)")
+    if rp.get("attention_factor", 1.0) != 1.0:
+        raise ColibriError("DeepSeek V4: a YaRN attention_factor other than 1 is not supported (V4 forces 1)")
+    if "original_max_position_embeddings" not in rp:
+        raise ColibriError("DeepSeek V4: YaRN rope parameters lack original_max_position_embeddings")
+    return CompressRope(theta, float(rp["factor"]), int(rp["original_max_position_embeddings"]),
+                        float(rp.get("beta_fast") or 32), float(rp.get("beta_slow") or 1))
+
+
+# ---- tensor names ----------------------------------------------------------------------------
+LAYER = "model.layers.{layer}."
+HC = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale")
+ATTENTION = ("attn.wq_a.weight", "attn.q_norm.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.norm.weight",
+             "attn.wo_a.weight", "attn.wo_b.weight", "attn.attn_sink")
+COMPRESSOR = ("attn.compressor.wkv.weight", "attn.compressor.wgate.weight", "attn.compressor.ape",
+              "attn.compressor.norm.weight")
+INDEXER = ("attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wgate.weight", "attn.indexer.compressor.ape",
+           "attn.indexer.compressor.norm.weight", "attn.indexer.wq_b.weight", "attn.indexer.weights_proj.weight")
+SHARED = ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight", "ffn.shared_experts.w2.weight")  # gate, up, down
+GLOBAL = ("model.embed_tokens.weight", "head.weight", "model.norm.weight", "model.hc_head.hc_fn",
+          "model.hc_head.hc_base", "model.hc_head.hc_scale")
+# transformers' internal names (a fused save_pretrained), per name without the layer prefix
+INTERNAL = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "hc_attn_fn": "attn_hc.fn", "hc_attn_base": "attn_hc.base", "hc_attn_scale": "attn_hc.scale",
+    "hc_ffn_fn": "ffn_hc.fn", "hc_ffn_base": "ffn_hc.base", "hc_ffn_scale": "ffn_hc.scale",
+    "attn.wq_a.weight": "self_attn.q_a_proj.weight", "attn.q_norm.weight": "self_attn.q_a_norm.weight",
+    "attn.wq_b.weight": "self_attn.q_b_proj.weight", "attn.wkv.weight": "self_attn.kv_proj.weight",
+    "attn.norm.weight": "self_attn.kv_norm.weight", "attn.wo_a.weight": "self_attn.o_a_proj.weight",
+    "attn.wo_b.weight": "self_attn.o_b_proj.weight", "attn.attn_sink": "self_attn.sinks",
+    "attn.compressor.wkv.weight": "self_attn.compressor.kv_proj.weight",
+    "attn.compressor.wgate.weight": "self_attn.compressor.gate_proj.weight",
+    "attn.compressor.ape": "self_attn.compressor.position_bias",
+    "attn.compressor.norm.weight": "self_attn.compressor.kv_norm.weight",
+    "attn.indexer.compressor.wkv.weight": "self_attn.compressor.indexer.kv_proj.weight",
+    "attn.indexer.compressor.wgate.weight": "self_attn.compressor.indexer.gate_proj.weight",
+    "attn.indexer.compressor.ape": "self_attn.compressor.indexer.position_bias",
+    "attn.indexer.compressor.norm.weight": "self_attn.compressor.indexer.kv_norm.weight",
+    "attn.indexer.wq_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
+    "attn.indexer.weights_proj.weight": "self_attn.compressor.indexer.scorer.weights_proj.weight",
+    "ffn.gate.weight": "mlp.gate.weight", "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
+    "ffn.gate.tid2eid": "mlp.gate.tid2eid", "ffn.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+}
+# the official checkpoint's names of the global tensors (its layer tensors: "layers.N." + the name)
+OFFICIAL = {"model.embed_tokens.weight": "embed.weight", "head.weight": "head.weight", "model.norm.weight": "norm.weight",
+            "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+            "model.hc_head.hc_scale": "hc_head_scale"}
+
+
+def official_name(name: str) -> str:
+    """The official checkpoint's name of a container tensor (`model.layers.3.attn.wq_a.weight` →
+    `layers.3.attn.wq_a.weight`, `model.embed_tokens.weight` → `embed.weight`)."""
+    return OFFICIAL.get(name) or name.removeprefix("model.")
+
+
+def _layer_names(cfg: DeepseekV4Config, i: int) -> list[str]:
+    """Every resident tensor of layer i, without the layer prefix."""
+    kind = cfg.layer_types[i]
+    gate = ("ffn.gate.weight", "ffn.gate.tid2eid" if cfg.mlp_layer_types[i] == "hash_moe" else "ffn.gate.bias")
+    return ["attn_norm.weight", "ffn_norm.weight", *HC, *ATTENTION, *(COMPRESSOR if kind != SLIDING else ()),
+            *(INDEXER if kind == CSA else ()), *gate, *SHARED]
+
+
+def _shape(cfg: DeepseekV4Config, i: int, name: str) -> tuple[int, ...]:
+    H, D, n = cfg.hidden_size, cfg.head_dim, cfg.hc_mult
+    heads, I, E = cfg.num_attention_heads, cfg.moe_intermediate_size, cfg.n_routed_experts
+    wide = 2 if cfg.layer_types[i] == CSA else 1  # CSA: overlapping windows, twice the entry width
+    rate, d = cfg.rate(i), cfg.index_head_dim
+    return {
+        "attn_norm.weight": (H,), "ffn_norm.weight": (H,),
+        "hc_attn_fn": ((2 + n) * n, n * H), "hc_attn_base": ((2 + n) * n,), "hc_attn_scale": (3,),
+        "hc_ffn_fn": ((2 + n) * n, n * H), "hc_ffn_base": ((2 + n) * n,), "hc_ffn_scale": (3,),
+        "attn.wq_a.weight": (cfg.q_lora_rank, H), "attn.q_norm.weight": (cfg.q_lora_rank,),
+        "attn.wq_b.weight": (heads * D, cfg.q_lora_rank), "attn.wkv.weight": (D, H), "attn.norm.weight": (D,),
+        "attn.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, heads * D // cfg.o_groups),
+        "attn.wo_b.weight": (H, cfg.o_groups * cfg.o_lora_rank), "attn.attn_sink": (heads,),
+        "attn.compressor.wkv.weight": (wide * D, H), "attn.compressor.wgate.weight": (wide * D, H),
+        "attn.compressor.ape": (rate, wide * D), "attn.compressor.norm.weight": (D,),
+        "attn.indexer.compressor.wkv.weight": (2 * d, H), "attn.indexer.compressor.wgate.weight": (2 * d, H),
+        "attn.indexer.compressor.ape": (rate, 2 * d), "attn.indexer.compressor.norm.weight": (d,),
+        "attn.indexer.wq_b.weight": (cfg.index_n_heads * d, cfg.q_lora_rank),
+        "attn.indexer.weights_proj.weight": (cfg.index_n_heads, H),
+        "ffn.gate.weight": (E, H), "ffn.gate.bias": (E,), "ffn.gate.tid2eid": (cfg.vocab_size, cfg.num_experts_per_tok),
+        "ffn.shared_experts.w1.weight": (I, H), "ffn.shared_experts.w3.weight": (I, H),
+        "ffn.shared_experts.w2.weight": (H, I),
+    }[name]
+
+
+# ---- per-sequence state ------------------------------------------------------------------------
+class State(kv.State):
+    """Per layer: the sliding window's last K = V rows; on compressed layers the compressor's state
+    (entries, the unfinished window, the carried half-window) and on CSA layers the indexer's.
+    Everything a session needs to continue mid-window bit-identically."""
+
+    def __init__(self, model: DeepseekV4):
+        cfg = model.cfg
+        self.windows = [SlidingWindow(cfg.sliding_window, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
+        self.compressed = {i: L.compressor.new_state() for i, L in enumerate(model.layers) if L.compressor}
+        self.indexed = {i: L.indexer.compressor.new_state() for i, L in enumerate(model.layers) if L.indexer}
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def _named(self):
+        for i, s in self.compressed.items():
+            yield f"layer.{i}.compressor", s
+        for i, s in self.indexed.items():
+            yield f"layer.{i}.indexer", s
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """"length" (1,) int64; "layer.i.window" (≤ window − 1, D); per compressor its entries, buffers
+        and carried half-window (`CompressorState.arrays`). None is modified by a later forward."""
+        out = {"length": np.array([self._length], np.int64)}
+        for i, w in enumerate(self.windows):
+            out[f"layer.{i}.window"] = w.rows
+        for prefix, s in self._named():
+            out.update(s.arrays(prefix))
+        return out
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        want = set(self.arrays())
+        if set(arrays) != want:
+            odd = sorted(set(arrays) ^ want)[0]
+            raise ValueError(f"state array {odd} is {'unexpected' if odd in arrays else 'missing'}: "
+                             "the state is not from this model")
+        for i, w in enumerate(self.windows):
+            rows = np.array(arrays[f"layer.{i}.window"], np.float32)
+            if rows.ndim != 2 or rows.shape[1] != w.rows.shape[1] or len(rows) >= w.window:
+                raise ValueError(f"state array layer.{i}.window has shape {list(rows.shape)}: not from this model")
+            w.rows = rows
+        for prefix, s in self._named():
+            s.load_arrays(prefix, arrays)
+        self._length = int(np.asarray(arrays["length"]).reshape(-1)[0])
+
+
+@dataclass
+class Layer:
+    """One decoder layer's resident weights and blocks."""
+
+    index: int
+    kind: str  # SLIDING | CSA | HCA
+    attn_norm: np.ndarray  # (H,)
+    ffn_norm: np.ndarray  # (H,)
+    attn_hc: HyperConnection
+    ffn_hc: HyperConnection
+    wq_a: object  # (q_lora, H)
+    q_norm: np.ndarray  # (q_lora,)
+    wq_b: object  # (heads · D, q_lora)
+    wkv: object  # (D, H)
+    kv_norm: np.ndarray  # (D,)
+    wo_a: list  # o_groups × (o_lora, heads · D / o_groups)
+    wo_b: object  # (H, o_groups · o_lora)
+    sinks: np.ndarray  # (heads,)
+    compressor: Compressor | None
+    indexer: CompressedIndexer | None
+    router: object  # SqrtSoftplusTopK | HashRouter
+    shared: tuple  # gate, up (I_s, H), down (H, I_s)
+
+
+class DeepseekV4(MoEModel):
+    @classmethod
+    def parse_config(cls, config: dict) -> DeepseekV4Config:
+        return DeepseekV4Config.from_hf(config)
+
+    @classmethod
+    def resident_shapes(cls, cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
+        H, V, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+        out = {"model.embed_tokens.weight": (V, H)}
+        for i in range(cfg.num_hidden_layers):
+            out.update({LAYER.format(layer=i) + name: _shape(cfg, i, name) for name in _layer_names(cfg, i)})
+        out.update({"model.norm.weight": (H,), "model.hc_head.hc_fn": (n, n * H), "model.hc_head.hc_base": (n,),
+                    "model.hc_head.hc_scale": (1,), "head.weight": (V, H)})
+        return out
+
+    @classmethod
+    def state_floats_per_token(cls, cfg: DeepseekV4Config) -> list[int]:
+        """Per layer, the compressed entries' growth: head_dim / rate (CSA 512/4, HCA 512/128; 0 for a
+        sliding layer, whose window does not grow). The indexer's entries are counted apart."""
+        return [cfg.head_dim // cfg.rate(i) if cfg.rate(i) else 0 for i in range(cfg.num_hidden_layers)]
+
+    @classmethod
+    def kept_apart_floats_per_token(cls, cfg: DeepseekV4Config) -> dict[str, list[int]]:
+        """The CSA indexer's compressed keys: index_head_dim / rate per CSA layer."""
+        return {"indexer_keys": [cfg.index_head_dim // cfg.rate(i) if cfg.layer_types[i] == CSA else 0
+                                 for i in range(cfg.num_hidden_layers)]}
+
+    @classmethod
+    def fixed_state_floats(cls, cfg: DeepseekV4Config) -> int:
+        """What does not grow: every layer's window (window − 1 rows of head_dim) and, per compressor,
+        at most rate − 1 buffered projections and the carried half-window (CSA)."""
+        total = 0
+        for i in range(cfg.num_hidden_layers):
+            total += (cfg.sliding_window - 1) * cfg.head_dim
+            rate = cfg.rate(i)
+            if cfg.layer_types[i] == CSA:
+                total += (rate - 1) * 4 * cfg.head_dim + rate * 2 * cfg.head_dim  # buffers (kv, gate) + carry
+                total += (rate - 1) * 4 * cfg.index_head_dim + rate * 2 * cfg.index_head_dim
+            elif cfg.layer_types[i] == HCA:
+                total += (rate - 1) * 2 * cfg.head_dim
+        return total
+
+    @classmethod
+    def layout(cls, cfg: DeepseekV4Config) -> ContainerLayout:
+        resident = tuple(cls.resident_shapes(cfg))
+        aliases = []
+        for name in resident:
+            if name.startswith("model.layers."):
+                _, _, layer, rest = name.split(".", 3)
+                aliases.append((name, f"model.layers.{layer}.{INTERNAL[rest]}" if rest in INTERNAL else name, None, None))
+            else:
+                aliases.append((name, {"head.weight": "lm_head.weight", "model.hc_head.hc_fn": "model.hc_head.hc_fn"}.get(name, name), None, None))
+            aliases.append((name, official_name(name), None, None))
+        expert = LAYER + "ffn.experts.{expert}."
+        return ContainerLayout(
+            resident=resident,
+            # routers, the hyper-connections' mixing maps, the indexer's head weights, the compressors'
+            # position biases and the hash table stay f32 (HF keeps them f32 too)
+            keep_f32=(r"\.ffn\.gate\.weight$", r"\.tid2eid$", r"hc_(attn|ffn)_fn$", r"hc_head\.hc_fn$",
+                      r"\.weights_proj\.weight$", r"\.ape$"),
+            moe_layers=tuple(range(cfg.num_hidden_layers)),
+            n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, hidden=cfg.hidden_size,
+            intermediate=cfg.moe_intermediate_size,
+            experts=ExpertNames(
+                per_expert={"gate": expert + "w1.weight", "up": expert + "w3.weight", "down": expert + "w2.weight"},
+                fused_gate_up=LAYER + "mlp.experts.gate_up_proj", fused_down=LAYER + "mlp.experts.down_proj"),
+            ignore=(r"^mtp\.", r"^model\.mtp\."),  # the MTP head: nothing runs it yet
+            swiglu_limit=cfg.swiglu_limit,
+            aliases=tuple(a for a in aliases if a[0] != a[1]),
+        )
+
+    def __init__(self, cfg: DeepseekV4Config, weights, store):
+        super().__init__(cfg, weights, store)
+        r = cfg.qk_rope_head_dim
+        self.main_rope = Rope(r, cfg.rope_theta)
+        cr = cfg.compress_rope
+        self.compress_rope = Rope(r, cr.theta, None if cr.factor is None else yarn_inv_freq(
+            r, cr.theta, cr.factor, cr.original_max_position, cr.beta_fast, cr.beta_slow))
+        self.embed_tokens = weights("model.embed_tokens.weight")  # (V, H)
+        self.layers = [self._layer(weights, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = weights("model.norm.weight")  # (H,)
+        self.hc_head = HyperHead(weights("model.hc_head.hc_fn"), weights("model.hc_head.hc_base"),
+                                 weights("model.hc_head.hc_scale"), cfg.hc_eps, cfg.rms_norm_eps)
+        self.head = weights("head.weight")  # (V, H)
+
+    def _layer(self, weights, i: int) -> Layer:
+        cfg = self.cfg
+        w = lambda name: weights(LAYER.format(layer=i) + name)  # noqa: E731
+        hc = partial(HyperConnection, n=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+        kind, rate, eps = cfg.layer_types[i], cfg.rate(i), cfg.rms_norm_eps
+        compressor = indexer = None
+        if kind != SLIDING:
+            compressor = Compressor(*(dense(w(n)) if n.endswith(".ape") else w(n) for n in COMPRESSOR), rate=rate, width=cfg.head_dim, overlap=kind == CSA,
+                                    rope=self.compress_rope, eps=eps)
+        if kind == CSA:
+            keys = Compressor(*(dense(w(n)) if n.endswith(".ape") else w(n) for n in INDEXER[:4]), rate=rate, width=cfg.index_head_dim, overlap=True,
+                              rope=self.compress_rope, eps=eps)
+            indexer = CompressedIndexer(keys, w(INDEXER[4]), w(INDEXER[5]), cfg.index_n_heads, cfg.index_head_dim,
+                                        cfg.index_topk)
+        ffn_norm = w("ffn_norm.weight")
+        router_input = partial(rms_norm, weight=ffn_norm, eps=eps)
+        if cfg.mlp_layer_types[i] == "hash_moe":
+            router = HashRouter(w("ffn.gate.weight"), dense(w("ffn.gate.tid2eid")), cfg.routed_scaling_factor, input=router_input)
+        else:
+            router = SqrtSoftplusTopK(w("ffn.gate.weight"), w("ffn.gate.bias"), cfg.num_experts_per_tok,
+                                      cfg.routed_scaling_factor, input=router_input)
+        return Layer(
+            index=i, kind=kind, attn_norm=w("attn_norm.weight"), ffn_norm=ffn_norm,
+            attn_hc=hc(w("hc_attn_fn"), w("hc_attn_base"), w("hc_attn_scale")),
+            ffn_hc=hc(w("hc_ffn_fn"), w("hc_ffn_base"), w("hc_ffn_scale")),
+            wq_a=w("attn.wq_a.weight"), q_norm=w("attn.q_norm.weight"), wq_b=w("attn.wq_b.weight"),
+            wkv=w("attn.wkv.weight"), kv_norm=w("attn.norm.weight"), wo_a=split_rows(w("attn.wo_a.weight"), cfg.o_groups),
+            wo_b=w("attn.wo_b.weight"), sinks=w("attn.attn_sink"), compressor=compressor, indexer=indexer,
+            router=router, shared=tuple(w(n) for n in SHARED))
+
+    def routers(self) -> dict:
+        """Every layer: hash layers by token id (their lookahead reads the table), the others
+        sqrt-softplus top-k with bias, on the post-attention RMSNorm of the collapsed streams."""
+        return {L.index: L.router for L in self.layers}
+
+    def new_state(self) -> State:
+        return State(self)
+
+    # ---- the layer graph ---------------------------------------------------------------------
+    def _attention(self, L: Layer, x: np.ndarray, state: State, start: int) -> np.ndarray:
+        """Layer L's attention on x (T, H) of the tokens at start … start + T − 1 → (T, H)."""
+        cfg = self.cfg
+        T, heads, D = len(x), cfg.num_attention_heads, cfg.head_dim
+        positions = np.arange(start, start + T)
+        cos, sin = (self.main_rope if L.kind == SLIDING else self.compress_rope).cos_sin(positions)  # (T, r)
+        q_residual = rms_norm(linear(x, L.wq_a), L.q_norm, cfg.rms_norm_eps)  # (T, q_lora)
+        q = linear(q_residual, L.wq_b).reshape(T, heads, D)
+        q = q / np.sqrt(np.mean(q * q, axis=-1, keepdims=True) + np.float32(cfg.rms_norm_eps))  # unweighted, per head
+        q = rotate_tail_interleaved(q, cos, sin)  # (T, heads, D)
+        kv = rotate_tail_interleaved(rms_norm(linear(x, L.wkv), L.kv_norm, cfg.rms_norm_eps)[:, None, :], cos, sin)[:, 0]
+        rows = state.windows[L.index].extend(kv)  # (R, D)
+        extra = mask = None
+        if L.compressor is not None:
+            extra = L.compressor(x, state.compressed[L.index])  # (E, D)
+            if L.indexer is not None:
+                mask = L.indexer.select(x, q_residual, positions, cos, sin, state.indexed[L.index])
+            else:
+                mask = visible_entries(positions, len(extra), L.compressor.rate)
+        out = sink_attention(q, rows, start, cfg.sliding_window, extra, mask, L.sinks, D ** -0.5)  # (T, heads, D)
+        out = rotate_tail_interleaved(out, cos, -sin)  # the values' rope rotated back at the query's position
+        return linear(grouped_linear(out.reshape(T, cfg.o_groups, -1), L.wo_a), L.wo_b)  # (T, H)
+
+    def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
+        cfg = self.cfg
+        T, start, eps = len(ids), state.length, cfg.rms_norm_eps
+        h = np.repeat(embed(ids, self.embed_tokens)[:, None, :], cfg.hc_mult, axis=1)  # (T, n, H): n streams
+        for L in self.layers:
+            # ---- attention, mixed into the streams by attn_hc
+            pre, post, comb = L.attn_hc.weights(h)
+            x = rms_norm(HyperConnection.collapse(h, pre), L.attn_norm, eps)  # (T, H)
+            h = HyperConnection.expand(h, self._attention(L, x, state, start), post, comb)
+            # ---- routed experts + the shared expert, mixed by ffn_hc
+            pre, post, comb = L.ffn_hc.weights(h)
+            collapsed = HyperConnection.collapse(h, pre)  # (T, H): the stream the router's input is normalised from
+            x = rms_norm(collapsed, L.ffn_norm, eps)
+            out = self.moe(L.index, x, collapsed, ids) + swiglu_mlp(x, *L.shared, limit=cfg.swiglu_limit)
+            h = HyperConnection.expand(h, out, post, comb)
+            record(L.index, l_out=h.reshape(T * cfg.hc_mult, -1))  # the streams after layer i (colibri_core.probe)
+        state._length += T
+        if last_only:
+            h = h[-1:]
+        return linear(rms_norm(self.hc_head(h), self.norm, eps), self.head)  # (T, V)
