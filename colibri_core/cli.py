@@ -220,37 +220,51 @@ def chat(
         print(stats_line(engine, time.perf_counter() - t0), file=sys.stderr)
 
 
-HostOpt = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface).")
+HostOpt = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface; "
+                       "then give an --api-key).")
 PortOpt = typer.Option(8000, "--port", help="Port to listen on (0: any free port).")
 ApiKeyOpt = typer.Option(None, "--api-key", envvar="COLIBRI_API_KEY",
-                         help="Require 'Authorization: Bearer KEY' on the API [env: COLIBRI_API_KEY].")
+                         help="Require 'Authorization: Bearer KEY' on every endpoint but /health (the dashboard "
+                         "asks for it once). An empty key is an error.")
 QueueOpt = typer.Option(16, "--queue", min=0, help="Requests that may wait behind the running one; more get 429.")
 NameOpt = typer.Option(None, "--model-name", help="Model id clients send (default: the model directory's name).")
+OriginOpt = typer.Option(None, "--allow-origin", help="A web origin (scheme://host[:port]) whose pages may call the "
+                         "API (CORS), and whose host name the server answers to; repeat for several; '*' for any. "
+                         "By default only the server's own pages and non-browser clients are served.")
+MaxTokensOpt = typer.Option(None, "--max-tokens", min=1, help="Most tokens one request may generate "
+                            "(default: the model's context).")
 
 
-def _serve(dashboard, model, host, port, api_key, queue, model_name, ram, cache_slots):
+def _serve(dashboard, model, host, port, api_key, queue, model_name, ram, cache_slots, allow_origin, max_tokens):
+    import os
+
     from .server import ServerConfig, serve
 
+    if api_key is None and "COLIBRI_API_KEY" in os.environ:  # set but empty: click treats it as unset
+        api_key = os.environ["COLIBRI_API_KEY"]
     serve(ServerConfig(_model_dir(model), model_name=model_name, ram=ram, cache_slots=cache_slots, max_queue=queue,
-                       api_key=api_key, dashboard=dashboard), host=host, port=port)
+                       api_key=api_key, dashboard=dashboard, allow_origins=tuple(allow_origin or ()),
+                       max_tokens=max_tokens), host=host, port=port)
 
 
 @app.command()
 def serve(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
           queue: int = QueueOpt, model_name: Optional[str] = NameOpt, ram: Optional[str] = RamOpt,
-          cache_slots: Optional[int] = SlotsOpt):
+          cache_slots: Optional[int] = SlotsOpt, allow_origin: Optional[list[str]] = OriginOpt,
+          max_tokens: Optional[int] = MaxTokensOpt):
     """Serve the model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
-    /v1/models, /health, /tokenize, /detokenize, /metrics (Prometheus)."""
-    _serve(False, model, host, port, api_key, queue, model_name, ram, cache_slots)
+    /v1/models, /health, /tokenize, /detokenize, /metrics (Prometheus), /openapi.json."""
+    _serve(False, model, host, port, api_key, queue, model_name, ram, cache_slots, allow_origin, max_tokens)
 
 
 @app.command()
 def web(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
         queue: int = QueueOpt, model_name: Optional[str] = NameOpt, ram: Optional[str] = RamOpt,
-        cache_slots: Optional[int] = SlotsOpt):
+        cache_slots: Optional[int] = SlotsOpt, allow_origin: Optional[list[str]] = OriginOpt,
+        max_tokens: Optional[int] = MaxTokensOpt):
     """Serve the API and a live dashboard at / : chat, tok/s, time to first token, where the time
     goes, the RAM budget, hit rate over time, and the Brain map of every expert."""
-    _serve(True, model, host, port, api_key, queue, model_name, ram, cache_slots)
+    _serve(True, model, host, port, api_key, queue, model_name, ram, cache_slots, allow_origin, max_tokens)
 
 
 @app.command()

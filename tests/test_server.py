@@ -187,14 +187,14 @@ BAD = [  # (name, path, raw body or json, status, param)
     ("temperature too high", "/v1/chat/completions", {"messages": CHAT, "temperature": 9}, 400, "temperature"),
     ("top_p zero", "/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
     ("stream not bool", "/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
-    ("stop wrong type", "/v1/completions", {"prompt": "a", "stop": [1, 2]}, 400, "stop"),
+    ("stop wrong type", "/v1/completions", {"prompt": "a", "stop": [1, 2]}, 400, "stop[0]"),
     ("n=2", "/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n"),
     ("penalty", "/v1/chat/completions", {"messages": CHAT, "presence_penalty": 1.5}, 400, "presence_penalty"),
     ("stream_options without stream", "/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("prompt missing", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("token id out of range", "/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
     ("unknown model", "/v1/chat/completions", {"model": "gpt-17", "messages": CHAT}, 404, "model"),
-    ("image part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content"),
+    ("image part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0]"),
     ("long prompt + max_tokens", "/v1/completions", {"prompt": [5] * 4000, "max_tokens": 200}, 400, "max_tokens"),
     ("unknown endpoint", "/v1/embeddings", {"input": "x"}, 404, None),
     ("detokenize wrong type", "/detokenize", {"tokens": "abc"}, 400, "tokens"),
@@ -262,7 +262,7 @@ def test_disconnect_cancels_a_non_streamed_request(server, tiny_model):
     body = json.dumps({"model": model_id(tiny_model), "prompt": "b", "max_tokens": 4000, "ignore_eos": True}).encode()
     host, port = server.url[len("http://"):].split(":")
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     deadline = time.monotonic() + 60
     while not server.json("/api/stats")["live"]:  # wait until it generates
@@ -408,7 +408,8 @@ def test_loading_then_ready_and_api_key(tiny_model, monkeypatch):
         assert post_json(url + "/v1/completions", {"prompt": "a", "max_tokens": 2}, {"Authorization": "Bearer wrong"})[0] == 401
         c = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
         assert c.completions.create(model="tiny", prompt="a", max_tokens=2).usage.completion_tokens >= 1
-        assert get(url + "/metrics")[0] == 200  # Prometheus scrapes without the key
+        assert get(url + "/metrics")[0] == 401  # the key guards everything but /health
+        assert get(url + "/metrics", auth)[0] == 200  # Prometheus: authorization: {credentials: KEY}
     finally:
         release.set()
         uv.should_exit = True

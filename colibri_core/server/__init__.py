@@ -9,6 +9,8 @@ See `app.py` for the endpoints, `worker.py` for the queue (and the one thread th
 from __future__ import annotations
 
 import copy
+import dataclasses
+import ipaddress
 import logging
 import socket
 import sys
@@ -43,6 +45,39 @@ def _quiet_polls(record: logging.LogRecord) -> bool:
     return not (isinstance(args, tuple) and len(args) == 5 and str(args[2]).startswith("/api/") and args[4] < 400)
 
 
+def header_timeout_protocol(seconds: float):
+    """uvicorn's HTTP/1.1 protocol, but a connection whose request headers have not arrived whole
+    `seconds` after it opened (or after its last answer) is closed: half-sent requests cannot hold
+    connections (and file descriptors) for ever."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeout(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm()
+
+        def _arm(self):
+            self.loop.call_later(seconds, self._expire, self.cycle)
+
+        def _expire(self, cycle):
+            # no request has begun since the timer was armed, and none is being answered
+            if self.cycle is cycle and (cycle is None or cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeout
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def serve(cfg: ServerConfig, host: str = "127.0.0.1", port: int = 8000, access_log: bool = True) -> None:
     """Listen, load the model in the background, serve until interrupted. A model that fails to
     load stops the server and raises ColibriError with the reason."""
@@ -53,12 +88,17 @@ def serve(cfg: ServerConfig, host: str = "127.0.0.1", port: int = 8000, access_l
 
     # the cheap checks first, so a wrong directory is one line before anything listens
     plugins.registry().resolve(read_config(cfg.model_dir), where=str(cfg.model_dir))
+    cfg = dataclasses.replace(cfg, host=host)
     sock = bind(host, port)
+    if not _loopback(host) and not cfg.api_key:
+        print(f"colibri: warning: listening on {host} without --api-key: anyone who can reach this port can use "
+              "the model", file=sys.stderr, flush=True)
     app = create_app(cfg)
     logs = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     logs["loggers"]["uvicorn.error"]["level"] = "WARNING"  # our own lines say where and when; keep access logs
     logs["loggers"]["uvicorn.access"]["level"] = "INFO" if access_log else "WARNING"
-    server = uvicorn.Server(uvicorn.Config(app, log_level=None, log_config=logs, timeout_graceful_shutdown=3))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=None, log_config=logs, timeout_graceful_shutdown=3,
+                                           http=header_timeout_protocol(cfg.header_timeout)))
     logging.getLogger("uvicorn.access").addFilter(_quiet_polls)
     state = app.state.server
 

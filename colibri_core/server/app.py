@@ -7,22 +7,24 @@
     POST /tokenize  /detokenize    text ↔ token ids with the model's tokenizer
     GET  /metrics                  Prometheus text (colibri_ prefix)
     GET  /api/stats  /api/brain    JSON the dashboard draws (queue, timings, memory, the expert map)
+    GET  /openapi.json             the OpenAPI 3.1 document, generated from the request models (openapi.py)
     GET  /                         the dashboard (`colibri web`)
 
 The model loads on a thread after the server starts listening; requests are validated on the
 event loop, then run one at a time by the `Worker`, the engine's only user once it is loaded.
 /metrics, /api/stats, /api/brain and the once-a-second sampler read the `Snapshot` the worker
 publishes between two tokens, never the engine (whose tokenizer, chat template and generation
-defaults are read-only and shared). Every error is a JSON body of the OpenAI form
-with a 4xx status (503 while loading); a 500 is a bug.
+defaults are read-only and shared); chat templates and tokenizers run on worker threads, never on
+the event loop. Every error is a JSON body of the OpenAI form with a 4xx status (503 while
+loading); a 500 is a bug. security.py guards every route (Host, Origin, the API key).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -33,14 +35,17 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ..errors import ColibriError
 from . import brain, metrics as metrics_mod
-from .schemas import ApiError, Sampling, invalid, parse_chat, parse_completion, parse_json
+from . import openapi, security
+from .schemas import (CHARS_PER_TOKEN, ApiError, Limits, Sampling, detokenize_model, invalid, parse_chat, parse_completion, parse_json,
+                      tokenize_model)
 from .snapshot import Snapshot
 from .worker import Delta, End, Job, Params, QueueFull, Worker
 
@@ -49,6 +54,7 @@ log = logging.getLogger("colibri.server")
 # installed as files, so a real directory StaticFiles can serve.
 STATIC = Path(str(resources.files(__package__) / "static"))
 CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "n_ctx")
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's rule): 1/T would overflow the logits
 
 
 @dataclass
@@ -58,9 +64,28 @@ class ServerConfig:
     ram: str | None = None  # RAM budget, as `colibri run --ram`
     cache_slots: int | None = None  # expert cache slots per layer (overrides ram)
     max_queue: int = 16  # requests that may wait behind the running one; more get 429
-    api_key: str | None = None  # if set, /v1, /tokenize, /detokenize and /api need "Bearer KEY"
+    api_key: str | None = None  # if set, every endpoint but /health needs "Bearer KEY" (or the dashboard's cookie)
     dashboard: bool = False  # serve the dashboard at / (`colibri web`)
     max_body_bytes: int = 16 << 20
+    max_tokens: int | None = None  # most tokens one request may generate (None: the context)
+    allow_origins: tuple[str, ...] = ()  # foreign web origins (or "*") allowed to call the API (CORS)
+    host: str = "127.0.0.1"  # where it listens: its name is a Host the server answers to
+    body_timeout: float = 30.0  # seconds for a request body to arrive whole (408 after)
+    header_timeout: float = 10.0  # seconds for a request's headers to arrive whole (the connection closed after)
+    tokenize_threads: int = 2  # chat templates and tokenizers run at most this many at once, off the event loop
+
+    def __post_init__(self):
+        if self.api_key is not None and not self.api_key.strip():
+            raise ColibriError("the API key is empty: give a key (--api-key KEY or COLIBRI_API_KEY), or none to serve "
+                               "without one")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ColibriError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+        for origin in self.allow_origins:
+            if origin != "*":
+                try:
+                    security.normalize_origin(origin)
+                except ValueError as e:
+                    raise ColibriError(f"--allow-origin: {e}") from None
 
 
 class Server:
@@ -82,6 +107,8 @@ class Server:
         self.on_loaded = None  # called (loader thread) once loading ends, well or not
         self.metrics = metrics_mod.Metrics()
         self.created = int(time.time())
+        self.limits = Limits(max_tokens=cfg.max_tokens, max_body_bytes=cfg.max_body_bytes)
+        self.tokenizing: asyncio.Semaphore | None = None  # made on the event loop (create_app's lifespan)
 
     # ---- loading ------------------------------------------------------------------------------
     def load(self) -> None:
@@ -99,6 +126,8 @@ class Server:
             self.ram_budget = getattr(engine, "ram_budget", None) or (
                 parse_size(cfg.ram) if cfg.ram is not None else
                 None if cfg.cache_slots is not None else int(0.8 * available_memory()))
+            vocab = engine.tokenizer.tok.get_vocab_size(with_added_tokens=True)
+            self.limits = Limits(self.context_length, vocab, cfg.max_tokens, cfg.max_body_bytes)
             self.worker = Worker(engine, cfg.max_queue, on_turn=self.metrics.add_turn)
             self.engine = engine
         except ColibriError as e:
@@ -120,22 +149,24 @@ class Server:
                            headers={"Retry-After": "1"})
         return self.engine
 
-    # ---- request checks -------------------------------------------------------------------------
-    def authorize(self, request: Request) -> None:
-        key = self.cfg.api_key
-        if not key:
-            return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    # ---- request checks (who may ask is security.Guard's business) -------------------------------
+    def parse(self, parser, body: dict):
+        """`parser(body, limits)`, then the model must be loaded and be the one asked for. A malformed
+        request is a 400 even while loading; the bounds known only once loaded (the vocabulary) are
+        checked again if loading ended in between."""
+        lim = self.limits
+        req = parser(body, lim)
+        self.ready()
+        if self.limits is not lim:
+            req = parser(body, self.limits)
+        model = req.sampling.model if hasattr(req, "sampling") else req["model"]
+        self.check_model(model)
+        return req
 
     def check_model(self, model: str | None) -> None:
+        """The model asked for must be this one, by its id (never by a path: the server does not say
+        where the model lives, nor confirm a guess)."""
         if model is None or model == self.model_id:
-            return
-        d = Path(self.cfg.model_dir)
-        if model in (str(self.cfg.model_dir), str(d.resolve())):
             return
         raise ApiError(404, f"the model '{model}' does not exist: this server serves '{self.model_id}'",
                        param="model", code="model_not_found")
@@ -153,6 +184,7 @@ class Server:
         if max_tokens is None:
             room = ctx - n_prompt if ctx is not None else 2048
             max_tokens = min(room, gen["max_new_tokens"]) if isinstance(gen.get("max_new_tokens"), int) else room
+            max_tokens = min(max_tokens, self.cfg.max_tokens or max_tokens)  # the operator's cap
         elif ctx is not None and n_prompt + max_tokens > ctx:
             raise invalid("max_tokens", f"this model's maximum context length is {ctx} tokens, but {n_prompt + max_tokens} "
                           f"were requested ({n_prompt} in the prompt, {max_tokens} to generate)",
@@ -161,9 +193,10 @@ class Server:
         def default(value, key, fallback):
             return value if value is not None else gen.get(key, fallback)
 
+        temperature = float(default(s.temperature, "temperature", 1.0))
         return Params(
             max_tokens=max_tokens,
-            temperature=float(default(s.temperature, "temperature", 1.0)),
+            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
             top_p=float(default(s.top_p, "top_p", 1.0)),
             top_k=int(default(s.top_k, "top_k", 0)),
             seed=s.seed,
@@ -181,16 +214,60 @@ class Server:
                 "capacity": self.cfg.max_queue}
 
 
+    async def off_loop(self, fn, *args):
+        """Run `fn` (a chat template, a tokenizer) on a worker thread, at most `tokenize_threads` at
+        once, so a long prompt never stalls the event loop (health checks, streams, metrics)."""
+        if self.tokenizing is None:
+            self.tokenizing = asyncio.Semaphore(self.cfg.tokenize_threads)
+        async with self.tokenizing:
+            return await asyncio.to_thread(fn, *args)
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > self.limits.max_chars:
+            raise invalid(param, f"the prompt is {len(text)} characters; this server tokenizes at most "
+                          f"{self.limits.max_chars} ({CHARS_PER_TOKEN} per token of its context)", "context_length_exceeded")
+        return await self.off_loop(self.engine.tokenizer.encode, text, add_special_tokens)
+
+    async def render(self, messages: list[dict], tools=None, add_generation_prompt: bool = True) -> str:
+        """The chat template's rendering; a conversation the template refuses (or fails on) is a 400."""
+        if self.template is None:
+            raise invalid("messages", "this model has no chat template (chat_template.jinja or tokenizer_config.json); "
+                          "use /v1/completions", "no_chat_template")
+        try:
+            return await self.off_loop(lambda: self.template.render(messages, add_generation_prompt=add_generation_prompt,
+                                                                    tools=tools))
+        except ColibriError as e:  # the template refused the conversation (raise_exception)
+            raise invalid("messages", str(e)) from None
+        except Exception as e:  # a template reading a field of a shape it does not expect
+            raise invalid("messages", f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
+
+
 async def read_json(request: Request, server: Server) -> dict:
+    """The body as a JSON object; larger than `max_body_bytes` (declared, or as it arrives, also when
+    chunked) is a 413 before more is read; a body that takes longer than `body_timeout` is a 408."""
     limit = server.cfg.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:  # refused before it is read
         raise ApiError(413, f"the request body is {declared} bytes; at most {limit} are accepted",
-                       code="request_too_large")
-    raw = await request.body()
-    if len(raw) > limit:
-        raise ApiError(413, f"the request body is {len(raw)} bytes; at most {limit} are accepted",
-                       code="request_too_large")
+                       code="request_too_large", headers={"Connection": "close"})
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is more than {limit} bytes; at most {limit} are accepted",
+                               code="request_too_large", headers={"Connection": "close"})
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        raw = await asyncio.wait_for(read(), server.cfg.body_timeout)
+    except ClientDisconnect:  # nobody will read the answer
+        raise ApiError(499, "the client went away before its request arrived", code="client_closed") from None
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {server.cfg.body_timeout:g} s",
+                       code="request_timeout", headers={"Connection": "close"}) from None
     return parse_json(raw)
 
 
@@ -360,107 +437,74 @@ async def health(request: Request) -> Response:
     server = server_of(request)
     if server.engine is not None:
         return JSONResponse({"status": "ok", "model": server.model_id})
-    status = "error" if server.load_error else "loading"
-    return JSONResponse({"status": status, "model": server.model_id, "error": server.load_error}, status_code=503)
+    status = "error" if server.load_error else "loading"  # why it failed is for the key holders (/api/stats)
+    return JSONResponse({"status": status, "model": server.model_id}, status_code=503)
 
 
 def _model_card(server: Server) -> dict:
+    """The model as /v1/models shows it: its id, never where it lives on disk."""
     return {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "colibri",
-            "root": str(server.cfg.model_dir), "max_model_len": server.context_length}
+            "max_model_len": server.context_length}
 
 
 async def list_models(request: Request) -> Response:
-    server = server_of(request)
-    server.authorize(request)
-    return JSONResponse({"object": "list", "data": [_model_card(server)]})
+    return JSONResponse({"object": "list", "data": [_model_card(server_of(request))]})
 
 
 async def get_model(request: Request) -> Response:
     server = server_of(request)
-    server.authorize(request)
     server.check_model(request.path_params["model"])
     return JSONResponse(_model_card(server))
 
 
 async def chat_completions(request: Request) -> Response:
     server = server_of(request)
-    server.authorize(request)
-    req = parse_chat(await read_json(request, server))
-    engine = server.ready()
-    server.check_model(req.sampling.model)
-    if server.template is None:
-        raise invalid("messages", "this model has no chat template (chat_template.jinja or tokenizer_config.json); "
-                      "use /v1/completions", "no_chat_template")
-    try:
-        text = server.template.render(req.messages, add_generation_prompt=True, tools=req.tools)
-    except ColibriError as e:  # the template refused the conversation (raise_exception)
-        raise invalid("messages", str(e)) from None
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    req = server.parse(parse_chat, await read_json(request, server))
+    text = await server.render(req.messages, req.tools)
+    ids = await server.encode(text, "messages", add_special_tokens=False)
     params = server.resolve(req.sampling, len(ids), "messages")
     return await Generation(server, "chat", ids, params, req.sampling).respond(request)
 
 
 async def completions(request: Request) -> Response:
     server = server_of(request)
-    server.authorize(request)
-    req = parse_completion(await read_json(request, server))
-    engine = server.ready()
-    server.check_model(req.sampling.model)
-    if isinstance(req.prompt, str):
-        ids = engine.tokenizer.encode(req.prompt)
-    else:
-        ids = _check_ids(req.prompt, engine, "prompt")
+    req = server.parse(parse_completion, await read_json(request, server))
+    engine = server.engine
+    ids = await server.encode(req.prompt, "prompt") if isinstance(req.prompt, str) else req.prompt
     echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(ids)
     params = server.resolve(req.sampling, len(ids), "prompt")
     return await Generation(server, "completion", ids, params, req.sampling, echo).respond(request)
 
 
-def _check_ids(ids, engine, param: str) -> list[int]:
-    vocab = engine.tokenizer.tok.get_vocab_size(with_added_tokens=True)
-    bad = next((t for t in ids if not (0 <= t < vocab)), None)
-    if bad is not None:
-        raise invalid(param, f"token id {bad} is outside this model's vocabulary (0 … {vocab - 1})")
-    return list(ids)
-
-
 async def tokenize(request: Request) -> Response:
     server = server_of(request)
-    server.authorize(request)
-    body = await read_json(request, server)
-    engine = server.ready()
-    server.check_model(body.get("model") if isinstance(body.get("model"), str) else None)
-    special = body.get("add_special_tokens", body.get("add_special", True))
-    if not isinstance(special, bool):
-        raise invalid("add_special_tokens", "'add_special_tokens' must be a boolean", "invalid_type")
-    if "messages" in body:
-        req = parse_chat({"messages": body["messages"]})
-        if server.template is None:
-            raise invalid("messages", "this model has no chat template", "no_chat_template")
-        try:
-            text = server.template.render(req.messages, add_generation_prompt=bool(body.get("add_generation_prompt", True)))
-        except ColibriError as e:
-            raise invalid("messages", str(e)) from None
-        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    v = server.parse(lambda body, lim: tokenize_model(lim).check(body, ""), await read_json(request, server))
+    special = v["add_special_tokens"] if v["add_special_tokens"] is not None else v["add_special"]
+    if v["messages"] is not None:
+        add_prompt = v["add_generation_prompt"] if v["add_generation_prompt"] is not None else True
+        text = await server.render(v["messages"], add_generation_prompt=add_prompt)
+        ids = await server.encode(text, "messages", add_special_tokens=False)
     else:
-        text = body.get("content", body.get("prompt"))
-        if not isinstance(text, str):
+        text = v["content"] if v["content"] is not None else v["prompt"]
+        if text is None:
             raise invalid("content", "send the text to tokenize as 'content' (or 'prompt'), a string, or 'messages'",
-                          "invalid_type" if text is not None else "missing_required_parameter")
-        ids = engine.tokenizer.encode(text, add_special_tokens=special)
+                          "missing_required_parameter")
+        ids = await server.encode(text, "content", add_special_tokens=special is not False)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": server.context_length})
 
 
 async def detokenize(request: Request) -> Response:
     server = server_of(request)
-    server.authorize(request)
-    body = await read_json(request, server)
-    engine = server.ready()
-    ids = body.get("tokens")
-    if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
-        raise invalid("tokens", "'tokens' must be an array of token ids",
-                      "invalid_type" if ids is not None else "missing_required_parameter")
-    text = engine.tokenizer.decode(_check_ids(ids, engine, "tokens"))
+    v = server.parse(lambda body, lim: detokenize_model(lim).check(body, ""), await read_json(request, server))
+    engine = server.engine
+    text = await server.off_loop(engine.tokenizer.decode, v["tokens"])
     return JSONResponse({"content": text, "prompt": text})  # llama-server's name, and vLLM's
+
+
+async def openapi_json(request: Request) -> Response:
+    server = server_of(request)
+    return JSONResponse(openapi.document(server.limits, model_id=server.model_id, api_key=bool(server.cfg.api_key),
+                                         dashboard=server.cfg.dashboard))
 
 
 async def prometheus_metrics(request: Request) -> Response:
@@ -474,13 +518,14 @@ async def prometheus_metrics(request: Request) -> Response:
 async def api_stats(request: Request) -> Response:
     """Everything the dashboard shows but the brain map: one JSON document."""
     server = server_of(request)
-    server.authorize(request)
     try:
         since = float(request.query_params.get("since") or 0)
+        if not math.isfinite(since):
+            raise ValueError
     except ValueError:
         raise invalid("since", "'since' must be a number (a time in seconds since the epoch)") from None
     snap = server.metrics.snapshot()
-    out = {"model": server.model_id, "model_dir": str(server.cfg.model_dir), "loaded": server.engine is not None,
+    out = {"model": server.model_id, "loaded": server.engine is not None,
            "load_error": server.load_error, "context_length": server.context_length,
            "uptime_seconds": time.time() - server.metrics.started, "queue": server.queue_state(),
            "requests": [{"endpoint": e, "outcome": o, "count": n} for (e, o), n in sorted(snap["requests"].items())],
@@ -504,7 +549,6 @@ async def api_stats(request: Request) -> Response:
 async def api_brain(request: Request) -> Response:
     """The expert map: tiers, routing heat and the latest token's experts, per (layer, expert)."""
     server = server_of(request)
-    server.authorize(request)
     server.ready()
     snap = server.snapshot()
     since = request.query_params.get("since")
@@ -521,13 +565,13 @@ async def root(request: Request) -> Response:
     server = server_of(request)
     return JSONResponse({"name": "colibri", "model": server.model_id, "status": "ok" if server.engine else "loading",
                          "endpoints": ["/health", "/v1/models", "/v1/chat/completions", "/v1/completions", "/tokenize",
-                                       "/detokenize", "/metrics", "/api/stats", "/api/brain"],
+                                       "/detokenize", "/metrics", "/api/stats", "/api/brain", "/openapi.json"],
                          "dashboard": "run `colibri web` for the dashboard"})
 
 
 # ---- errors ---------------------------------------------------------------------------------------
 async def api_error(request: Request, exc: ApiError) -> Response:
-    if exc.status != 429 and exc.status < 500 and request.url.path.startswith("/v1/"):
+    if exc.status not in (429, 499) and exc.status < 500 and request.url.path.startswith("/v1/"):
         endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(request.url.path)
         if endpoint:
             server_of(request).metrics.count(endpoint, "invalid")
@@ -563,6 +607,7 @@ def create_app(cfg: ServerConfig) -> Starlette:
         Route("/metrics", prometheus_metrics),
         Route("/api/stats", api_stats),
         Route("/api/brain", api_brain),
+        Route("/openapi.json", openapi_json),
     ]
     if cfg.dashboard:
         routes += [Route("/", dashboard), Mount("/static", StaticFiles(directory=STATIC), name="static")]
@@ -580,8 +625,10 @@ def create_app(cfg: ServerConfig) -> Starlette:
             if server.worker is not None:
                 await asyncio.get_running_loop().run_in_executor(None, server.worker.stop)
 
+    policy = security.Policy(cfg.api_key, cfg.allow_origins, cfg.host)
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        ApiError: api_error, HTTPException: http_error, Exception: internal_error})
+        ApiError: api_error, HTTPException: http_error, Exception: internal_error},
+        middleware=[Middleware(security.Guard, policy=policy, dashboard=cfg.dashboard)])
     app.state.server = server
     return app
 

@@ -1,11 +1,17 @@
-"""OpenAI request bodies, checked field by field; anything wrong is an `ApiError` (a 4xx with the
-OpenAI error body), never a 500.
+"""OpenAI request bodies as declared models: each model both checks a body field by field and
+describes itself as JSON Schema, so the OpenAPI document the server publishes (openapi.py) is
+generated from the very objects the handlers validate with; nothing is described twice.
 
-What is accepted follows the OpenAI API and its common local extensions (vLLM: `top_k`,
-`ignore_eos`); sampling knobs the engine does not implement (penalties, logit bias, log
-probabilities, several choices) are accepted only at their neutral value and refused otherwise,
-so a client never silently gets something other than what it asked for. Fields nobody here
-knows are ignored, as vLLM and llama-server do.
+Anything wrong is an `ApiError` (a 4xx with the OpenAI error body), never a 500. What is accepted
+follows the OpenAI API and its common local extensions (vLLM: `top_k`, `ignore_eos`); sampling
+knobs the engine does not implement (penalties, logit bias, log probabilities, several choices)
+are accepted only at their neutral value and refused otherwise, so a client never silently gets
+something other than what it asked for. Fields nobody here knows are ignored, as vLLM and
+llama-server do. Every optional field may be null, which means "the default".
+
+Bounds (`Limits`, most of them also in the published schema): the body's bytes and JSON nesting,
+characters of text, messages per conversation, stop strings and their length, token ids per
+prompt, `max_tokens` (the context, or the operator's `--max-tokens`), `n` = 1.
 """
 from __future__ import annotations
 
@@ -15,6 +21,12 @@ from dataclasses import dataclass, field
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 512  # characters per stop string
+MAX_DEPTH = 32  # nesting of arrays and objects in a request body
+MAX_MESSAGES = 4096
+MAX_TOOLS = 128  # OpenAI's own limit
+MAX_NAME = 512  # characters of a model id, a message's name, a tool call id
+CHARS_PER_TOKEN = 32  # text beyond this many characters per token of context is refused untokenized
 
 
 class ApiError(Exception):
@@ -30,19 +42,82 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def invalid(param: str, message: str, code: str = "invalid_value") -> ApiError:
+def invalid(param: str | None, message: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one server accepts; the parts known only once the model is loaded are None before."""
+
+    context: int | None = None  # the model's context length, in tokens
+    vocab: int | None = None  # token ids are in [0, vocab)
+    max_tokens: int | None = None  # the operator's cap on tokens generated per request (None: the context)
+    max_body_bytes: int = 16 << 20
+
+    @property
+    def tokens_cap(self) -> int | None:
+        caps = [c for c in (self.context, self.max_tokens) if c is not None]
+        return min(caps) if caps else None
+
+    @property
+    def max_chars(self) -> int:
+        """Characters of text one request may carry: CHARS_PER_TOKEN per token of context (text
+        that long cannot fit, and tokenizing it would only cost time and memory)."""
+        return CHARS_PER_TOKEN * self.context if self.context else self.max_body_bytes
+
+    @property
+    def max_token_ids(self) -> int:
+        return self.context or (1 << 17)
+
+
+# ---- parsing the body: JSON, bounded ----------------------------------------------------------
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def parse_json(raw: bytes) -> dict:
-    """The request body as a JSON object."""
+    """The request body as a JSON object: strict JSON (no NaN or Infinity), nested at most
+    MAX_DEPTH deep, every string valid Unicode (no lone surrogates)."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} levels deep",
+                       code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN, a number of more than 4300 digits
         raise ApiError(400, f"the request body is not valid JSON ({getattr(e, 'msg', e)})", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {_kind(body)}", code="invalid_json")
+    check_tree(body)
     return body
+
+
+def check_tree(body) -> None:
+    """Depth and Unicode of a whole parsed body, without recursion."""
+    stack = [(body, 1, "")]
+    while stack:
+        v, depth, where = stack.pop()
+        if isinstance(v, str):
+            _check_unicode(v, where)
+        elif isinstance(v, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} levels deep",
+                               code="invalid_json", param=where or None)
+            if isinstance(v, dict):
+                for k, child in v.items():
+                    path = f"{where}.{k}" if where else k
+                    _check_unicode(k, path)
+                    stack.append((child, depth + 1, path))
+            else:
+                stack += [(child, depth + 1, f"{where}[{i}]") for i, child in enumerate(v)]
+
+
+def _check_unicode(s: str, where: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid(where or None, f"'{where}' is not valid Unicode: a lone surrogate "
+                      f"U+{ord(s[e.start]):04X} at character {e.start}", "invalid_unicode") from None
 
 
 def _kind(v) -> str:
@@ -50,61 +125,449 @@ def _kind(v) -> str:
             dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
 
 
-# ---- typed field readers: absent or null gives the default ------------------------------------
-def get_int(body: dict, name: str, default=None, *, low: int | None = None, high: int | None = None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise invalid(name, f"'{name}' must be an integer, not {_kind(v)}", "invalid_type")
-    if low is not None and v < low:
-        raise invalid(name, f"'{name}' must be at least {low}, got {v}")
-    if high is not None and v > high:
-        raise invalid(name, f"'{name}' must be at most {high}, got {v}")
-    return v
+def _json_kind(v) -> str:
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int) or (isinstance(v, float) and v.is_integer()):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}.get(type(v), "null")
 
 
-def get_float(body: dict, name: str, default=None, *, low: float, high: float, low_open: bool = False):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise invalid(name, f"'{name}' must be a number, not {_kind(v)}", "invalid_type")
-    if v < low or (low_open and v == low) or v > high:
-        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise invalid(name, f"'{name}' must be in {interval}, got {v}")
-    return float(v)
+# ---- the declared models: check a value, describe it as JSON Schema -----------------------------
+class Spec:
+    """One field's type: `check(value, param)` returns the value to use (value is never None);
+    `schema()` is its JSON Schema (OpenAPI 3.1 dialect)."""
+
+    kinds: tuple[str, ...] = ()  # the JSON kinds it may take ("integer" values are "number"s too)
+
+    def __init__(self, description: str = ""):
+        self.description = description
+
+    def check(self, v, param: str):
+        raise NotImplementedError
+
+    def schema(self) -> dict:
+        raise NotImplementedError
+
+    def doc(self) -> dict:
+        s = self.schema()
+        return {**s, "description": self.description} if self.description else s
+
+    def accepts_kind(self, v) -> bool:
+        k = _json_kind(v)
+        return k in self.kinds or (k == "integer" and "number" in self.kinds)
 
 
-def get_bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise invalid(name, f"'{name}' must be a boolean, not {_kind(v)}", "invalid_type")
-    return v
+class Integer(Spec):
+    kinds = ("integer",)
+
+    def __init__(self, low: int | None = None, high: int | None = None, description: str = ""):
+        super().__init__(description)
+        self.low, self.high = low, high
+
+    def check(self, v, param):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise invalid(param, f"'{param}' must be an integer, not {_kind(v)}", "invalid_type")
+        if self.low is not None and v < self.low:
+            raise invalid(param, f"'{param}' must be at least {self.low}, got {v}")
+        if self.high is not None and v > self.high:
+            raise invalid(param, f"'{param}' must be at most {self.high}, got {v}")
+        return v
+
+    def schema(self):
+        s = {"type": "integer"}
+        if self.low is not None:
+            s["minimum"] = self.low
+        if self.high is not None:
+            s["maximum"] = self.high
+        return s
 
 
-def get_str(body: dict, name: str, default=None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise invalid(name, f"'{name}' must be a string, not {_kind(v)}", "invalid_type")
-    return v
+class Number(Spec):
+    kinds = ("number",)
+
+    def __init__(self, low: float, high: float, low_open: bool = False, description: str = ""):
+        super().__init__(description)
+        self.low, self.high, self.low_open = low, high, low_open
+
+    def check(self, v, param):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise invalid(param, f"'{param}' must be a number, not {_kind(v)}", "invalid_type")
+        interval = f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+        if not math.isfinite(v) or v < self.low or (self.low_open and v == self.low) or v > self.high:
+            raise invalid(param, f"'{param}' must be a finite number in {interval}, got {v}")
+        return float(v)
+
+    def schema(self):
+        s = {"type": "number", "exclusiveMinimum" if self.low_open else "minimum": self.low, "maximum": self.high}
+        return s
 
 
-def neutral(body: dict, name: str, value, what: str) -> None:
-    """Refuse a knob the engine does not implement unless it is at its neutral `value` (or absent)."""
-    v = body.get(name)
-    if v is None or v == value or (isinstance(value, dict) and v == {}):
-        return
-    raise invalid(name, f"'{name}' is not supported by colibri ({what})", "unsupported_parameter")
+class Boolean(Spec):
+    kinds = ("boolean",)
+
+    def check(self, v, param):
+        if not isinstance(v, bool):
+            raise invalid(param, f"'{param}' must be a boolean, not {_kind(v)}", "invalid_type")
+        return v
+
+    def schema(self):
+        return {"type": "boolean"}
 
 
-# ---- what both endpoints share ------------------------------------------------------------------
+class String(Spec):
+    kinds = ("string",)
+
+    def __init__(self, max_length: int | None = None, min_length: int = 0, choices: tuple[str, ...] | None = None,
+                 description: str = "", refusal: str | None = None):
+        super().__init__(description)
+        self.max_length, self.min_length, self.choices, self.refusal = max_length, min_length, choices, refusal
+
+    def check(self, v, param):
+        if not isinstance(v, str):
+            raise invalid(param, f"'{param}' must be a string, not {_kind(v)}", "invalid_type")
+        if self.choices is not None and v not in self.choices:
+            if self.refusal:  # a value OpenAI knows but colibri does not do
+                raise invalid(param, f"'{param}' may be {' or '.join(map(repr, self.choices))}: {self.refusal}",
+                              "unsupported_parameter")
+            raise invalid(param, f"'{param}' must be one of {', '.join(self.choices)}, got {v!r}")
+        if len(v) < self.min_length:
+            raise invalid(param, f"'{param}' must not be empty" if self.min_length == 1
+                          else f"'{param}' must hold at least {self.min_length} characters")
+        if self.max_length is not None and len(v) > self.max_length:
+            raise invalid(param, f"'{param}' holds {len(v)} characters; at most {self.max_length} are accepted",
+                          "string_too_long")
+        return v
+
+    def schema(self):
+        s = {"type": "string"}
+        if self.choices is not None:
+            s["enum"] = list(self.choices)
+        if self.min_length:
+            s["minLength"] = self.min_length
+        if self.max_length is not None:
+            s["maxLength"] = self.max_length
+        return s
+
+
+class Neutral(Spec):
+    """A knob colibri does not implement: accepted only at its neutral value."""
+
+    def __init__(self, value, what: str, description: str = ""):
+        super().__init__(description or f"Not supported: accepted only as {json.dumps(value)} ({what}).")
+        self.value, self.what = value, what
+        self.kinds = (_json_kind(value) if not isinstance(value, dict) else "object",)
+
+    def check(self, v, param):
+        same = (v == {} if isinstance(self.value, dict) else
+                isinstance(v, bool) == isinstance(self.value, bool) and type(v) in (int, float, bool, str)
+                and type(self.value) in (int, float, bool, str) and v == self.value)
+        if not same:
+            raise invalid(param, f"'{param}' is not supported by colibri ({self.what})", "unsupported_parameter")
+        return v
+
+    def schema(self):
+        return {"type": "object", "maxProperties": 0} if isinstance(self.value, dict) else {"const": self.value}
+
+
+class Array(Spec):
+    kinds = ("array",)
+
+    def __init__(self, items: Spec, min_items: int = 0, max_items: int | None = None, description: str = ""):
+        super().__init__(description)
+        self.items, self.min_items, self.max_items = items, min_items, max_items
+
+    def check(self, v, param):
+        if not isinstance(v, list):
+            raise invalid(param, f"'{param}' must be an array, not {_kind(v)}", "invalid_type")
+        if len(v) < self.min_items:
+            raise invalid(param, f"'{param}' must not be empty" if self.min_items == 1
+                          else f"'{param}' must hold at least {self.min_items} items")
+        if self.max_items is not None and len(v) > self.max_items:
+            raise invalid(param, f"'{param}' holds {len(v)} items; at most {self.max_items} are accepted",
+                          "array_too_long")
+        out = []
+        for i, item in enumerate(v):
+            if item is None:
+                raise invalid(f"{param}[{i}]", f"'{param}[{i}]' must not be null", "invalid_type")
+            out.append(self.items.check(item, f"{param}[{i}]"))
+        return out
+
+    def schema(self):
+        s = {"type": "array", "items": self.items.doc()}
+        if self.min_items:
+            s["minItems"] = self.min_items
+        if self.max_items is not None:
+            s["maxItems"] = self.max_items
+        return s
+
+
+class AnyJson(Spec):
+    """Free-form JSON of one kind (tool definitions, tool calls): only its kind is checked."""
+
+    def __init__(self, kind: str = "object", description: str = ""):
+        super().__init__(description)
+        self.kinds = (kind,)
+
+    def check(self, v, param):
+        if not self.accepts_kind(v):
+            raise invalid(param, f"'{param}' must be {'an' if self.kinds[0][0] in 'aeiou' else 'a'} {self.kinds[0]}, "
+                          f"not {_kind(v)}", "invalid_type")
+        return v
+
+    def schema(self):
+        return {"type": self.kinds[0]}
+
+
+def nullable(schema: dict) -> dict:
+    t = schema.get("type")
+    if isinstance(t, str) and "enum" not in schema:
+        return {**schema, "type": [t, "null"]}
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+class Obj(Spec):
+    """A JSON object with declared fields (checked; absent or null: None) and any others (kept, ignored)."""
+
+    kinds = ("object",)
+
+    def __init__(self, fields: dict[str, Spec], required: tuple[str, ...] = (), description: str = "",
+                 rules: list[dict] | None = None):
+        super().__init__(description)
+        self.fields, self.required = fields, required
+        self.rules = rules or []  # extra JSON Schema (anyOf alternatives) that the caller's code also enforces
+
+    def check(self, v, param):
+        if not isinstance(v, dict):
+            raise invalid(param or None, f"'{param}' must be an object, not {_kind(v)}" if param
+                          else f"the request body must be a JSON object, not {_kind(v)}", "invalid_type")
+        out = {}
+        for name, spec in self.fields.items():
+            where = f"{param}.{name}" if param else name
+            value = v.get(name)
+            if value is None:
+                if name in self.required:
+                    raise invalid(where, f"'{where}' is required", "missing_required_parameter")
+                out[name] = None
+            else:
+                out[name] = spec.check(value, where)
+        return out
+
+    def schema(self):
+        props = {name: (spec.doc() if name in self.required else nullable(spec.doc()))
+                 for name, spec in self.fields.items()}
+        s = {"type": "object", "properties": props}
+        if self.required:
+            s["required"] = list(self.required)
+        for rule in self.rules:
+            s.setdefault("allOf", []).append(rule)
+        return s
+
+
+class OneOfKinds(Spec):
+    """A value of one of several kinds, each with its own spec (the first that takes its kind)."""
+
+    def __init__(self, *options: Spec, description: str = ""):
+        super().__init__(description)
+        self.options = options
+        self.kinds = tuple(k for o in options for k in o.kinds)
+
+    def check(self, v, param):
+        for o in self.options:
+            if o.accepts_kind(v):
+                return o.check(v, param)
+        names = " or ".join(dict.fromkeys({"string": "a string", "array": "an array", "object": "an object",
+                                           "integer": "an integer", "number": "a number", "boolean": "a boolean"}[k]
+                                          for k in self.kinds))
+        raise invalid(param, f"'{param}' must be {names}, not {_kind(v)}", "invalid_type")
+
+    def schema(self):
+        return {"anyOf": [o.doc() for o in self.options]}
+
+
+# ---- the pieces of the models -----------------------------------------------------------------------
+class TokenIds(Array):
+    """Token ids of this model's vocabulary; a wrong one is named with the array's param."""
+
+    def __init__(self, lim: Limits, min_items: int = 1, description: str = "Token ids of this model's vocabulary."):
+        high = lim.vocab - 1 if lim.vocab else None
+        super().__init__(Integer(0, high), min_items, lim.max_token_ids, description)
+
+    def check(self, v, param):
+        if isinstance(v, list) and all(_json_kind(t) == "integer" for t in v):
+            v = [int(t) for t in v]  # 5.0 is the integer 5 in JSON Schema
+            hi = self.items.high
+            bad = next((t for t in v if t < 0 or (hi is not None and t > hi)), None)
+            if bad is not None:
+                raise invalid(param, f"token id {bad} is outside this model's vocabulary (0 … {hi})")
+        return super().check(v, param)
+
+
+class TextPart(Obj):
+    def __init__(self, lim: Limits):
+        super().__init__({"type": String(choices=("text",), description="Only text: this model reads text."),
+                          "text": String(lim.max_chars)}, required=("type", "text"))
+
+    def check(self, v, param):
+        if isinstance(v, dict) and isinstance(v.get("type"), str) and v["type"] != "text":
+            raise invalid(param, f"'{param}' is a part of type {v['type']!r}; this model takes text only",
+                          "unsupported_content")
+        return super().check(v, param)["text"]
+
+
+def content_spec(lim: Limits) -> Spec:
+    return OneOfKinds(String(lim.max_chars), Array(TextPart(lim), max_items=MAX_MESSAGES),
+                      description="The message's text, or an array of text parts (joined).")
+
+
+class Message(Spec):
+    """A chat message: a role, and content (which an assistant message may leave out, as when it
+    only calls tools); other fields (`name`, `tool_calls`, `tool_call_id`, …) go to the template."""
+
+    kinds = ("object",)
+
+    def __init__(self, lim: Limits):
+        super().__init__()
+        self.content = content_spec(lim)
+        self.fields = {"name": String(MAX_NAME), "tool_calls": Array(AnyJson("object"), max_items=MAX_TOOLS),
+                       "tool_call_id": String(MAX_NAME)}
+
+    def check(self, m, param):
+        if not isinstance(m, dict):
+            raise invalid(param, f"'{param}' must be an object, not {_kind(m)}", "invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            raise invalid(f"{param}.role", f"'{param}.role' must be one of {', '.join(ROLES)}, got {role!r}")
+        content = m.get("content")
+        if content is None and role != "assistant":
+            raise invalid(f"{param}.content", f"'{param}.content' is required", "missing_required_parameter")
+        Obj(self.fields).check(m, param)
+        text = "" if content is None else self.content.check(content, f"{param}.content")
+        return {**m, "content": "".join(text) if isinstance(text, list) else text}
+
+    def schema(self):
+        extra = {name: nullable(spec.doc()) for name, spec in self.fields.items()}
+        content = self.content.doc()
+        return {"anyOf": [
+            {"type": "object", "required": ["role", "content"],
+             "properties": {"role": {"type": "string", "enum": [r for r in ROLES if r != "assistant"]},
+                            "content": content, **extra}},
+            {"type": "object", "required": ["role"],
+             "properties": {"role": {"const": "assistant"}, "content": nullable(content), **extra}},
+        ]}
+
+
+class Prompt(Spec):
+    """A completion prompt: text, token ids, or a batch of one of these."""
+
+    kinds = ("string", "array")
+
+    def __init__(self, lim: Limits):
+        super().__init__("The text to complete, its token ids, or a batch of exactly one of these.")
+        self.text, self.ids = String(lim.max_chars), TokenIds(lim)
+
+    def check(self, v, param):
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+            if len(v) > 1:
+                raise invalid(param, f"'{param}' holds {len(v)} prompts; send one per request", "unsupported_parameter")
+            v = v[0]  # a batch of one
+        if isinstance(v, str):
+            return self.text.check(v, param)
+        if isinstance(v, list):
+            if not all(_json_kind(t) == "integer" for t in v):
+                raise invalid(param, f"'{param}' must be a string, an array of token ids, or a batch of one of these",
+                              "invalid_type")
+            return self.ids.check(v, param)
+        raise invalid(param, f"'{param}' must be a string or an array of token ids, not {_kind(v)}", "invalid_type")
+
+    def schema(self):
+        text, ids = self.text.doc(), self.ids.doc()
+        return {"anyOf": [text, ids, {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
+                          {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]}
+
+
+# ---- the request models ---------------------------------------------------------------------------
+STREAM_RULE = {"anyOf": [{"properties": {"stream": {"const": True}}, "required": ["stream"]},
+                         {"properties": {"stream_options": {"type": "null"}}}],
+               "description": "'stream_options' only with 'stream': true."}
+
+
+def sampling_fields(lim: Limits) -> dict[str, Spec]:
+    cap = lim.tokens_cap
+    return {
+        "model": String(MAX_NAME, description="The model id (GET /v1/models); absent: the one model."),
+        "max_tokens": Integer(1, cap, "Most tokens to generate; absent: up to the context (or the model's "
+                              "generation_config max_new_tokens)."),
+        "temperature": Number(0.0, 2.0, description="0: greedy (as are values below 1e-5); absent: "
+                              "generation_config.json's, else 1."),
+        "top_p": Number(0.0, 1.0, low_open=True, description="Nucleus sampling; absent: generation_config.json's, else 1."),
+        "top_k": Integer(-1, 1 << 31, "vLLM's extension: the k most likely tokens; 0 or -1: no cut."),
+        "seed": Integer(-(1 << 63), (1 << 64) - 1, "Seed of the sampler: the same seed, the same answer; "
+                        "-1 (or absent): random. A negative seed is taken modulo 2**64."),
+        "stop": OneOfKinds(String(MAX_STOP_CHARS, 1),
+                           Array(String(MAX_STOP_CHARS, 1), max_items=MAX_STOP),
+                           description="Strings that end the answer; never part of it."),
+        "stream": Boolean("Answer as server-sent events (text/event-stream), ending 'data: [DONE]'."),
+        "stream_options": Obj({"include_usage": Boolean("A last chunk with 'usage'.")}),
+        "ignore_eos": Boolean("vLLM's extension: keep generating past end-of-sequence tokens."),
+        "n": Neutral(1, "one choice per request"),
+        "presence_penalty": Neutral(0, "no penalties"),
+        "frequency_penalty": Neutral(0, "no penalties"),
+        "repetition_penalty": Neutral(1, "no penalties"),
+        "min_p": Neutral(0, "no min-p sampling"),
+        "logit_bias": Neutral({}, "no logit bias"),
+        "user": String(MAX_NAME, description="Accepted and ignored."),
+    }
+
+
+def chat_model(lim: Limits = Limits()) -> Obj:
+    return Obj({
+        **sampling_fields(lim),
+        "messages": Array(Message(lim), 1, MAX_MESSAGES, "The conversation, rendered by the model's chat template."),
+        "max_completion_tokens": Integer(1, lim.tokens_cap, "The newer name of 'max_tokens' (wins over it)."),
+        "tools": Array(AnyJson("object"), max_items=MAX_TOOLS, description="Passed to the chat template."),
+        "tool_choice": String(choices=("none", "auto"), refusal="colibri cannot force a tool call"),
+        "response_format": Obj({"type": String(choices=("text",), refusal="structured output is not supported")},
+                               required=("type",)),
+        "logprobs": Neutral(False, "log probabilities are not returned"),
+        "top_logprobs": Neutral(0, "log probabilities are not returned"),
+    }, required=("messages",), rules=[STREAM_RULE])
+
+
+def completion_model(lim: Limits = Limits()) -> Obj:
+    return Obj({
+        **sampling_fields(lim),
+        "prompt": Prompt(lim),
+        "echo": Boolean("Put the prompt before the completion."),
+        "suffix": Neutral("", "no fill-in-the-middle"),
+        "best_of": Neutral(1, "one choice per request"),
+        "logprobs": Neutral(0, "log probabilities are not returned"),
+    }, required=("prompt",), rules=[STREAM_RULE])
+
+
+def tokenize_model(lim: Limits = Limits()) -> Obj:
+    text = String(lim.max_chars)
+    return Obj({
+        "model": String(MAX_NAME),
+        "content": text,
+        "prompt": String(lim.max_chars, description="The same as 'content' (vLLM's name)."),
+        "messages": Array(Message(lim), 1, MAX_MESSAGES, "A conversation: rendered by the chat template, then tokenized."),
+        "add_special_tokens": Boolean("Add the tokenizer's special tokens (BOS) to 'content' (default true)."),
+        "add_special": Boolean("llama-server's name of 'add_special_tokens'."),
+        "add_generation_prompt": Boolean("With 'messages': end with the assistant's turn opening (default true)."),
+    }, rules=[{"anyOf": [{"required": ["content"], "properties": {"content": {"type": "string"}}},
+                         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                         {"required": ["messages"], "properties": {"messages": {"type": "array"}}}],
+               "description": "One of 'content', 'prompt' or 'messages'."}])
+
+
+def detokenize_model(lim: Limits = Limits()) -> Obj:
+    return Obj({"model": String(MAX_NAME), "tokens": TokenIds(lim, min_items=0)}, required=("tokens",))
+
+
+# ---- what the handlers get ----------------------------------------------------------------------------
 @dataclass
 class Sampling:
     """One generation request, as the worker runs it."""
@@ -114,58 +577,37 @@ class Sampling:
     temperature: float | None  # None: generation_config.json's default, else 1.0
     top_p: float | None
     top_k: int | None  # 0 = no top-k cut
-    seed: int | None
+    seed: int | None  # None: random
     stop: list[str] = field(default_factory=list)  # stop strings, never part of the output
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     ignore_eos: bool = False  # vLLM extension: keep generating past end-of-sequence tokens
 
 
-def parse_sampling(body: dict, max_tokens_names=("max_tokens",)) -> Sampling:
-    model = get_str(body, "model")
-    max_tokens = None
-    for name in max_tokens_names:
-        max_tokens = get_int(body, name, max_tokens, low=1)
-    top_k = get_int(body, "top_k", None, low=-1)
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise invalid("stop", f"'stop' must be a string or an array of strings, not {_kind(stop)}", "invalid_type")
-    if len(stop) > MAX_STOP:
-        raise invalid("stop", f"'stop' holds {len(stop)} strings; at most {MAX_STOP} are allowed")
-    if any(s == "" for s in stop):
-        raise invalid("stop", "'stop' strings must not be empty")
-    stream = get_bool(body, "stream")
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict):
-            raise invalid("stream_options", f"'stream_options' must be an object, not {_kind(options)}", "invalid_type")
-        if not stream:
-            raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
-    get_int(body, "n", 1, low=1, high=1)
-    neutral(body, "presence_penalty", 0, "only 0")
-    neutral(body, "frequency_penalty", 0, "only 0")
-    neutral(body, "repetition_penalty", 1, "only 1")
-    neutral(body, "min_p", 0, "only 0")
-    neutral(body, "logit_bias", {}, "only an empty map")
+def _sampling(v: dict, max_tokens) -> Sampling:
+    if v["stream_options"] is not None and not v["stream"]:
+        raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    stop = v["stop"]
+    seed = v["seed"]
     return Sampling(
-        model=model,
+        model=v["model"],
         max_tokens=max_tokens,
-        temperature=get_float(body, "temperature", low=0.0, high=2.0),
-        top_p=get_float(body, "top_p", low=0.0, high=1.0, low_open=True),
-        top_k=None if top_k is None else max(top_k, 0),  # vLLM's -1 means "no cut", as 0 does here
-        seed=get_int(body, "seed"),
-        stop=stop,
-        stream=stream,
-        include_usage=bool(options and get_bool(options, "include_usage")),
-        ignore_eos=get_bool(body, "ignore_eos"),
+        temperature=v["temperature"],
+        top_p=v["top_p"],
+        top_k=None if v["top_k"] is None else max(v["top_k"], 0),  # vLLM's -1 means "no cut", as 0 does here
+        seed=None if seed is None or seed == -1 else seed % (1 << 64),  # -1: random, as llama-server means it
+        stop=[stop] if isinstance(stop, str) else stop or [],
+        stream=bool(v["stream"]),
+        include_usage=bool(v["stream_options"] and v["stream_options"]["include_usage"]),
+        ignore_eos=bool(v["ignore_eos"]),
     )
 
 
-# ---- POST /v1/chat/completions ------------------------------------------------------------------
+def parse_sampling(body: dict, lim: Limits = Limits()) -> Sampling:
+    v = Obj(sampling_fields(lim)).check(body, "")
+    return _sampling(v, v["max_tokens"])
+
+
 @dataclass
 class ChatRequest:
     sampling: Sampling
@@ -173,64 +615,12 @@ class ChatRequest:
     tools: list | None
 
 
-def _text_content(content, where: str) -> str:
-    """A message's content as text: a string, or an array of text parts (joined)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise invalid(where, f"'{where}' parts must be objects with a 'type'", "invalid_type")
-            if part["type"] != "text":
-                raise invalid(where, f"'{where}' holds a part of type {part['type']!r}; this model takes text only",
-                              "unsupported_content")
-            if not isinstance(part.get("text"), str):
-                raise invalid(where, f"'{where}' text parts need a string 'text'", "invalid_type")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise invalid(where, f"'{where}' must be a string or an array of content parts, not {_kind(content)}",
-                  "invalid_type")
+def parse_chat(body: dict, lim: Limits = Limits()) -> ChatRequest:
+    v = chat_model(lim).check(body, "")
+    max_tokens = v["max_completion_tokens"] if v["max_completion_tokens"] is not None else v["max_tokens"]
+    return ChatRequest(_sampling(v, max_tokens), v["messages"], v["tools"] or None)
 
 
-def parse_chat(body: dict) -> ChatRequest:
-    sampling = parse_sampling(body, ("max_tokens", "max_completion_tokens"))
-    messages = body.get("messages")
-    if messages is None:
-        raise invalid("messages", "'messages' is required", "missing_required_parameter")
-    if not isinstance(messages, list):
-        raise invalid("messages", f"'messages' must be an array, not {_kind(messages)}", "invalid_type")
-    if not messages:
-        raise invalid("messages", "'messages' must hold at least one message")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise invalid(where, f"'{where}' must be an object, not {_kind(m)}", "invalid_type")
-        role = m.get("role")
-        if role not in ROLES:
-            raise invalid(f"{where}.role", f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}")
-        content = m.get("content")
-        if content is None and not (role == "assistant" and m.get("tool_calls")):
-            raise invalid(f"{where}.content", f"'{where}.content' is required", "missing_required_parameter")
-        out.append({**m, "content": "" if content is None else _text_content(content, f"{where}.content")})
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise invalid("tools", f"'tools' must be an array, not {_kind(tools)}", "invalid_type")
-    choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise invalid("tool_choice", "'tool_choice' may be 'auto' or 'none': colibri cannot force a tool call",
-                      "unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise invalid("response_format", "'response_format' may only be {\"type\": \"text\"}: structured output "
-                      "is not supported", "unsupported_parameter")
-    neutral(body, "logprobs", False, "log probabilities are not returned")
-    neutral(body, "top_logprobs", 0, "log probabilities are not returned")
-    return ChatRequest(sampling, out, tools or None)
-
-
-# ---- POST /v1/completions -----------------------------------------------------------------------
 @dataclass
 class CompletionRequest:
     sampling: Sampling
@@ -238,24 +628,6 @@ class CompletionRequest:
     echo: bool  # put the prompt before the completion
 
 
-def parse_completion(body: dict) -> CompletionRequest:
-    sampling = parse_sampling(body)
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise invalid("prompt", "'prompt' is required", "missing_required_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list):
-        if not prompt:
-            raise invalid("prompt", "'prompt' must not be empty")
-        if all(isinstance(p, (str, list)) for p in prompt):
-            raise invalid("prompt", f"'prompt' holds {len(prompt)} prompts; send one per request", "unsupported_parameter")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise invalid("prompt", "'prompt' must be a string, an array of token ids, or a batch of one of these",
-                          "invalid_type")
-    elif not isinstance(prompt, str):
-        raise invalid("prompt", f"'prompt' must be a string or an array of token ids, not {_kind(prompt)}", "invalid_type")
-    neutral(body, "suffix", "", "no fill-in-the-middle")
-    neutral(body, "best_of", 1, "only 1")
-    neutral(body, "logprobs", 0, "log probabilities are not returned")
-    return CompletionRequest(sampling, prompt, get_bool(body, "echo"))
+def parse_completion(body: dict, lim: Limits = Limits()) -> CompletionRequest:
+    v = completion_model(lim).check(body, "")
+    return CompletionRequest(_sampling(v, v["max_tokens"]), v["prompt"], bool(v["echo"]))

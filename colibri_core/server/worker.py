@@ -76,6 +76,8 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Delta… then End or Failed
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
+    tokens: int = 0  # generated so far (the worker counts them)
+    tokens_at_cancel: int | None = None  # how many there were when the client went away
 
     def emit(self, event) -> None:
         """From the worker thread: hand `event` to the handler waiting on the event loop."""
@@ -132,6 +134,8 @@ class Worker:
 
     def cancel(self, job: Job) -> None:
         with self._cv:
+            if job.tokens_at_cancel is None:
+                job.tokens_at_cancel = job.tokens
             job.cancelled.set()
             if job in self.waiting:
                 self.waiting.remove(job)
@@ -191,7 +195,7 @@ class Worker:
                                stop_ids=p.stop_ids, session=None)
         try:
             for token in tokens:
-                n += 1
+                n = job.tokens = n + 1
                 if first is None:
                     first = live["first_token"] = time.perf_counter()
                 live["tokens"] = n
@@ -207,6 +211,10 @@ class Worker:
                     job.emit(Delta(piece))
                 if job.cancelled.is_set():
                     break
+            else:  # the engine ended the answer on its own (an end-of-sequence token it does not yield)
+                if not job.cancelled.is_set():
+                    finish = "stop"
+                    job.emit(Delta(text.flush(), finish))
         finally:
             tokens.close()
         end = time.perf_counter()
@@ -228,6 +236,8 @@ class Worker:
             "expert_misses": after.get("expert_misses", 0) - before.get("expert_misses", 0),
             "bytes_read": after.get("bytes_read", 0) - before.get("bytes_read", 0),
             "finished_at": time.time(),
+            # tokens generated after the client went away (the one in flight when it did): at most 1
+            "tokens_after_cancel": None if job.tokens_at_cancel is None else n - job.tokens_at_cancel,
         }
         self.on_turn(turn)
         self._publish(None)  # the turn's end: its routing history saved, the hot-store revised

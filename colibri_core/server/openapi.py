@@ -1,0 +1,158 @@
+"""The OpenAPI 3.1 document the server publishes at /openapi.json.
+
+Its request bodies are the very models the handlers validate with (schemas.py), built with this
+server's limits (context length, vocabulary, `--max-tokens`, body size), so the document and the
+checks cannot drift apart; the responses are described here, and the test suite holds the server
+to them (schemathesis: tests/test_server_schema.py).
+"""
+from __future__ import annotations
+
+from .. import __version__ as VERSION
+from . import schemas
+
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+         "properties": {k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+FINISH = {"type": ["string", "null"], "enum": ["stop", "length", None]}
+
+
+def _completion(kind: str) -> dict:
+    if kind == "chat":
+        choice = {"type": "object", "required": ["index", "message", "finish_reason"], "properties": {
+            "index": {"const": 0}, "finish_reason": FINISH, "logprobs": {"type": "null"},
+            "message": {"type": "object", "required": ["role", "content"],
+                        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}}
+    else:
+        choice = {"type": "object", "required": ["index", "text", "finish_reason"], "properties": {
+            "index": {"const": 0}, "text": {"type": "string"}, "finish_reason": FINISH, "logprobs": {"type": "null"}}}
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "chat.completion" if kind == "chat" else "text_completion"},
+        "created": {"type": "integer"}, "model": {"type": "string"}, "system_fingerprint": {"type": "null"},
+        "choices": {"type": "array", "items": choice, "minItems": 1, "maxItems": 1}, "usage": USAGE}}
+
+
+MODEL = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+    "owned_by": {"type": "string"}, "max_model_len": {"type": ["integer", "null"]}}}
+HEALTH = {"type": "object", "required": ["status", "model"], "properties": {
+    "status": {"enum": ["ok", "loading", "error"]}, "model": {"type": "string"}, "error": {"type": ["string", "null"]}}}
+TOKENS = {"type": "object", "required": ["tokens", "count", "max_model_len"], "properties": {
+    "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}, "count": {"type": "integer", "minimum": 0},
+    "max_model_len": {"type": ["integer", "null"]}}}
+TEXT = {"type": "object", "required": ["content", "prompt"],
+        "properties": {"content": {"type": "string"}, "prompt": {"type": "string"}}}
+SSE = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
+       "description": "One server-sent event: 'data: {chunk}' (a JSON object 'chat.completion.chunk' or "
+       "'text_completion'; 'usage' in a last chunk if asked), the last one 'data: [DONE]'."}
+
+# why each error status happens
+WHY = {
+    400: "The request is malformed or asks for something outside the bounds (the message names the field).",
+    401: "The API key is missing or wrong (send 'Authorization: Bearer KEY').",
+    403: "A foreign web page (Origin) or host name (Host) that --allow-origin does not allow.",
+    404: "No such model (or endpoint).",
+    408: "The request body did not arrive in time.",
+    413: "The request body is larger than the server accepts.",
+    429: "The queue is full: retry after Retry-After seconds.",
+    503: "The model is still loading (or failed to load).",
+}
+
+
+def _json(schema: dict, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> dict:
+    out = {}
+    for s in statuses:
+        r = _json({"$ref": "#/components/schemas/Error"}, WHY[s])
+        if s == 429:
+            r["headers"] = {"Retry-After": {"schema": {"type": "string"}, "required": True,
+                                            "description": "Seconds until a queue slot is likely free."}}
+        out[str(s)] = r
+    return out
+
+
+def _op(summary: str, responses: dict, body: schemas.Obj | None = None, *, errors=(), secured=True,
+        params: list | None = None, key: bool = False) -> dict:
+    op = {"summary": summary, "responses": {**responses, **_errors(*errors, 403, *((401,) if key and secured else ()))}}
+    if body is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body.doc()}}}
+        op["responses"].update(_errors(408, 413))
+    if params:
+        op["parameters"] = params
+    if not secured:
+        op["security"] = []
+    return op
+
+
+def document(lim: schemas.Limits, *, model_id: str, api_key: bool, dashboard: bool) -> dict:
+    """The OpenAPI 3.1 document of a server with these limits (and key, and dashboard)."""
+    gen_errors = (400, 404, 429, 503)
+    chat = {"200": {"description": "The answer (JSON), or its stream (\"stream\": true).", "content": {
+        "application/json": {"schema": _completion("chat")}, "text/event-stream": {"schema": SSE}}}}
+    completion = {"200": {"description": "The completion (JSON), or its stream (\"stream\": true).", "content": {
+        "application/json": {"schema": _completion("completion")}, "text/event-stream": {"schema": SSE}}}}
+    k = dict(key=api_key)
+    paths = {
+        "/health": {"get": _op("503 while the model loads, then 200.", {
+            "200": _json(HEALTH, "The model is loaded."), "503": _json(HEALTH, "Loading, or failed to load.")},
+            secured=False)},
+        "/v1/models": {"get": _op("The one model this server serves.", {"200": _json({
+            "type": "object", "required": ["object", "data"], "properties": {
+                "object": {"const": "list"}, "data": {"type": "array", "items": MODEL}}}, "The model list.")}, **k)},
+        "/v1/models/{model}": {"get": _op("One model, by id.", {"200": _json(MODEL, "The model.")}, errors=(404,),
+                                          params=[{"name": "model", "in": "path", "required": True,
+                                                   "schema": {"type": "string"}}], **k)},
+        "/v1/chat/completions": {"post": _op("Chat, with the model's own chat template.", chat,
+                                             schemas.chat_model(lim), errors=gen_errors, **k)},
+        "/v1/completions": {"post": _op("Completion of a prompt (text or token ids).", completion,
+                                        schemas.completion_model(lim), errors=gen_errors, **k)},
+        "/tokenize": {"post": _op("Text, or a conversation through the chat template, to token ids.",
+                                  {"200": _json(TOKENS, "The token ids.")}, schemas.tokenize_model(lim),
+                                  errors=(400, 404, 503), **k)},
+        "/detokenize": {"post": _op("Token ids to text.", {"200": _json(TEXT, "The text.")},
+                                    schemas.detokenize_model(lim), errors=(400, 404, 503), **k)},
+        "/metrics": {"get": _op("Prometheus text exposition (colibri_ prefix).", {"200": {
+            "description": "The metrics.", "content": {"text/plain": {"schema": {"type": "string"}}}}}, **k)},
+        "/api/stats": {"get": _op("What the dashboard shows: queue, timings, memory, recent turns.",
+                                  {"200": _json({"type": "object"}, "The figures.")}, errors=(400,), **k,
+                                  params=[{"name": "since", "in": "query", "required": False,
+                                           "schema": {"type": "number"},
+                                           "description": "Only history samples after this time (seconds since the epoch)."}])},
+        "/api/brain": {"get": _op("The expert map: every (layer, expert) with its tier and routing heat.",
+                                  {"200": _json({"type": "object"}, "The map (or {'unchanged': true}).")},
+                                  errors=(503,), **k,
+                                  params=[{"name": "since", "in": "query", "required": False,
+                                           "schema": {"type": "string"},
+                                           "description": "The 'passes' of the map the caller has."}])},
+        "/openapi.json": {"get": _op("This document.", {"200": _json({"type": "object"}, "OpenAPI 3.1.")}, **k)},
+    }
+    if dashboard:
+        paths["/"] = {"get": _op("The dashboard.", {"200": {"description": "The page.", "content": {
+            "text/html": {"schema": {"type": "string"}}}}} | ({"401": {"description": "The login form.", "content": {
+                "text/html": {"schema": {"type": "string"}}}}} if api_key else {}), secured=False)}
+        paths["/static/{file}"] = {"get": _op("The dashboard's script and style.", {
+            "200": {"description": "The file.", "content": {"text/css": {"schema": {"type": "string"}},
+                                                            "text/javascript": {"schema": {"type": "string"}},
+                                                            "text/html": {"schema": {"type": "string"}}}}},
+            errors=(404,), params=[{"name": "file", "in": "path", "required": True, "schema": {"type": "string"}}], **k)}
+    else:
+        paths["/"] = {"get": _op("What this server serves.", {"200": _json({"type": "object"}, "Name, model, endpoints.")}, **k)}
+    doc = {
+        "openapi": "3.1.0",
+        "info": {"title": "colibri", "version": VERSION,
+                 "description": f"OpenAI-compatible API of a colibri server serving '{model_id}'. Bounds: "
+                                f"request bodies ≤ {lim.max_body_bytes} bytes, JSON nested ≤ {schemas.MAX_DEPTH} deep, "
+                                f"text ≤ {lim.max_chars} characters, ≤ {schemas.MAX_STOP} stop strings of "
+                                f"≤ {schemas.MAX_STOP_CHARS} characters, max_tokens ≤ {lim.tokens_cap or 'the context'}."},
+        "paths": paths,
+        "components": {"schemas": {"Error": ERROR}},
+    }
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc
