@@ -22,7 +22,7 @@
 //            the transformers oracle computes (up to the order of the additions);
 //   ACT_Q8:  activations quantised to int8 per block of 64 (scale = absmax/127, round half to
 //            even), integer dot products per block, then float32 scaling — the fast mode, an
-//            explicit option (f32, fp8 and fp4 weights always use ACT_F32).
+//            explicit option (f32 and fp8 weights always use ACT_F32).
 //
 // Determinism: each output element is reduced by one thread in one fixed order (matmul.c states
 // it exactly), the same in the portable, AVX2 and AVX-512 code paths, so a result depends only on

@@ -28,7 +28,11 @@
 //           (float32(scale[g]) * xs[g]); L[l] = 0; L[l] += term[g] for g = l, l+8, … in order;
 //           y = tree8(L).
 //     int8: isum[b] = Σ q * xq over block b; term[b] = float(isum[b]) * xs[b]; y = tree8(L) * scale.
-//     f32, fp8 and fp4 weights always take ACT_F32 (an ACT_Q8 request computes the exact mode).
+//     fp4:  x laid out per group of 32 (16 even, 16 odd columns); isum[g] = Σ v * xq over group g
+//           (v = 2 e2m1(q) as above; exact, integer); term[g] = float(isum[g]) * (hs[g] * xs[g / 2])
+//           (two groups per activation block); L[l] = 0; L[l] += term[g] for g = l, l+8, … in order;
+//           y = tree8(L).
+//     f32 and fp8 weights always take ACT_F32 (an ACT_Q8 request computes the exact mode).
 //   Columns past `cols` count as zeros: they add +0.0 (0 * 0) to their lane, and groups/blocks
 //   past the last add a term of +0.0, exactly as the SIMD paths' zero padding does.
 //
@@ -96,22 +100,7 @@ static const float *e4m3_values(void) {
     return e4m3_table;
 }
 
-static float f32_from_bits(uint32_t bits) {
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-// 2^(s - 127 - shift) for shift 0 or 1: the biased exponent s - shift, a subnormal below 1.
-static float e8m0_shifted(uint8_t s, int shift) {
-    if (s == 255) return NAN;
-    int e = (int)s - shift;
-    return f32_from_bits(e >= 1 ? (uint32_t)e << 23 : 0x00400000u >> -e);  // 2^-127 >> k = 2^(-127-k)
-}
-
-float e8m0_to_f32(uint8_t s) { return e8m0_shifted(s, 0); }
-float fp8_scale(uint8_t s) { return e8m0_shifted(s, 0); }
-float fp4_half_scale(uint8_t s) { return e8m0_shifted(s, 1); }
+float e8m0_to_f32(uint8_t s) { return e8m0_pow2(s, 0); }
 
 const int8_t FP4_TWICE[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 static const float FP4_VALUES[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
@@ -131,9 +120,17 @@ void acts_free(Acts *a) {
     memset(a, 0, sizeof *a);
 }
 
-// One block of up to 64 values quantised to int8: q[pos(j)] = rint(x[j] * (127 / absmax)).
+// Where column j of a block of 64 goes: in order (ORDER_NATURAL), the 32 even then the 32 odd
+// columns (ORDER_INT4), or per half of 32 the 16 even then the 16 odd ones (ORDER_FP4).
+enum { ORDER_NATURAL, ORDER_INT4, ORDER_FP4 };
+
+static int block_pos(int j, int order) {
+    return order == ORDER_INT4 ? (j & 1) * 32 + j / 2 : order == ORDER_FP4 ? (j / 32) * 32 + (j & 1) * 16 + (j % 32) / 2 : j;
+}
+
+// One block of up to 64 values quantised to int8: q[block_pos(j)] = rint(x[j] * (127 / absmax)).
 // A block holding inf or NaN gets q = 0 and scale NaN, so every product it feeds is NaN.
-static void quantize_block(const float *x, int len, int even_odd, int8_t *q, float *scale, int32_t *sum) {
+static void quantize_block(const float *x, int len, int order, int8_t *q, float *scale, int32_t *sum) {
     float amax = 0.0f;
     int finite = 1;
     for (int j = 0; j < len; j++) {
@@ -152,7 +149,7 @@ static void quantize_block(const float *x, int len, int even_odd, int8_t *q, flo
     for (int j = 0; j < len; j++) {
         float r = nearbyintf(x[j] * inv);  // round half to even (the default rounding mode)
         int v = r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r;
-        q[even_odd ? (j & 1) * 32 + j / 2 : j] = (int8_t)v;
+        q[block_pos(j, order)] = (int8_t)v;
         s += v;
     }
     *scale = amax / 127.0f;
@@ -168,7 +165,7 @@ static void acts_transpose(int8_t *dst, const int8_t *chunk) {
 
 int acts_prepare(Acts *a, const float *x, int n, int cols, int kind, int act) {
     memset(a, 0, sizeof *a);
-    if (kind == QKIND_F32 || kind == QKIND_FP8 || kind == QKIND_FP4) act = ACT_F32;
+    if (kind == QKIND_F32 || kind == QKIND_FP8) act = ACT_F32;
     a->act = act;
     a->kind = kind;
     a->cols = cols;
@@ -209,7 +206,8 @@ int acts_prepare(Acts *a, const float *x, int n, int cols, int kind, int act) {
         for (int b = 0; b < nblocks; b++) {
             int len = cols - b * Q8_BLOCK < Q8_BLOCK ? cols - b * Q8_BLOCK : Q8_BLOCK;
             size_t at = t * (size_t)a->nb8 + (size_t)b;
-            quantize_block(src + (size_t)b * Q8_BLOCK, len, kind == QKIND_INT4,
+            quantize_block(src + (size_t)b * Q8_BLOCK, len,
+                           kind == QKIND_INT4 ? ORDER_INT4 : kind == QKIND_FP4 ? ORDER_FP4 : ORDER_NATURAL,
                            a->xq + t * a->stride + (size_t)b * Q8_BLOCK, &a->xs[at], &a->xsum[at]);
         }
     }
@@ -386,9 +384,30 @@ static float dot_fp4_f32_portable(const QMatrix *w, int r, const Acts *a, int t)
     return tree16(S);
 }
 
+static float dot_fp4_q8_portable(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols, ngroups = (cols + FP4_GROUP - 1) / FP4_GROUP;
+    size_t row_bytes = ((size_t)cols + 1) / 2;
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+    const uint8_t *sr = (const uint8_t *)w->scales + (size_t)r * (size_t)ngroups;
+    const int8_t *xq = a->xq + (size_t)t * a->stride;  // per group: 16 even, then 16 odd columns
+    const float *xs = a->xs + (size_t)t * (size_t)a->nb8;  // per block of 64 = 2 groups
+    float L[8] = {0};
+    for (int g = 0; g < ngroups; g++) {
+        const int8_t *xe = xq + (size_t)g * 32, *xo = xe + 16;
+        int32_t isum = 0;
+        for (int l = 0; l < 16; l++) {
+            size_t at = (size_t)g * 16 + (size_t)l;
+            uint8_t byte = at < row_bytes ? wr[at] : 0;
+            isum += FP4_TWICE[byte & 15] * xe[l] + FP4_TWICE[byte >> 4] * xo[l];
+        }
+        L[g % 8] += (float)isum * (fp4_half_scale(sr[g]) * xs[g / 2]);
+    }
+    return tree8(L);
+}
+
 const Path PATH_PORTABLE = {"portable", dot_f32_portable, dot_int8_f32_portable, dot_int8_q8_portable,
                             dot_int4_f32_portable, dot_int4_q8_portable, NULL, dot_fp8_f32_portable,
-                            dot_fp4_f32_portable};
+                            dot_fp4_f32_portable, dot_fp4_q8_portable};
 
 // ----------------------------------------------------------------------------
 // Code paths: chosen once from COLIBRI_SIMD / the CPU, changeable with simd_select.
@@ -479,7 +498,7 @@ dot_fn path_dot(const Path *p, int kind, int act) {
     case QKIND_FP8:
         return p->fp8_f32;  // ACT_F32 whatever `act` (acts_prepare lays x out so)
     case QKIND_FP4:
-        return p->fp4_f32;
+        return act == ACT_Q8 ? p->fp4_q8 : p->fp4_f32;
     default:
         return NULL;
     }

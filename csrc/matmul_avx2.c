@@ -446,7 +446,82 @@ AVX2 float dot_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, int t) {
     return tree16_avx2(SA, SB);
 }
 
+// The half scales 2^(s - 128) of 8 fp4 groups, lanes = groups (the common case by shifting the
+// exponent byte into place; a 0, 1 or 255 byte among them through fp4_half_scale).
+AVX2 static inline __m256 fp4_half_scales8(const uint8_t *s) {
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s));
+    __m256i odd = _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(2), v), _mm256_cmpeq_epi32(v, _mm256_set1_epi32(255)));
+    if (!_mm256_testz_si256(odd, odd)) {
+        float f[8];
+        for (int i = 0; i < 8; i++) f[i] = fp4_half_scale(s[i]);
+        return _mm256_loadu_ps(f);
+    }
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(v, _mm256_set1_epi32(1)), 23));
+}
+
+// Σ v·xq of one fp4 group (16 bytes at bp) against its 32 activations [16 even | 16 odd], as 8
+// int32 partial sums: the 32 values 2·e2m1 (pshufb) as [even | odd], |v| (u8) x sign(xq, v) (s8)
+// with maddubs — pair sums <= 2 * 12 * 127 fit int16 — then madd.
+AVX2 static inline __m256i fp4_group_isum(const uint8_t *bp, const int8_t *xp) {
+    const __m128i low4 = _mm_set1_epi8(0x0f), twice = _mm_loadu_si128((const __m128i *)FP4_TWICE);
+    __m128i b = _mm_loadu_si128((const __m128i *)bp);
+    __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(b, low4));
+    __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+    __m256i wv = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    __m256i xv = _mm256_loadu_si256((const __m256i *)xp);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)), _mm256_set1_epi16(1));
+}
+
+// fp4 weights x int8 activations, a chunk of 8 groups (256 columns) at a time: the chunk's 8 group
+// sums as the 8 lanes, term = float(isum) · (hs · xs[g / 2]), L += term.
+AVX2 float dot_fp4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols, ngroups = (cols + FP4_GROUP - 1) / FP4_GROUP;
+    size_t row_bytes = ((size_t)cols + 1) / 2;
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+    const uint8_t *sr = (const uint8_t *)w->scales + (size_t)r * (size_t)ngroups;
+    const int8_t *xq = a->xq + (size_t)t * a->stride;  // per group: 16 even, then 16 odd columns
+    const float *xs = a->xs + (size_t)t * (size_t)a->nb8;
+    const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);  // group g reads xs[g / 2]
+    __m256 L = _mm256_setzero_ps();
+    int g0 = 0;
+    for (; g0 + 8 <= ngroups && (size_t)(g0 + 8) * 16 <= row_bytes; g0 += 8) {  // whole chunks
+        const uint8_t *bp = wr + (size_t)g0 * 16;
+        _mm_prefetch((const char *)bp + 2048, _MM_HINT_T0);
+        _mm_prefetch((const char *)bp + 2048 + 64, _MM_HINT_T0);
+        const int8_t *xp = xq + (size_t)g0 * 32;
+        __m256i acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = fp4_group_isum(bp + 16 * i, xp + 32 * i);
+        __m256 xs2 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(xs + g0 / 2)), pairs);
+        __m256 c = _mm256_mul_ps(fp4_half_scales8(sr + g0), xs2);
+        L = _mm256_add_ps(L, _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_epi32(acc)), c));
+    }
+    if (g0 < ngroups) {  // the last, partial chunk: groups past the row add +0
+        __m256i acc[8];
+        float c[8];
+        uint8_t tmp[16];
+        for (int i = 0; i < 8; i++) {
+            int g = g0 + i;
+            if (g >= ngroups) {
+                acc[i] = _mm256_setzero_si256();
+                c[i] = 0.0f;
+                continue;
+            }
+            const uint8_t *bp = wr + (size_t)g * 16;
+            if ((size_t)g * 16 + 16 > row_bytes) {
+                memset(tmp, 0, sizeof tmp);
+                memcpy(tmp, bp, row_bytes - (size_t)g * 16);
+                bp = tmp;
+            }
+            acc[i] = fp4_group_isum(bp, xq + (size_t)g * 32);
+            c[i] = fp4_half_scale(sr[g]) * xs[g / 2];
+        }
+        L = _mm256_add_ps(L, _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_epi32(acc)), _mm256_loadu_ps(c)));
+    }
+    return tree8_avx2(L);
+}
+
 const Path PATH_AVX2 = {"avx2", dot_f32_avx2, dot_int8_f32_avx2, dot_int8_q8_avx2, dot_int4_f32_avx2,
-                        dot_int4_q8_avx2, rows_int4_q8_avx2, dot_fp8_f32_avx2, dot_fp4_f32_avx2};
+                        dot_int4_q8_avx2, rows_int4_q8_avx2, dot_fp8_f32_avx2, dot_fp4_f32_avx2,
+                        dot_fp4_q8_avx2};
 
 #endif  // COLI_X86

@@ -158,22 +158,29 @@ def test_matmul_matches_reference_bit_for_bit(simd_path, kind):
     for rows, cols in itertools.product((1, 3, 127, 130), SIZES):
         rng = np.random.default_rng([rows, cols, NATIVE.index(kind)])
         w = random_native(rng, kind, rows, cols)
-        for n in (1, 2, 5):
+        for n, act in itertools.product((1, 2, 5), kernels.ACTIVATIONS):
             x = random_x(rng, n, cols)
-            want = reference.matmul(w, x)
-            for act in kernels.ACTIVATIONS:  # fp8 / fp4 always take the exact arithmetic
-                assert_same_bits(kernels.matmul(w, x, act), want, f"{simd_path} {kind} act={act} [{rows}, {cols}] n={n}")
-            assert_same_bits(reference.matmul(w, x, "int8"), want)
+            assert_same_bits(kernels.matmul(w, x, act), reference.matmul(w, x, act),
+                             f"{simd_path} {kind} act={act} [{rows}, {cols}] n={n}")
+
+
+def test_fp8_always_takes_the_exact_arithmetic():
+    rng = np.random.default_rng(4)
+    w = random_native(rng, "fp8", 130, 300)
+    x = random_x(rng, 3, 300)
+    assert_same_bits(kernels.matmul(w, x, "int8"), kernels.matmul(w, x, "f32"))
+    assert_same_bits(reference.matmul(w, x, "int8"), reference.matmul(w, x, "f32"))
 
 
 @pytest.mark.parametrize("kind", NATIVE)
 def test_matmul_model_sizes_bit_for_bit(simd_path, kind):
     """DeepSeek V4's widths (4096 hidden, 2048 expert intermediate) and a wide odd one."""
     rng = np.random.default_rng(5)
-    for (rows, cols), n in itertools.product([(130, 4096), (9, 2048), (5, 4097)], (1, 3, 37)):
+    for (rows, cols), n, act in itertools.product([(130, 4096), (9, 2048), (5, 4097)], (1, 3, 37), kernels.ACTIVATIONS):
         w = random_native(rng, kind, rows, cols)
         x = random_x(rng, n, cols, scale=4.0)
-        assert_same_bits(kernels.matmul(w, x), reference.matmul(w, x), f"{simd_path} {kind} [{rows}, {cols}] n={n}")
+        assert_same_bits(kernels.matmul(w, x, act), reference.matmul(w, x, act),
+                         f"{simd_path} {kind} {act} [{rows}, {cols}] n={n}")
 
 
 @pytest.mark.parametrize("kind", NATIVE)
@@ -181,31 +188,38 @@ def test_matmul_same_bits_on_every_thread_count(simd_path, thread_counts, kind):
     rng = np.random.default_rng(11)
     w = random_native(rng, kind, 301, 1000)
     x = random_x(rng, 3, 1000)
-    want = reference.matmul(w, x)
-    for n in thread_counts:
-        kernels.set_threads(n)
-        assert_same_bits(kernels.matmul(w, x), want, f"{n} threads")
+    for act in kernels.ACTIVATIONS:
+        want = reference.matmul(w, x, act)
+        for n in thread_counts:
+            kernels.set_threads(n)
+            assert_same_bits(kernels.matmul(w, x, act), want, f"{act}, {n} threads")
 
 
 @pytest.mark.parametrize("kind", NATIVE)
-def test_reference_matches_float64(kind):
+@pytest.mark.parametrize("act", ["f32", "int8"])
+def test_reference_matches_float64(kind, act):
+    """The fixed-order reference is x @ dequantize(w).T (x as int8 activations stand it for, with
+    fp4 weights) within float32 rounding."""
     rng = np.random.default_rng(7)
     w = random_native(rng, kind, 130, 300)
     x = random_x(rng, 5, 300)
-    assert_close(reference.matmul(w, x), reference.exact(w, x).astype(np.float32), EPS * magnitude(w, x))
+    xv = reference.dequantize_activations(x) if act == "int8" and kind == "fp4" else x
+    assert_close(reference.matmul(w, x, act), reference.exact(w, x, act).astype(np.float32), EPS * magnitude(w, xv))
 
 
 @pytest.mark.parametrize("kind", NATIVE)
 def test_nan_weights_and_scales_give_nan(kind):
     rng = np.random.default_rng(8)
-    w = random_native(rng, kind, 3, 300)
+    w = random_native(rng, kind, 130, 300)
     if kind == "fp8":
-        w.data[0, 5] = 0x7F
-    w.scales[-1, -1] = 255  # the last row's last group (fp4) / the last block (fp8)
+        w.data[0, 5] = 0x7F  # row 0
+    w.scales[-1, -1] = 255  # the last row's last group (fp4), rows 128-129's last block (fp8)
     x = random_x(rng, 2, 300)
-    y = kernels.matmul(w, x)
-    assert np.isnan(y[:, -1]).all() and (kind == "fp4" or np.isnan(y[:, 0]).all())
-    assert_same_bits(y, reference.matmul(w, x))
+    for act in kernels.ACTIVATIONS:
+        y, want = kernels.matmul(w, x, act), reference.matmul(w, x, act)
+        assert np.isnan(y[:, -1]).all() and (kind == "fp4" or np.isnan(y[:, 0]).all())
+        assert np.isfinite(y[:, 1:128]).all() and np.array_equal(np.isnan(y), np.isnan(want))
+        assert_same_bits(y[:, 1:128], want[:, 1:128])
 
 
 def test_matmul_multi_mixes_every_kind():
@@ -253,8 +267,9 @@ def test_expert_ffn_matches_reference(kind, hidden, inter):
     gate, up, down = expert(rng, kind, hidden, inter)
     x = random_x(rng, 3, hidden, scale=3.0)
     for act in kernels.ACTIVATIONS:
-        assert_close(kernels.expert_ffn(gate, up, down, x, act), reference.expert_ffn(gate, up, down, x),
-                     ffn_bound(gate, up, down, x, "f32"))
+        act_ref = "f32" if kind == "fp8" else act
+        assert_close(kernels.expert_ffn(gate, up, down, x, act), reference.expert_ffn(gate, up, down, x, act_ref),
+                     ffn_bound(gate, up, down, x, act_ref))
 
 
 @pytest.mark.parametrize("kind", NATIVE)
@@ -265,17 +280,17 @@ def test_moe_experts_is_expert_ffn_per_slot_on_every_path_and_thread_count(kind,
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)])
     x = random_x(rng, T, hidden, scale=3.0)
     ready = {e: experts[e] for e in (4, 0, 2)}
-    for limit in (None, 0.5):
+    for limit, act in itertools.product((None, 0.5), kernels.ACTIVATIONS):
         want = np.full((T, k, hidden), 7.0, np.float32)
         for t, r in itertools.product(range(T), range(k)):
             if ids[t, r] in ready:
-                want[t, r] = kernels.expert_ffn(*ready[ids[t, r]], x[t:t + 1], limit=limit)[0]
+                want[t, r] = kernels.expert_ffn(*ready[ids[t, r]], x[t:t + 1], act, limit=limit)[0]
         for path, n in itertools.product(supported_paths(), thread_counts):
             kernels.set_simd(path)
             kernels.set_threads(n)
             outs = np.full((T, k, hidden), 7.0, np.float32)
-            kernels.moe_experts(outs, x, ids, ready, limit=limit)
-            assert_same_bits(outs, want, f"{path}, {n} threads, limit {limit}")
+            kernels.moe_experts(outs, x, ids, ready, act, limit=limit)
+            assert_same_bits(outs, want, f"{path}, {n} threads, limit {limit}, {act}")
         kernels.set_simd("auto")
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri_core import kernels
-from colibri_core.quant import INT4_GROUP, QTensor
+from colibri_core.quant import INT4_GROUP, QTensor, layout
 
 MIN_SECONDS = 0.6  # per measurement: repeat calls at least this long
 WORKING_SET = 512 * 2**20  # bytes of weights each kernel cycles through (≫ any last-level cache)
@@ -45,6 +45,12 @@ CASES = (
     Case("int4_matmul", "int4", "int8", 4096, 4096, 32, "32 tokens (prefill), int8 activations"),
     Case("int4_matmul_f32act", "int4", "f32", 4096, 4096, 32, "32 tokens, f32 activations"),
     Case("int8_matmul", "int8", "int8", 4096, 4096, 32, "32 tokens, int8 activations"),
+    # DeepSeek's native formats, computed on as loaded (fp8 always in the exact arithmetic)
+    Case("fp8_matvec", "fp8", "f32", 4096, 4096, 1, "fp8 e4m3 weights, 128x128 block scales"),
+    Case("fp4_matvec", "fp4", "int8", 4096, 4096, 1, "fp4 e2m1 weights, int8 activations"),
+    Case("fp4_matvec_f32act", "fp4", "f32", 4096, 4096, 1, "fp4 e2m1 weights, f32 activations"),
+    Case("fp8_matmul", "fp8", "f32", 4096, 4096, 32, "32 tokens, fp8 weights"),
+    Case("fp4_matmul", "fp4", "int8", 4096, 4096, 32, "32 tokens, fp4 weights, int8 activations"),
 )
 
 
@@ -54,6 +60,12 @@ def random_qtensor(rng: np.random.Generator, kind: str, rows: int, cols: int) ->
         data = rng.integers(0, 256, (rows, (cols + 1) // 2), dtype=np.uint8)
         scales = (rng.random((rows, -(-cols // INT4_GROUP)), dtype=np.float32) * 0.02 + 0.001).astype(np.float16)
         return QTensor("int4", rows, cols, data, scales)
+    if kind in ("fp8", "fp4"):  # every byte (fp8 without NaN), checkpoint-like UE8M0 scales 2^-15 .. 2^-5
+        (_, _, dshape), (_, _, sshape) = layout(kind, rows, cols)
+        data = rng.integers(0, 256, dshape, dtype=np.uint8)
+        if kind == "fp8":
+            data[(data & 0x7F) == 0x7F] ^= 1
+        return QTensor(kind, rows, cols, data, rng.integers(112, 123, sshape, dtype=np.uint8))
     if kind == "int8":
         data = rng.integers(-127, 128, (rows, cols), dtype=np.int8)
         return QTensor("int8", rows, cols, data, (rng.random(rows, dtype=np.float32) * 0.01 + 0.001))
@@ -99,14 +111,14 @@ def run_case(case: Case, rng: np.random.Generator, working_set: int, min_seconds
 
 
 def run_moe_case(rng: np.random.Generator, tokens: int, working_set: int, min_seconds: float,
-                 n_experts: int = 64) -> dict:
-    """One OLMoE-1B-7B MoE layer (64 experts of 2048 -> 1024 -> 2048, int4, top-8) through
+                 n_experts: int = 64, kind: str = "int4") -> dict:
+    """One OLMoE-1B-7B MoE layer (64 experts of 2048 -> 1024 -> 2048, int4 or `kind`, top-8) through
     moe_experts, `tokens` tokens routed at random, cycling over enough layers to leave the cache."""
     hidden, inter, k = 2048, 1024, 8
-    expert_bytes = 3 * random_qtensor(rng, "int4", inter, hidden).nbytes
+    expert_bytes = 3 * random_qtensor(rng, kind, inter, hidden).nbytes
     layers = max(1, working_set // (n_experts * expert_bytes))
-    pool = [{e: (random_qtensor(rng, "int4", inter, hidden), random_qtensor(rng, "int4", inter, hidden),
-                 random_qtensor(rng, "int4", hidden, inter)) for e in range(n_experts)} for _ in range(layers)]
+    pool = [{e: (random_qtensor(rng, kind, inter, hidden), random_qtensor(rng, kind, inter, hidden),
+                 random_qtensor(rng, kind, hidden, inter)) for e in range(n_experts)} for _ in range(layers)]
     x = rng.standard_normal((tokens, hidden), dtype=np.float32)
     routes = [np.stack([rng.permutation(n_experts)[:k] for _ in range(tokens)]) for _ in range(16)]
     outs = np.zeros((tokens, k, hidden), np.float32)
@@ -122,7 +134,8 @@ def run_moe_case(rng: np.random.Generator, tokens: int, working_set: int, min_se
         at[0] += 1
 
     seconds = _timed(call, min_seconds)
-    row = {"name": "moe_experts" if tokens == 1 else f"moe_experts_{tokens}tok", "kind": "int4", "activations": "int8",
+    name = "moe_experts" + ("" if kind == "int4" else f"_{kind}") + ("" if tokens == 1 else f"_{tokens}tok")
+    row = {"name": name, "kind": kind, "activations": "int8",
            "rows": inter, "cols": hidden, "tokens": tokens, "experts": used[0], "seconds": seconds,
            "gbps": used[0] * expert_bytes / seconds / 1e9}
     if tokens > 1:
@@ -147,6 +160,7 @@ def run(seed: int = 0, working_set: int = WORKING_SET, min_seconds: float = MIN_
     read = read_bandwidth(working_set, min_seconds)
     rows = [run_case(c, rng, working_set, min_seconds) for c in CASES]
     rows += [run_moe_case(rng, t, working_set, min_seconds, moe_experts) for t in (1, 16)]
+    rows += [run_moe_case(rng, t, working_set, min_seconds, moe_experts, "fp4") for t in (1, 16)]
     for r in rows:
         r["fraction_of_read"] = r["gbps"] * 1e9 / read
     return {"machine": {"read_gbps": read / 1e9, "threads": kernels.threads(), "simd": kernels.simd(),

@@ -23,8 +23,8 @@ the code path, the thread count, or which other tokens or experts shared the cal
 Activation arithmetic (``act``): ``"f32"`` multiplies float32 activations by the dequantised
 weights (what the `transformers` oracle computes; the conformance kit's mode); ``"int8"`` quantises
 the activations to int8 per block of 64 and takes integer dot products (about 3x faster on int4
-weights, the arithmetic llama.cpp uses; `reference` models it exactly). f32, fp8 and fp4 weights
-always use ``"f32"`` (an ``"int8"`` request computes the exact mode for them). Choose it per call (``act=``) or for a block of code (``with kernels.activations(...)``).
+weights, the arithmetic llama.cpp uses; `reference` models it exactly). f32 and fp8 weights always
+use ``"f32"`` (an ``"int8"`` request computes the exact mode for them). Choose it per call (``act=``) or for a block of code (``with kernels.activations(...)``).
 
 Environment: ``COLIBRI_SIMD=portable|avx2|avx512`` forces a code path (one this CPU lacks is an
 error), ``COLIBRI_THREADS=N`` sets the kernel threads (default: the CPUs this process may use).

@@ -13,11 +13,13 @@ operations, so for `matmul` the C kernels (every code path) must agree **bit for
 - ``fp8`` (any ``act``): per block b of 128 columns (in order) ``A[l] = v[l] x[l]``, then
   ``A[l] += v[l + 16i] x[l + 16i]`` for i = 1..7 (v = e4m3(q), exact; columns of the block),
   ``S[l] += A[l] * 2^(s - 127)`` with the scale of the row's 128×128 block; ``y = tree16(S)``
-- ``fp4`` (any ``act``): per group g of 32 (in order) ``A[l] = v[2l] x[2l] + v[2l+1] x[2l+1]``
+- ``fp4``, ``act="f32"``: per group g of 32 (in order) ``A[l] = v[2l] x[2l] + v[2l+1] x[2l+1]``
   (left to right; v = 2·e2m1(q), integers), ``S[l] += A[l] * 2^(s - 128)``; ``y = tree16(S)``
 - ``act="int8"``: x quantised per block of 64 (`quantize_activations`); ``isum`` per block is an
   exact integer; int4: ``L[g % 8] += float(isum[g]) * (scale[g] * xs[g])``, ``y = tree8(L)``;
-  int8: ``L[b % 8] += float(isum[b]) * xs[b]``, ``y = tree8(L) * scale``.
+  int8: ``L[b % 8] += float(isum[b]) * xs[b]``, ``y = tree8(L) * scale``; fp4: per group of 32
+  ``L[g % 8] += float(isum[g]) * (2^(s - 128) * xs[g // 2])`` (isum of v = 2·e2m1), ``y = tree8(L)``.
+  f32 and fp8 weights take the f32 arithmetic whatever ``act``.
 
 ``expert_ffn`` applies ``silu(a) = a / (1 + exp(-a))``; NumPy's float32 ``exp`` and C's ``expf``
 may differ in the last bit, so C and reference agree within float32 rounding there. The numbers
@@ -95,7 +97,15 @@ def matmul(w: QTensor, x: np.ndarray, act: str = "f32") -> np.ndarray:
         for b in range(scales.shape[1]):
             S = S + A[:, :, b, :] * scales[None, :, b, None]
         return tree(S)
-    if w.kind == "fp4":  # always the exact arithmetic
+    if w.kind == "fp4" and act == "int8":
+        v = _pad_cols((E2M1_VALUES * 2).astype(np.int64)[fp4_nibbles(w)], FP4_GROUP).reshape(w.rows, -1, FP4_GROUP)
+        G = v.shape[1]
+        xq, xs = quantize_activations(x)  # (n, B * 64), (n, B), B = ceil(G / 2)
+        isum = np.einsum("rgj,ngj->nrg", v, xq[:, : G * FP4_GROUP].astype(np.int64).reshape(len(x), G, FP4_GROUP))
+        half = (e8m0_values(w.scales) * np.float32(0.5)).astype(np.float32)  # (rows, G)
+        c = half[None, :, :] * xs[:, None, np.arange(G) // 2]  # (n, rows, G)
+        return _lanes(isum.astype(np.float32) * c, 8)
+    if w.kind == "fp4":
         twice = (E2M1_VALUES * 2).astype(np.float32)
         v = _pad_cols(twice[fp4_nibbles(w)], FP4_GROUP).reshape(w.rows, -1, FP4_GROUP)  # (rows, G, 32)
         xg = _pad_cols(x, FP4_GROUP).reshape(len(x), 1, -1, FP4_GROUP)  # (n, 1, G, 32)
@@ -167,7 +177,7 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: st
 
 def exact(w: QTensor, x: np.ndarray, act: str = "f32") -> np.ndarray:
     """float64 ``x @ dequantize(w).T`` (x as ``act`` stands it for): what every order approximates."""
-    xv = dequantize_activations(x) if act == "int8" and w.kind in ("int8", "int4") else np.asarray(x, np.float32)
+    xv = dequantize_activations(x) if act == "int8" and w.kind in ("int8", "int4", "fp4") else np.asarray(x, np.float32)
     return xv.astype(np.float64) @ dequantize(w).astype(np.float64).T
 
 

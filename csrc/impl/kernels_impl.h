@@ -5,8 +5,10 @@
 #ifndef COLIBRI_KERNELS_IMPL_H
 #define COLIBRI_KERNELS_IMPL_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "../colibri.h"
 
@@ -32,7 +34,8 @@ typedef struct {
     // ACT_F32, fp4 weights: per group of 32 columns the 16 even then the 16 odd ones, zeros past cols.
     float *xf;      // [n, stride] or NULL
     // ACT_Q8: q = rint(x * (127 / absmax)) per block of 64; int4 weights: per block the 32 even
-    // then the 32 odd columns; int8 weights: natural order; zeros past cols.
+    // then the 32 odd columns; fp4 weights: per half block (a group of 32) the 16 even then the 16
+    // odd columns; int8 weights: natural order; zeros past cols.
     int8_t *xq;     // [n, stride] or NULL
     float *xs;      // [n, nb8] block scale absmax / 127 (NaN for a block holding inf/NaN), zeros past
     int32_t *xsum;  // [n, nb8] sum of the block's q, zeros past
@@ -42,8 +45,8 @@ typedef struct {
     int8_t *xt;     // [n, stride] or NULL
 } Acts;
 
-// Lay out x f32 [n, cols] for weights of `kind` in arithmetic `act` (f32, fp8 and fp4 weights:
-// always ACT_F32).
+// Lay out x f32 [n, cols] for weights of `kind` in arithmetic `act` (f32 and fp8 weights: always
+// ACT_F32).
 // Returns COLI_OK or COLI_ENOMEM. The same code for every path, so every path sees the same bits.
 int acts_prepare(Acts *a, const float *x, int n, int cols, int kind, int act);
 void acts_free(Acts *a);
@@ -66,16 +69,27 @@ typedef struct {
     dot_fn int4_q8;   // int4 weights, ACT_Q8
     rows_fn int4_q8_rows;  // optional (NULL): int4 weights, ACT_Q8, several tokens per row pass
     dot_fn fp8_f32;   // fp8 weights (ACT_F32 only)
-    dot_fn fp4_f32;   // fp4 weights (ACT_F32 only)
+    dot_fn fp4_f32;   // fp4 weights, ACT_F32
+    dot_fn fp4_q8;    // fp4 weights, ACT_Q8
 } Path;
 
 // 2 * e2m1(nibble): the fp4 values as the integers 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12 (matmul.c).
 extern const int8_t FP4_TWICE[16];
 
+// 2^(s - 127 - shift) of a UE8M0 byte s, exactly (a subnormal below 2^-126); NaN for s = 255.
+static inline float e8m0_pow2(uint8_t s, int shift) {
+    if (s == 255) return NAN;
+    int e = (int)s - shift;
+    uint32_t bits = e >= 1 ? (uint32_t)e << 23 : 0x00400000u >> -e;  // 2^-127 >> k = 2^(-127-k)
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 // The float32 scale a row's fp8 block / fp4 group is multiplied by: 2^(s - 127) for fp8 and, as
 // the fp4 values are taken twice (FP4_TWICE), 2^(s - 128) for fp4; NaN for s = 255.
-float fp8_scale(uint8_t s);
-float fp4_half_scale(uint8_t s);
+static inline float fp8_scale(uint8_t s) { return e8m0_pow2(s, 0); }
+static inline float fp4_half_scale(uint8_t s) { return e8m0_pow2(s, 1); }
 
 extern const Path PATH_PORTABLE;
 #if COLI_X86
@@ -84,6 +98,7 @@ extern const Path PATH_AVX512;  // matmul_avx512.c
 // matmul_avx2.c's fp8 and fp4 dot products, which the AVX-512 path uses too (it needs AVX2).
 float dot_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
 float dot_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
+float dot_fp4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t);
 #endif
 
 const Path *path_current(void);
