@@ -16,6 +16,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import ColibriError
+from .fsio import read_json
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -29,7 +30,7 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: dict[str, str]):
+    def __init__(self, source: str, special_tokens: dict[str, str], where: str = "chat template"):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
@@ -37,16 +38,21 @@ class ChatTemplate:
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
-            raise ColibriError(f"chat template: syntax error on line {e.lineno}: {e.message}") from e
+            raise ColibriError(f"{where}: syntax error on line {e.lineno}: {e.message}") from None
+        except RecursionError:
+            raise ColibriError(f"{where}: nested too deeply to compile") from None
         self.special_tokens = special_tokens
+        self.where = where
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ChatTemplate | None:
         """The model directory's chat template, or None if it has none."""
         model_dir = Path(model_dir)
-        config = {}
+        config, fix = {}, "restore it from the model's original files or reconvert the model"
         if (model_dir / "tokenizer_config.json").is_file():
-            config = json.loads((model_dir / "tokenizer_config.json").read_text())
+            config = read_json(model_dir / "tokenizer_config.json", fix)
+            if not isinstance(config, dict):
+                raise ColibriError(f"{model_dir / 'tokenizer_config.json'} is not a JSON object: {fix}")
         special = {}
         for name in SPECIAL_TOKENS:
             tok = config.get(name)
@@ -54,16 +60,25 @@ class ChatTemplate:
                 tok = tok.get("content")
             if isinstance(tok, str):
                 special[name] = tok
-        if (model_dir / "chat_template.jinja").is_file():
-            return cls((model_dir / "chat_template.jinja").read_text(), special)
+        path = model_dir / "chat_template.jinja"
+        if path.is_file():
+            try:
+                return cls(path.read_bytes().decode("utf-8"), special, str(path))
+            except (OSError, UnicodeDecodeError) as e:
+                raise ColibriError(f"cannot read {path} ({' '.join(str(e).split())[:120]}): {fix}") from None
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates: take "default"
-            source = next((t["template"] for t in source if t.get("name") == "default"), None)
-        return cls(source, special) if source else None
+            source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
+                          None)
+        if source is not None and not isinstance(source, str):
+            raise ColibriError(f"{model_dir / 'tokenizer_config.json'}: chat_template is not a template: {fix}")
+        return cls(source, special, f"{model_dir / 'tokenizer_config.json'} chat_template") if source else None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
         try:
             return self.template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                         **self.special_tokens)
         except jinja2.TemplateError as e:
-            raise ColibriError(f"chat template: {e}") from e
+            raise ColibriError(f"{self.where}: {' '.join(str(e).split())}") from None
+        except RecursionError:
+            raise ColibriError(f"{self.where}: the template recursed too deeply") from None

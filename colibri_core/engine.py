@@ -17,7 +17,7 @@ import numpy as np
 
 from . import kernels, plugins
 from .container import Container
-from .convert import read_config
+from .convert import parse_config, read_config
 from .errors import ColibriError
 from .generate import sample
 from .kv.session import PersistentSession, SessionWarning
@@ -59,7 +59,7 @@ class Engine:
             if self.arch.name != self.container.architecture:
                 raise ColibriError(f"{model_dir}: container is for architecture {self.container.architecture}, "
                                    f"but config.json is served by {self.arch.name} ({self.arch.plugin})")
-            cfg = model_cls.parse_config(self.container.config)
+            cfg = parse_config(model_cls, self.container.config, model_dir)
             layout = model_cls.layout(cfg)
             resident = self.container.resident()
             self.resident_bytes = sum(t.nbytes for t in resident.values())

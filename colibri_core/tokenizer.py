@@ -1,12 +1,12 @@
 """Text ↔ token ids with the model's ``tokenizer.json`` (the `tokenizers` library)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
 from .errors import ColibriError
+from .fsio import read_json
 
 
 class Tokenizer:
@@ -14,7 +14,9 @@ class Tokenizer:
         try:
             self.tok = _HFTokenizer.from_file(str(path))
         except Exception as e:
-            raise ColibriError(f"{path}: not a readable tokenizer.json ({e})") from e
+            why = " ".join(str(e).split())[:200]
+            raise ColibriError(f"{path}: not a readable tokenizer.json ({why}): restore it from the model's "
+                               "original files or reconvert the model") from None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -55,10 +57,12 @@ def generation_defaults(model_dir: str | Path) -> dict:
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return {}
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ColibriError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from e
-    eos = cfg.get("eos_token_id")
+    fix = "restore it from the model's original files or reconvert the model"
+    cfg = read_json(path, fix)
+    eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+    ok_id = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+    if not isinstance(cfg, dict) or not (eos is None or ok_id(eos) or (isinstance(eos, list) and all(map(ok_id, eos)))):
+        what = "not a JSON object" if not isinstance(cfg, dict) else f"eos_token_id {eos!r}"[:80] + " is not token ids"
+        raise ColibriError(f"{path}: {what}: {fix}")
     cfg["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return cfg

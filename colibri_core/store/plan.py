@@ -8,12 +8,12 @@ the bytes the kernels touch per token (dense weights + layers × top-k experts) 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import planning, plugins
 from ..errors import ColibriError
+from ..fsio import read_json
 from .budget import split_budget
 
 
@@ -48,10 +48,9 @@ def sizes_from_container(model_dir: str | Path) -> ModelSizes:
 
 def sizes_from_config(config_path: str | Path, quant_kind: str) -> tuple[ModelSizes, dict]:
     """The sizes `make_plan` needs, and `planning.plan`'s full report, from config.json alone."""
-    try:
-        config = json.loads(Path(config_path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ColibriError(f"cannot read {config_path}: {e}") from None
+    config = read_json(config_path)
+    if not isinstance(config, dict):
+        raise ColibriError(f"{config_path} is not a model configuration (a JSON object)")
     reg = plugins.registry()
     arch = reg.resolve(config, where=str(config_path))
     model_cls = reg.model_class(arch)

@@ -7,8 +7,10 @@ Every turn adds how often each (MoE layer, expert) was routed to. The file is JS
      "counts": [[…n_experts ints…] per MoE layer], "crc32": crc32 of the counts' JSON}
 
 written atomically (a temporary file renamed over the old one). A history from another model,
-another version, or a corrupt file is ignored with one warning, never half-used; a model directory
-that cannot be written is warned about once and the engine goes on without saving.
+another version, or a corrupt file (not JSON, nested too deeply, counts out of range, a checksum
+mismatch) is ignored with one warning, never half-used, and replaced at the next save; a model
+directory that cannot be written is warned about once and the engine goes on without saving. A
+save killed midway leaves the old file whole (and a temporary, removed by the next load).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..fsio import write_atomic
+from ..fsio import remove_stale_temporaries, write_atomic
 
 USAGE_FILE = ".coli_usage"
 FORMAT = "colibri-usage"
@@ -29,6 +31,7 @@ VERSION = 1
 MIN_HISTORY_TOKENS = 32  # tokens of history before the hot-store pins experts by itself
 HYSTERESIS = 1.5  # a newcomer replaces a pinned expert only when routed this many times more often
 MARGIN = 2  # … and at least this many more times
+MAX_COUNT = 2**53  # a count beyond this is damage, not history (and int64 sums of such counts cannot overflow)
 
 
 class ColibriWarning(UserWarning):
@@ -44,6 +47,11 @@ def model_fingerprint(container) -> str:
     source = container.manifest.get("source") or {}
     key = json.dumps([source.get("fingerprint"), list(container.moe_layers), container.n_experts])
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def _count(c) -> bool:
+    """A count the history can hold: an int from 0 to MAX_COUNT (so sums never overflow int64)."""
+    return isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= MAX_COUNT
 
 
 def _counts_crc(counts: list) -> int:
@@ -76,44 +84,45 @@ class UsageHistory:
     # -- reading
 
     def load(self) -> None:
-        """Read the file if there is one; ignore it with one warning if it is not ours or damaged."""
+        """Read the file if there is one; ignore it with one warning if it is not ours or damaged
+        (the next save replaces it). Temporaries a killed save left beside it are removed."""
+        remove_stale_temporaries(self.path)
         try:
-            text = self.path.read_text(encoding="utf-8")
+            data = self.path.read_bytes()
         except FileNotFoundError:
             return
-        except (OSError, UnicodeDecodeError) as e:
-            warn(f"ignoring routing history {self.path}: cannot read it ({e})")
+        except OSError as e:
+            warn(f"ignoring routing history {self.path}: cannot read it ({e.strerror or e}); going on without it")
             return
-        problem = self._check(text)
+        d, problem = self._check(data)
         if problem:
-            warn(f"ignoring routing history {self.path}: {problem}")
+            warn(f"ignoring routing history {self.path}: {problem}; a new one replaces it after the next turn")
             return
-        d = json.loads(text)
         self.past = np.asarray(d["counts"], np.int64)
         self.past_turns, self.past_tokens = d["turns"], d["tokens"]
 
-    def _check(self, text: str) -> str | None:
+    def _check(self, data: bytes) -> tuple[dict | None, str | None]:
+        """(the parsed file, None) if it is a whole history of this model, else (None, why not)."""
         try:
-            d = json.loads(text)
-        except ValueError:
-            return "it is corrupt (not JSON)"
+            d = json.loads(data.decode("utf-8"))
+        except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deeply, a number too long
+            return None, "it is corrupt (not JSON)"
         if not isinstance(d, dict) or d.get("format") != FORMAT:
-            return "it is not a colibri routing history"
+            return None, "it is not a colibri routing history"
         if d.get("version") != VERSION:
-            return f"version {d.get('version')!r}, this colibri reads version {VERSION}"
+            return None, f"version {str(d.get('version'))[:20]}, this colibri reads version {VERSION}"
         if d.get("fingerprint") != self.fingerprint:
-            return "it was recorded with another model"
+            return None, "it was recorded with another model"
         counts = d.get("counts")
         shape_ok = (d.get("moe_layers") == self.moe_layers and d.get("n_experts") == self.n_experts
                     and isinstance(counts, list) and len(counts) == len(self.moe_layers)
-                    and all(isinstance(row, list) and len(row) == self.n_experts
-                            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in row)
+                    and all(isinstance(row, list) and len(row) == self.n_experts and all(map(_count, row))
                             for row in counts))
-        if not shape_ok or not all(isinstance(d.get(k), int) and d[k] >= 0 for k in ("turns", "tokens")):
-            return "it is corrupt (bad counts)"
+        if not shape_ok or not all(_count(d.get(k)) for k in ("turns", "tokens")):
+            return None, "it is corrupt (bad counts)"
         if d.get("crc32") != _counts_crc(counts):
-            return "it is corrupt (checksum mismatch)"
-        return None
+            return None, "it is corrupt (checksum mismatch)"
+        return d, None
 
     # -- recording
 
