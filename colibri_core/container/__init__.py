@@ -20,7 +20,10 @@ Files:
 - ``colibri.yaml``: the manifest, written last (see `writer._manifest` for the keys): format and
   version, architecture, plugin and version, quantisation per tensor class and per resident
   tensor, the expert section (shapes, extent size, source form and name patterns), the file table
-  with sizes and crc32 checksums (and one per expert extent), and a fingerprint of the source.
+  with sizes and crc32 checksums (and one per expert extent), and a fingerprint of the source
+  that binds its content (``source.content``: a digest of every source tensor's bytes). Its last
+  line, ``# crc32 XXXXXXXX of the lines above``, checks the manifest itself (a manifest without
+  it, written by an earlier colibri, is read unchecked).
 
 A conversion in progress lives in ``DST.partial/`` (without ``colibri.yaml`` until the end) and
 is renamed to DST when finished, so a directory with a manifest is always a whole container.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import threading
 import zlib
@@ -17,6 +18,7 @@ import yaml
 
 from .. import quant
 from ..errors import ColibriError
+from ..fsio import read_json
 from ..layout import PROJS
 
 FORMAT = "colibri-container"
@@ -63,6 +65,22 @@ def extent_crc(extent) -> int:
     return zlib.crc32(extent[n - 12:], zlib.crc32(extent[: n - 16]))
 
 
+_MANIFEST_CRC = re.compile(r"# crc32 ([0-9a-f]{8}) of the lines above\n?\Z")
+
+
+def manifest_checksum_line(text: str) -> str:
+    """The manifest's last line: the crc32 of every byte before it (`manifest_checksum_ok`)."""
+    return f"# crc32 {zlib.crc32(text.encode('utf-8')):08x} of the lines above\n"
+
+
+def manifest_checksum_ok(text: str) -> bool:
+    """False if the manifest ends in a checksum line its text fails (manifests written before it
+    was added have none, and are taken as they are)."""
+    start = text.rfind("\n", 0, len(text) - 1) + 1
+    m = _MANIFEST_CRC.match(text, start)
+    return m is None or int(m.group(1), 16) == zlib.crc32(text[:start].encode("utf-8"))
+
+
 def crc32_file(path: str | os.PathLike, crc: int = 0) -> int:
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
@@ -90,6 +108,7 @@ _ST_DTYPES = {
     "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
     "F8_E4M3": np.dtype("u1"),  # float8 e4m3fn, read as raw bytes; widened through FP8_E4M3
+    "F8_E8M0": np.dtype("u1"),  # UE8M0 scales (2^(s-127)), read as raw bytes (DeepSeek V4)
 }
 READABLE_DTYPES = tuple(_ST_DTYPES)
 
@@ -122,8 +141,11 @@ class SafetensorsFile:
                 if n > size - 8 or n > 1 << 30:
                     raise ValueError(f"header length {n} does not fit in a {size}-byte file")
                 header = json.loads(f.read(n))
-        except (OSError, ValueError, struct.error) as e:
-            raise ColibriError(f"cannot read safetensors file {self.path}: {one_line(e)}") from None
+                if not isinstance(header, dict):
+                    raise ValueError("its header is not a JSON object")
+        except (OSError, ValueError, RecursionError, struct.error) as e:
+            why = "its header is nested too deeply" if isinstance(e, RecursionError) else one_line(e)
+            raise ColibriError(f"cannot read safetensors file {self.path}: {why}") from None
         self.data_start = 8 + n
         self.metadata = header.pop("__metadata__", None) or {}
         self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
@@ -167,7 +189,10 @@ class SafetensorsFile:
 
     def read_f32(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
         """The tensor widened to float32 (exactly, for F16/BF16 and small integers)."""
-        a = self.read(name, first, count)
+        return self.widen(name, self.read(name, first, count))
+
+    def widen(self, name: str, a: np.ndarray) -> np.ndarray:
+        """`read`'s array of tensor `name` as float32 (`read_f32` is ``widen(read(…))``)."""
         dtype = self.dtype(name)
         if dtype == "BF16":
             return (a.astype(np.uint32) << 16).view(np.float32)
@@ -232,28 +257,40 @@ class Container:
                                    f"run `colibri convert {p} DST` and use DST")
             raise ColibriError(f"{p} is not a colibri container (no {MANIFEST})")
         try:
-            manifest = yaml.load(mpath.read_text(encoding="utf-8"), Loader=_Loader)
+            text = mpath.read_text(encoding="utf-8")
+            if not manifest_checksum_ok(text):
+                raise ColibriError(f"{p}: {MANIFEST} fails its own checksum (damaged or edited); reconvert the model")
+            manifest = yaml.load(text, Loader=_Loader)
+        except RecursionError:
+            raise ColibriError(f"{p}: cannot parse {MANIFEST} (nested too deeply); reconvert the model") from None
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
             raise ColibriError(f"{p}: cannot parse {MANIFEST} ({one_line(e)[:300]}); reconvert the model") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise ColibriError(f"{p}: {MANIFEST} is not a colibri container manifest; reconvert the model")
         version = manifest.get("format_version")
         if version != FORMAT_VERSION:
-            raise ColibriError(f"{p}: container format_version {version!r}, but this colibri reads version "
-                               f"{FORMAT_VERSION}: reconvert the model with this colibri")
+            newer = isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION
+            fix = "upgrade colibri, or reconvert the model with this one" if newer else \
+                "reconvert the model with this colibri"
+            raise ColibriError(f"{mpath}: container format_version {repr(version)[:40]}, but this colibri reads version "
+                               f"{FORMAT_VERSION}: {fix}")
         self.manifest = manifest
         try:
             self._load_manifest()
         except _Bad as e:
-            raise ColibriError(f"{p}: {e}; reconvert the model") from None
+            where = "" if MANIFEST in str(e) else f"{MANIFEST}: "
+            raise ColibriError(f"{p}: {where}{e}; reconvert the model") from None
         problems = self._cheap_problems()
         if problems:
             more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            if len(problems) > 1 and not any(x.endswith(" is missing") for x in problems):
+                names = ", ".join(x[len(str(p)) + 1:].split(" ")[0] for x in problems)
+                raise ColibriError(f"{p}: {MANIFEST} does not describe the files beside it ({names} differ from "
+                                   "it): a manifest or files from another model or conversion; reconvert the model")
             raise ColibriError(f"damaged colibri container {p}: {problems[0]}{more}; reconvert the model")
-        try:
-            self.config = json.loads((p / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise ColibriError(f"{p}: cannot parse config.json ({one_line(e)})") from None
+        self.config = read_json(p / "config.json", "reconvert the model")
+        if not isinstance(self.config, dict):
+            raise ColibriError(f"{p / 'config.json'} is not a model configuration (a JSON object): reconvert the model")
         self._fds: dict[int, int] = {}  # layer -> fd of its expert file, opened on first read
         self._lock = threading.Lock()
 
@@ -421,6 +458,14 @@ class Container:
                              f"{self.n_experts} experts)")
         nbytes = self._extents[layer][2]
         return self._paths[layer], expert * nbytes, nbytes
+
+    def expert_extents(self, layer: int, expert: int) -> list[tuple[str, int, int]]:
+        """[(file path, byte offset, byte count)]: a container holds each expert in one extent."""
+        return [self.expert_location(layer, expert)]
+
+    def crc_hole(self, layer: int) -> tuple[int, int]:
+        """(offset, length) of the bytes an extent's crc32 leaves out: the trailer's own crc field."""
+        return self.layer_expert_nbytes(layer) - TRAILER.size, 4
 
     def parse_expert(self, buf, layer: int | None = None) -> tuple[quant.QTensor, quant.QTensor, quant.QTensor]:
         """(gate, up, down) viewing one extent held in `buf` (of `layer`, or of a layer stored at

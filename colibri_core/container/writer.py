@@ -3,10 +3,14 @@
 Steps: read every shard's header; check the tensor names and shapes against the plugin's
 `ContainerLayout` (before anything is written); then, in the staging directory ``DST.partial/``,
 write the resident tensors and one expert file per MoE layer, recording each finished file in
-``progress.json``; copy config and tokenizer files; write ``colibri.yaml`` last; rename the
-staging directory to DST. Rerunning an interrupted conversion keeps the files already finished
-(after re-checking their checksums); a staging directory left by another source, quantisation or
-layout is discarded. Tensors are read one at a time, never the whole checkpoint.
+``progress.json`` with its checksum and the sha256 of the source bytes it was made from; copy
+config and tokenizer files; write ``colibri.yaml`` last; rename the staging directory to DST.
+Rerunning an interrupted conversion keeps the files already finished after re-checking their
+checksums and re-reading their source tensors: a staging directory left by another source (even
+one of the same shapes), quantisation or layout is discarded with a one-line notice. The
+manifest's source fingerprint binds the source's content (``source.content``), so sessions and
+routing histories of another model of the same shapes are never taken for this one's. Tensors
+are read one at a time, never the whole checkpoint.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import zlib
@@ -32,7 +37,7 @@ from ..layout import PROJS, ContainerLayout
 from .reader import (
     ARRAY, COPIED_FILES, EXTENT_ALIGN, FORMAT, FORMAT_VERSION, MANIFEST, READABLE_DTYPES, RESIDENT_FILE,
     SCALES_SUFFIX, ST_NAME, TRAILER, TRAILER_MAGIC, SafetensorsFile, crc32_file, expert_extent,
-    expert_file_name, extent_crc, one_line,
+    expert_file_name, extent_crc, manifest_checksum_line, one_line,
 )
 
 PROGRESS = "progress.json"
@@ -74,6 +79,8 @@ class Checkpoint:
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
                 names = sorted(set(weight_map.values()))
+            except RecursionError:
+                raise ColibriError(f"cannot read {index}: nested too deeply") from None
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ColibriError(f"cannot read {index}: {one_line(e)}") from None
         else:
@@ -95,6 +102,8 @@ class Checkpoint:
         for tname, fname in (weight_map or {}).items():
             if self.where.get(tname) is not self.files[fname]:
                 raise ColibriError(f"{index} places tensor {tname} in {fname}, which does not hold it")
+        # while not None: "NAME[first:count]" -> sha256 of the stored bytes of every read (`source_digest`)
+        self.digests: dict[str, str] | None = None
 
     FP8_SCALE_SUFFIX = "_scale_inv"  # NAME (float8 e4m3) + NAME_scale_inv (f32, one per block)
 
@@ -107,7 +116,7 @@ class Checkpoint:
             cfg = json.loads((self.path / "config.json").read_text(encoding="utf-8"))
             size = (cfg.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
             return int(size[0]), int(size[1])
-        except (OSError, ValueError, TypeError, IndexError, AttributeError):
+        except (OSError, ValueError, TypeError, IndexError, AttributeError, RecursionError):
             return 128, 128
 
     def scales_of(self, name: str) -> str | None:
@@ -123,7 +132,7 @@ class Checkpoint:
     def read_f32(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
         """The tensor (or rows first..first+count of its first axis) as float32; fp8 e4m3 weights are
         multiplied by their per-block scales (``NAME_scale_inv``, one per block of the last two axes)."""
-        w = self.where[name].read_f32(name, first, count)
+        w = self._read(name, first, count)
         scale_name = self.scales_of(name)
         if scale_name is None:
             return w
@@ -136,10 +145,17 @@ class Checkpoint:
         if self.shape(scale_name) != (*full[:-2], *blocks):
             raise ColibriError(f"{scale_name} has shape {list(self.shape(scale_name))}, expected "
                                f"{[*full[:-2], *blocks]} for {br}x{bc} blocks of {name} {list(full)}: {self.path}")
-        s = self.where[scale_name].read_f32(scale_name, first, count) if w.ndim > 2 else \
-            self.where[scale_name].read_f32(scale_name)
+        s = self._read(scale_name, first, count) if w.ndim > 2 else self._read(scale_name)
         s = np.repeat(np.repeat(s, br, axis=-2)[..., :rows, :], bc, axis=-1)[..., :cols]  # (..., rows, cols)
         return (w * s).astype(np.float32)
+
+    def _read(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
+        """One tensor (or rows of it) as float32, its stored bytes' digest noted in `digests`."""
+        st = self.where[name]
+        raw = st.read(name, first, count)
+        if self.digests is not None:
+            self.digests[f"{name}[{first}:{'' if count is None else count}]"] = hashlib.sha256(raw).hexdigest()
+        return st.widen(name, raw)
 
     def fingerprint(self) -> dict:
         """Digest of the tensor names, shapes, dtypes and the file sizes."""
@@ -344,47 +360,101 @@ def _write_layer(ckpt: Checkpoint, plan: _Plan, layer: int, path: Path, bar) -> 
 
 
 class _Staging:
-    """DST.partial/: the files finished so far, recorded in progress.json with their checksums."""
+    """DST.partial/: the files finished so far, recorded in progress.json with their checksums and
+    the digest of the source bytes each was made from.
+
+    A staging directory is resumed only for the same key (format, source structure, quantisation,
+    architecture, layout) and only if every finished file is still whole and its source bytes
+    still hash to what they did (`check_sources`); otherwise it is discarded with a one-line notice.
+    Anything else in it (a file cut short by a kill, a temporary) is removed before writing."""
 
     def __init__(self, path: Path, key: dict, say):
-        self.path = path
+        self.path, self.say = path, say
         rec = None
         if path.exists() or path.is_symlink():
-            prog = path / PROGRESS
-            ours = path.is_dir() and (prog.is_file() or (path / MANIFEST).is_file() or not any(path.iterdir()))
-            if not ours:
+            if not (path.is_dir() and not path.is_symlink() and _is_staging(path)):
                 raise ColibriError(f"{path} exists and is not a colibri staging directory: remove it or "
                                    "choose another destination")
             try:
-                rec = json.loads(prog.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
+                rec = json.loads((path / PROGRESS).read_text(encoding="utf-8"))
+            except (OSError, ValueError, RecursionError):
                 rec = None
             if isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("files"), dict):
                 say(f"resuming the conversion in {path}")
             else:
-                if any(path.iterdir()):
-                    say(f"discarding {path}: an unfinished conversion of another source, quantisation or layout")
-                shutil.rmtree(path)
+                if (path / PROGRESS).exists() or (path / MANIFEST).exists():
+                    say(f"discarding {path}: an unfinished conversion of another source, quantisation or layout "
+                        "(or by another colibri version)")
+                self._clear()
                 rec = None
         self.rec = rec or {"key": key, "files": {}}
-        (path / "experts").mkdir(parents=True, exist_ok=True)
-        self.save()
+        path.mkdir(parents=True, exist_ok=True)
+        self.save()  # progress.json first: a directory holding it is recognisably ours
+        (path / "experts").mkdir(exist_ok=True)
+        self._remove_strays()
+
+    def _clear(self) -> None:
+        shutil.rmtree(self.path)
+
+    def _remove_strays(self) -> None:
+        """Remove what no finished file accounts for: a file a kill cut short, temporaries."""
+        keep = {PROGRESS, *self.rec["files"]}
+        for f in sorted(self.path.rglob("*"), reverse=True):
+            rel = f.relative_to(self.path).as_posix()
+            if f.is_dir() and not f.is_symlink():
+                if rel != "experts" and not any(f.iterdir()):
+                    f.rmdir()
+            elif rel not in keep:
+                f.unlink()
 
     def save(self) -> None:
         write_atomic(self.path / PROGRESS, json.dumps(self.rec).encode())
 
+    def check_sources(self, source_digest, src: Path) -> None:
+        """Check every finished file against the source: one no longer whole is forgotten (it will
+        be rewritten); one made from other source bytes (`source_digest(rel)` differs: another
+        checkpoint of the same shapes, or this one changed since) discards the whole directory."""
+        files = self.rec["files"]
+        for rel in list(files):
+            rec, f = files[rel], self.path / rel
+            if not (isinstance(rec, dict) and f.is_file() and f.stat().st_size == rec.get("size")
+                    and crc32_file(f) == rec.get("crc32")):
+                del files[rel]
+                f.unlink(missing_ok=True)
+                continue
+            if rec.get("source") != source_digest(rel):
+                self.say(f"discarding {self.path}: its {rel} was converted from other weights than {src} "
+                         "(another checkpoint, or this one changed since); converting from the start")
+                self._clear()
+                self.rec = {"key": self.rec["key"], "files": {}}
+                self.path.mkdir(parents=True)
+                self.save()
+                (self.path / "experts").mkdir()
+                return
+        self.save()
+
     def finished(self, rel: str) -> dict | None:
-        """The record of a file finished earlier, if it is still whole (size and crc32 re-checked)."""
-        rec = self.rec["files"].get(rel)
-        f = self.path / rel
-        if rec and f.is_file() and f.stat().st_size == rec["size"] and crc32_file(f) == rec["crc32"]:
-            return rec
-        return None
+        """The record of a file finished earlier (checked by `check_sources`)."""
+        return self.rec["files"].get(rel)
 
     def done(self, rel: str, rec: dict) -> dict:
         self.rec["files"][rel] = rec
         self.save()
         return rec
+
+
+def _is_staging(path: Path) -> bool:
+    """Whether every entry of `path` is one the converter writes (a kill can leave any of them
+    without progress.json: the directory made, a temporary not yet renamed)."""
+    known = {PROGRESS, MANIFEST, RESIDENT_FILE, "experts", *COPIED_FILES}
+    for f in path.iterdir():
+        name = re.sub(r"\.\d+\.tmp$", "", f.name)  # write_atomic's NAME.PID.tmp
+        if name not in known:
+            return False
+        if name == "experts" and not (f.is_dir() and all(
+                re.fullmatch(r"layer-\d{3,}\.bin", g.name) for g in f.iterdir())):
+            return False
+    return True
 
 
 class _NoBar:
@@ -420,7 +490,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str, layou
     _check_destination(dst, force)
     source = ckpt.fingerprint()
     key = {"format_version": FORMAT_VERSION, "source": source["fingerprint"], "quant": quant,
-           "architecture": architecture, "layout": _layout_digest(layout)}
+           "architecture": architecture, "layout": _layout_digest(layout), "records": "source-digest"}
 
     def say(msg: str) -> None:
         if progress:
@@ -428,20 +498,39 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str, layou
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     staging = _Staging(dst.with_name(dst.name + ".partial"), key, say)
+    layer_of = {expert_file_name(layer): layer for layer in layout.moe_layers}
+
+    def reads(rel: str, write=None):
+        """Write file `rel` (`write(path, bar)`), or with no `write` only read its source tensors as
+        writing it would; either way returns the digest of the source bytes read."""
+        ckpt.digests = {}
+        if write is not None:
+            rec = write(staging.path / rel)
+        elif rel == RESIDENT_FILE:
+            for name, _, _ in plan.resident:
+                ckpt.read_f32(name)
+        else:
+            for e in range(layout.n_experts):
+                plan.expert_weights(ckpt, layer_of[rel], e)
+        digest = "sha256:" + hashlib.sha256(json.dumps(sorted(ckpt.digests.items())).encode()).hexdigest()
+        ckpt.digests = None
+        return digest if write is None else {**rec, "source": digest}
+
+    staging.check_sources(reads, src)
     total = len(plan.resident) + len(layout.moe_layers) * layout.n_experts
     bar = _progressbar(total, f"converting {src.name} -> {dst.name} ({quant})") if progress else _NoBar()
     layers = []
     with bar:
         resident = staging.finished(RESIDENT_FILE)
         if resident is None:
-            resident = staging.done(RESIDENT_FILE, _write_resident(ckpt, plan, staging.path / RESIDENT_FILE, bar))
+            resident = staging.done(RESIDENT_FILE, reads(RESIDENT_FILE, lambda p: _write_resident(ckpt, plan, p, bar)))
         else:
             bar.update(len(plan.resident))
         for layer in layout.moe_layers:
             rel = expert_file_name(layer)
             rec = staging.finished(rel)
             if rec is None:
-                rec = staging.done(rel, _write_layer(ckpt, plan, layer, staging.path / rel, bar))
+                rec = staging.done(rel, reads(rel, lambda p: _write_layer(ckpt, plan, layer, p, bar)))
             else:
                 bar.update(layout.n_experts)
             entry = {"layer": layer, "path": rel, "size": rec["size"], "crc32": rec["crc32"],
@@ -451,6 +540,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str, layou
                 entry["kind"] = kind
                 entry["expert_nbytes"] = expert_extent(kind, layout.hidden, layout.intermediate)[1]
             layers.append(entry)
+    # the source's identity binds its content: two checkpoints of the same shapes differ here
+    content = [staging.finished(RESIDENT_FILE)["source"]] + [staging.finished(e["path"])["source"] for e in layers]
+    source["content"] = "sha256:" + hashlib.sha256(json.dumps(content).encode()).hexdigest()
+    source["fingerprint"] = "sha256:" + hashlib.sha256(
+        json.dumps([source["fingerprint"], source["content"]]).encode()).hexdigest()
     copied = {}
     for name in COPIED_FILES:
         if (src / name).is_file():
@@ -458,6 +552,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str, layou
             copied[name] = _Flow(size=(staging.path / name).stat().st_size, crc32=crc32_file(staging.path / name))
     manifest = _manifest(plan, architecture, plugin, plugin_version, source, copied, resident, layers)
     text = yaml.dump(manifest, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
+    text += manifest_checksum_line(text)
     write_atomic(staging.path / MANIFEST, text.encode("utf-8"))
     (staging.path / PROGRESS).unlink()
     fsync_dir(staging.path)
