@@ -2,6 +2,7 @@
 stderr and exit status 1. Heavy modules are imported inside the commands that need them."""
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -140,6 +141,26 @@ def run(
     engine.close()
 
 
+def _saved_messages(session, name: str) -> list:
+    """The resumed session's chat messages (a list kept in its meta, saved with every turn, answer
+    included). A question saved without its answer (by a colibri that wrote a turn as two records,
+    killed between them) is dropped, and the conversation resumes at the turn before, with a note;
+    messages that are no conversation start it over."""
+    messages = session.meta.setdefault("messages", [])
+    if not (isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                               and isinstance(m.get("content"), str) for m in messages)):
+        print(f"colibri: note: session {name}: the saved messages are unreadable; starting the conversation over",
+              file=sys.stderr)
+        session.reset()
+        return session.meta.setdefault("messages", [])
+    if messages and messages[-1]["role"] == "user":
+        while messages and messages[-1]["role"] == "user":
+            messages.pop()
+        print(f"colibri: note: session {name}: the last question was saved without its answer (an interrupted "
+              f"save); resuming at the turn before it", file=sys.stderr)
+    return messages
+
+
 @app.command()
 def chat(
     model: Optional[Path] = ModelOpt,
@@ -175,8 +196,8 @@ def chat(
             session = engine.open_session(session_name)
         if session.notice:
             print(f"colibri: note: {session.notice}", file=sys.stderr)
-        messages = session.meta.setdefault("messages", [])
-        if session.turns:
+        messages = _saved_messages(session, session_name)
+        if messages:
             print(f"(resumed session {session_name}: {len(messages)} messages, {len(session.ids)} tokens)",
                   file=sys.stderr)
     print(f"colibri chat · {engine.model_dir} · /reset /stats /exit", file=sys.stderr)
@@ -209,14 +230,24 @@ def chat(
             ids = engine.tokenizer.encode("\n".join(m["content"] for m in messages) + "\n")
         decoder, answer = StreamDecoder(engine.tokenizer), []
         t0 = time.perf_counter()
-        for token in engine.stream(ids, max_tokens, temperature, top_p, top_k, seed, session=session):
-            answer.append(token)
-            sys.stdout.write(decoder.push(token))
-            sys.stdout.flush()
+        # one turn, one record: the state the answer leaves and the messages with the answer together
+        turn = session.turn() if session_name is not None else contextlib.nullcontext()
+        try:
+            with turn:
+                tokens = engine.stream(ids, max_tokens, temperature, top_p, top_k, seed, session=session)
+                try:
+                    for token in tokens:
+                        answer.append(token)
+                        sys.stdout.write(decoder.push(token))
+                        sys.stdout.flush()
+                finally:
+                    tokens.close()  # an answer cut short ends here, inside the turn (which then saves nothing)
+                messages.append({"role": "assistant", "content": engine.tokenizer.decode(answer)})
+        except KeyboardInterrupt:  # Ctrl-C stops the answer, not the chat: the turn never happened
+            messages.pop()
+            print("\n(interrupted: the question and its partial answer are forgotten)", file=sys.stderr)
+            continue
         print()
-        messages.append({"role": "assistant", "content": engine.tokenizer.decode(answer)})
-        if session_name is not None:
-            session.save()  # the turn's state was saved when the answer ended; now its messages too
         print(stats_line(engine, time.perf_counter() - t0), file=sys.stderr)
 
 

@@ -9,8 +9,13 @@ File ``MODEL/.sessions/NAME.coli_session``, append-only, little-endian:
 - header: ``b"COLISESS"``, u32 format version, u32 n, n bytes of JSON (the model's identity:
   architecture, the container's source fingerprint, its quantisation), u32 crc32 of the JSON;
 - then one record per saved turn: ``b"TURN"``, u64 payload length, u32 crc32 of the payload,
-  the payload: u32 m, m bytes of JSON (``meta``, ``length`` and, per array, name, dtype, shape,
-  ``set`` or ``append``, byte offset and size), then the array bytes.
+  the payload: u32 m, m bytes of JSON (``meta``, ``length``, ``turn`` and, per array, name, dtype,
+  shape, ``set`` or ``append``, byte offset and size), then the array bytes.
+
+A turn is one record: the state and the caller's ``meta`` (the chat's messages, answer included:
+`PersistentSession.turn`) together, so a resume always lands on a whole turn. ``turn`` numbers the
+conversation's whole turns (0: a conversation started over; files written before it was added
+count their records).
 
 A record holds only what changed: arrays that grew by whole tokens along their first axis since
 the previous record of the same state are stored as the new rows (``append``); anything else
@@ -32,6 +37,7 @@ import struct
 import sys
 import time
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,8 +54,8 @@ HEAD = struct.Struct("<8sII")  # magic, version, json length
 RECORD = struct.Struct("<4sQI")  # magic, payload length, payload crc32
 RECORD_MAGIC = b"TURN"
 IDS = "__ids__"
-# Test hook: seconds to sleep halfway through writing a record (after flushing its first half), so
-# a test can `kill -9` a save in progress. Never set it otherwise.
+# Test hook: "SECONDS[@FRACTION]": sleep that long once FRACTION (default 0.5) of a record is written
+# and flushed, so a test can `kill -9` a save in progress at a chosen byte. Never set it otherwise.
 PAUSE_ENV = "COLIBRI_SESSION_WRITE_PAUSE"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -85,6 +91,10 @@ class SessionFile:
     # ---- reading ----------------------------------------------------------------------------
     def load(self) -> Saved | None:
         """The last complete turn, or None (no file, or a file refused: see `notice`)."""
+        try:  # a fresh save (written beside the file, then renamed) that a kill cut short
+            self.path.with_name(self.path.name + ".tmp").unlink(missing_ok=True)
+        except OSError:
+            pass
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
@@ -106,7 +116,12 @@ class SessionFile:
         end = HEAD.size + n + 4
         if len(data) < end or zlib.crc32(data[HEAD.size: HEAD.size + n]) != struct.unpack_from("<I", data, end - 4)[0]:
             raise _Refused("has a damaged header")
-        identity = json.loads(data[HEAD.size: HEAD.size + n])
+        try:
+            identity = json.loads(data[HEAD.size: HEAD.size + n])
+        except (ValueError, RecursionError):
+            identity = None
+        if not isinstance(identity, dict):
+            raise _Refused("has a damaged header")
         if identity != self.identity:
             what = [k for k in sorted(set(identity) | set(self.identity)) if identity.get(k) != self.identity.get(k)]
             raise _Refused(f"was saved by another model ({', '.join(what)} differ)")
@@ -124,27 +139,30 @@ class SessionFile:
             payload = data[start: start + size]
             if zlib.crc32(payload) != crc:
                 if start + size == len(data):  # the last record: an unfinished save of its bytes
-                    return self._torn(data, pos, arrays, meta, turns)
+                    return self._torn(data, pos, arrays, meta, turns, "it fails its checksum")
                 raise _Refused(f"is damaged at byte {pos} (turn {turns + 1} fails its checksum)")
             try:
-                meta = _apply(payload, arrays)
-            except (ValueError, KeyError, TypeError, struct.error) as e:
-                raise _Refused(f"has an unreadable turn {turns + 1} ({e})") from None
-            turns, pos = turns + 1, start + size
+                meta, turn = _apply(payload, arrays)
+            except (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError, RecursionError,
+                    struct.error) as e:
+                why = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())[:120]
+                raise _Refused(f"has an unreadable turn {turns + 1} ({why})") from None
+            turns, pos = (turns + 1 if turn is None else turn), start + size
         self._end = pos
         self._shapes = {k: v.shape for k, v in arrays.items()}
         return self._saved(arrays, meta, turns)
 
-    def _torn(self, data: bytes, pos: int, arrays, meta, turns) -> Saved | None:
+    def _torn(self, data: bytes, pos: int, arrays, meta, turns, why: str = "interrupted") -> Saved | None:
+        where = f"resuming after turn {turns}" if turns else "starting fresh"
         self.notice = (f"session {self.path.stem}: dropped an unfinished last save ({len(data) - pos} bytes, "
-                       f"interrupted); resuming from turn {turns}")
+                       f"{why}); {where}")
         self._end = pos
         self._shapes = {k: v.shape for k, v in arrays.items()}
         return self._saved(arrays, meta, turns)
 
     @staticmethod
     def _saved(arrays, meta, turns) -> Saved | None:
-        if not turns:
+        if IDS not in arrays:  # no record
             return None
         ids = arrays.pop(IDS)
         return Saved([int(i) for i in ids], arrays, meta, turns)
@@ -156,9 +174,11 @@ class SessionFile:
         self._end, self._shapes = 0, {}
 
     # ---- writing ----------------------------------------------------------------------------
-    def append(self, ids: list[int], arrays: dict[str, np.ndarray], meta: dict, continues: bool) -> None:
-        """Write one turn. `continues`: the state is the one the file's last record holds, grown by
-        the tokens ids[len(saved ids):] (so per-token arrays are written as their new rows only)."""
+    def append(self, ids: list[int], arrays: dict[str, np.ndarray], meta: dict, continues: bool,
+               turn: int | None = None) -> None:
+        """Write one turn (number `turn`: the conversation's count of whole turns once it is saved).
+        `continues`: the state is the one the file's last record holds, grown by the tokens
+        ids[len(saved ids):] (so per-token arrays are written as their new rows only)."""
         arrays = {IDS: np.asarray(ids, np.int64), **arrays}
         prev_len = self._shapes[IDS][0] if continues and IDS in self._shapes else None
         entries, blobs, offset = [], [], 0
@@ -174,7 +194,10 @@ class SessionFile:
                             "offset": offset, "nbytes": len(blob)})
             blobs.append(blob)
             offset += len(blob)
-        head = json.dumps({"length": len(ids), "meta": meta, "arrays": entries}).encode()
+        head = {"length": len(ids), "meta": meta, "arrays": entries}
+        if turn is not None:
+            head["turn"] = turn
+        head = json.dumps(head).encode()
         payload = b"".join([struct.pack("<I", len(head)), head, *blobs])
         record = RECORD.pack(RECORD_MAGIC, len(payload), zlib.crc32(payload)) + payload
         try:
@@ -197,14 +220,15 @@ class SessionFile:
             else:
                 f.truncate(self._end)  # drop a torn tail before appending after it
                 f.seek(self._end)
-            pause = float(os.environ.get(PAUSE_ENV) or 0)
-            if pause:
-                f.write(record[: len(record) // 2])
+            pause, _, fraction = (os.environ.get(PAUSE_ENV) or "").partition("@")
+            if pause and float(pause):
+                cut = int(len(record) * float(fraction or 0.5))
+                f.write(record[:cut])
                 f.flush()
                 os.fsync(f.fileno())
                 print(f"colibri: session save paused ({PAUSE_ENV})", file=sys.stderr, flush=True)
-                time.sleep(pause)
-                f.write(record[len(record) // 2:])
+                time.sleep(float(pause))
+                f.write(record[cut:])
             else:
                 f.write(record)
             f.flush()
@@ -219,8 +243,9 @@ class _Refused(Exception):
     """A session file that must not be used (another model, another version, damaged)."""
 
 
-def _apply(payload: bytes, arrays: dict[str, np.ndarray]) -> dict:
-    """Apply one record's payload to `arrays` (in place); returns its meta."""
+def _apply(payload: bytes, arrays: dict[str, np.ndarray]) -> tuple[dict, int | None]:
+    """Apply one record's payload to `arrays` (in place); returns its meta and turn number (None in
+    files written before records were numbered)."""
     (n,) = struct.unpack_from("<I", payload)
     head = json.loads(payload[4: 4 + n])
     base = 4 + n
@@ -244,7 +269,10 @@ def _apply(payload: bytes, arrays: dict[str, np.ndarray]) -> dict:
         del arrays[name]
     if len(arrays.get(IDS, ())) != head["length"]:
         raise ValueError("token count disagrees with the ids")
-    return head["meta"]
+    turn, meta = head.get("turn"), head["meta"]
+    if not isinstance(meta, dict) or not (turn is None or (isinstance(turn, int) and 0 <= turn < 2**53)):
+        raise ValueError("a bad meta or turn number")
+    return meta, turn
 
 
 
@@ -256,13 +284,15 @@ class SessionWarning(UserWarning):
 class PersistentSession:
     """An engine session (`state`, `ids`: the tokens whose state is held) that is saved to its file
     after every turn (`save`) and resumed from it when opened. `meta` (JSON-able, e.g. the chat's
-    messages) is saved with each turn. `notice`: one line when the saved file was not wholly used."""
+    messages) is saved with each turn, in the same record as the state. `notice`: one line when the
+    saved file was not wholly used. `turns`: whole turns saved since the conversation began."""
 
     def __init__(self, model, model_dir: str | os.PathLike, identity: dict, name: str):
         self.name = name
         self.file = SessionFile(session_path(model_dir, name), identity)
         self._new_state = model.new_state
         self.state, self.ids, self.meta, self.turns = model.new_state(), [], {}, 0
+        self._deferred = 0  # > 0 inside `turn()`: saves wait for the block's end
         saved = self.file.load()
         if saved is not None:
             try:
@@ -270,7 +300,7 @@ class PersistentSession:
                 if self.state.length != len(saved.ids):
                     raise ValueError(f"the state holds {self.state.length} tokens, the ids {len(saved.ids)}")
                 self.ids, self.meta, self.turns = saved.ids, saved.meta, saved.turns
-            except (KeyError, ValueError, TypeError) as e:
+            except (KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
                 self.state = model.new_state()
                 self.file._move_aside(f"does not fit this model's state ({type(e).__name__}: {e})")
         self.notice = self.file.notice
@@ -280,14 +310,31 @@ class PersistentSession:
         self._saved = (self.state, list(self.ids), json.dumps(self.meta, sort_keys=True))
 
     def save(self) -> None:
-        """Append this turn to the file (nothing if nothing changed since the last save)."""
+        """Append this turn to the file (nothing if nothing changed since the last save; inside
+        `turn()`, at the block's end)."""
+        if self._deferred:
+            return
         state, ids, meta = self._saved
         if self.state is state and self.ids == ids and json.dumps(self.meta, sort_keys=True) == meta:
             return
         continues = self.state is state and self.ids[: len(ids)] == ids
-        self.file.append(self.ids, self.state.arrays(), self.meta, continues)
-        self.turns += 1
+        turn = self.turns + 1 if self.ids else 0  # a conversation started over (no tokens) is turn 0
+        self.file.append(self.ids, self.state.arrays(), self.meta, continues, turn)
+        self.turns = turn
         self._mark_saved()
+
+    @contextmanager
+    def turn(self):
+        """One turn, saved as one record when the block ends: the engine's save at the end of a
+        call is held back, so what the caller adds after it (the chat's answer in `meta`) lands in
+        the same record as the state. A block that raises saves nothing (the file keeps the turn
+        before; the engine has already put a failed call's state back)."""
+        self._deferred += 1
+        try:
+            yield self
+        finally:
+            self._deferred -= 1
+        self.save()
 
     def reset(self) -> None:
         """Start the conversation over (the next `save` records the fresh state)."""
