@@ -482,6 +482,8 @@ AVX2 float dot_fp4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
     const int8_t *xq = a->xq + (size_t)t * a->stride;  // per group: 16 even, then 16 odd columns
     const float *xs = a->xs + (size_t)t * (size_t)a->nb8;
     const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);  // group g reads xs[g / 2]
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i twice2 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_TWICE));
     __m256 L = _mm256_setzero_ps();
     int g0 = 0;
     for (; g0 + 8 <= ngroups && (size_t)(g0 + 8) * 16 <= row_bytes; g0 += 8) {  // whole chunks
@@ -490,7 +492,16 @@ AVX2 float dot_fp4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
         _mm_prefetch((const char *)bp + 2048 + 64, _MM_HINT_T0);
         const int8_t *xp = xq + (size_t)g0 * 32;
         __m256i acc[8];
-        for (int i = 0; i < 8; i++) acc[i] = fp4_group_isum(bp + 16 * i, xp + 32 * i);
+        for (int i = 0; i < 8; i += 2) {  // two groups per 32-byte load (fp4_group_isum's steps)
+            __m256i b = _mm256_loadu_si256((const __m256i *)(bp + 16 * i));
+            __m256i lo = _mm256_shuffle_epi8(twice2, _mm256_and_si256(b, low4));                         // [g | g+1]
+            __m256i hi = _mm256_shuffle_epi8(twice2, _mm256_and_si256(_mm256_srli_epi16(b, 4), low4));  // [g | g+1]
+            __m256i w0 = _mm256_permute2x128_si256(lo, hi, 0x20), w1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)(xp + 32 * i));
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + 32 * i + 32));
+            acc[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(x0, w0)), ones);
+            acc[i + 1] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(x1, w1)), ones);
+        }
         __m256 xs2 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(xs + g0 / 2)), pairs);
         __m256 c = _mm256_mul_ps(fp4_half_scales8(sr + g0), xs2);
         L = _mm256_add_ps(L, _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_epi32(acc)), c));
