@@ -332,6 +332,7 @@ def plugins_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON."
     for name, (version, wanted, message) in registry.incompatible.items():
         rows.append({"name": name, "version": version, "requires_colibri": wanted, "loaded": False,
                      "error": message, "hooks": [], "architectures": []})
+    rows.sort(key=lambda r: r["name"])
     if as_json:  # the core first, as a row of its own (its hooks: the cache policies it registers)
         core = {"name": "colibri", "version": plugins.core_version(), "requires_colibri": None, "loaded": True,
                 "error": None, "hooks": ["colibri_register_cache_policies"], "architectures": []}
