@@ -42,6 +42,7 @@ SHIPPED_PLUGINS = {
     "colibri-glm52": "plugins/glm52",
     "colibri-qwen36": "plugins/qwen36",
     "colibri-kimi-k3": "plugins/kimi_k3",
+    "colibri-deepseek-v4": "plugins/deepseek_v4",
 }
 # The shipped plugin serving each config.json model_type, named when no installed plugin serves a model.
 KNOWN_PLUGINS = {
@@ -51,6 +52,7 @@ KNOWN_PLUGINS = {
     "qwen3_5_moe_text": "colibri-qwen36",
     "kimi_linear": "colibri-kimi-k3",
     "kimi_k3": "colibri-kimi-k3",
+    "deepseek_v4": "colibri-deepseek-v4",
 }
 REPOSITORY = Path(__file__).resolve().parent.parent  # a source checkout's root (SHIPPED_PLUGINS are below it)
 
