@@ -17,6 +17,8 @@ import numpy as np
 
 from . import kernels, plugins
 from .container import Container
+from .container.native import NativeCheckpoint, is_checkpoint
+from .container.reader import MANIFEST
 from .convert import parse_config, read_config
 from .errors import ColibriError
 from .generate import sample
@@ -53,7 +55,12 @@ class Engine:
         if pin_gb is not None and pin_gb < 0:
             raise ColibriError(f"--pin-gb must be 0 or more, got {pin_gb}")
         model_cls = registry.model_class(self.arch)
-        self.container = Container(model_dir)
+        if is_checkpoint(model_dir) and not (Path(model_dir) / MANIFEST).exists():
+            # a Hugging Face / official checkpoint run as it is (container/native.py)
+            cfg = parse_config(model_cls, read_config(model_dir), model_dir)
+            self.container = NativeCheckpoint(model_dir, model_cls.layout(cfg), self.arch.name)
+        else:
+            self.container = Container(model_dir)
         self.store = None
         try:  # what fails past here closes what was opened: the container's files, the store's I/O threads
             if self.arch.name != self.container.architecture:

@@ -34,6 +34,9 @@ class ExpertNames:
     per_expert: dict[str, str]  # "gate" | "up" | "down" -> name pattern with {layer} and {expert}
     fused_gate_up: str | None = None  # name pattern with {layer}: [E, 2I, H]
     fused_down: str | None = None  # name pattern with {layer}: [E, H, I]
+    # other per-expert name patterns a checkpoint may use, tried in order after `per_expert` when a
+    # checkpoint is run without conversion (e.g. DeepSeek V4's official `layers.{layer}.ffn.experts…`)
+    other_names: tuple[dict[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

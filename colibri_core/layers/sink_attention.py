@@ -62,15 +62,19 @@ def sink_attention(q: np.ndarray, rows: np.ndarray, start: int, window: int, ext
 
 
 def split_rows(w, parts: int) -> list:
-    """A weight (rows, cols) cut into `parts` equal row blocks (QTensors keep their format: int8 and
-    int4 scales are per row / per row group, so a row block is exact)."""
-    from ..quant import QTensor
+    """A weight (rows, cols) cut into `parts` equal row blocks, keeping its format: int8 / int4 / fp4
+    scales are per row, so a row block is exact; fp8 scales cover 128 rows, so a block whose rows are
+    not a multiple of 128 is dequantised to float32 first (tiny test models; real ones split at 1024)."""
+    from ..quant import FP8_BLOCK, QTensor, dequantize
 
     if not isinstance(w, QTensor):
         return np.split(np.asarray(w), parts)
     n = w.rows // parts
+    if w.kind == "fp8" and n % FP8_BLOCK:
+        w = QTensor("f32", w.rows, w.cols, dequantize(w))
+    per = n // FP8_BLOCK if w.kind == "fp8" else n  # scale rows per block
     return [QTensor(w.kind, n, w.cols, w.data[i * n:(i + 1) * n],
-                    None if w.scales is None else w.scales[i * n:(i + 1) * n]) for i in range(parts)]
+                    None if w.scales is None else w.scales[i * per:(i + 1) * per]) for i in range(parts)]
 
 
 def grouped_linear(x: np.ndarray, ws: list) -> np.ndarray:

@@ -39,6 +39,27 @@ class Read:
         self.t0 = time.perf_counter()
 
 
+class ReadGroup:
+    """One expert read as several extents (a checkpoint run without conversion whose expert tensors are
+    not contiguous): the parts' reads, waited for and reported together; no checksum."""
+
+    __slots__ = ("parts", "layer", "expert", "source", "path", "req")
+
+    class _Req:
+        crc = None
+
+        def __init__(self, parts):
+            self._parts = parts
+
+        @property
+        def seconds(self) -> float:
+            return sum(p.req.seconds for p in self._parts)
+
+    def __init__(self, parts: list[Read], layer, expert, source, path):
+        self.parts, self.layer, self.expert, self.source, self.path = parts, layer, expert, source, path
+        self.req = ReadGroup._Req(parts)
+
+
 class IOPool:
     """Worker threads reading extents with pread; `threads` reads in parallel."""
 
@@ -69,11 +90,21 @@ class IOPool:
         self._inflight.add(read)
         return read
 
-    def done(self, read: Read) -> bool:
+    def submit_group(self, extents: list[tuple[int, int, int]], *, layer=-1, expert=-1, source=None,
+                     path="") -> ReadGroup:
+        """Start reading extents [(fd, offset, nbytes)] of one expert, each into its own buffer."""
+        return ReadGroup([self.submit(fd, offset, nbytes, layer=layer, expert=expert, source=source, path=path)
+                          for fd, offset, nbytes in extents], layer, expert, source, path)
+
+    def done(self, read: Read | ReadGroup) -> bool:
+        if isinstance(read, ReadGroup):
+            return all(self.done(p) for p in read.parts)
         return read not in self._inflight or bool(lib.io_done(self._pool, read.req))
 
-    def wait(self, read: Read) -> float:
+    def wait(self, read: Read | ReadGroup) -> float:
         """Block until `read` is done (GIL released); the seconds spent waiting."""
+        if isinstance(read, ReadGroup):
+            return sum(self.wait(p) for p in read.parts)
         if read not in self._inflight:
             return 0.0
         t0 = time.perf_counter()
@@ -82,8 +113,13 @@ class IOPool:
         return time.perf_counter() - t0
 
     @staticmethod
-    def result(read: Read) -> tuple[memoryview | None, str | None]:
-        """(the bytes read, None) or (None, what went wrong) for a finished read."""
+    def result(read: Read | ReadGroup) -> tuple[memoryview | list[memoryview] | None, str | None]:
+        """(the bytes read, None) or (None, what went wrong) for a finished read (a group: the list of
+        its parts' bytes)."""
+        if isinstance(read, ReadGroup):
+            results = [IOPool.result(p) for p in read.parts]
+            err = next((e for _, e in results if e), None)
+            return (None, err) if err else ([b for b, _ in results], None)
         req = read.req
         if req.err:
             return None, os.strerror(req.err)

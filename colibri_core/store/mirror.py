@@ -29,9 +29,9 @@ class Source:
     def __init__(self, container: Container, direct: bool, name: str):
         self.container = container
         self.name = name  # "primary" | "mirror"
-        self.direct_asked = direct
+        self.direct_asked = direct and getattr(container, "direct_ok", True)  # a checkpoint's extents: no O_DIRECT
         self.direct_refused: str | None = None  # why O_DIRECT was refused, once known
-        self.fds: dict[int, int] = {}
+        self.fds: dict[str, int] = {}  # path -> fd
         self.bandwidth = 0.0  # bytes/s measured at start (0: not measured)
 
     @property
@@ -39,20 +39,29 @@ class Source:
         return self.direct_asked and self.direct_refused is None
 
     def fd(self, layer: int) -> int:
-        fd = self.fds.get(layer)
+        """The open expert file of `layer` (of its first expert's first extent)."""
+        path, _, nbytes = self.container.expert_location(layer, 0)
+        return self.fd_for(path, nbytes)
+
+    def fd_for(self, path: str, nbytes: int = 1 << 20) -> int:
+        """The file `path`, opened once (with O_DIRECT if asked and the container's extents allow it)."""
+        fd = self.fds.get(path)
         if fd is None:
-            path, _, nbytes = self.container.expert_location(layer, 0)
             fd, refused = io.open_expert_file(path, self.direct, probe_bytes=min(nbytes, 1 << 20))
             if refused and self.direct_refused is None:
                 self.direct_refused = refused
                 from .usage import warn
 
                 warn(io.direct_refused_message(path, refused))
-            self.fds[layer] = fd
+            self.fds[path] = fd
         return fd
 
     def location(self, layer: int, expert: int) -> tuple[str, int, int]:
         return self.container.expert_location(layer, expert)
+
+    def extents(self, layer: int, expert: int) -> list[tuple[str, int, int]]:
+        """(file, offset, bytes) of each extent of one expert (a container's: exactly one)."""
+        return self.container.expert_extents(layer, expert)
 
     def measure(self, samples: int = 4) -> float:
         """Bytes/s of reading up to `samples` extents spread over the files (one thread)."""

@@ -32,7 +32,6 @@ from typing import Callable
 
 import numpy as np
 
-from ..container.reader import TRAILER
 from ..errors import ColibriError
 from . import mirror as mirror_mod
 from .io import IOPool
@@ -228,11 +227,16 @@ class ExpertStore:
         if which is None:
             which = 0 if len(self.sources) == 1 else mirror_mod.choose(layer, expert, self.primary_share)
         src = self.sources[which]
-        path, offset, nbytes = src.location(layer, expert)
-        read = self.pool.submit(src.fd(layer), offset, nbytes, layer=layer, expert=expert, source=src, path=path,
-                                crc_hole=(nbytes - TRAILER.size, 4))  # the trailer's own crc field
+        extents = src.extents(layer, expert)
+        path, offset, nbytes = extents[0]
+        if len(extents) == 1:  # a container's extent: one pread, crc'd by the I/O thread
+            read = self.pool.submit(src.fd_for(path, nbytes), offset, nbytes, layer=layer, expert=expert, source=src,
+                                    path=path, crc_hole=src.container.crc_hole(layer))
+        else:  # a checkpoint run as it is, its expert's tensors apart: sorted reads
+            read = self.pool.submit_group([(src.fd_for(p, n), o, n) for p, o, n in extents], layer=layer,
+                                          expert=expert, source=src, path=path)
         c.reads += 1
-        c.bytes_read += nbytes
+        c.bytes_read += sum(n for _, _, n in extents)
         c.mirror_reads += which
         return read
 

@@ -37,13 +37,22 @@ import numpy as np
 
 from colibri_core import kv
 from colibri_core.errors import ColibriError
-from colibri_core.layers.compressor import CompressedIndexer, Compressor, CompressorState, visible_entries
+from colibri_core.layers.compressor import (
+    CompressedIndexer,
+    Compressor,
+    visible_entries,
+)
 from colibri_core.layers.hyper import HyperConnection, HyperHead
 from colibri_core.layers.mlp import swiglu_mlp
 from colibri_core.layers.norm import rms_norm
 from colibri_core.layers.rope import Rope, rotate_tail_interleaved, yarn_inv_freq
 from colibri_core.layers.router import HashRouter, SqrtSoftplusTopK
-from colibri_core.layers.sink_attention import SlidingWindow, grouped_linear, sink_attention, split_rows
+from colibri_core.layers.sink_attention import (
+    SlidingWindow,
+    grouped_linear,
+    sink_attention,
+    split_rows,
+)
 from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, dense, embed, linear
 from colibri_core.probe import record
@@ -398,7 +407,9 @@ class DeepseekV4(MoEModel):
             intermediate=cfg.moe_intermediate_size,
             experts=ExpertNames(
                 per_expert={"gate": expert + "w1.weight", "up": expert + "w3.weight", "down": expert + "w2.weight"},
-                fused_gate_up=LAYER + "mlp.experts.gate_up_proj", fused_down=LAYER + "mlp.experts.down_proj"),
+                fused_gate_up=LAYER + "mlp.experts.gate_up_proj", fused_down=LAYER + "mlp.experts.down_proj",
+                other_names=({p: official_name(n) for p, n in
+                              {"gate": expert + "w1.weight", "up": expert + "w3.weight", "down": expert + "w2.weight"}.items()},)),
             ignore=(r"^mtp\.", r"^model\.mtp\."),  # the MTP head: nothing runs it yet
             swiglu_limit=cfg.swiglu_limit,
             aliases=tuple(a for a in aliases if a[0] != a[1]),
