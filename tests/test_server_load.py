@@ -1,0 +1,219 @@
+"""Resource bounds under load: 64 concurrent streaming clients against a bounded queue (some of
+them walking away mid-stream), and a soak of mixed requests (good, bad, oversized, streamed,
+abandoned): every request is answered 200, 4xx or 429, never 5xx; RSS stays within the RAM budget
+plus a stated margin and flat across rounds; open file descriptors and threads do not grow; a
+client that disconnects stops its generation within one token.
+
+The soak runs SOAK_SECONDS in CI; RELIABILITY.md records a longer run
+(COLIBRI_SOAK_SECONDS=1800 pytest tests/test_server_load.py -k soak -s).
+"""
+import json
+import os
+import random
+import socket
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from live_server import LiveServer, Stream, get, post
+
+QUEUE = 8
+CLIENTS = 64
+BUDGET = 64 << 20  # --ram: weights + state + expert cache
+MARGIN = 256 << 20  # the interpreter, numpy, tokenizers, uvicorn, buffers: what the budget does not cover
+SOAK_SECONDS = float(os.environ.get("COLIBRI_SOAK_SECONDS", "15"))
+
+
+def proc_figures(pid: int) -> dict:
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    kib = lambda k: int(status[k].split()[0]) * 1024  # noqa: E731
+    return {"rss": kib("VmRSS"), "peak_rss": kib("VmHWM"), "threads": int(status["Threads"]),
+            "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    s = LiveServer("serve", tiny_model, "--queue", str(QUEUE), "--ram", str(BUDGET))
+    yield s
+    rc = s.stop()
+    assert rc == 130, s.text_log()
+    assert "Traceback" not in s.text_log() and "internal error" not in s.text_log(), s.text_log()
+
+
+def wait_idle(server, bound=60):
+    deadline = time.monotonic() + bound
+    while True:
+        q = server.json("/api/stats")["queue"]
+        if q["running"] == 0 and q["waiting"] == 0:
+            return
+        assert time.monotonic() < deadline, q
+        time.sleep(0.02)
+
+
+def stream_request(url, body, leave_after=None, timeout=120):
+    """A raw streamed POST: (status, events received, finished with [DONE]); with `leave_after`,
+    the client hangs up after that many events."""
+    u = urllib.parse.urlsplit(url)
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((u.hostname, u.port), timeout=timeout)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        f = sock.makefile("rb")
+        status = int(f.readline().split()[1])
+        while f.readline() not in (b"\r\n", b""):
+            pass
+        events, done = 0, False
+        if status != 200:
+            return status, 0, False
+        for line in f:
+            if line.startswith(b"data: "):
+                if line.startswith(b"data: [DONE]"):
+                    done = True
+                    break
+                events += 1
+                if leave_after is not None and events >= leave_after:
+                    break
+        return status, events, done
+    finally:
+        sock.close()
+
+
+def test_64_streaming_clients_some_leaving(server):
+    """While one long generation runs, 64 streaming clients arrive at once: QUEUE are queued and
+    answered (a quarter of all clients hang up after their first tokens), the rest get 429 at
+    once; round after round, RSS, threads and descriptors stay where they were."""
+    url = server.url + "/v1/completions"
+    figures = []
+    for round_ in range(4):
+        wait_idle(server)
+        blocker = Stream(url, {"prompt": "a", "max_tokens": 4000, "temperature": 0, "stream": True, "ignore_eos": True})
+        assert blocker.response.status == 200
+        next(blocker.events())  # it runs
+        bodies = [{"prompt": "the quick brown fox", "max_tokens": 24, "temperature": 0.8, "seed": i, "stream": True,
+                   "ignore_eos": True} for i in range(CLIENTS)]
+        with ThreadPoolExecutor(CLIENTS) as pool:
+            futures = [pool.submit(stream_request, url, b, 2 if i % 4 == 0 else None) for i, b in enumerate(bodies)]
+            deadline = time.monotonic() + 60
+            while sum(f.done() for f in futures) < CLIENTS - QUEUE and time.monotonic() < deadline:
+                time.sleep(0.02)  # the refusals come back while the blocker still runs
+            blocker.close()  # its client leaves: the generation stops, the queue drains
+            results = [f.result() for f in futures]
+        statuses = [r[0] for r in results]
+        assert set(statuses) <= {200, 429}, statuses
+        assert statuses.count(200) == QUEUE and statuses.count(429) == CLIENTS - QUEUE, statuses
+        for i, (status, events, done) in enumerate(results):
+            if status == 200 and i % 4:
+                assert done and events >= 1, (i, results[i])  # those who stayed got the whole answer
+        wait_idle(server)
+        assert server.get("/health")[0] == 200
+        figures.append(proc_figures(server.proc.pid))
+    stats = server.json("/api/stats")
+    cancelled = [t for t in stats["turns"] if t["finish_reason"] == "cancelled"]
+    assert cancelled and all(t["tokens_after_cancel"] is not None and t["tokens_after_cancel"] <= 1 for t in cancelled), \
+        [t["tokens_after_cancel"] for t in cancelled]
+    first, last = figures[1], figures[-1]  # round 0 warms up allocator pools, thread pools and caches
+    assert last["rss"] - first["rss"] < 8 << 20, figures
+    assert last["threads"] <= first["threads"] and last["fds"] <= first["fds"] + 2, figures
+    assert max(f["peak_rss"] for f in figures) < BUDGET + MARGIN, figures
+
+
+# ---- the soak ---------------------------------------------------------------------------------------
+def _chunked(url: str, size: int) -> int:
+    """POST `size` bytes with chunked transfer encoding; the status (0 if the server hung up first)."""
+    u = urllib.parse.urlsplit(url)
+    sock = socket.create_connection((u.hostname, u.port), timeout=60)
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b"[" * (1 << 20)
+        try:
+            for _ in range(size >> 20):
+                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            sock.sendall(b"0\r\n\r\n")
+        except OSError:  # the server answered 413 and closed before the whole body was sent
+            pass
+        reply = sock.recv(64)
+        return int(reply.split()[1]) if reply else 0
+    except OSError:
+        return 0
+    finally:
+        sock.close()
+
+
+def mixed_requests(url: str, deadline: float, seed: int, out: list) -> None:
+    rng = random.Random(seed)
+    gen = url + "/v1/completions"
+    chat = url + "/v1/chat/completions"
+    while time.monotonic() < deadline:
+        kind = rng.randrange(12)
+        if kind == 0:
+            status = post(chat, {"messages": [{"role": "user", "content": "the quick brown fox"}], "max_tokens": 8,
+                                 "temperature": 0.7, "seed": rng.randrange(1 << 30)})[0]
+        elif kind == 1:
+            status = stream_request(gen, {"prompt": "colibri", "max_tokens": 12, "stream": True, "seed": -1})[0]
+        elif kind == 2:
+            status = stream_request(gen, {"prompt": "the lazy dog", "max_tokens": 200, "stream": True,
+                                          "ignore_eos": True}, leave_after=3)[0]
+        elif kind == 3:
+            status = post(gen, rng.choice([b"[" * 100_000, b'{"prompt": "a\\ud800"}', b'{"prompt": NaN}',
+                                           b'{"prompt": "a", "temperature": 1e-310, "max_tokens": 4}',
+                                           b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}", b"\xff\xfe"]))[0]
+        elif kind == 4:
+            status = post(gen, {"prompt": "x" * (5 << 20)})[0]  # far beyond the text bound: refused untokenized
+        elif kind == 5:
+            status = _chunked(gen, 24 << 20)  # beyond the body limit, chunked: refused as it arrives
+        elif kind == 6:
+            status = post(url + "/tokenize", {"content": "the quick brown fox " * rng.randrange(1, 500)})[0]
+        elif kind == 7:
+            status = post(url + "/detokenize", {"tokens": [rng.randrange(300) for _ in range(rng.randrange(1, 2000))]})[0]
+        elif kind == 8:
+            status = get(url + rng.choice(["/metrics", "/api/stats", "/api/brain", "/openapi.json", "/v1/models"]))[0]
+        elif kind == 9:
+            status = post(gen, {"prompt": [rng.randrange(300) for _ in range(rng.randrange(1, 3000))], "max_tokens": 4})[0]
+        elif kind == 10:
+            status = post(chat, {"messages": [{"role": "user", "content": "hi"}], "n": 3})[0]
+        else:
+            status = post(gen, {"prompt": "the", "max_tokens": 6, "stop": ["e", "o"], "echo": True})[0]
+        out.append((kind, status))
+
+
+def test_soak_mixed_requests(server):
+    """SOAK_SECONDS of mixed requests from 6 clients: never a 5xx; RSS within budget + margin and
+    flat after the warm-up; descriptors and threads back where they were."""
+    wait_idle(server)
+    pid = server.proc.pid
+    before = proc_figures(pid)
+    deadline = time.monotonic() + SOAK_SECONDS
+    out: list = []
+    samples = []
+    threads = [threading.Thread(target=mixed_requests, args=(server.url, deadline, seed, out)) for seed in range(6)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        samples.append((time.monotonic(), proc_figures(pid)))
+        time.sleep(0.5)
+    for t in threads:
+        t.join()
+    wait_idle(server)
+    time.sleep(1.5)  # idle connections time out (keep-alive, header timeout)
+    after = proc_figures(pid)
+    statuses = [s for _, s in out]
+    # never a 5xx; a status 0 (no answer) only where the client was still sending a refused body
+    bad = {(k, s) for k, s in out if s >= 500 or (s == 0 and k != 5)}
+    assert statuses and not bad, bad
+    assert statuses.count(200) > len(statuses) // 4, statuses  # the server did serve, not only refuse
+    rss = [f["rss"] for _, f in samples]
+    warm = rss[len(rss) // 3:]
+    report = {"requests": len(out), "by_status": {s: statuses.count(s) for s in sorted(set(statuses))},
+              "rss_mib": [round(r / 2**20, 1) for r in (min(rss), max(rss), after["rss"])],
+              "peak_rss_mib": round(after["peak_rss"] / 2**20, 1), "fds": (before["fds"], after["fds"]),
+              "threads": (before["threads"], after["threads"]), "seconds": SOAK_SECONDS}
+    print("soak:", json.dumps(report))
+    assert after["peak_rss"] < BUDGET + MARGIN, report
+    assert max(warm) - min(warm) < 24 << 20, report  # flat: no growth with the number of requests
+    assert after["fds"] <= before["fds"] + 2 and after["threads"] <= before["threads"] + 2, report
