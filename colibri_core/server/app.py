@@ -575,21 +575,26 @@ async def api_error(request: Request, exc: ApiError) -> Response:
         endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(request.url.path)
         if endpoint:
             server_of(request).metrics.count(endpoint, "invalid")
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return error_response(exc.body(), exc.status, exc.headers)
+
+
+def error_response(body: dict, status: int, headers=None) -> Response:
+    """An error as JSON, escaped to ASCII: a message quoting any input renders, whatever it holds."""
+    return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
     codes = {404: "not_found", 405: "method_not_allowed"}
     message = {404: f"no such endpoint: {request.method} {request.url.path}",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-    return JSONResponse(ApiError(exc.status_code, message, code=codes.get(exc.status_code)).body(),
-                        status_code=exc.status_code, headers=getattr(exc, "headers", None))
+    return error_response(ApiError(exc.status_code, message, code=codes.get(exc.status_code)).body(),
+                          exc.status_code, getattr(exc, "headers", None))
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:
     log.error("internal error on %s %s:\n%s", request.method, request.url.path, traceback.format_exc())
     body = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
-    return JSONResponse(body.body(), status_code=500)
+    return error_response(body.body(), 500)
 
 
 # ---- the app --------------------------------------------------------------------------------------

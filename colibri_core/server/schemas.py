@@ -116,6 +116,7 @@ def _check_unicode(s: str, where: str) -> None:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError as e:
+        where = where.encode("utf-8", "backslashreplace").decode()  # a key may hold the surrogate itself
         raise invalid(where or None, f"'{where}' is not valid Unicode: a lone surrogate "
                       f"U+{ord(s[e.start]):04X} at character {e.start}", "invalid_unicode") from None
 
