@@ -47,6 +47,11 @@ def convert_checkpoint(src: str | Path, dst: str | Path, quant: str, progress: b
     arch = registry.resolve(config, where=str(src))
     model_cls = registry.model_class(arch)
     layout = model_cls.layout(parse_config(model_cls, config, src))
-    convert(src, dst, quant=quant, layout=layout, architecture=arch.name, plugin=arch.plugin,
-            plugin_version=arch.version, progress=progress)
+    try:
+        convert(src, dst, quant=quant, layout=layout, architecture=arch.name, plugin=arch.plugin,
+                plugin_version=arch.version, progress=progress)
+    except OSError as e:  # a full disk, a read error, a permission: what is finished is kept
+        where = f" ({e.filename})" if e.filename else ""
+        raise ColibriError(f"converting {src} into {dst} stopped: {e.strerror or e}{where}; fix that and rerun "
+                           "the same command: it resumes from the files already finished") from None
     return arch

@@ -2,7 +2,8 @@
 byte, a wrong version, the same file from another model of the same shapes), under `colibri run`
 and `colibri chat`. Each case is refused with one line naming the file and what to do, or, where a
 fallback is allowed (the routing history, a session), the fallback is taken and said in one line
-and the tokens are the undamaged run's: never a traceback, never a wrong token.
+and the tokens are the undamaged run's: never a traceback, never a wrong token; `colibri doctor
+--deep` fails naming the damaged container file.
 
 Also the traceback defects of issue 22: a deeply nested config.json (run, doctor, chat), a deeply
 nested `.coli_usage` or counts of 2**70 under a valid checksum (`colibri serve` must not exit).
@@ -172,8 +173,14 @@ def test_damaged_container_file_is_refused(models, model, rel, damage):
         code, out, _, error, _ = cli("doctor", "--model", model, "--deep")
         assert code == 1 and "layer-001.bin" in out and "fails its checksum" in out, out
         return
-    assert_refused(error, code, rel if not (damage == "from another model" and rel == "colibri.yaml") else "colibri.yaml")
+    assert_refused(error, code, rel)
     assert text == "", "a token came out of a damaged model"
+    code, text, _, error, _ = cli(*CHAT, "--model", model, stdin="brown fox\n")
+    assert_refused(error, code, rel)
+    assert text in ("", "> "), "a token came out of a damaged model"
+    code, out, _, _, _ = cli("doctor", "--model", model, "--deep")
+    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
+    assert code == 1 and fails and Path(rel).name in "".join(fails), out
 
 
 def test_every_expert_extent_flipped_is_refused_or_unused(models, model):

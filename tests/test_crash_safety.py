@@ -326,3 +326,29 @@ def test_kill9_during_usage_updates(tiny_model, tmp_path):
         assert not list(m.glob(f"{USAGE_FILE}.*.tmp")), "a killed write's temporary was left behind"
         before = tokens + per_turn
     report(".coli_usage updates", landed)
+
+
+def test_a_full_disk_is_one_line_and_the_rerun_resumes(sources, tmp_path, monkeypatch):
+    """ENOSPC while writing an expert file: one line saying what stopped and that a rerun resumes;
+    the rerun keeps the finished files and gives the uninterrupted container."""
+    import errno
+
+    from colibri_core.container import writer
+
+    real, written = writer._CrcWriter.write, []
+
+    def write(self, data):
+        written.append(str(self.f.name).endswith(".bin"))
+        if sum(written) == 40:  # an expert of layer 2
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.f.name))
+        return real(self, data)
+
+    dst = tmp_path / "out"
+    with monkeypatch.context() as mp:
+        mp.setattr(writer._CrcWriter, "write", write)
+        with pytest.raises(ColibriError) as ei:
+            convert_checkpoint(sources["A"], dst, "int4", progress=False)
+    msg = str(ei.value)
+    assert "No space left on device" in msg and ".bin" in msg and "resumes" in msg and len(msg.splitlines()) == 1
+    said = convert_quietly(sources["A"], dst)
+    assert "resuming" in said and files_of(dst) == files_of(sources["A-int4"])

@@ -188,3 +188,66 @@ def test_failed_forward_leaves_session_intact(tmp_path):
     vocab = json.loads((DEFAULT_MODEL / "config.json").read_text())["vocab_size"]
     prompt = Tokenizer.from_dir(DEFAULT_MODEL).encode("And the LORD said unto Moses")
     check_failed_forward(DEFAULT_MODEL, tmp_path, prompt, vocab)
+
+
+def _chat(model, lines, *extra):
+    from typer.testing import CliRunner
+
+    from colibri_core.cli import app
+
+    r = CliRunner().invoke(app, ["chat", "--model", str(model), "--temperature", "0", "--max-tokens", "5", *extra],
+                           input="".join(x + "\n" for x in lines))
+    assert r.exit_code == 0, (r.output, r.exception)
+    return r
+
+
+def _messages(model, name):
+    from colibri_core.kv.session import SessionFile
+
+    path = session_path(model, name)
+    data = path.read_bytes()
+    saved = SessionFile(path, json.loads(data[HEAD.size: HEAD.size + HEAD.unpack_from(data)[2]])).load()
+    return saved.meta["messages"]
+
+
+def test_chat_ctrl_c_stops_the_answer_not_the_chat(tiny_model, tmp_path, monkeypatch):
+    """Ctrl-C while an answer streams: the chat goes on; the question and its partial answer are
+    forgotten (not saved), and the next question is answered as in a fresh chat."""
+    from colibri_core.engine import Engine
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    fresh = _chat(model, ["brown fox"]).stdout.split("> ")[-2]
+    real, calls = Engine.stream, []
+
+    def stream(self, *args, **kw):
+        calls.append(1)
+        tokens = real(self, *args, **kw)
+        if len(calls) == 1:
+            yield next(tokens)
+            tokens.close()
+            raise KeyboardInterrupt
+        yield from tokens
+
+    monkeypatch.setattr(Engine, "stream", stream)
+    r = _chat(model, ["the quick", "brown fox"], "--session", "c")
+    assert "(interrupted" in r.stderr and r.stdout.split("> ")[-2] == fresh
+    assert [(m["role"], m["content"]) for m in _messages(model, "c")][0] == ("user", "brown fox")
+    assert len(_messages(model, "c")) == 2
+
+
+def test_chat_resumes_an_old_file_ending_on_a_question_at_the_turn_before(tiny_model, tmp_path):
+    """A file written by a colibri that saved a turn's state and messages as two records, killed
+    between them: its conversation ends on a question without its answer. The chat drops that
+    question with a note and goes on as from the turn before (here: a fresh conversation)."""
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    fresh = _chat(model, ["brown fox"]).stdout.split("> ")[-2]
+    with load(model) as engine:
+        s = engine.open_session("old")
+        s.meta = {"messages": [{"role": "user", "content": "the quick"}]}
+        engine.generate([5, 6, 7], 4, stop_ids=(), session=s)  # saved: the state and the question alone
+    r = _chat(model, ["brown fox"], "--session", "old")
+    assert "the last question was saved without its answer" in r.stderr and "resumed" not in r.stderr
+    assert r.stdout.split("> ")[-2] == fresh
+    assert [m["role"] for m in _messages(model, "old")] == ["user", "assistant"]
