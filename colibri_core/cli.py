@@ -406,7 +406,7 @@ def uninstall(name: str = typer.Argument(..., help="An installed plugin: its dis
 def plan(
     model: Optional[Path] = typer.Option(None, "--model", "-m", envvar="COLIBRI_MODEL", help="Converted model directory."),
     config: Optional[Path] = typer.Option(None, "--config", help="A config.json alone (a model not downloaded yet)."),
-    quant: str = typer.Option("int4", "--quant", "-q", help="With --config: f32, int8 or int4."),
+    quant: str = typer.Option("int4", "--quant", "-q", help="With --config: f32, int8, int4, or native (the official release run as it is, where the plugin declares it)."),
     ram: Optional[str] = RamOpt,
     pin_gb: Optional[float] = PinOpt,
     context: int = typer.Option(4096, "--context", help="Tokens of state (KV cache) to reserve."),
@@ -423,6 +423,11 @@ def plan(
 
     if (model is None) == (config is None):
         raise ColibriError("plan needs exactly one of --model DIR or --config config.json")
+    from .container.native import is_checkpoint
+    from .container.reader import MANIFEST
+
+    if model is not None and is_checkpoint(model) and not (model / MANIFEST).exists():
+        config, quant, model = model / "config.json", "native", None  # a checkpoint run as it is
     given_disk = None if disk_bw is None else float(parse_size(disk_bw))
     if model is not None:
         sizes, report = sizes_from_container(model), planning.measured(model)

@@ -61,6 +61,11 @@ class ContainerLayout:
     # the experts' gated unit: "swiglu" (silu(gate x) · up x) or "situ" (Kimi K3's SiTU-GLU,
     # 4 tanh(g/4) σ(g) · 25 tanh(u/25); colibri_core.layers.situ)
     expert_activation: str = "swiglu"
+    # how the official release stores its weights, for running and planning it without conversion:
+    # (regex, kind) of the resident matrices it holds in a native kind ("fp8"; the others are widened
+    # to float32 in RAM) and its experts' kind ("fp4" | "fp8"; None: the plugin declares no release)
+    native_resident: tuple[tuple[str, str], ...] = field(default=())
+    native_expert_kind: str | None = None
     # resident tensors a checkpoint may hold under another name: (name, other name, first row, end row),
     # the rows a slice of the other tensor's first axis (None, None: all of it). Used when `name` itself
     # is absent, e.g. Kimi-Linear's q/k/v convs stacked into one conv1d by transformers' fused save

@@ -9,34 +9,58 @@ and layout, never from guessing config.json names."""
 from __future__ import annotations
 
 import math
+import re
 
 from . import plugins, quant
 from .container.reader import expert_extent
 from .errors import ColibriError
 
 
+NATIVE = "native"  # the official release's own formats, run without conversion (container/native.py)
+
+
 def tensor_bytes(layout, name: str, shape: tuple[int, ...], kind: str) -> int:
-    """Bytes of one resident tensor in a container converted at `kind`."""
+    """Bytes of one resident tensor in a container converted at `kind` (or, for "native", as the
+    official release is held in RAM: its fp8 matrices as they are, everything else float32)."""
+    if kind == NATIVE:
+        native = next((k for pattern, k in layout.native_resident if re.search(pattern, name)), None)
+        if native is None or len(shape) != 2:
+            return 4 * math.prod(shape)
+        return sum(math.prod(s) * dt.itemsize for _, dt, s in quant.layout(native, *shape))
     if layout.stays_f32(name, len(shape)):
         return 4 * math.prod(shape)
     return sum(math.prod(s) * dt.itemsize for _, dt, s in quant.layout(kind, *shape))
 
 
+def expert_bytes(layout, layer: int, kind: str) -> int:
+    """Bytes of one routed expert of `layer`: its container extent at `kind`, or its tensors and
+    scales in the official release's kind ("native")."""
+    if kind == NATIVE:
+        H, I = layout.hidden, layout.intermediate
+        return sum(math.prod(s) * dt.itemsize for rows, cols in ((I, H), (I, H), (H, I))
+                   for _, dt, s in quant.layout(layout.native_expert_kind, rows, cols))
+    return expert_extent(layout.expert_kind(layer, kind), layout.hidden, layout.intermediate)[1]
+
+
 def plan(model_cls, cfg, kind: str) -> dict:
-    """The sizes of a model (its plugin's model class and parsed config) converted at `kind`."""
-    if kind not in quant.KINDS:
-        raise ColibriError(f"unknown quantisation {kind!r}: choose one of {', '.join(quant.KINDS)}")
+    """The sizes of a model (its plugin's model class and parsed config) converted at `kind`, or run
+    as released ("native")."""
+    if kind not in (*quant.KINDS, NATIVE):
+        raise ColibriError(f"unknown quantisation {kind!r}: choose one of {', '.join(quant.KINDS)} or {NATIVE}")
     layout = model_cls.layout(cfg)
+    if kind == NATIVE and layout.native_expert_kind is None:
+        raise ColibriError(f"{model_cls.__name__} declares no native release format (ContainerLayout."
+                           f"native_expert_kind): plan it at {', '.join(quant.KINDS)}")
     shapes = model_cls.resident_shapes(cfg)
     resident = sum(tensor_bytes(layout, name, shape, kind) for name, shape in shapes.items())
-    per_layer = {layer: expert_extent(layout.expert_kind(layer, kind), layout.hidden, layout.intermediate)[1]
-                 for layer in layout.moe_layers}
+    per_layer = {layer: expert_bytes(layout, layer, kind) for layer in layout.moe_layers}
     state = list(model_cls.state_floats_per_token(cfg))
     out = {
         "quant": kind,
         "resident_bytes": resident,
         "resident_tensors": len(shapes),
-        "expert_bytes": expert_extent(kind, layout.hidden, layout.intermediate)[1],  # one routed expert at `kind`
+        "expert_bytes": (max(per_layer.values(), default=0) if kind == NATIVE  # one routed expert at `kind`
+                         else expert_extent(kind, layout.hidden, layout.intermediate)[1]),
         "experts_total": len(layout.moe_layers) * layout.n_experts,
         "experts_total_bytes": sum(per_layer.values()) * layout.n_experts,
         "moe_layers": len(layout.moe_layers),

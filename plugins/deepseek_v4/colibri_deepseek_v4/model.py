@@ -230,6 +230,12 @@ OFFICIAL = {"model.embed_tokens.weight": "embed.weight", "head.weight": "head.we
             "model.hc_head.hc_scale": "hc_head_scale"}
 
 
+# The official release: these matrices are float8 e4m3 with a UE8M0 scale per 128 × 128 block, the
+# routed experts fp4 (E2M1, a UE8M0 scale per 32 columns); the rest bfloat16 / float32 (the
+# compressors' and the indexer's key projections ship bf16, as transformers notes)
+NATIVE_FP8 = r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123])\.weight$"
+
+
 def official_name(name: str) -> str:
     """The official checkpoint's name of a container tensor (`model.layers.3.attn.wq_a.weight` →
     `layers.3.attn.wq_a.weight`, `model.embed_tokens.weight` → `embed.weight`)."""
@@ -412,6 +418,7 @@ class DeepseekV4(MoEModel):
                               {"gate": expert + "w1.weight", "up": expert + "w3.weight", "down": expert + "w2.weight"}.items()},)),
             ignore=(r"^mtp\.", r"^model\.mtp\."),  # the MTP head: nothing runs it yet
             swiglu_limit=cfg.swiglu_limit,
+            native_resident=((NATIVE_FP8, "fp8"),), native_expert_kind="fp4",
             aliases=tuple(a for a in aliases if a[0] != a[1]),
         )
 

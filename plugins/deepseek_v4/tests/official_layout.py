@@ -16,12 +16,12 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from colibri_deepseek_v4.model import official_name
+from colibri_deepseek_v4.model import NATIVE_FP8, official_name
 from safetensors.numpy import load_file
 
 from colibri_core.quant import E2M1_VALUES, E4M3_VALUES
 
-FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123])\.weight$")
+FP8 = re.compile(NATIVE_FP8)  # the plugin's declaration of the release (what `plan --quant native` sizes)
 EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 BF16 = re.compile(r"^(embed|head)\.weight$|\.compressor\.(wkv|wgate)\.weight$|\.weights_proj\.weight$|\.ffn\.gate\.weight$")
 E4M3_MAX, E2M1_MAX = 448.0, 6.0

@@ -102,3 +102,53 @@ def test_truncated_or_foreign_official_checkpoint_is_one_line(official, tmp_path
     (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "n_routed_experts": 12}))
     with pytest.raises(ColibriError, match="lacks expert 8 of layer 0"):
         load(tmp_path / "other")
+
+
+def test_prefill_then_decode_equals_one_forward(oracle):
+    """The prompt, then one token at a time (each window filled across calls, the CSA half-window
+    carried), gives the logits of one forward over everything, within rounding."""
+    ids = np.array(oracle.logits_ids)
+    with load(oracle.container("f32"), activations="f32") as engine:
+        model = engine.model
+        whole = model.forward(ids, model.new_state())
+        state = model.new_state()
+        steps = [model.forward(ids[:13], state)]
+        steps += [model.forward(ids[t:t + 1], state) for t in range(13, len(ids))]
+    got = np.concatenate(steps)
+    assert np.abs(got - whole).max() <= 1e-5 * np.abs(whole).max()
+
+
+def test_state_saved_mid_window_continues_bit_identically(oracle, tmp_path):
+    """A prefill ending inside every compressor's window (13 tokens: CSA windows of 4, HCA of 8):
+    its arrays saved to disk and loaded into a fresh state continue exactly as the original."""
+    ids = np.array(oracle.logits_ids)
+    with load(oracle.container("int4"), activations="f32") as engine:
+        model = engine.model
+        state = model.new_state()
+        model.forward(ids[:13], state)
+        arrays = state.arrays()
+        assert all(len(arrays[f"layer.{i}.compressor.buffer_kv"]) for i in (1, 2, 3))  # mid-window
+        assert len(arrays["layer.1.compressor.carry_kv"]) and len(arrays["layer.1.indexer.carry_kv"])
+        np.savez(tmp_path / "state.npz", **arrays)
+        restored = model.new_state()
+        restored.load_arrays(dict(np.load(tmp_path / "state.npz")))
+        for t in range(13, 30):
+            a, b = model.forward(ids[t:t + 1], state), model.forward(ids[t:t + 1], restored)
+            assert np.array_equal(a, b), f"token {t}: the restored state diverges"
+        with pytest.raises(ValueError, match="not from this model"):
+            model.new_state().load_arrays({**arrays, "layer.1.compressor.buffer_kv": np.zeros((5, 3), np.float32)})
+
+
+def test_plan_of_the_released_config():
+    """`colibri plan` on DeepSeek-V4-Flash's config.json (data/: its published hyper-parameters):
+    13.4 MB per routed expert in the release's fp4 with its scales and at int4 gs64 alike, 3,440 state
+    floats per token (21 CSA layers × (512 + 128) / 4, 20 HCA layers × 512 / 128)."""
+    from colibri_core.planning import plan_config
+
+    config = json.loads((Path(__file__).parent / "data" / "deepseek-v4-flash.config.json").read_text())
+    native, int4 = plan_config(config, "native"), plan_config(config, "int4")
+    assert native["expert_bytes"] == 3 * (2048 * 4096 // 2 + 2048 * 4096 // 32)  # 13,369,344: E2M1 + UE8M0 / 32
+    assert round(native["expert_bytes"] / 1e6, 1) == round(int4["expert_bytes"] / 1e6, 1) == 13.4
+    assert native["experts_total"] == 43 * 256 and native["top_k"] == 6
+    assert native["state_bytes_per_token"] == int4["state_bytes_per_token"] == 4 * 3440
+    assert native["resident_bytes"] > int4["resident_bytes"]  # the release's bf16 tensors are held as float32
