@@ -519,7 +519,7 @@ async def api_stats(request: Request) -> Response:
     """Everything the dashboard shows but the brain map: one JSON document."""
     server = server_of(request)
     try:
-        since = float(request.query_params.get("since") or 0)
+        since = float(request.query_params.get("since", 0))  # an empty one is no number
         if not math.isfinite(since):
             raise ValueError
     except ValueError:
