@@ -40,12 +40,38 @@ def hf_config(arch: str):
             linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=16,
             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
             initializer_range=0.1, max_position_embeddings=2048)
-    raise SystemExit(f"unknown architecture {arch!r}: olmoe, glm52 or qwen36")
+    if arch == "deepseek_v4":
+        return tf.DeepseekV4Config(
+            vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+            head_dim=32, q_lora_rank=48, partial_rotary_factor=0.5, n_routed_experts=16, num_experts_per_tok=2,
+            layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                         "compressed_sparse_attention"],
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            mlp_layer_types=["hash_moe", "moe", "moe", "moe"], sliding_window=8, o_groups=2, o_lora_rank=16,
+            index_n_heads=32, index_head_dim=16, index_topk=3, initializer_range=0.1, max_position_embeddings=2048,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    raise SystemExit(f"unknown architecture {arch!r}: {', '.join(ARCHS)}")
+
+
+ARCHS = ("olmoe", "glm52", "qwen36", "deepseek_v4")
+
+
+def fill_hash_tables(model, seed: int) -> None:
+    """Hash-routed layers' tables (DeepSeek V4's tid2eid) initialise to zeros: give each token k
+    distinct random experts, as a trained table has."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("tid2eid"):
+                buf.copy_(torch.stack([torch.randperm(model.config.n_routed_experts, generator=gen)[:buf.shape[1]]
+                                       for _ in range(buf.shape[0])]))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("arch", choices=("olmoe", "glm52", "qwen36"))
+    ap.add_argument("arch", choices=ARCHS)
     ap.add_argument("out", type=Path)
     ap.add_argument("--quant", default="int4")
     ap.add_argument("--seed", type=int, default=0)
@@ -57,7 +83,9 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     hf = args.out.with_name(args.out.name + "-hf")
-    AutoModelForCausalLM.from_config(hf_config(args.arch), dtype=torch.float32).save_pretrained(hf)
+    model = AutoModelForCausalLM.from_config(hf_config(args.arch), dtype=torch.float32)
+    fill_hash_tables(model, args.seed)
+    model.save_pretrained(hf)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO / name, hf / name)
     convert_checkpoint(hf, args.out, args.quant, progress=False)

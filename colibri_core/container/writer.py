@@ -107,8 +107,20 @@ class Checkpoint:
 
     FP8_SCALE_SUFFIX = "_scale_inv"  # NAME (float8 e4m3) + NAME_scale_inv (f32, one per block)
 
+    E8M0_SCALE = ".scale"  # DeepSeek V4: NAME.weight (F8_E4M3, or fp4 packed in I8) + NAME.scale (F8_E8M0)
+
+    def native_kind(self, name: str) -> str | None:
+        """"fp8" / "fp4" for a tensor stored in a UE8M0-scaled native format (DeepSeek V4's release:
+        its `NAME.scale` sibling is F8_E8M0), else None."""
+        scale = name.removesuffix(".weight") + self.E8M0_SCALE
+        if scale == name or scale not in self.where or self.where[scale].dtype(scale) != "F8_E8M0":
+            return None
+        return {"F8_E4M3": "fp8", "I8": "fp4"}.get(self.where[name].dtype(name))
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.where[name].shape(name)
+        """The logical shape (an fp4 matrix packs two columns per stored byte)."""
+        shape = self.where[name].shape(name)
+        return (*shape[:-1], 2 * shape[-1]) if self.native_kind(name) == "fp4" else shape
 
     def block_size(self) -> tuple[int, int]:
         """fp8 block scale size (rows, cols): config.json quantization_config.weight_block_size, or 128×128."""
@@ -120,7 +132,9 @@ class Checkpoint:
             return 128, 128
 
     def scales_of(self, name: str) -> str | None:
-        """The block-scale tensor of an fp8 tensor (None for any other)."""
+        """The scale tensor of an fp8 / fp4 tensor (None for any other)."""
+        if self.native_kind(name):
+            return name.removesuffix(".weight") + self.E8M0_SCALE
         if self.where[name].dtype(name) != "F8_E4M3":
             return None
         scale = name + self.FP8_SCALE_SUFFIX
@@ -131,7 +145,24 @@ class Checkpoint:
 
     def read_f32(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
         """The tensor (or rows first..first+count of its first axis) as float32; fp8 e4m3 weights are
-        multiplied by their per-block scales (``NAME_scale_inv``, one per block of the last two axes)."""
+        multiplied by their per-block scales (``NAME_scale_inv``, one per block of the last two axes);
+        a UE8M0-scaled fp8 / fp4 matrix (``NAME.scale``) is dequantised by `quant.dequantize`."""
+        kind = self.native_kind(name)
+        if kind is not None:
+            if first or count is not None or len(self.where[name].shape(name)) != 2:
+                raise ColibriError(f"{kind} tensor {name} must be a whole matrix: {self.path}")
+            scale = self.scales_of(name)
+            rows, cols = self.shape(name)
+            data = self.where[name].read(name).view(np.uint8)
+            scales = self.where[scale].read(scale).view(np.uint8)
+            if self.digests is not None:
+                for n, raw in ((name, data), (scale, scales)):
+                    self.digests[f"{n}[0:]"] = hashlib.sha256(raw).hexdigest()
+            (_, _, dshape), (_, _, sshape) = q.layout(kind, rows, cols)
+            if data.shape != dshape or scales.shape != sshape:
+                raise ColibriError(f"{scale} has shape {list(scales.shape)}, expected {list(sshape)} for {kind} "
+                                   f"{name} [{rows}, {cols}]: {self.path}")
+            return q.dequantize(q.QTensor(kind, rows, cols, data, scales))
         w = self._read(name, first, count)
         scale_name = self.scales_of(name)
         if scale_name is None:
@@ -205,8 +236,11 @@ def _plan(ckpt: Checkpoint, layout: ContainerLayout, architecture: str, quant: s
             if not names.fused_down:
                 raise ColibriError(f"architecture {architecture}: the layout names fused gate_up but not fused down")
             patterns = {"gate_up": names.fused_gate_up, "down": names.fused_down}
-        else:
-            patterns = {p: names.per_expert[p] for p in PROJS}
+        else:  # the layout's per-expert names, else the first of its other names the checkpoint holds
+            first = (layout.moe_layers or (0,))[0]
+            patterns = next((dict(n) for n in (names.per_expert, *names.other_names)
+                             if n["gate"].format(layer=first, expert=0) in ckpt.where), names.per_expert)
+            patterns = {p: patterns[p] for p in PROJS}
         # each resident tensor under its own name, else under the first alias the checkpoint holds
         sources = {name: next(((src, a, b) for src, a, b in layout.sources(name) if src in ckpt.where),
                               (name, None, None)) for name in layout.resident}
@@ -227,7 +261,7 @@ def _plan(ckpt: Checkpoint, layout: ContainerLayout, architecture: str, quant: s
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ColibriError(f"checkpoint lacks tensor {missing[0]} (needed by architecture {architecture}){more}: "
                            f"{ckpt.path}")
-    scales = {n + Checkpoint.FP8_SCALE_SUFFIX for n in expected if n in ckpt.where}  # fp8 block scales
+    scales = {ckpt.scales_of(n) for n in expected if n in ckpt.where} - {None}  # fp8 / fp4 scales
     unused = [n for n in sorted(ckpt.where) if n not in expected and n not in scales and not layout.ignored(n)
               and not (n.endswith(Checkpoint.FP8_SCALE_SUFFIX) and layout.ignored(n[: -len(Checkpoint.FP8_SCALE_SUFFIX)]))]
     if unused:

@@ -152,3 +152,19 @@ def test_plan_of_the_released_config():
     assert native["experts_total"] == 43 * 256 and native["top_k"] == 6
     assert native["state_bytes_per_token"] == int4["state_bytes_per_token"] == 4 * 3440
     assert native["resident_bytes"] > int4["resident_bytes"]  # the release's bf16 tensors are held as float32
+
+
+def test_official_layout_converts(official, tmp_path):
+    """`colibri convert` re-quantises the release: its fp8 / fp4 tensors dequantised exactly (an f32
+    container computes what the checkpoint run as it is does, within rounding), experts found under
+    the official names, every UE8M0 scale accounted for."""
+    from colibri_core.convert import convert_checkpoint
+
+    convert_checkpoint(official, tmp_path / "f32", "f32", progress=False)
+    convert_checkpoint(official, tmp_path / "int4", "int4", progress=False)
+    ids = list(range(3, 40))
+    with load(official, activations="f32") as a, load(tmp_path / "f32", activations="f32") as b:
+        want, got = a.logits(ids), b.logits(ids)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    with load(tmp_path / "int4") as c:
+        assert c.generate(ids, max_new_tokens=4, temperature=0)  # runs
