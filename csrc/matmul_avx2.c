@@ -531,8 +531,109 @@ AVX2 float dot_fp4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
     return tree8_avx2(L);
 }
 
+// Several tokens per row pass (ACT_F32): each block / chunk of the row is widened to floats once
+// into L1, then every token's lanes run from there — the same float operations per (row, token)
+// as the one-token dot products above, whatever n.
+enum { ROWS_TOKENS = 16 };  // tokens per pass over the row
+
+AVX2 void rows_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
+    int cols = w->cols, nblocks = (cols + FP8_BLOCK - 1) / FP8_BLOCK;
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * (size_t)cols;
+    const uint8_t *sr = (const uint8_t *)w->scales + (size_t)(r / FP8_BLOCK) * (size_t)nblocks;
+    _Alignas(32) float wf[FP8_BLOCK];
+    uint8_t tmp[FP8_BLOCK];
+    __m256 SA[ROWS_TOKENS], SB[ROWS_TOKENS];
+    for (int i0 = 0; i0 < n; i0 += ROWS_TOKENS) {
+        int nt = n - i0 < ROWS_TOKENS ? n - i0 : ROWS_TOKENS;
+        for (int k = 0; k < nt; k++) SA[k] = SB[k] = _mm256_setzero_ps();
+        for (int b = 0; b < nblocks; b++) {
+            const uint8_t *bp = wr + (size_t)b * FP8_BLOCK;
+            if (b * FP8_BLOCK + FP8_BLOCK > cols) {
+                memset(tmp, 0, sizeof tmp);
+                memcpy(tmp, bp, (size_t)(cols - b * FP8_BLOCK));
+                bp = tmp;
+            }
+            for (int i = 0; i < 8; i++) {
+                __m256 va, vb;
+                e4m3x16(_mm_loadu_si128((const __m128i *)(bp + 16 * i)), &va, &vb);
+                _mm256_store_ps(wf + 16 * i, va);
+                _mm256_store_ps(wf + 16 * i + 8, vb);
+            }
+            __m256 sc = _mm256_set1_ps(fp8_scale(sr[b]));
+            for (int k = 0; k < nt; k++) {
+                size_t t = (size_t)(tok != NULL ? tok[i0 + k] : i0 + k);
+                const float *xb = a->xf + t * a->stride + (size_t)b * FP8_BLOCK;
+                __m256 A = _mm256_mul_ps(_mm256_load_ps(wf), _mm256_loadu_ps(xb));
+                __m256 B = _mm256_mul_ps(_mm256_load_ps(wf + 8), _mm256_loadu_ps(xb + 8));
+                for (int i = 1; i < 8; i++) {
+                    A = _mm256_add_ps(A, _mm256_mul_ps(_mm256_load_ps(wf + 16 * i), _mm256_loadu_ps(xb + 16 * i)));
+                    B = _mm256_add_ps(B, _mm256_mul_ps(_mm256_load_ps(wf + 16 * i + 8), _mm256_loadu_ps(xb + 16 * i + 8)));
+                }
+                SA[k] = _mm256_add_ps(SA[k], _mm256_mul_ps(A, sc));
+                SB[k] = _mm256_add_ps(SB[k], _mm256_mul_ps(B, sc));
+            }
+        }
+        for (int k = 0; k < nt; k++) yrow[i0 + k][r] = tree16_avx2(SA[k], SB[k]);
+    }
+}
+
+AVX2 void rows_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
+    int cols = w->cols, ngroups = (cols + FP4_GROUP - 1) / FP4_GROUP;
+    size_t row_bytes = ((size_t)cols + 1) / 2;
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+    const uint8_t *sr = (const uint8_t *)w->scales + (size_t)r * (size_t)ngroups;
+    const __m128i low4 = _mm_set1_epi8(0x0f), twice = _mm_loadu_si128((const __m128i *)FP4_TWICE);
+    enum { CHUNK = 8 };  // groups widened at once: 8 x 32 floats
+    _Alignas(32) float wf[CHUNK * 32];  // per group: even columns 0-15, odd columns 0-15
+    float hs[CHUNK];
+    uint8_t tmp[16];
+    __m256 SA[ROWS_TOKENS], SB[ROWS_TOKENS];
+    for (int i0 = 0; i0 < n; i0 += ROWS_TOKENS) {
+        int nt = n - i0 < ROWS_TOKENS ? n - i0 : ROWS_TOKENS;
+        for (int k = 0; k < nt; k++) SA[k] = SB[k] = _mm256_setzero_ps();
+        for (int g0 = 0; g0 < ngroups; g0 += CHUNK) {
+            int ng = ngroups - g0 < CHUNK ? ngroups - g0 : CHUNK;
+            for (int i = 0; i < ng; i++) {
+                int g = g0 + i;
+                const uint8_t *bp = wr + (size_t)g * 16;
+                if ((size_t)g * 16 + 16 > row_bytes) {
+                    memset(tmp, 0, sizeof tmp);
+                    memcpy(tmp, bp, row_bytes - (size_t)g * 16);
+                    bp = tmp;
+                }
+                __m128i b = _mm_loadu_si128((const __m128i *)bp);
+                __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(b, low4));
+                __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+                _mm256_store_ps(wf + 32 * i, cvt8_lo(lo));
+                _mm256_store_ps(wf + 32 * i + 8, cvt8_lo(_mm_srli_si128(lo, 8)));
+                _mm256_store_ps(wf + 32 * i + 16, cvt8_lo(hi));
+                _mm256_store_ps(wf + 32 * i + 24, cvt8_lo(_mm_srli_si128(hi, 8)));
+                hs[i] = fp4_half_scale(sr[g]);
+            }
+            for (int k = 0; k < nt; k++) {
+                size_t t = (size_t)(tok != NULL ? tok[i0 + k] : i0 + k);
+                const float *x = a->xf + t * a->stride + (size_t)g0 * 32;  // per group: 16 even, 16 odd
+                __m256 sa = SA[k], sb = SB[k];
+                for (int i = 0; i < ng; i++) {
+                    const float *v = wf + 32 * i, *xe = x + 32 * i, *xo = xe + 16;
+                    __m256 A = _mm256_mul_ps(_mm256_load_ps(v), _mm256_loadu_ps(xe));
+                    __m256 B = _mm256_mul_ps(_mm256_load_ps(v + 8), _mm256_loadu_ps(xe + 8));
+                    A = _mm256_add_ps(A, _mm256_mul_ps(_mm256_load_ps(v + 16), _mm256_loadu_ps(xo)));
+                    B = _mm256_add_ps(B, _mm256_mul_ps(_mm256_load_ps(v + 24), _mm256_loadu_ps(xo + 8)));
+                    __m256 h = _mm256_set1_ps(hs[i]);
+                    sa = _mm256_add_ps(sa, _mm256_mul_ps(A, h));
+                    sb = _mm256_add_ps(sb, _mm256_mul_ps(B, h));
+                }
+                SA[k] = sa;
+                SB[k] = sb;
+            }
+        }
+        for (int k = 0; k < nt; k++) yrow[i0 + k][r] = tree16_avx2(SA[k], SB[k]);
+    }
+}
+
 const Path PATH_AVX2 = {"avx2", dot_f32_avx2, dot_int8_f32_avx2, dot_int8_q8_avx2, dot_int4_f32_avx2,
                         dot_int4_q8_avx2, rows_int4_q8_avx2, dot_fp8_f32_avx2, dot_fp4_f32_avx2,
-                        dot_fp4_q8_avx2};
+                        dot_fp4_q8_avx2, rows_fp8_f32_avx2, rows_fp4_f32_avx2};
 
 #endif  // COLI_X86

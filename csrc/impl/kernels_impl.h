@@ -71,6 +71,8 @@ typedef struct {
     dot_fn fp8_f32;   // fp8 weights (ACT_F32 only)
     dot_fn fp4_f32;   // fp4 weights, ACT_F32
     dot_fn fp4_q8;    // fp4 weights, ACT_Q8
+    rows_fn fp8_f32_rows;  // optional (NULL): fp8 weights, several tokens per row pass
+    rows_fn fp4_f32_rows;  // optional (NULL): fp4 weights, ACT_F32, several tokens per row pass
 } Path;
 
 // 2 * e2m1(nibble): the fp4 values as the integers 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12 (matmul.c).
@@ -99,6 +101,8 @@ extern const Path PATH_AVX512;  // matmul_avx512.c
 float dot_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
 float dot_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
 float dot_fp4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t);
+void rows_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow);
+void rows_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow);
 #endif
 
 const Path *path_current(void);
