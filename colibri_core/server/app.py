@@ -47,6 +47,7 @@ from . import openapi, security
 from .schemas import (CHARS_PER_TOKEN, ApiError, Limits, Sampling, detokenize_model, invalid, parse_chat, parse_completion, parse_json,
                       tokenize_model)
 from .snapshot import Snapshot
+from .text import ChatText
 from .worker import Delta, End, Job, Params, QueueFull, Worker
 
 log = logging.getLogger("colibri.server")
@@ -100,6 +101,7 @@ class Server:
         self.engine = None
         self.worker: Worker | None = None
         self.template = None
+        self.chat_text: ChatText | None = None  # a conversation's token ids, typed special tokens as text
         self.context_length: int | None = None
         self.ram_budget: int | None = None
         self.load_error: str | None = None
@@ -121,6 +123,7 @@ class Server:
             engine = load(cfg.model_dir, ram=cfg.ram, cache_slots=cfg.cache_slots)
             engine.tokenizer  # noqa: B018 — read tokenizer.json now, not on the first request
             self.template = ChatTemplate.from_dir(engine.model_dir)
+            self.chat_text = ChatText(engine.tokenizer)
             config = engine.container.config
             self.context_length = next((int(config[k]) for k in CONTEXT_KEYS if isinstance(config.get(k), int)), None)
             self.ram_budget = getattr(engine, "ram_budget", None) or (
@@ -222,20 +225,33 @@ class Server:
         async with self.tokenizing:
             return await asyncio.to_thread(fn, *args)
 
-    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) > self.limits.max_chars:
-            raise invalid(param, f"the prompt is {len(text)} characters; this server tokenizes at most "
+    def _bound(self, n_chars: int, param: str) -> None:
+        if n_chars > self.limits.max_chars:
+            raise invalid(param, f"the prompt is {n_chars} characters; this server tokenizes at most "
                           f"{self.limits.max_chars} ({CHARS_PER_TOKEN} per token of its context)", "context_length_exceeded")
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids (special tokens written in it are tokens, as in a raw completion)."""
+        self._bound(len(text), param)
         return await self.off_loop(self.engine.tokenizer.encode, text, add_special_tokens)
 
-    async def render(self, messages: list[dict], tools=None, add_generation_prompt: bool = True) -> str:
-        """The chat template's rendering; a conversation the template refuses (or fails on) is a 400."""
+    async def encode_chat(self, messages: list[dict], tools=None, add_generation_prompt: bool = True) -> list[int]:
+        """A conversation through the chat template, as token ids; special tokens typed in a message
+        stay text (text.ChatText). A conversation the template refuses (or fails on) is a 400."""
         if self.template is None:
             raise invalid("messages", "this model has no chat template (chat_template.jinja or tokenizer_config.json); "
                           "use /v1/completions", "no_chat_template")
+        self._bound(sum(len(m["content"]) for m in messages), "messages")  # before the template runs on it
+
+        def run():
+            text = self.template.render(self.chat_text.mask(messages), add_generation_prompt=add_generation_prompt,
+                                        tools=tools)
+            self._bound(len(text), "messages")
+            return self.chat_text.encode(text)
         try:
-            return await self.off_loop(lambda: self.template.render(messages, add_generation_prompt=add_generation_prompt,
-                                                                    tools=tools))
+            return await self.off_loop(run)
+        except ApiError:
+            raise
         except ColibriError as e:  # the template refused the conversation (raise_exception)
             raise invalid("messages", str(e)) from None
         except Exception as e:  # a template reading a field of a shape it does not expect
@@ -460,8 +476,7 @@ async def get_model(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     server = server_of(request)
     req = server.parse(parse_chat, await read_json(request, server))
-    text = await server.render(req.messages, req.tools)
-    ids = await server.encode(text, "messages", add_special_tokens=False)
+    ids = await server.encode_chat(req.messages, req.tools)
     params = server.resolve(req.sampling, len(ids), "messages")
     return await Generation(server, "chat", ids, params, req.sampling).respond(request)
 
@@ -482,8 +497,7 @@ async def tokenize(request: Request) -> Response:
     special = v["add_special_tokens"] if v["add_special_tokens"] is not None else v["add_special"]
     if v["messages"] is not None:
         add_prompt = v["add_generation_prompt"] if v["add_generation_prompt"] is not None else True
-        text = await server.render(v["messages"], add_generation_prompt=add_prompt)
-        ids = await server.encode(text, "messages", add_special_tokens=False)
+        ids = await server.encode_chat(v["messages"], add_generation_prompt=add_prompt)
     else:
         text = v["content"] if v["content"] is not None else v["prompt"]
         if text is None:

@@ -56,3 +56,64 @@ class TextStream:
         rest = d.tokenizer.decode(d.ids)[len(d.emitted):]
         d.emitted += rest
         return self.matcher.push(rest) + self.matcher.flush()
+
+
+class ChatText:
+    """A conversation's token ids in which special tokens typed inside a message are text.
+
+    The chat template's own special tokens (`<|user|>`, the EOS that ends a turn) must be tokens;
+    the same strings typed by a user (`<|endoftext|>` pasted into a message) must stay text, or a
+    message could end its own turn, or forge another role's. Each special token found in a
+    message's content is replaced, before rendering, by a placeholder (private-use characters and a
+    per-server nonce, which no template produces and no user can guess); the rendering is tokenized
+    piece by piece between placeholders, and each placeholder becomes the token ids of its special
+    token's text read literally. A conversation without typed special tokens is tokenized whole, as
+    `transformers` tokenizes it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        import re
+        import secrets
+
+        self.tokenizer = tokenizer
+        added = tokenizer.tok.get_added_tokens_decoder()
+        self.specials = sorted({t.content for t in added.values() if t.special and t.content}, key=len, reverse=True)
+        self.typed = re.compile("|".join(map(re.escape, self.specials))) if self.specials else None
+        nonce = secrets.token_hex(6)
+        self.placeholder = f"\ue000{nonce}:{{}}\ue001"
+        self.split = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+        self._literal: dict[str, list[int]] = {}
+
+    def mask(self, messages: list[dict]) -> list[dict]:
+        """The messages with every special token typed in a content replaced by its placeholder."""
+        if self.typed is None:
+            return messages
+        index = {s: i for i, s in enumerate(self.specials)}
+        sub = lambda m: self.placeholder.format(index[m.group(0)])  # noqa: E731
+        return [{**m, "content": self.typed.sub(sub, m["content"])} if isinstance(m.get("content"), str)
+                and self.typed.search(m["content"]) else m for m in messages]
+
+    def encode(self, rendered: str) -> list[int]:
+        """Token ids of a rendering of masked messages (no BOS added: the template writes its own)."""
+        pieces = self.split.split(rendered)
+        if len(pieces) == 1:
+            return self.tokenizer.encode(rendered, add_special_tokens=False)
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2:  # a placeholder's index
+                ids += self.literal(self.specials[int(piece)])
+            elif piece:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False)
+        return ids
+
+    def literal(self, text: str) -> list[int]:
+        """`text` tokenized as plain text, special tokens included (a copy of the tokenizer that
+        does not recognise them, made once)."""
+        if text not in self._literal:
+            if not hasattr(self, "_plain"):
+                from tokenizers import Tokenizer as Raw
+
+                self._plain = Raw.from_str(self.tokenizer.tok.to_str())
+                self._plain.encode_special_tokens = True
+            self._literal[text] = self._plain.encode(text, add_special_tokens=False).ids
+        return self._literal[text]
