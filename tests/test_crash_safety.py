@@ -269,8 +269,9 @@ def test_kill9_chat_session_at_random_points_of_a_save(chat_model):
         time.sleep(rng.uniform(0, 1.2))  # four saves of 0.25 s and a little generation
         kill(proc)
         path = session_path(m, name)
+        fresh_cut = path.with_name(path.name + ".tmp").exists()  # a save written beside the file, cut
         messages, notice = saved_messages(path) if path.exists() else ([], None)
-        torn = notice is not None or path.with_name(path.name + ".tmp").exists()
+        torn = notice is not None or fresh_cut
         landed[f"{'inside' if torn else 'outside'} a save, {len(messages) // 2} turns saved"] += 1
         assert messages == ref[: len(messages)] and len(messages) % 2 == 0, f"trial {trial}: not whole turns"
         rest = PROMPTS[len(messages) // 2:]
@@ -281,6 +282,62 @@ def test_kill9_chat_session_at_random_points_of_a_save(chat_model):
         assert saved_messages(path)[0] == ref, f"trial {trial}: the resumed conversation differs"
         assert not path.with_name(path.name + ".tmp").exists()
     report("colibri chat --session", landed)
+
+
+SESSION_CHILD = textwrap.dedent("""
+    import json, sys
+    from colibri_core.engine import load
+    extras = json.loads(sys.argv[3])
+    with load(sys.argv[1], cache_slots=8) as engine:
+        session = engine.open_session(sys.argv[2])
+        print("ready", flush=True)
+        ids = []
+        for extra in extras:  # each turn extends the last: its save appends the new rows only
+            ids = ids + extra
+            ids = ids + engine.generate(ids, 4, stop_ids=(), session=session)
+""")
+EXTRAS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14], [15, 16]]
+
+
+def test_kill9_engine_session_appends_at_random_points(tiny_model, tmp_path):
+    """A session continued turn after turn (`engine.generate(session=NAME)`: each save after the
+    first appends a record of the new rows), killed at a random moment while saving (each save
+    paused at a random byte of its record): reopened, it holds exactly the last whole turn and
+    continues with the uninterrupted run's tokens."""
+    m = tmp_path / "m"
+    shutil.copytree(tiny_model, m)
+    with load(m, cache_slots=8, usage=False) as engine:  # the uninterrupted run
+        s, ids, after = engine.new_session(), [], []
+        for extra in EXTRAS:
+            ids = ids + extra
+            ids = ids + engine.generate(ids, 4, stop_ids=(), session=s)
+            after.append((list(s.ids), list(ids)))  # (the state's ids, the conversation) after each turn
+    rng, landed = random.Random(SEED), Counter()
+    for trial in range(TRIALS):
+        name = f"a{SEED}-{trial}"
+        env = {**ENV, PAUSE_ENV: f"0.25@{rng.uniform(0, 1):.3f}"}
+        proc = subprocess.Popen([sys.executable, "-c", SESSION_CHILD, str(m), name, json.dumps(EXTRAS)],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        assert proc.stdout.readline() == "ready\n"
+        time.sleep(rng.uniform(0, 1.4))  # five saves of 0.25 s and a little generation
+        kill(proc)
+        path = session_path(m, name)
+        fresh_cut = path.with_name(path.name + ".tmp").exists()
+        with load(m, cache_slots=8, usage=False) as engine, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            s = engine.open_session(name)
+            turns = s.turns
+            assert turns <= len(EXTRAS) and s.ids == (after[turns - 1][0] if turns else []), trial
+            assert s.notice is None or "unfinished" in s.notice, (trial, s.notice)
+            landed[f"{'inside' if s.notice or fresh_cut else 'outside'} a save, {turns} turns saved"] += 1
+            ids = after[turns - 1][1] if turns else []
+            for k in range(turns, len(EXTRAS)):
+                ids = ids + EXTRAS[k]
+                ids = ids + engine.generate(ids, 4, stop_ids=(), session=s)
+                assert ids == after[k][1], f"trial {trial}: turn {k + 1} differs from the uninterrupted run"
+        assert not path.with_name(path.name + ".tmp").exists()
+        assert path.read_bytes().count(b"TURN") == len(EXTRAS), "the turns were not appended one record each"
+    report("engine session appends", landed)
 
 
 # ----------------------------------------------------------------------------- routing history

@@ -414,7 +414,9 @@ class _Staging:
             except (OSError, ValueError, RecursionError):
                 rec = None
             if isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("files"), dict):
-                say(f"resuming the conversion in {path}")
+                n = len(rec["files"])
+                say(f"resuming the conversion in {path}" + (f" (checking its {n} finished files against the "
+                                                            "source first)" if n else ""))
             else:
                 if (path / PROGRESS).exists() or (path / MANIFEST).exists():
                     say(f"discarding {path}: an unfinished conversion of another source, quantisation or layout "
