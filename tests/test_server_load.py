@@ -209,8 +209,11 @@ def test_soak_mixed_requests(server):
     assert statuses.count(200) > len(statuses) // 4, statuses  # the server did serve, not only refuse
     rss = [f["rss"] for _, f in samples]
     warm = rss[len(rss) // 3:]
+    fifths = [rss[min(len(rss) - 1, len(rss) * i // 5)] for i in range(1, 6)]
     report = {"requests": len(out), "by_status": {s: statuses.count(s) for s in sorted(set(statuses))},
               "rss_mib": [round(r / 2**20, 1) for r in (min(rss), max(rss), after["rss"])],
+              "rss_mib_at_each_fifth": [round(r / 2**20, 1) for r in fifths],
+              "max_fds": max(f["fds"] for _, f in samples), "max_threads": max(f["threads"] for _, f in samples),
               "peak_rss_mib": round(after["peak_rss"] / 2**20, 1), "fds": (before["fds"], after["fds"]),
               "threads": (before["threads"], after["threads"]), "seconds": SOAK_SECONDS}
     print("soak:", json.dumps(report))
