@@ -286,3 +286,22 @@ def test_no_request_reads_or_writes_a_path_of_the_callers_choosing(tiny_model, t
                and not p.startswith((model_dir, static, sys.prefix, sys.base_prefix, "/proc/", "/sys/", "/dev/"))
                and not p.isdigit() and not p.endswith((".py", ".pyc", ".so"))}
     assert not outside, outside
+
+
+def test_listening_beyond_loopback_without_a_key_warns(tiny_model):
+    """`--host 0.0.0.0`: a warning that anyone who reaches the port can use the model; the machine's
+    own name is a Host it answers to, other names are still refused."""
+    s = LiveServer("serve", tiny_model, "--host", "0.0.0.0")
+    try:
+        assert "without --api-key" in s.text_log()
+        name = socket.gethostname()
+        port = urllib.parse.urlsplit(s.url).port
+        assert request(s.url, "GET", "/v1/models", None, {"Host": f"{name}:{port}"})[0] == 200
+        assert request(s.url, "GET", "/v1/models", None, {"Host": f"evil.example:{port}"})[0] == 403
+    finally:
+        s.stop()
+    s = LiveServer("serve", tiny_model, "--api-key", KEY)  # loopback, with a key: nothing to warn about
+    try:
+        assert "warning" not in s.text_log()
+    finally:
+        s.stop()
