@@ -75,6 +75,9 @@ step 'colibri run --max-tokens 40 "And God said"'
 colibri run --max-tokens 40 "And God said" >run.out 2>run.err || { cat run.err; fail "colibri run"; }
 cat run.out run.err
 grep -q '[A-Za-z]' run.out && grep -q 'tok/s.*expert hit rate.*peak RSS' run.err || fail "colibri run: no text or no stats line"
+DEMO=$(python -c "from colibri_core.demo import demo_model; print(demo_model())")
+[ -z "$(ls -A "$DEMO" | grep -v -x -e colibri.yaml -e config.json -e generation_config.json -e resident.safetensors \
+        -e tokenizer.json -e tokenizer_config.json -e experts)" ] || fail "colibri run wrote beside the installed demo model: $(ls -A "$DEMO")"
 
 listed() { colibri plugins --json | python -c "import json, sys; print(' '.join(sorted(p['name'] for p in json.load(sys.stdin) if p['loaded'])))"; }
 expect() { local got; got=$(listed); [ "$got" = "$1" ] || fail "colibri plugins lists '$got', expected '$1'"; echo "colibri plugins: $got"; }
