@@ -16,6 +16,10 @@ from colibri_core.kernels import _check, _floats
 from colibri_core.kernels._colibri_kernels import lib
 
 CHUNK = 64  # tokens per chunk in the chunked form (as the reference implementations use)
+# A forward of at most this many tokens computes each exactly as if it came alone (the recurrent
+# form here, per-query attention in the layers): speculative drafts are verified in one forward
+# and must give the very bits decoding them one by one gives.
+EXACT_BATCH = 16
 
 
 def causal_conv1d(x: np.ndarray, weight: np.ndarray, state: np.ndarray, silu: bool = True) -> np.ndarray:
@@ -38,7 +42,8 @@ def gated_delta_rule(q, k, v, g, beta, state: np.ndarray, form: str = "auto", ch
     v (n, Hv, dv), g (log decay) and beta (n, Hv); `state` float32 (Hv, dk, dv), updated in place.
 
     `form`: "recurrent" (token by token), "chunked" (chunks of `chunk` tokens), or "auto":
-    recurrent for a single token (decode), chunked otherwise (prefill). Returns float32 (n, Hv, dv).
+    recurrent up to EXACT_BATCH tokens (decode, a verified draft: the bits of one token at a time),
+    chunked for more (prefill). Returns float32 (n, Hv, dv).
     """
     n, hk, dk = _array(q, 3, "gated_delta_rule: q").shape
     _, hv, dv = _array(v, 3, "gated_delta_rule: v").shape
@@ -50,7 +55,7 @@ def gated_delta_rule(q, k, v, g, beta, state: np.ndarray, form: str = "auto", ch
             raise ValueError(f"gated_delta_rule: {name} must be [{n}, {hv}], got {list(a.shape)}")
     _state(state, (hv, dk, dv), "gated_delta_rule: state")
     if form == "auto":
-        form = "recurrent" if n == 1 else "chunked"
+        form = "recurrent" if n <= EXACT_BATCH else "chunked"
     q, k, v, g, beta = (np.ascontiguousarray(a) for a in (q, k, v, g, beta))
     out = np.empty((n, hv, dv), np.float32)
     args = (_floats(out, True), _floats(state, True), _floats(q), _floats(k), _floats(v), _floats(g),

@@ -98,8 +98,8 @@ def kda_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: n
     g = g.astype(f32).transpose(1, 0, 2)
     beta = beta.astype(f32).T  # (Hh, n)
     out = np.empty((heads, n, d), f32)
-    if form == "auto":
-        form = "recurrent" if n == 1 else "chunked"
+    if form == "auto":  # recurrent for a few tokens: each exactly as alone (kernels.deltanet.EXACT_BATCH)
+        form = "recurrent" if n <= conv_kernels.EXACT_BATCH else "chunked"
     if form == "recurrent":
         S = state
         for t in range(n):

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..kv.cache import Rows
 from .. import kernels
+from ..kernels.deltanet import EXACT_BATCH  # a short forward: every query computed as if alone
 from ..model import linear
 from ..quant import QTensor
 from .norm import rms_norm
@@ -113,10 +114,16 @@ class MLA:
         latent, k_rope = cache.latent.view(), cache.k_rope.view()  # (S, c), (S, r)
         S = latent.shape[0]
         out = np.empty((T, d.heads, d.v_head_dim), np.float32)  # (T, heads, v)
-        for a in range(0, T, QUERY_BLOCK):  # bounded scratch for long prefills: (heads, block, S)
-            b = min(T, a + QUERY_BLOCK)
-            out[a:b] = self._attend_block(q_nope[a:b], q_rope[a:b], latent, k_rope, S - T + a,
-                                          None if keep is None else keep[a:b])
+        if T <= EXACT_BATCH:  # each query over exactly its own keys: the bits it gets alone (a verified draft)
+            for t in range(T):
+                end = S - T + t + 1
+                out[t:t + 1] = self._attend_block(q_nope[t:t + 1], q_rope[t:t + 1], latent[:end], k_rope[:end],
+                                                  end - 1, None if keep is None else keep[t:t + 1, :end])
+        else:
+            for a in range(0, T, QUERY_BLOCK):  # bounded scratch for long prefills: (heads, block, S)
+                b = min(T, a + QUERY_BLOCK)
+                out[a:b] = self._attend_block(q_nope[a:b], q_rope[a:b], latent, k_rope, S - T + a,
+                                              None if keep is None else keep[a:b])
         out = out.reshape(T, d.heads * d.v_head_dim)
         return linear(out if gate is None else out * gate, self.o_proj)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.deltanet import EXACT_BATCH  # a short forward: every query computed as if alone
 from ..model import linear
 from ..probe import timed
 
@@ -46,6 +47,17 @@ def sink_attention(q: np.ndarray, rows: np.ndarray, start: int, window: int, ext
     keys = rows if extra is None else np.concatenate([rows, extra])  # (R + E, D)
     out = np.empty(q.shape, np.float32)
     sink = np.asarray(sinks, np.float32)[None, :, None]  # (1, heads, 1)
+    if T <= EXACT_BATCH:  # each query over exactly the keys it sees: the bits it gets alone (a verified draft)
+        for t in range(T):
+            last = R - T + t  # the row of the query's own token
+            seen = rows[max(last - window + 1, 0):last + 1]
+            if extra is not None:
+                seen = np.concatenate([seen, extra[np.flatnonzero(extra_mask[t])]])
+            logits = np.matmul(q[t:t + 1], seen.T) * np.float32(scale)  # (1, heads, n)
+            top = np.maximum(logits.max(axis=-1, keepdims=True), sink)
+            e = np.exp(logits - top)
+            out[t:t + 1] = np.matmul(e / (e.sum(axis=-1, keepdims=True) + np.exp(sink - top)), seen)
+        return out
     for t0 in range(0, T, QUERY_BLOCK):
         t1 = min(t0 + QUERY_BLOCK, T)
         pos = start + np.arange(t0, t1)  # (b,)

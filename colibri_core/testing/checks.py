@@ -202,6 +202,29 @@ def check_state_round_trip(oracle: Oracle, q: str = "int4", follow: int = 8) -> 
                     f"gives {got[i:i + 1]}, the original {want[i:i + 1]}")
 
 
+def check_short_forward_is_decode_exact(oracle: Oracle, q: str = "int4", n: int = 6) -> None:
+    """A forward of n ≤ EXACT_BATCH new tokens gives, bit for bit, the logits of those tokens fed one
+    at a time (drafted tokens are verified in one forward: drafting must never change a token)."""
+    from ..kernels.deltanet import EXACT_BATCH
+
+    check = "short_forward_is_decode_exact"
+    ids = np.asarray(oracle.logits_ids[: len(oracle.prompt) + min(n, EXACT_BATCH)], np.int64)
+    p = len(oracle.prompt)
+    with load(oracle.container(q), activations="f32") as engine:
+        model = engine.model
+        batched, single = model.new_state(), model.new_state()
+        model.forward(ids[:p], batched)
+        model.forward(ids[:p], single)
+        together = model.forward(ids[p:], batched)  # (n, V)
+        alone = np.concatenate([model.forward(ids[t:t + 1], single) for t in range(p, len(ids))])
+    for t in range(len(ids) - p):
+        if not np.array_equal(together[t], alone[t]):
+            fail(check, f"token {t + 1} of a {len(ids) - p}-token forward after the prompt: its logits differ from "
+                        f"feeding it alone by up to {float(np.abs(together[t] - alone[t]).max()):.3g} (compute each "
+                        f"query over exactly its own keys, and recurrent states token by token, for up to "
+                        f"{EXACT_BATCH} tokens: see colibri_core.kernels.deltanet.EXACT_BATCH)")
+
+
 def check_moe_layers(oracle: Oracle, ids: list[int]) -> None:
     """The MoE layers agree everywhere they are declared (`check_moe_layers_of` on the f32 container),
     and the forward pass runs exactly the layers where transformers' model routes (those whose

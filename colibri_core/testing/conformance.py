@@ -120,6 +120,11 @@ class ConformanceSuite:
         self._check("state_round_trip")
         checks.check_state_round_trip(oracle)
 
+    def test_short_forward_is_decode_exact(self, oracle: Oracle):
+        """A forward of a few tokens (a verified draft) = those tokens fed one by one, bit for bit."""
+        self._check("short_forward_is_decode_exact")
+        checks.check_short_forward_is_decode_exact(oracle)
+
     def test_config_variant(self, oracle: Oracle, config_variant: str, tmp_path):
         """A released-style config.json (`config_variants`) is read as the same model: same parsed config
         and layout, same transformers logits, and it converts and loads to bit-identical logits."""
