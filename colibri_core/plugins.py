@@ -166,8 +166,8 @@ def installed_name(name: str) -> str:
     a ColibriError naming the installed plugins if it is none of them."""
     want = canonicalize_name(name)
     if want == "colibri":
-        raise ColibriError("colibri uninstall removes plugins; to remove colibri itself: "
-                           f"{Path(sys.executable).name} -m pip uninstall colibri")
+        raise ColibriError(f"colibri uninstall removes plugins; to remove colibri itself: {sys.executable} -m pip "
+                           "uninstall colibri")
     plugins = installed()
     for p in plugins:
         if want in (canonicalize_name(p.distribution), *(canonicalize_name(n) for n in p.names)):

@@ -95,6 +95,12 @@ def test_shipped_plugin_is_in_the_tables(where):
                 f"add {model_type!r}: {dist!r} to KNOWN_PLUGINS in colibri_core/plugins.py"
 
 
+def test_the_example_plugin_declares_its_range_too():
+    """docs/plugins.md teaches it: the example's pyproject (the guide's code block) has a bounded range."""
+    project = tomllib.loads((REPO / "examples" / "qwen3moe" / "pyproject.toml").read_text())["project"]
+    assert "colibri>=0.1,<0.2" in project["dependencies"]
+
+
 def test_tables_name_only_plugin_directories():
     assert sorted(plugins.SHIPPED_PLUGINS.values()) == [f"plugins/{p.name}" for p in PLUGIN_DIRS]
     assert set(plugins.KNOWN_PLUGINS.values()) <= set(plugins.SHIPPED_PLUGINS)
