@@ -1,7 +1,6 @@
 """The plugin contract: discovery, the allow-list, validation that names the distribution,
 misspelt hooks, resolving config.json, and `colibri plugins` importing no model code."""
 import json
-import os
 import subprocess
 import sys
 import types
