@@ -28,7 +28,7 @@
 //           (float32(scale[g]) * xs[g]); L[l] = 0; L[l] += term[g] for g = l, l+8, … in order;
 //           y = tree8(L).
 //     int8: isum[b] = Σ q * xq over block b; term[b] = float(isum[b]) * xs[b]; y = tree8(L) * scale.
-//     fp4:  x laid out per group of 32 (16 even, 16 odd columns); isum[g] = Σ v * xq over group g
+//     fp4:  isum[g] = Σ v * xq over group g of 32 columns
 //           (v = 2 e2m1(q) as above; exact, integer); term[g] = float(isum[g]) * (hs[g] * xs[g / 2])
 //           (two groups per activation block); L[l] = 0; L[l] += term[g] for g = l, l+8, … in order;
 //           y = tree8(L).
@@ -117,15 +117,17 @@ void acts_free(Acts *a) {
     free(a->xs);
     free(a->xsum);
     free(a->xt);
+    free(a->xsum32);
     memset(a, 0, sizeof *a);
 }
 
 // Where column j of a block of 64 goes: in order (ORDER_NATURAL), the 32 even then the 32 odd
-// columns (ORDER_INT4), or per half of 32 the 16 even then the 16 odd ones (ORDER_FP4).
+// columns (ORDER_INT4), or the even columns of its first half, of its second half, then the odd
+// ones of each (ORDER_FP4: [even g | even g+1 | odd g | odd g+1] for its two fp4 groups).
 enum { ORDER_NATURAL, ORDER_INT4, ORDER_FP4 };
 
 static int block_pos(int j, int order) {
-    return order == ORDER_INT4 ? (j & 1) * 32 + j / 2 : order == ORDER_FP4 ? (j / 32) * 32 + (j & 1) * 16 + (j % 32) / 2 : j;
+    return order == ORDER_INT4 ? (j & 1) * 32 + j / 2 : order == ORDER_FP4 ? (j & 1) * 32 + (j / 32) * 16 + (j % 32) / 2 : j;
 }
 
 // One block of up to 64 values quantised to int8: q[block_pos(j)] = rint(x[j] * (127 / absmax)).
@@ -209,6 +211,20 @@ int acts_prepare(Acts *a, const float *x, int n, int cols, int kind, int act) {
             quantize_block(src + (size_t)b * Q8_BLOCK, len,
                            kind == QKIND_INT4 ? ORDER_INT4 : kind == QKIND_FP4 ? ORDER_FP4 : ORDER_NATURAL,
                            a->xq + t * a->stride + (size_t)b * Q8_BLOCK, &a->xs[at], &a->xsum[at]);
+        }
+    }
+    if (kind == QKIND_FP4) {  // per group of 32: the sums the AVX2 kernel's unsigned weights need
+        a->xsum32 = calloc(2 * nt * (size_t)a->nb8 + 1, sizeof(int32_t));
+        if (a->xsum32 == NULL) {
+            acts_free(a);
+            return COLI_ENOMEM;
+        }
+        for (size_t blk = 0; blk < nt * (size_t)a->nb8; blk++) {
+            const int8_t *q = a->xq + blk * Q8_BLOCK;  // [even g | even g+1 | odd g | odd g+1]
+            for (int i = 0; i < 16; i++) {
+                a->xsum32[2 * blk] += q[i] + q[32 + i];
+                a->xsum32[2 * blk + 1] += q[16 + i] + q[48 + i];
+            }
         }
     }
     if (kind == QKIND_INT4 && n > 1) {  // the layout of the several-token int4 row kernels
@@ -389,11 +405,11 @@ static float dot_fp4_q8_portable(const QMatrix *w, int r, const Acts *a, int t) 
     size_t row_bytes = ((size_t)cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
     const uint8_t *sr = (const uint8_t *)w->scales + (size_t)r * (size_t)ngroups;
-    const int8_t *xq = a->xq + (size_t)t * a->stride;  // per group: 16 even, then 16 odd columns
+    const int8_t *xq = a->xq + (size_t)t * a->stride;  // per block: even g, even g+1, odd g, odd g+1
     const float *xs = a->xs + (size_t)t * (size_t)a->nb8;  // per block of 64 = 2 groups
     float L[8] = {0};
     for (int g = 0; g < ngroups; g++) {
-        const int8_t *xe = xq + (size_t)g * 32, *xo = xe + 16;
+        const int8_t *xe = xq + (size_t)(g / 2) * 64 + (size_t)(g % 2) * 16, *xo = xe + 32;
         int32_t isum = 0;
         for (int l = 0; l < 16; l++) {
             size_t at = (size_t)g * 16 + (size_t)l;

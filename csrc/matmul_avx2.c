@@ -459,74 +459,61 @@ AVX2 static inline __m256 fp4_half_scales8(const uint8_t *s) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(v, _mm256_set1_epi32(1)), 23));
 }
 
-// Σ v·xq of one fp4 group (16 bytes at bp) against its 32 activations [16 even | 16 odd], as 8
-// int32 partial sums: the 32 values 2·e2m1 (pshufb) as [even | odd], |v| (u8) x sign(xq, v) (s8)
-// with maddubs — pair sums <= 2 * 12 * 127 fit int16 — then madd.
-AVX2 static inline __m256i fp4_group_isum(const uint8_t *bp, const int8_t *xp) {
-    const __m128i low4 = _mm_set1_epi8(0x0f), twice = _mm_loadu_si128((const __m128i *)FP4_TWICE);
-    __m128i b = _mm_loadu_si128((const __m128i *)bp);
-    __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(b, low4));
-    __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(b, 4), low4));
-    __m256i wv = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-    __m256i xv = _mm256_loadu_si256((const __m256i *)xp);
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)), _mm256_set1_epi16(1));
+// fp4 weights x int8 activations, a chunk of 8 groups (256 columns, 128 weight bytes) at a time.
+// The values 2·e2m1 + 12 (pshufb; 0..24, unsigned) against xq with maddubs — pair sums
+// <= 2 * 24 * 127, two of them <= 12192: fit int16 — then 12 Σxq of the group subtracted (exact in
+// int32): two groups per 32-byte load, [lo g | lo g+1] against the activations' [even g | even
+// g+1] and the high nibbles against [odd g | odd g+1] (acts_prepare's ORDER_FP4).
+static const uint8_t FP4_TWICE_PLUS12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+// The 8 group sums Σ v·xq of a chunk, lane i = group i. wb: the chunk's 128 weight bytes; xp: its
+// 256 activations; xsum32: its 8 groups' Σ xq.
+AVX2 static inline __m256i fp4_chunk_isum(const uint8_t *wb, const int8_t *xp, const int32_t *xsum32) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_TWICE_PLUS12));
+    __m256i v[4];
+    for (int p = 0; p < 4; p++) {  // groups 2p, 2p + 1
+        __m256i b = _mm256_loadu_si256((const __m256i *)(wb + 32 * p));
+        __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(b, low4));
+        __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(b, 4), low4));
+        __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xp + 64 * p))),
+                                     _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 64 * p + 32))));
+        v[p] = _mm256_madd_epi16(s, ones);  // [group 2p: 4 partial sums | group 2p + 1: 4]
+    }
+    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));  // [0 2 4 6 | 1 3 5 7]
+    h = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    __m256i xsum = _mm256_loadu_si256((const __m256i *)xsum32);
+    return _mm256_sub_epi32(h, _mm256_add_epi32(_mm256_slli_epi32(xsum, 3), _mm256_slli_epi32(xsum, 2)));  // - 12 Σxq
 }
 
-// fp4 weights x int8 activations, a chunk of 8 groups (256 columns) at a time: the chunk's 8 group
-// sums as the 8 lanes, term = float(isum) · (hs · xs[g / 2]), L += term.
+// The chunk's term for one token, lanes = groups: float(isum) · (hs · xs[g / 2]).
 AVX2 float dot_fp4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
     int cols = w->cols, ngroups = (cols + FP4_GROUP - 1) / FP4_GROUP;
     size_t row_bytes = ((size_t)cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
     const uint8_t *sr = (const uint8_t *)w->scales + (size_t)r * (size_t)ngroups;
-    const int8_t *xq = a->xq + (size_t)t * a->stride;  // per group: 16 even, then 16 odd columns
+    const int8_t *xq = a->xq + (size_t)t * a->stride;  // per block: even g, even g+1, odd g, odd g+1
     const float *xs = a->xs + (size_t)t * (size_t)a->nb8;
+    const int32_t *xsum32 = a->xsum32 + (size_t)t * 2 * (size_t)a->nb8;
     const __m256i pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);  // group g reads xs[g / 2]
-    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    const __m256i twice2 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_TWICE));
     __m256 L = _mm256_setzero_ps();
     int g0 = 0;
     for (; g0 + 8 <= ngroups && (size_t)(g0 + 8) * 16 <= row_bytes; g0 += 8) {  // whole chunks
         const uint8_t *bp = wr + (size_t)g0 * 16;
         _mm_prefetch((const char *)bp + 2048, _MM_HINT_T0);
         _mm_prefetch((const char *)bp + 2048 + 64, _MM_HINT_T0);
-        const int8_t *xp = xq + (size_t)g0 * 32;
-        __m256i acc[8];
-        for (int i = 0; i < 8; i += 2) {  // two groups per 32-byte load (fp4_group_isum's steps)
-            __m256i b = _mm256_loadu_si256((const __m256i *)(bp + 16 * i));
-            __m256i lo = _mm256_shuffle_epi8(twice2, _mm256_and_si256(b, low4));                         // [g | g+1]
-            __m256i hi = _mm256_shuffle_epi8(twice2, _mm256_and_si256(_mm256_srli_epi16(b, 4), low4));  // [g | g+1]
-            __m256i w0 = _mm256_permute2x128_si256(lo, hi, 0x20), w1 = _mm256_permute2x128_si256(lo, hi, 0x31);
-            __m256i x0 = _mm256_loadu_si256((const __m256i *)(xp + 32 * i));
-            __m256i x1 = _mm256_loadu_si256((const __m256i *)(xp + 32 * i + 32));
-            acc[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(x0, w0)), ones);
-            acc[i + 1] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(x1, w1)), ones);
-        }
+        __m256i isum = fp4_chunk_isum(bp, xq + (size_t)g0 * 32, xsum32 + g0);
         __m256 xs2 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(xs + g0 / 2)), pairs);
         __m256 c = _mm256_mul_ps(fp4_half_scales8(sr + g0), xs2);
-        L = _mm256_add_ps(L, _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_epi32(acc)), c));
+        L = _mm256_add_ps(L, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), c));
     }
-    if (g0 < ngroups) {  // the last, partial chunk: groups past the row add +0
-        __m256i acc[8];
+    if (g0 < ngroups) {  // the last, partial chunk: zero bytes past the row (q = 0), +0 past the groups
+        uint8_t wb[128] = {0};
+        memcpy(wb, wr + (size_t)g0 * 16, row_bytes - (size_t)g0 * 16);
         float c[8];
-        uint8_t tmp[16];
-        for (int i = 0; i < 8; i++) {
-            int g = g0 + i;
-            if (g >= ngroups) {
-                acc[i] = _mm256_setzero_si256();
-                c[i] = 0.0f;
-                continue;
-            }
-            const uint8_t *bp = wr + (size_t)g * 16;
-            if ((size_t)g * 16 + 16 > row_bytes) {
-                memset(tmp, 0, sizeof tmp);
-                memcpy(tmp, bp, row_bytes - (size_t)g * 16);
-                bp = tmp;
-            }
-            acc[i] = fp4_group_isum(bp, xq + (size_t)g * 32);
-            c[i] = fp4_half_scale(sr[g]) * xs[g / 2];
-        }
-        L = _mm256_add_ps(L, _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_epi32(acc)), _mm256_loadu_ps(c)));
+        for (int i = 0; i < 8; i++) c[i] = g0 + i < ngroups ? fp4_half_scale(sr[g0 + i]) * xs[(g0 + i) / 2] : 0.0f;
+        __m256i isum = fp4_chunk_isum(wb, xq + (size_t)g0 * 32, xsum32 + g0);
+        L = _mm256_add_ps(L, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_loadu_ps(c)));
     }
     return tree8_avx2(L);
 }

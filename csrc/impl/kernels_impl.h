@@ -34,11 +34,13 @@ typedef struct {
     // ACT_F32, fp4 weights: per group of 32 columns the 16 even then the 16 odd ones, zeros past cols.
     float *xf;      // [n, stride] or NULL
     // ACT_Q8: q = rint(x * (127 / absmax)) per block of 64; int4 weights: per block the 32 even
-    // then the 32 odd columns; fp4 weights: per half block (a group of 32) the 16 even then the 16
-    // odd columns; int8 weights: natural order; zeros past cols.
+    // then the 32 odd columns; fp4 weights: per block (two groups of 32, g and g+1) the 16 even
+    // columns of g, the 16 even of g+1, the 16 odd of g, the 16 odd of g+1; int8 weights: natural
+    // order; zeros past cols.
     int8_t *xq;     // [n, stride] or NULL
     float *xs;      // [n, nb8] block scale absmax / 127 (NaN for a block holding inf/NaN), zeros past
     int32_t *xsum;  // [n, nb8] sum of the block's q, zeros past
+    int32_t *xsum32;  // ACT_Q8, fp4 weights: [n, 2 * nb8] sum of each group of 32's q, zeros past; else NULL
     // ACT_Q8, int4 weights, n > 1: xq with each chunk of 8 blocks transposed for the several-token
     // row kernels: viewing a chunk as 8 blocks x 16 four-byte words, word w of block b moves to
     // position 8w + b, so one 32-byte vector holds four values of each block.
