@@ -1,0 +1,333 @@
+"""Structured output: which tokens a grammar allows next, from llguidance and the model's own tokenizer.
+
+    vocab = Vocabulary.of(engine)                        # tokenizer.json + the model's vocabulary size
+    c = Constraint.json_schema(vocab, {"type": "object", "properties": {"n": {"type": "integer"}}})
+    c.mask()        # bool (V,): the tokens allowed next (V: the model's vocabulary; ids past the tokenizer's: never)
+    c.advance(t)    # consume a chosen token (ValueError if the grammar does not allow it)
+    c.forced()      # the tokens the grammar forces next ([] if none): drafts that need no model
+    c.rollback(n)   # undo the last n tokens (rejected speculative drafts)
+    c.finished()    # the grammar accepts and allows nothing more (or only end-of-sequence)
+
+A constraint is built for one generation from a JSON object (`{"type": "json_object"}`), a JSON
+schema, a Lark grammar (llguidance's dialect), a GBNF grammar (llama.cpp's, converted by llguidance)
+or a set of tools (`tool_calls`: the answer is text or tool calls in one fixed format, which
+`parse_tool_calls` reads back). A grammar that cannot be compiled is a `ColibriError` carrying the
+compiler's message. JSON is compact by default (no whitespace between tokens: a weak model cannot
+loop on blank lines, and the grammar then forces every key and separator); a schema may ask for
+other separators with llguidance's `"x-guidance"` options.
+
+End-of-sequence tokens (the model's `eos_token_id`) are allowed exactly where the grammar accepts;
+one consumed is kept here, not given to llguidance, so `rollback` undoes it like any other token.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ColibriError
+
+__all__ = ["Constraint", "Vocabulary", "TOOL_OPEN", "TOOL_CLOSE", "parse_tool_calls", "tool_prompt"]
+
+JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON unless the schema's "x-guidance" says otherwise
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"  # the tool-call format (Hermes / Qwen): JSON between tags
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names (and '.')
+
+
+def _llg():
+    import llguidance
+
+    return llguidance
+
+
+class Vocabulary:
+    """The model's tokens as llguidance sees them: its `tokenizer.json`, the size of the model's
+    output (`vocab_size`, which may exceed the tokenizer's: ids past the tokenizer are never
+    allowed) and its end-of-sequence ids."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids=()):
+        from tokenizers import Tokenizer as Raw
+
+        self.eos_ids = tuple(int(i) for i in eos_ids)
+        try:
+            self.n_tokens = Raw.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
+            # an EOS id is required by llguidance; without one the grammar's end is found by `finished`
+            self.tok = _llg().LLTokenizer(tokenizer_json, n_vocab=self.n_tokens,
+                                          eos_token=list(self.eos_ids) or None)
+        except Exception as e:
+            raise ColibriError(f"structured output: llguidance cannot read this tokenizer ({' '.join(str(e).split())[:200]})") from None
+        self.vocab_size = int(vocab_size)
+        self.words = (self.n_tokens + 31) // 32  # the bitmask's 32-bit words
+
+    @classmethod
+    def of(cls, engine) -> Vocabulary:
+        """The engine's model's vocabulary (built once per tokenizer file and size)."""
+        path = Path(engine.model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise ColibriError(f"{engine.model_dir}: no tokenizer.json: structured output needs one")
+        size = getattr(getattr(engine.model, "cfg", None), "vocab_size", None)
+        size = size or engine.tokenizer.tok.get_vocab_size(with_added_tokens=True)
+        st = path.stat()
+        eos = tuple(engine.generation.get("eos_token_id", []))
+        return _vocabulary(str(path), st.st_mtime_ns, st.st_size, int(size), eos)
+
+    @classmethod
+    def from_file(cls, path: str | Path, vocab_size: int | None = None, eos_ids=()) -> Vocabulary:
+        text = Path(path).read_text(encoding="utf-8")
+        v = cls(text, vocab_size or 0, eos_ids)
+        if not vocab_size:
+            v.vocab_size = v.n_tokens
+        return v
+
+
+@functools.lru_cache(maxsize=4)
+def _vocabulary(path: str, mtime_ns: int, size: int, vocab_size: int, eos: tuple) -> Vocabulary:
+    return Vocabulary.from_file(path, vocab_size, eos)
+
+
+class Constraint:
+    """One generation's grammar state (see the module docstring for the protocol)."""
+
+    def __init__(self, vocab: Vocabulary, grammar: str, what: str = "grammar"):
+        llg = _llg()
+        self.vocab, self.what = vocab, what
+        self.matcher = llg.LLMatcher(vocab.tok, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ColibriError(f"the {what} cannot be compiled: {_one_line(self.matcher.get_error())}")
+        self.history: list[int] = []  # tokens advanced, EOS included
+        self.eos_at: int | None = None  # index in history of the EOS that ended the grammar, if any
+        self._mask: np.ndarray | None = None  # of the current state, until it changes
+        self._bits = np.zeros(vocab.words, np.int32)
+
+    # ---- the kinds of grammar --------------------------------------------------------------------
+    @classmethod
+    def json_object(cls, vocab: Vocabulary) -> Constraint:
+        """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
+        return cls(vocab, _llg().LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS),
+                   "JSON object grammar")
+
+    @classmethod
+    def json_schema(cls, vocab: Vocabulary, schema: dict | str | bool) -> Constraint:
+        """JSON valid against `schema` (a dict, or its JSON text)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise ColibriError(f"the JSON schema is not valid JSON ({e})") from None
+        if schema is True:
+            schema = {}
+        if not isinstance(schema, dict):
+            raise ColibriError(f"the JSON schema must be an object, not {type(schema).__name__}")
+        try:
+            grammar = _llg().LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except (ValueError, TypeError) as e:
+            raise ColibriError(f"the JSON schema cannot be compiled: {_one_line(str(e))}") from None
+        return cls(vocab, grammar, "JSON schema")
+
+    @classmethod
+    def lark(cls, vocab: Vocabulary, text: str) -> Constraint:
+        """A Lark grammar in llguidance's dialect (`start` is the top rule; `%json {...}` embeds a schema)."""
+        return cls(vocab, _llg().LLMatcher.grammar_from_lark(text), "Lark grammar")
+
+    @classmethod
+    def gbnf(cls, vocab: Vocabulary, text: str) -> Constraint:
+        """A GBNF grammar (llama.cpp's; `root` is the top rule), converted to Lark by llguidance."""
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            lark = gbnf_to_lark(text)
+        except Exception as e:  # GbnfToLarkError, and plain Exceptions for unknown rules
+            raise ColibriError(f"the GBNF grammar cannot be compiled: {_one_line(str(e))}") from None
+        return cls(vocab, _llg().LLMatcher.grammar_from_lark(lark), "GBNF grammar")
+
+    @classmethod
+    def grammar(cls, vocab: Vocabulary, text: str, kind: str | None = None) -> Constraint:
+        """A Lark or GBNF grammar: `kind` "lark" or "gbnf", else told apart by its content
+        (GBNF defines `root ::=`)."""
+        if kind is None:
+            from llguidance.gbnf_to_lark import is_lark_syntax
+
+            kind = "lark" if is_lark_syntax(text) else "gbnf"
+        if kind not in ("lark", "gbnf"):
+            raise ColibriError(f"unknown grammar kind {kind!r}: lark or gbnf")
+        return cls.lark(vocab, text) if kind == "lark" else cls.gbnf(vocab, text)
+
+    @classmethod
+    def from_file(cls, vocab: Vocabulary, path: str | Path, kind: str) -> Constraint:
+        """`kind` "grammar" (Lark or GBNF: by extension .lark / .gbnf, else by content) or "json_schema"."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ColibriError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+        try:
+            if kind == "json_schema":
+                return cls.json_schema(vocab, text)
+            suffix = path.suffix.lower()
+            return cls.grammar(vocab, text, "lark" if suffix == ".lark" else "gbnf" if suffix == ".gbnf" else None)
+        except ColibriError as e:
+            raise ColibriError(f"{path}: {e}") from None
+
+    @classmethod
+    def tool_calls(cls, vocab: Vocabulary, tools: list[dict], choice: str | dict = "auto",
+                   parallel: bool = True) -> Constraint:
+        """Tool calls in the format `parse_tool_calls` reads: TOOL_OPEN {"name":…,"arguments":{…}}
+        TOOL_CLOSE, each call's arguments valid against its function's parameters. `choice`:
+        "auto" (text, or calls), "required" (calls), or one function's name (one call of it);
+        `parallel`: more than one call allowed."""
+        functions = tool_functions(tools)
+        if isinstance(choice, str) and choice not in ("auto", "required"):
+            functions = [f for f in functions if f["name"] == choice]
+            if not functions:
+                raise ColibriError(f"tool_choice names the function {choice!r}, which is not among the tools")
+            parallel = False
+        call = " | ".join(f"call_{i}" for i in range(len(functions)))
+        rules = [f'start: {"TEXT | calls" if choice == "auto" else "calls"}',
+                 f"calls: call {'(NL? call)*' if parallel else ''}",
+                 f"call: {call}",
+                 'NL: "\\n"',
+                 # text that does not begin a tool call (leading whitespace, then the tag)
+                 rf"TEXT: /(.|\n)*/ & ~/\s*{re.escape(TOOL_OPEN)}(.|\n)*/"]
+        for i, f in enumerate(functions):
+            schema = {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+                      "required": ["name", "arguments"], "additionalProperties": False,
+                      "x-guidance": JSON_OPTIONS}
+            rules.append(f'call_{i}: "{TOOL_OPEN}" NL? %json {json.dumps(schema)} NL? "{TOOL_CLOSE}"')
+        return cls(vocab, _llg().LLMatcher.grammar_from_lark("\n".join(rules)), "tools' grammar")
+
+    # ---- the protocol the engine calls -------------------------------------------------------------
+    def mask(self) -> np.ndarray:
+        """The tokens allowed next, bool (V,) (read-only; the same array until the state changes)."""
+        if self._mask is None:
+            v = self.vocab
+            allowed = np.zeros(v.vocab_size, bool)
+            if self.eos_at is None:
+                self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+                bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:v.n_tokens].astype(bool)
+                n = min(v.n_tokens, v.vocab_size)
+                allowed[:n] = bits[:n]
+            allowed.flags.writeable = False
+            self._mask = allowed
+        return self._mask
+
+    def advance(self, token: int) -> None:
+        """Consume `token`; a token the grammar does not allow now is a ValueError (nothing changes)."""
+        token = int(token)
+        if not (0 <= token < self.vocab.vocab_size and self.mask()[token]):
+            raise ValueError(f"token {token} is not allowed by the {self.what} here")
+        if token in self.vocab.eos_ids:
+            self.eos_at = len(self.history)  # the end: kept here, llguidance is not told
+        elif not self.matcher.consume_token(token):
+            raise ValueError(f"token {token} is not allowed by the {self.what} here: "
+                             f"{_one_line(self.matcher.get_error())}")
+        self.history.append(token)
+        self._mask = None
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` advanced tokens."""
+        if not 0 <= n <= len(self.history):
+            raise ValueError(f"cannot roll back {n} tokens: {len(self.history)} were advanced")
+        if n == 0:
+            return
+        keep = len(self.history) - n
+        given = n
+        if self.eos_at is not None and self.eos_at >= keep:
+            self.eos_at, given = None, n - 1  # the EOS was never given to llguidance
+        if given and not self.matcher.rollback(given):
+            raise ValueError(f"llguidance cannot roll back {given} tokens: {_one_line(self.matcher.get_error())}")
+        del self.history[keep:]
+        self._mask = None
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward tokens), [] if none."""
+        if self.eos_at is not None or self.matcher.is_stopped():
+            return []
+        out = []
+        for t in self.matcher.compute_ff_tokens():
+            if t >= self.vocab.vocab_size:
+                break
+            out.append(int(t))
+        return out
+
+    def finished(self) -> bool:
+        """Generation must stop: an EOS was consumed, or the grammar allows nothing more but EOS."""
+        return self.eos_at is not None or self.matcher.is_stopped()
+
+    def accepting(self) -> bool:
+        """What was generated is a whole sentence of the grammar (it may still go on)."""
+        return self.eos_at is not None or self.matcher.is_accepting()
+
+
+def _one_line(message: str) -> str:
+    """llguidance's messages (which may span lines, with a caret under the error) as one line."""
+    return " ".join(message.split())[:600]
+
+
+# ---- tools --------------------------------------------------------------------------------------------
+def tool_functions(tools: list[dict]) -> list[dict]:
+    """OpenAI's `tools` ({"type": "function", "function": {"name", "parameters", …}}) as
+    [{"name", "description", "parameters"}]; a malformed tool is a ColibriError naming it."""
+    out, seen = [], set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise ColibriError(f"'{where}' must be a function tool: {{\"type\": \"function\", \"function\": {{...}}}}")
+        f = tool.get("function")
+        if not isinstance(f, dict):
+            raise ColibriError(f"'{where}.function' must be an object with a 'name'")
+        name = f.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            raise ColibriError(f"'{where}.function.name' must be 1 to 64 letters, digits, '_', '-' or '.', "
+                               f"got {name!r}"[:200])
+        if name in seen:
+            raise ColibriError(f"'{where}.function.name': the function {name!r} is defined twice")
+        seen.add(name)
+        params = f.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}, "additionalProperties": False}
+        if not isinstance(params, dict):
+            raise ColibriError(f"'{where}.function.parameters' must be a JSON schema (an object)")
+        description = f.get("description")
+        out.append({"name": name, "description": description if isinstance(description, str) else "",
+                    "parameters": params})
+    if not out:
+        raise ColibriError("'tools' is empty")
+    return out
+
+
+def tool_prompt(tools: list[dict], choice: str | dict = "auto") -> str:
+    """A system message that teaches the tool-call format, for chat templates that ignore `tools`."""
+    lines = ["You can call these functions. To call one, answer with",
+             f'{TOOL_OPEN}{{"name": <function name>, "arguments": <its arguments as a JSON object>}}{TOOL_CLOSE}',
+             "(one such block per call), and nothing else. Functions:"]
+    for f in tool_functions(tools):
+        lines.append(json.dumps({"name": f["name"], "description": f["description"], "parameters": f["parameters"]},
+                                ensure_ascii=False))
+    if choice == "required":
+        lines.append("You must call at least one function.")
+    elif isinstance(choice, str) and choice != "auto":
+        lines.append(f"You must call the function {choice}.")
+    return "\n".join(lines)
+
+
+_CALL = re.compile(rf"{re.escape(TOOL_OPEN)}\s*(.*?)\s*{re.escape(TOOL_CLOSE)}", re.S)
+
+
+def parse_tool_calls(text: str) -> list[dict] | None:
+    """The calls in an answer made under `Constraint.tool_calls`: [{"name", "arguments" (a dict)}],
+    or None if the answer is text (or a call cut short, which is no call)."""
+    if not text.lstrip().startswith(TOOL_OPEN):
+        return None
+    calls = []
+    for body in _CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except ValueError:
+            return None
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict)):
+            return None
+        calls.append({"name": call["name"], "arguments": call["arguments"]})
+    return calls or None

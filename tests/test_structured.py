@@ -1,0 +1,305 @@
+"""Structured output (colibri_core/structured.py) on the bundled demo model's tokenizer: masks,
+forced tokens, rollback, every grammar kind, compile errors, and the demo model (a bad JSON writer)
+made to write valid JSON by the mask."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from colibri_core.demo import demo_model
+from colibri_core.errors import ColibriError
+from colibri_core.structured import TOOL_CLOSE, TOOL_OPEN, Constraint, Vocabulary, parse_tool_calls, tool_prompt
+
+EOS = 0  # the demo model's end-of-sequence id
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "bb"]}, "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                              "parameters": {"type": "object",
+                                                             "properties": {"city": {"type": "string", "maxLength": 16},
+                                                                            "unit": {"enum": ["c", "f"]}},
+                                                             "required": ["city", "unit"], "additionalProperties": False}}},
+           {"type": "function", "function": {"name": "now"}}]
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Vocabulary:
+    return Vocabulary.from_file(demo_model() / "tokenizer.json", 2048, [EOS])
+
+
+def ids_of(vocab: Vocabulary, text: str) -> list[int]:
+    return vocab.tok.tokenize_str(text)
+
+
+def text_of(vocab: Vocabulary, ids) -> str:
+    return vocab.tok.decode_str([t for t in ids if t != EOS])
+
+
+def walk(c: Constraint, ids) -> None:
+    for t in ids:
+        c.advance(t)  # checks the mask: ValueError if the token is not allowed
+
+
+# ---- the protocol ---------------------------------------------------------------------------------
+def test_mask_is_the_models_vocabulary_and_forced_tokens_are_the_scaffolding(vocab):
+    c = Constraint.json_schema(vocab, PERSON)
+    m = c.mask()
+    assert m.shape == (2048,) and m.dtype == bool and not m.flags.writeable
+    assert np.flatnonzero(m).tolist() == ids_of(vocab, "{")  # compact JSON: only '{' may open it
+    assert text_of(vocab, c.forced()) == '{"name":"'  # the first key is required: forced with its quote
+    assert not c.finished() and not c.accepting()
+    assert not m[EOS]  # nothing is whole yet: no end of sequence
+
+
+def test_forced_tokens_are_allowed_one_by_one_and_empty_where_the_model_chooses(vocab):
+    c = Constraint.json_schema(vocab, PERSON)
+    walk(c, c.forced())
+    assert c.forced() == []  # inside the name: the model's choice
+    walk(c, ids_of(vocab, 'Abel"'))
+    assert text_of(vocab, c.forced()) == ',"age":'
+
+
+def test_advance_refuses_what_the_grammar_does_not_allow_and_changes_nothing(vocab):
+    c = Constraint.json_schema(vocab, PERSON)
+    before = c.mask().copy()
+    for bad in (ids_of(vocab, "[")[0], EOS, -1, 2048, 10**9):
+        with pytest.raises(ValueError):
+            c.advance(bad)
+    assert c.history == [] and np.array_equal(c.mask(), before)
+
+
+def test_a_model_vocabulary_larger_than_the_tokenizer_never_allows_the_extra_ids():
+    big = Vocabulary.from_file(demo_model() / "tokenizer.json", 2100, [EOS])
+    c = Constraint.json_object(big)
+    assert c.mask().shape == (2100,) and not c.mask()[2048:].any()
+    with pytest.raises(ValueError):
+        c.advance(2050)
+    walk(c, ids_of(big, '{"a":1}'))
+    assert c.finished() and not c.mask()[2048:].any() and c.mask()[EOS]
+
+
+def test_eos_only_where_the_grammar_accepts_and_finished_after_it(vocab):
+    c = Constraint.lark(vocab, 'start: "(" /c+/')
+    walk(c, ids_of(vocab, "("))
+    assert not c.mask()[EOS] and not c.accepting()
+    walk(c, ids_of(vocab, "cc"))
+    assert c.mask()[EOS] and c.accepting() and not c.finished()  # more c's may follow
+    c.advance(EOS)
+    assert c.finished() and not c.mask().any() and c.forced() == []
+    with pytest.raises(ValueError):
+        c.advance(ids_of(vocab, "c")[0])
+
+
+def test_rollback_restores_every_earlier_state_exactly(vocab):
+    doc = '{"name":"Cain","age":42,"tags":["a","bb"]}'
+    c = Constraint.json_schema(vocab, PERSON)
+    ids = ids_of(vocab, doc) + [EOS]
+    states = []
+    for t in ids:
+        states.append((c.mask().copy(), c.forced(), c.finished()))
+        c.advance(t)
+    states.append((c.mask().copy(), c.forced(), c.finished()))
+    assert c.finished() and json.loads(text_of(vocab, c.history)) == json.loads(doc)
+    for k in (1, 2, 5, len(ids) - 3, len(ids)):  # the EOS, then deeper, then everything
+        d = Constraint.json_schema(vocab, PERSON)
+        walk(d, ids)
+        d.rollback(k)
+        mask, forced, finished = states[len(ids) - k]
+        assert d.history == ids[:len(ids) - k]
+        assert np.array_equal(d.mask(), mask) and d.forced() == forced and d.finished() == finished
+        walk(d, ids[len(ids) - k:])  # and it goes on as before
+        assert d.finished()
+
+
+def test_rollback_of_rejected_drafts_at_every_position(vocab):
+    """As speculative decoding uses it: advance a draft, roll back its rejected tail, advance the
+    model's own token instead."""
+    doc = ids_of(vocab, '{"name":"Seth","age":7,"tags":[]}')
+    for cut in range(len(doc)):
+        c = Constraint.json_schema(vocab, PERSON)
+        walk(c, doc)
+        c.rollback(len(doc) - cut)
+        walk(c, doc[cut:])
+        assert c.finished() and c.history == doc
+
+
+def test_rollback_refuses_more_than_was_advanced(vocab):
+    c = Constraint.json_object(vocab)
+    walk(c, ids_of(vocab, "{}"))
+    with pytest.raises(ValueError):
+        c.rollback(3)
+    with pytest.raises(ValueError):
+        c.rollback(-1)
+    c.rollback(0)
+    assert c.finished()
+    c.rollback(2)
+    assert c.history == [] and c.mask()[ids_of(vocab, "{")[0]]
+
+
+# ---- the grammar kinds ------------------------------------------------------------------------------
+def test_json_object_accepts_any_object_and_only_objects(vocab):
+    c = Constraint.json_object(vocab)
+    assert not c.mask()[ids_of(vocab, "[")[0]]
+    walk(c, ids_of(vocab, '{"a":[1,2.5,{"b":null}],"c":"x y","d":true}'))
+    assert c.finished()  # the object is closed: nothing may follow but the end
+
+
+def test_json_schema_from_text_and_with_its_own_whitespace_options(vocab):
+    c = Constraint.json_schema(vocab, json.dumps(PERSON))
+    walk(c, ids_of(vocab, '{"name":"x","age":1,"tags":[]}'))
+    assert c.finished()
+    loose = {**PERSON, "x-guidance": {"whitespace_flexible": True}}
+    c = Constraint.json_schema(vocab, loose)
+    walk(c, ids_of(vocab, '{ "name": "x",\n "age": 1, "tags": [ ] }'))
+    assert c.accepting()
+
+
+def test_lark_and_gbnf_and_told_apart_by_content(vocab):
+    lark = 'start: ("yes" | "no") " " WORD\nWORD: /[a-z]{1,5}/'
+    gbnf = 'root ::= ("yes" | "no") " " [a-z]{1,5}'
+    for c in (Constraint.lark(vocab, lark), Constraint.gbnf(vocab, gbnf), Constraint.grammar(vocab, lark),
+              Constraint.grammar(vocab, gbnf)):
+        assert not c.mask()[ids_of(vocab, "m")[0]]
+        walk(c, ids_of(vocab, "no abc"))
+        assert c.accepting()
+        walk(c, ids_of(vocab, "de"))
+        assert c.finished()  # five letters: nothing more
+
+
+def test_grammar_files_by_extension_or_content(vocab, tmp_path):
+    (tmp_path / "g.lark").write_text('start: "a"+')
+    (tmp_path / "g.gbnf").write_text('root ::= "a"+')
+    (tmp_path / "g.txt").write_text('root ::= "a"+')
+    (tmp_path / "s.json").write_text(json.dumps(PERSON))
+    for name in ("g.lark", "g.gbnf", "g.txt"):
+        c = Constraint.from_file(vocab, tmp_path / name, "grammar")
+        walk(c, ids_of(vocab, "aaa"))
+        assert c.accepting()
+    c = Constraint.from_file(vocab, tmp_path / "s.json", "json_schema")
+    assert text_of(vocab, c.forced()) == '{"name":"'
+    with pytest.raises(ColibriError, match="cannot read"):
+        Constraint.from_file(vocab, tmp_path / "missing.lark", "grammar")
+    (tmp_path / "bad.gbnf").write_text('root ::= "a" | foo')  # a GBNF file read as GBNF, and wrong
+    with pytest.raises(ColibriError, match="bad.gbnf.*GBNF grammar cannot be compiled"):
+        Constraint.from_file(vocab, tmp_path / "bad.gbnf", "grammar")
+
+
+def test_tool_calls_required_named_and_auto(vocab):
+    call = f'{TOOL_OPEN}{{"name":"get_weather","arguments":{{"city":"Ur","unit":"c"}}}}{TOOL_CLOSE}'
+    c = Constraint.tool_calls(vocab, WEATHER, "required")
+    assert text_of(vocab, c.forced()) == TOOL_OPEN
+    walk(c, ids_of(vocab, call + "\n" + f'{TOOL_OPEN}{{"name":"now","arguments":{{}}}}{TOOL_CLOSE}'))
+    assert c.accepting() and c.mask()[EOS]
+    assert parse_tool_calls(text_of(vocab, c.history)) == [
+        {"name": "get_weather", "arguments": {"city": "Ur", "unit": "c"}}, {"name": "now", "arguments": {}}]
+
+    c = Constraint.tool_calls(vocab, WEATHER, "get_weather")  # one call of that function
+    assert text_of(vocab, c.forced()) == TOOL_OPEN  # then an optional newline: the model's choice
+    walk(c, ids_of(vocab, call))
+    assert c.finished()
+    c = Constraint.tool_calls(vocab, WEATHER, "get_weather")
+    with pytest.raises(ValueError):
+        walk(c, ids_of(vocab, f'{TOOL_OPEN}{{"name":"now"'))
+
+    c = Constraint.tool_calls(vocab, WEATHER, "auto")  # text, or calls
+    walk(c, ids_of(vocab, "It is warm."))
+    assert c.accepting() and parse_tool_calls(text_of(vocab, c.history)) is None
+    c = Constraint.tool_calls(vocab, WEATHER, "auto", parallel=False)
+    walk(c, ids_of(vocab, call))
+    assert c.finished()  # one call only
+
+
+def test_tool_calls_arguments_follow_the_parameters(vocab):
+    c = Constraint.tool_calls(vocab, WEATHER, "required")
+    with pytest.raises(ValueError):
+        walk(c, ids_of(vocab, f'{TOOL_OPEN}{{"name":"get_weather","arguments":{{"city":"Ur","unit":"k"'))
+
+
+def test_parse_tool_calls():
+    assert parse_tool_calls("hello") is None
+    assert parse_tool_calls(f'{TOOL_OPEN}{{"name":"f","arguments":{{"a":1}}') is None  # cut short
+    assert parse_tool_calls(f' {TOOL_OPEN}\n{{"name":"f","arguments":{{"a":[1]}}}}\n{TOOL_CLOSE}') == [
+        {"name": "f", "arguments": {"a": [1]}}]
+    assert "get_weather" in tool_prompt(WEATHER, "required") and TOOL_OPEN in tool_prompt(WEATHER)
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "foo"}, "Invalid type: foo"),
+    ({"type": "string", "pattern": "(("}, "unclosed group"),
+    ({"type": "integer", "minimum": 5, "maximum": 2}, "Unsatisfiable schema"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/nope"}}}, "/nope"),
+    ("[1", "not valid JSON"),
+    ([1], "must be an object"),
+])
+def test_a_schema_that_cannot_be_compiled_says_why(vocab, schema, message):
+    with pytest.raises(ColibriError, match="JSON schema") as e:
+        Constraint.json_schema(vocab, schema)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_grammars_that_cannot_be_compiled_say_why(vocab):
+    with pytest.raises(ColibriError, match=r'Lark grammar cannot be compiled: .*unknown name: "foo"'):
+        Constraint.lark(vocab, "start: foo")
+    with pytest.raises(ColibriError, match="GBNF grammar cannot be compiled: .*foo"):
+        Constraint.gbnf(vocab, 'root ::= "a" | foo')
+    with pytest.raises(ColibriError, match="unknown grammar kind"):
+        Constraint.grammar(vocab, "start: foo", "yacc")
+
+
+@pytest.mark.parametrize("tools, choice, message", [
+    (WEATHER, "nope", "not among the tools"),
+    ([], "auto", "empty"),
+    ([{"type": "retrieval"}], "auto", "function tool"),
+    ([{"type": "function", "function": {"name": "bad name"}}], "auto", "tools\\[0\\].function.name"),
+    ([{"type": "function", "function": {"name": "f"}}] * 2, "auto", "defined twice"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}], "auto", "Invalid type"),
+])
+def test_bad_tools_are_one_line(vocab, tools, choice, message):
+    with pytest.raises(ColibriError, match=message):
+        Constraint.tool_calls(vocab, tools, choice)
+
+
+# ---- on the demo model --------------------------------------------------------------------------------
+def constrained_greedy(engine, prompt: str, c: Constraint, max_tokens: int) -> str:
+    """The engine under a constraint: Engine.stream's `constraint=` where it is there, else the
+    same masked greedy loop over the model's forward pass."""
+    ids = engine.tokenizer.encode(prompt)
+    out = []
+    session = engine.new_session()
+    logits = engine._feed(session, ids)
+    for _ in range(max_tokens):
+        if c.finished():
+            break
+        token = int(np.argmax(np.where(c.mask(), logits, -np.inf)))
+        c.advance(token)
+        out.append(token)
+        if token == EOS:
+            break
+        logits = engine._feed(session, ids + out)
+    return engine.tokenizer.decode(out)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from colibri_core.engine import load
+
+    e = load(demo_model(), usage=False)
+    yield e
+    e.close()
+
+
+def test_the_demo_model_writes_invalid_json_alone_and_valid_json_under_the_schema(engine, vocab):
+    prompt = "And the LORD said unto Moses,"
+    free = engine.tokenizer.decode(engine.generate(engine.tokenizer.encode(prompt), 30))
+    with pytest.raises(ValueError):
+        json.loads(free)
+    text = constrained_greedy(engine, prompt, Constraint.json_schema(vocab, PERSON), 80)
+    jsonschema.validate(json.loads(text), PERSON)
+    c = Constraint.tool_calls(vocab, WEATHER, "required", parallel=False)
+    calls = parse_tool_calls(constrained_greedy(engine, prompt, c, 80))
+    assert calls and calls[0]["name"] in ("get_weather", "now")
