@@ -10,6 +10,7 @@ import os
 import resource
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Iterator
 
@@ -21,7 +22,9 @@ from .container.native import NativeCheckpoint, is_checkpoint
 from .container.reader import MANIFEST
 from .convert import parse_config, read_config
 from .errors import ColibriError
-from .generate import sample
+from .drafting import AUTO_MIN_ACCEPTANCE, AUTO_RETRY, DRAFT_MODES, DraftCounters
+from .generate import sample, verify_draft
+from .kernels.deltanet import EXACT_BATCH
 from .kv.session import PersistentSession, SessionWarning
 from .model import MoEModel, Weights
 from .probe import Probe
@@ -93,6 +96,8 @@ class Engine:
         self._tokenizer: Tokenizer | None = None
         self.probe = Probe(self.container.n_experts)  # seconds per section, routing per (layer, expert)
         self._sessions: dict[str, PersistentSession] = {}
+        self.drafting = DraftCounters()  # speculative decoding: drafted, accepted, tokens per forward
+        self._drafters = weakref.WeakKeyDictionary()  # session -> (its state, {name: Drafter or None})
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_seconds": 0.0,
                          "decode_seconds": 0.0, "time_to_first_token": 0.0}
 
@@ -150,20 +155,96 @@ class Engine:
         self.store.end_turn()
         return out
 
-    def _feed(self, session: Session, ids: list[int]) -> np.ndarray:
-        """Bring `session` to `ids` (reusing the longest cached prefix); logits of the last token (V,).
-        A forward that fails leaves the state half-fed: `stream` puts the session back."""
+    def _feed(self, session: Session, ids: list[int], last_only: bool = True) -> np.ndarray:
+        """Bring `session` to `ids` (reusing the longest cached prefix); logits of the last token (V,),
+        or of every token fed (T, V). The session's drafters see the model's hidden states. A forward
+        that fails leaves the state half-fed: `stream` puts the session back."""
         n = len(session.ids)
         if not (n < len(ids) and ids[:n] == session.ids):
             session.state, session.ids, n = self.model.new_state(), [], 0
         with kernels.activations(self.activations), self.probe.listening():
-            logits = self.model.forward(np.asarray(ids[n:], np.int64), session.state, last_only=True)
+            logits = self.model.forward(np.asarray(ids[n:], np.int64), session.state, last_only=last_only)
         session.ids = list(ids)
-        return logits[-1]
+        for drafter in self._session_drafters(session).values():
+            if drafter is not None:
+                drafter.observe(n, getattr(self.model, "last_hidden", None))
+        return logits[-1] if last_only else logits
+
+    def _session_drafters(self, session) -> dict:
+        """The drafters of `session` ({name: Drafter, or None where one does not apply}), built anew
+        when the session's state is (a fresh sequence)."""
+        state, drafters = self._drafters.get(session, (None, None))
+        if drafters is None or state is not session.state:
+            registry = plugins.registry().drafters()
+            drafters = {name: info.factory(self.model) for name, info in registry.items()}
+            self._drafters[session] = (session.state, drafters)
+        return drafters
+
+    def _choose_drafters(self, session, draft: str, constraint) -> list:
+        """The drafters to ask this step, in order: the grammar's forced tokens first (free), then the
+        others; `auto` leaves out one whose recent acceptance does not repay verifying it, and tries
+        it again every AUTO_RETRY forwards."""
+        if draft == "off":
+            return []
+        drafters = self._session_drafters(session)
+        if draft != "auto":
+            return [drafters[draft]] if drafters.get(draft) is not None else []
+        chosen = [] if constraint is None or drafters.get("grammar") is None else [drafters["grammar"]]
+        for name, d in drafters.items():
+            if d is None or name == "grammar":
+                continue
+            if self.drafting.acceptance.get(name, 1.0) >= AUTO_MIN_ACCEPTANCE or self.drafting.forwards % AUTO_RETRY == 0:
+                chosen.append(d)
+        return chosen
+
+    @staticmethod
+    def _masked(logits: np.ndarray, constraint) -> np.ndarray:
+        return logits if constraint is None else np.where(constraint.mask(), logits, np.float32(-np.inf))
+
+    def _step(self, session, ids: list[int], drafters: list, constraint, rng, sampling: tuple, remaining: int,
+              stop: set) -> tuple[list[int], int | None]:
+        """Feed ids[-1], with the first drafter's proposals after it: (the drafts accepted, the token chosen
+        after them, or None where an accepted draft ends the generation: a stop id, the grammar done)."""
+        limit = min(remaining - 1, EXACT_BATCH - 1)  # never past max_new_tokens; one exact forward
+        name, drafts = None, []
+        for drafter in drafters if limit > 0 else ():
+            drafts = [int(t) for t in drafter.propose(ids, limit, constraint)][:limit]
+            if drafts:
+                name = drafter.name
+                break
+        self.drafting.forwards += 1
+        if not drafts:
+            self.drafting.tokens += 1
+            return [], sample(self._masked(self._feed(session, ids), constraint), rng, *sampling)
+        kept, kept_ids = session.state.arrays(), list(session.ids)  # the rollback point (views / copies)
+        logits = self._feed(session, ids + drafts, last_only=False)[-1 - len(drafts):]  # (1 + d, V)
+        accepted, token = [], None
+        for i, d in enumerate(drafts):
+            ok, choice = verify_draft(self._masked(logits[i], constraint), d, rng, *sampling)
+            if not ok:
+                token = choice
+                break
+            accepted.append(d)
+            if constraint is not None:
+                constraint.advance(d)
+            if d in stop or (constraint is not None and constraint.finished()):
+                break
+        else:
+            token = sample(self._masked(logits[-1], constraint), rng, *sampling)
+        self.drafting.record(name, len(drafts), len(accepted))
+        self.drafting.tokens += 1 + len(accepted)
+        if len(accepted) < len(drafts):  # roll back: the state before the forward, then ids[-1] + accepted again
+            state = self.model.new_state()
+            state.load_arrays(kept)
+            self._drafters[session] = (state, self._drafters[session][1])  # the same sequence: its drafters stay
+            session.state, session.ids = state, kept_ids
+            self._feed(session, ids + accepted)  # a short forward: bit for bit what the verification computed
+        return accepted, token
 
     def stream(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, *, stop_ids=None,
-               session: Session | PersistentSession | str | None = None) -> Iterator[int]:
+               session: Session | PersistentSession | str | None = None, constraint=None,
+               draft: str = "auto") -> Iterator[int]:
         """Yield new token ids one by one. Stops after `max_new_tokens` or a stop id (yielded).
 
         `stop_ids` defaults to generation_config.json's eos_token_id; pass () to never stop early.
@@ -171,10 +252,17 @@ class Engine:
         what the session already holds. A persistent session (`open_session`, or its name) is
         saved when the call ends (also when the caller stops iterating early). A call that fails
         (a read error, MemoryError, Ctrl-C) leaves the session as it was before it, unsaved.
+        `constraint` (colibri_core.structured): only the tokens it allows are sampled, and generation
+        ends when it is finished. `draft` (colibri_core.drafting): "auto" (the grammar's forced tokens
+        and the model's MTP head while it pays), "mtp", "grammar" or "off"; drafting never changes
+        a greedy token, and keeps the sampled distribution.
         """
         prompt_ids = [int(i) for i in prompt_ids]
         if not prompt_ids:
             raise ColibriError("the prompt is empty")
+        if draft not in DRAFT_MODES and draft not in plugins.registry().drafters():
+            raise ColibriError(f"unknown draft mode {draft!r}: choose one of {', '.join(DRAFT_MODES)} or a "
+                               f"registered drafter ({', '.join(plugins.registry().drafters())})")
         stop = set(self.generation.get("eos_token_id", []) if stop_ids is None else stop_ids)
         if isinstance(session, str):
             session = self.open_session(session)
@@ -184,6 +272,7 @@ class Engine:
         kept_ids = list(session.ids)
         kept = session.state.arrays() if kept_ids else None  # a fresh state is put back as a fresh one
         rng = np.random.default_rng(seed)
+        sampling = (temperature, top_p, top_k)
         t0 = time.perf_counter()
         ids = list(prompt_ids)
         save = getattr(session, "save", lambda: None)
@@ -191,17 +280,26 @@ class Engine:
             logits = self._feed(session, prompt_ids)
             self.counters["prompt_tokens"] += len(prompt_ids)
             self.counters["prefill_seconds"] += time.perf_counter() - t0
-            for i in range(max_new_tokens):
-                token = sample(logits, rng, temperature, top_p, top_k)
-                if i == 0:
+            pending = [sample(self._masked(logits, constraint), rng, *sampling)]  # chosen, to yield in order
+            produced = 0
+            while pending:
+                token = pending.pop(0)
+                if produced == 0:
                     self.counters["time_to_first_token"] = time.perf_counter() - t0
+                produced += 1
                 self.counters["generated_tokens"] += 1
                 yield token
                 ids.append(token)
-                if token in stop or i + 1 == max_new_tokens:
+                if constraint is not None and not pending:  # an accepted draft was advanced when verified
+                    constraint.advance(token)
+                if token in stop or produced == max_new_tokens or (constraint is not None and constraint.finished()):
                     break
+                if pending:
+                    continue
                 t1 = time.perf_counter()
-                logits = self._feed(session, ids)
+                accepted, after = self._step(session, ids, self._choose_drafters(session, draft, constraint),
+                                             constraint, rng, sampling, max_new_tokens - produced, stop)
+                pending = accepted + ([] if after is None else [after])
                 self.counters["decode_seconds"] += time.perf_counter() - t1
         except GeneratorExit:  # the caller stopped early: the state is whole, keep the turn
             save()
@@ -218,10 +316,11 @@ class Engine:
         self.store.end_turn()  # only after a whole turn: routing history, hot-store revision
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, *, stop_ids=None, session=None) -> list[int]:
-        """New token ids only (temperature 0 is greedy); `session` as for `stream`."""
+                 top_k: int = 0, seed: int | None = None, *, stop_ids=None, session=None, constraint=None,
+                 draft: str = "auto") -> list[int]:
+        """New token ids only (temperature 0 is greedy); `session`, `constraint`, `draft` as for `stream`."""
         return list(self.stream(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop_ids=stop_ids,
-                                session=session))
+                                session=session, constraint=constraint, draft=draft))
 
     def stats(self) -> dict:
         c = self.counters
@@ -230,6 +329,7 @@ class Engine:
             **c,
             "decode_tokens_per_second": decoded / c["decode_seconds"] if c["decode_seconds"] else 0.0,
             **self.store.stats(),
+            **self.drafting.stats(),
             **{f"{name}_seconds": s for name, s in list(self.probe.seconds.items())},  # attention, moe, disk
             "resident_bytes": self.resident_bytes,
             "ram_budget": self.split.budget,

@@ -4,11 +4,9 @@ from __future__ import annotations
 import numpy as np
 
 
-def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.0,
-           top_p: float = 1.0, top_k: int = 0) -> int:
-    """One token id from logits (V,). Temperature 0 is greedy (ties go to the lowest id)."""
-    if temperature <= 0:
-        return int(np.argmax(logits))
+def distribution(logits: np.ndarray, temperature: float, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
+    """The probabilities (V,) float64 that `sample` draws from at temperature > 0: softmax of
+    logits / temperature, restricted to the top_k and then to the smallest set reaching top_p."""
     z = logits.astype(np.float64) / temperature
     if top_k > 0:
         kth = np.partition(z, -top_k)[-top_k] if top_k < z.size else -np.inf
@@ -22,4 +20,31 @@ def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.
         mask = np.zeros_like(probs)
         mask[keep] = probs[keep]
         probs = mask / mask.sum()
+    return probs
+
+
+def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.0,
+           top_p: float = 1.0, top_k: int = 0) -> int:
+    """One token id from logits (V,). Temperature 0 is greedy (ties go to the lowest id)."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    probs = distribution(logits, temperature, top_p, top_k)
     return int(rng.choice(probs.size, p=probs))
+
+
+def verify_draft(logits: np.ndarray, draft: int, rng: np.random.Generator, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0) -> tuple[bool, int]:
+    """Speculative sampling of a deterministic draft: (accepted, token). Greedy: accepted iff the draft
+    is the argmax (the token is the argmax either way). Sampling: accepted with probability p(draft),
+    else a token from p with the draft removed — overall exactly the distribution `sample` draws from."""
+    if temperature <= 0:
+        token = int(np.argmax(logits))
+        return token == draft, token
+    probs = distribution(logits, temperature, top_p, top_k)
+    if rng.random() < probs[draft]:
+        return True, draft
+    rest = probs.copy()
+    rest[draft] = 0.0
+    if rest.sum() <= 0:  # p(draft) = 1 and the uniform draw still fell above it (rounding): keep it
+        return True, draft
+    return False, int(rng.choice(rest.size, p=rest / rest.sum()))

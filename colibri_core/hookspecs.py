@@ -59,3 +59,14 @@ def colibri_register_cache_policies(register):
         `colibri_core.store.policies.CachePolicy` (one per MoE layer). The core's own ``lru``
         (the default) and ``lfu`` are registered through this same hook.
     """
+
+
+@hookspec
+def colibri_register_drafters(register):
+    """Register draft providers for speculative decoding (``--draft NAME``).
+
+    :param register: call ``register(name, factory, description="")`` once per drafter. ``name``
+        is lower_snake_case and unique; ``factory(model)`` returns a `colibri_core.drafting.Drafter`
+        for a loaded model, or None where it does not apply. The core's own ``grammar`` and ``mtp``
+        are registered through this same hook.
+    """

@@ -217,6 +217,11 @@ class Registry:
 
         self._core_policies = policies
         self.pm.register(policies, name="colibri-core-policies")
+        self._drafters = None  # name -> DrafterInfo, collected on first use
+        from . import drafting  # the core's own drafters, registered like a plugin's
+
+        self._core_drafters = drafting
+        self.pm.register(drafting, name="colibri-core-drafters")
         if os.environ.get("COLIBRI_TRACE_PLUGINS"):
             self.pm.trace.root.setwriter(lambda msg: print(msg, end="", file=sys.stderr))
             self.pm.enable_tracing()
@@ -359,6 +364,33 @@ class Registry:
         if name not in policies:
             raise ColibriError(f"unknown cache policy {name!r}: choose one of {', '.join(sorted(policies))}")
         return policies[name]
+
+    # ---- drafters ------------------------------------------------------------------------
+    def drafters(self) -> dict:
+        """Every registered drafter by name (`colibri_core.drafting.DrafterInfo`), the core's first."""
+        if self._drafters is not None:
+            return self._drafters
+        from .drafting import DrafterInfo
+
+        found: dict[str, DrafterInfo] = {}
+        sources = [("colibri", "", self._core_drafters)] + [
+            (p.distribution, p.version, p.module) for p in self.plugins.values()]
+        for dist, version, module in sources:
+            where = f"plugin {dist} {version}".rstrip()
+
+            def register(name, factory, description="", where=where, dist=dist) -> None:
+                if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+                    raise ColibriError(f"{where}: drafter name {name!r} must be lower_snake_case")
+                if not callable(factory):
+                    raise ColibriError(f"{where}: drafter {name}: factory {factory!r} is not callable")
+                if name in found:
+                    raise ColibriError(f"{where}: drafter {name} is already registered by {found[name].plugin}")
+                found[name] = DrafterInfo(name, factory, str(description), dist)
+
+            others = [p for p in self.pm.get_plugins() if p is not module]
+            self.pm.subset_hook_caller("colibri_register_drafters", remove_plugins=others)(register=register)
+        self._drafters = found
+        return found
 
     def call_commands(self, app) -> None:
         self.pm.hook.colibri_register_commands(app=app)

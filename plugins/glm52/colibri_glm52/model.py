@@ -263,6 +263,7 @@ class Glm52(MoEModel):
         self.lm_head = weights("lm_head.weight")  # (V, H)
         self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta)  # interleaved pairs on the rope dims
         self.dense_attention = False  # True: ignore the indexer (tests: DSA with every key == dense)
+        self.last_hidden = None  # the final-normalised hidden states of the last forward (T, H)
 
     def _layer(self, weights, i: int) -> dict:
         cfg = self.cfg
@@ -343,6 +344,7 @@ class Glm52(MoEModel):
 
     def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
         h = self.hidden(ids, state)
+        self.last_hidden = h  # (T, H): the MTP head's input (colibri_core.drafting reads it after a forward)
         if last_only:
             h = h[-1:]
         return linear(h, self.lm_head)  # (T, V)

@@ -1,0 +1,151 @@
+"""Speculative decoding: drafters propose the tokens that come next, the model verifies them all in one
+forward (each routed expert read once for every drafted position), and every draft accepted is a
+token that cost no forward of its own.
+
+Drafters come from the hook ``colibri_register_drafters(register)``: ``register(name, factory,
+description)``; ``factory(model)`` builds one for a loaded model, or returns None where it does not
+apply (a model without an MTP head). The core registers two:
+
+- ``grammar``: the tokens a structured-output constraint forces next (JSON keys, punctuation, tool-call
+  scaffolding): drafted with no model at all, and always accepted, since nothing else is allowed;
+- ``mtp``: the model's multi-token-prediction head (GLM-5.2: ``mtp_forward``), one token ahead of
+  the model: its input at position p is the model's final hidden state there and token p + 1.
+
+A drafter is asked, before a forward, for up to `limit` tokens to follow the sequence `ids` (whose
+last token is about to be fed): ``propose(ids, limit, constraint) -> list[int]``. After every
+forward the engine tells it what the model computed: ``observe(start, hidden)``, the final hidden
+states (T, H) of positions start … start + T − 1 (None if the model exposes none), positions at or
+past `start` replacing what an earlier, rolled-back forward said of them.
+
+Verification (`Engine.stream`): the sampled token and its drafts go through one forward of at most
+`kernels.deltanet.EXACT_BATCH` tokens, whose logits are bit for bit those of decoding each alone.
+Greedy: a draft is accepted while it is the model's own choice, so the tokens are those of decoding
+without drafts. Sampling: the drafters here are deterministic (a one-hot proposal q), so standard
+speculative sampling accepts draft d with probability p(d) and otherwise samples from p with d
+removed: the model's distribution exactly. A rejection rolls the state back: the state taken
+before the forward is restored and the accepted tokens are fed again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from .hookspecs import hookimpl
+
+if TYPE_CHECKING:  # numpy is imported where it is used: listing plugins imports none of it
+    import numpy as np
+
+__all__ = ["Drafter"]  # the public API: what a plugin subclasses
+
+DRAFT_MODES = ("auto", "mtp", "grammar", "off")
+AUTO_MIN_ACCEPTANCE = 0.35  # `--draft auto` stops drafting with the model's head below this acceptance …
+AUTO_RETRY = 16  # … and tries it again after this many tokens
+ACCEPTANCE_DECAY = 0.9  # the acceptance estimate's memory, per draft
+
+
+class Drafter:
+    """What the engine asks of a drafter (see the module docstring)."""
+
+    name: str = ""
+
+    def propose(self, ids: list[int], limit: int, constraint=None) -> list[int]:
+        raise NotImplementedError
+
+    def observe(self, start: int, hidden: np.ndarray | None) -> None:
+        """The model fed positions start … start + T − 1; their final hidden states (T, H) or None."""
+
+
+@dataclass
+class DrafterInfo:
+    """One registered drafter."""
+
+    name: str
+    factory: Callable  # factory(model) -> Drafter | None
+    description: str = ""
+    plugin: str = ""  # set by the core: the distribution that registered it
+
+
+class GrammarDrafter(Drafter):
+    """The tokens the constraint forces next (llguidance's fast-forward tokens)."""
+
+    name = "grammar"
+
+    def propose(self, ids, limit, constraint=None):
+        return list(constraint.forced())[:limit] if constraint is not None and limit > 0 else []
+
+
+class MTPDrafter(Drafter):
+    """The model's MTP head, one token ahead: position p's input is the model's hidden state at p and
+    token p + 1, both verified, so its own state (the MTP layer's cache) never needs rolling back.
+    Needs a model with ``new_mtp_state()``, ``mtp_forward(hidden, next_ids, state)`` and ``last_hidden``."""
+
+    name = "mtp"
+
+    def __init__(self, model):
+        import numpy as np
+
+        self.model = model
+        self.state = model.new_mtp_state()  # rows for positions 0 … fed − 1
+        self.hidden = np.zeros((0, 0), np.float32)  # (n, H): positions fed … fed + n − 1, not yet given to the head
+
+    def observe(self, start, hidden):
+        import numpy as np
+
+        fed = self.state.length
+        if hidden is None or start + len(hidden) <= fed:
+            return
+        if start < fed:  # the head has these positions already
+            hidden, start = hidden[fed - start:], fed
+        kept = self.hidden[: start - fed] if len(self.hidden) else np.zeros((0, hidden.shape[1]), np.float32)
+        self.hidden = np.concatenate([kept, hidden.astype(np.float32, copy=False)])
+
+    def propose(self, ids, limit, constraint=None):
+        import numpy as np
+
+        fed = self.state.length
+        n = len(self.hidden)
+        if limit < 1 or n == 0 or fed + n != len(ids) - 1:
+            return []  # the head is not in step with the model (e.g. nothing observed yet)
+        logits = self.model.mtp_forward(self.hidden, np.asarray(ids[fed + 1:], np.int64), self.state)  # (n, V)
+        self.hidden = self.hidden[:0]
+        if constraint is not None:
+            logits = np.where(constraint.mask(), logits[-1], -np.inf)[None]
+        return [int(np.argmax(logits[-1]))]
+
+
+def mtp_drafter(model) -> Drafter | None:
+    if not callable(getattr(model, "mtp_forward", None)) or not getattr(model, "mtp", None):
+        return None
+    return MTPDrafter(model)
+
+
+@hookimpl
+def colibri_register_drafters(register):
+    register("grammar", lambda model: GrammarDrafter(), "the tokens a structured-output grammar forces next")
+    register("mtp", mtp_drafter, "the model's multi-token-prediction head (GLM-5.2)")
+
+
+class DraftCounters:
+    """What drafting did in one engine: drafted / accepted per drafter, forwards, forced tokens."""
+
+    def __init__(self):
+        self.drafted: dict[str, int] = {}
+        self.accepted: dict[str, int] = {}
+        self.forwards = 0  # forwards of generated tokens (with or without drafts)
+        self.tokens = 0  # tokens those forwards fed and kept
+        self.acceptance: dict[str, float] = {}  # decayed acceptance rate per drafter (auto mode)
+
+    def record(self, name: str, drafted: int, accepted: int) -> None:
+        self.drafted[name] = self.drafted.get(name, 0) + drafted
+        self.accepted[name] = self.accepted.get(name, 0) + accepted
+        rate = self.acceptance.get(name, 1.0)
+        for i in range(drafted):
+            rate = rate * ACCEPTANCE_DECAY + (1 - ACCEPTANCE_DECAY) * (i < accepted)
+        self.acceptance[name] = rate
+
+    def stats(self) -> dict:
+        drafted, accepted = sum(self.drafted.values()), sum(self.accepted.values())
+        return {"draft_drafted": drafted, "draft_accepted": accepted,
+                "draft_acceptance": accepted / drafted if drafted else 0.0,
+                "draft_forced_tokens": self.accepted.get("grammar", 0),
+                "tokens_per_forward": self.tokens / self.forwards if self.forwards else 0.0}
