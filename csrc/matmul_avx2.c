@@ -367,17 +367,44 @@ AVX2 static float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t
 // ----------------------------------------------------------------------------
 // fp8 and fp4 weights (ACT_F32); the AVX-512 path uses these too.
 
-// 16 e4m3 bytes -> 16 floats (lo: 0-7, hi: 8-15), exactly: each byte becomes a float16 holding
-// e4m3 · 2^-8 (its sign bit, then its 7 magnitude bits as the half's exponent and mantissa, so
-// subnormals stay subnormals), NaN (magnitude 0x7f) becomes a half NaN, F16C converts, · 256.
-AVX2 static inline void e4m3x16(__m128i q, __m256 *lo, __m256 *hi) {
-    __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(q), 8);                  // byte in the high half
-    h = _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xbfff));  // s.mmmmmmm << 7
-    __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7fff)), _mm256_set1_epi16(0x3f80));
-    h = _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7c00)));
+// 32 e4m3 bytes -> the floats of columns 0-7, 8-15, 16-23 and 24-31 (f[0..3]), exactly: each byte
+// becomes a float16 holding e4m3 · 2^-8 (its sign bit, then its 7 magnitude bits as the half's
+// exponent and mantissa, so subnormals stay subnormals), F16C converts, · 256. With `nan`, the
+// magnitude 0x7f (NaN) becomes a half NaN first (without, it would read 480).
+AVX2 static inline void e4m3x32(__m256i q, int nan, __m256 *f) {
+    const __m256i zero = _mm256_setzero_si256(), keep = _mm256_set1_epi16((short)0xbfff);
+    __m256i h0 = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(zero, q), 1), keep);  // bytes 0-7 | 16-23
+    __m256i h1 = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(zero, q), 1), keep);  // bytes 8-15 | 24-31
+    if (nan) {
+        const __m256i mag = _mm256_set1_epi16(0x7fff), max = _mm256_set1_epi16(0x3f80), inf = _mm256_set1_epi16(0x7c00);
+        h0 = _mm256_or_si256(h0, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(h0, mag), max), inf));
+        h1 = _mm256_or_si256(h1, _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(h1, mag), max), inf));
+    }
     const __m256 k256 = _mm256_set1_ps(256.0f);
-    *lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k256);
-    *hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k256);
+    f[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h0)), k256);
+    f[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h1)), k256);
+    f[2] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h0, 1)), k256);
+    f[3] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h1, 1)), k256);
+}
+
+// Whether any of a block's 128 e4m3 bytes (4 vectors) is NaN (magnitude 0x7f).
+AVX2 static inline int e4m3_any_nan(const __m256i *q) {
+    const __m256i k = _mm256_set1_epi8(0x7f);
+    __m256i m = _mm256_cmpeq_epi8(_mm256_and_si256(q[0], k), k);
+    for (int i = 1; i < 4; i++) m = _mm256_or_si256(m, _mm256_cmpeq_epi8(_mm256_and_si256(q[i], k), k));
+    return !_mm256_testz_si256(m, m);
+}
+
+// A block's 128 e4m3 bytes -> 128 floats in column order (32-aligned).
+AVX2 static inline void e4m3_block(const uint8_t *bp, float *wf) {
+    __m256i q[4];
+    for (int p = 0; p < 4; p++) q[p] = _mm256_loadu_si256((const __m256i *)(bp + 32 * p));
+    int nan = e4m3_any_nan(q);
+    for (int p = 0; p < 4; p++) {
+        __m256 f[4];
+        e4m3x32(q[p], nan, f);
+        for (int i = 0; i < 4; i++) _mm256_store_ps(wf + 32 * p + 8 * i, f[i]);
+    }
 }
 
 AVX2 float dot_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t) {
@@ -398,13 +425,21 @@ AVX2 float dot_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t) {
             _mm_prefetch((const char *)bp + 2048 + 64, _MM_HINT_T0);
         }
         const float *xb = x + (size_t)b * FP8_BLOCK;
-        __m256 va, vb;
-        e4m3x16(_mm_loadu_si128((const __m128i *)bp), &va, &vb);
-        __m256 A = _mm256_mul_ps(va, _mm256_loadu_ps(xb)), B = _mm256_mul_ps(vb, _mm256_loadu_ps(xb + 8));
-        for (int i = 1; i < 8; i++) {
-            e4m3x16(_mm_loadu_si128((const __m128i *)(bp + 16 * i)), &va, &vb);
-            A = _mm256_add_ps(A, _mm256_mul_ps(va, _mm256_loadu_ps(xb + 16 * i)));
-            B = _mm256_add_ps(B, _mm256_mul_ps(vb, _mm256_loadu_ps(xb + 16 * i + 8)));
+        __m256i q[4];
+        for (int p = 0; p < 4; p++) q[p] = _mm256_loadu_si256((const __m256i *)(bp + 32 * p));
+        int nan = e4m3_any_nan(q);
+        __m256 f[4];
+        e4m3x32(q[0], nan, f);  // columns 0-31: steps 0 and 1 of lanes A (0-7) and B (8-15)
+        __m256 A = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb)), B = _mm256_mul_ps(f[1], _mm256_loadu_ps(xb + 8));
+        A = _mm256_add_ps(A, _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16)));
+        B = _mm256_add_ps(B, _mm256_mul_ps(f[3], _mm256_loadu_ps(xb + 24)));
+        for (int p = 1; p < 4; p++) {
+            e4m3x32(q[p], nan, f);
+            const float *xp = xb + 32 * p;
+            A = _mm256_add_ps(A, _mm256_mul_ps(f[0], _mm256_loadu_ps(xp)));
+            B = _mm256_add_ps(B, _mm256_mul_ps(f[1], _mm256_loadu_ps(xp + 8)));
+            A = _mm256_add_ps(A, _mm256_mul_ps(f[2], _mm256_loadu_ps(xp + 16)));
+            B = _mm256_add_ps(B, _mm256_mul_ps(f[3], _mm256_loadu_ps(xp + 24)));
         }
         __m256 sc = _mm256_set1_ps(fp8_scale(sr[b]));
         SA = _mm256_add_ps(SA, _mm256_mul_ps(A, sc));
@@ -540,12 +575,7 @@ AVX2 void rows_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_
                 memcpy(tmp, bp, (size_t)(cols - b * FP8_BLOCK));
                 bp = tmp;
             }
-            for (int i = 0; i < 8; i++) {
-                __m256 va, vb;
-                e4m3x16(_mm_loadu_si128((const __m128i *)(bp + 16 * i)), &va, &vb);
-                _mm256_store_ps(wf + 16 * i, va);
-                _mm256_store_ps(wf + 16 * i + 8, vb);
-            }
+            e4m3_block(bp, wf);
             __m256 sc = _mm256_set1_ps(fp8_scale(sr[b]));
             for (int k = 0; k < nt; k++) {
                 size_t t = (size_t)(tok != NULL ? tok[i0 + k] : i0 + k);

@@ -164,6 +164,18 @@ def test_matmul_matches_reference_bit_for_bit(simd_path, kind):
                              f"{simd_path} {kind} act={act} [{rows}, {cols}] n={n}")
 
 
+def test_every_fp8_byte_and_fp4_nibble_on_every_path(simd_path):
+    """One-hot activations pick single weights out of a row: each product is the weight itself."""
+    fp8 = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)[None]  # [1, 254]
+    w = QTensor("fp8", 1, 254, fp8, np.array([[127, 120]], np.uint8))
+    assert np.array_equal(kernels.matmul(w, np.eye(254, dtype=np.float32))[:, 0], quant.dequantize(w)[0])  # -0 as +0
+    fp4 = np.arange(256, dtype=np.uint8)[None]  # [1, 512]: every nibble, low and high
+    w = QTensor("fp4", 1, 512, fp4, np.arange(110, 126, dtype=np.uint8)[None])
+    x = np.eye(512, dtype=np.float32)
+    assert np.array_equal(kernels.matmul(w, x)[:, 0], quant.dequantize(w)[0])
+    assert_same_bits(kernels.matmul(w, x, "int8"), reference.matmul(w, x, "int8"))
+
+
 def test_fp8_always_takes_the_exact_arithmetic():
     rng = np.random.default_rng(4)
     w = random_native(rng, "fp8", 130, 300)
