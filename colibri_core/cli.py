@@ -42,6 +42,7 @@ MirrorOpt = typer.Option(None, "--mirror", help="A byte-identical copy of the mo
 PinOpt = typer.Option(None, "--pin-gb", help="Hot-store size in GB for the most-routed experts (default: 3/4 of the expert budget once there is routing history; 0: off).")
 PolicyOpt = typer.Option("lru", "--policy", help="Expert cache eviction policy: lru, lfu, or one a plugin registers.")
 StatsOpt = typer.Option(False, "--stats", help="After the stats line, print every expert-store counter.")
+DraftOpt = typer.Option("auto", "--draft", help="Speculative decoding: auto (a grammar's forced tokens, and the model's MTP head while it pays), mtp, grammar, off, or a drafter a plugin registers. Never changes a greedy token.")
 
 
 # The trained demo model shipped inside the colibri distribution (colibri_core/demo, found through
@@ -83,7 +84,9 @@ def store_report(engine) -> str:
             f"({format_bytes(s['pinned_bytes'])}) · direct I/O {'on' if s['direct_io'] else 'off'} · mirror "
             f"{s['mirror'] if s['mirror_in_use'] else 'off'} · history {s['history_tokens']} tokens\n"
             f"per-layer hit rate {layers}\n"
-            f"per-layer I/O stall (ms) {stalls}")
+            f"per-layer I/O stall (ms) {stalls}\n"
+            f"drafts {s['draft_drafted']} · accepted {s['draft_accepted']} ({100 * s['draft_acceptance']:.0f}%) · "
+            f"forced tokens {s['draft_forced_tokens']} · tokens per forward {s['tokens_per_forward']:.2f}")
 
 
 def stats_line(engine, seconds: float) -> str:
@@ -114,6 +117,7 @@ def run(
     pin_gb: Optional[float] = PinOpt,
     policy: str = PolicyOpt,
     stats: bool = StatsOpt,
+    draft: str = DraftOpt,
 ):
     """Generate a completion of PROMPT, print it, then one stats line (--stats: every store counter)."""
     from .chat_template import ChatTemplate
@@ -130,7 +134,7 @@ def run(
         text = template.render([{"role": "user", "content": prompt}])
     ids = engine.tokenizer.encode(text, add_special_tokens=not chat)
     decoder = StreamDecoder(engine.tokenizer)
-    for token in engine.stream(ids, max_tokens, temperature, top_p, top_k, seed):
+    for token in engine.stream(ids, max_tokens, temperature, top_p, top_k, seed, draft=draft):
         sys.stdout.write(decoder.push(token))
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -176,6 +180,7 @@ def chat(
     mirror: Optional[Path] = MirrorOpt,
     pin_gb: Optional[float] = PinOpt,
     policy: str = PolicyOpt,
+    draft: str = DraftOpt,
     session_name: Optional[str] = typer.Option(None, "--session", help="Save the conversation as NAME beside "
                                                "the model after every turn and resume it when started again."),
 ):
@@ -234,7 +239,7 @@ def chat(
         turn = session.turn() if session_name is not None else contextlib.nullcontext()
         try:
             with turn:
-                tokens = engine.stream(ids, max_tokens, temperature, top_p, top_k, seed, session=session)
+                tokens = engine.stream(ids, max_tokens, temperature, top_p, top_k, seed, session=session, draft=draft)
                 try:
                     for token in tokens:
                         answer.append(token)
