@@ -316,9 +316,11 @@ def test_kill9_engine_session_appends_at_random_points(tiny_model, tmp_path):
     for trial in range(TRIALS):
         name = f"a{SEED}-{trial}"
         env = {**ENV, PAUSE_ENV: f"0.25@{rng.uniform(0, 1):.3f}"}
-        proc = subprocess.Popen([sys.executable, "-c", SESSION_CHILD, str(m), name, json.dumps(EXTRAS)],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-        assert proc.stdout.readline() == "ready\n"
+        log = tmp_path / "child.log"
+        with open(log, "w") as err:
+            proc = subprocess.Popen([sys.executable, "-c", SESSION_CHILD, str(m), name, json.dumps(EXTRAS)],
+                                    stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        assert proc.stdout.readline() == "ready\n", log.read_text()
         time.sleep(rng.uniform(0, 1.4))  # five saves of 0.25 s and a little generation
         kill(proc)
         path = session_path(m, name)
@@ -366,9 +368,11 @@ def test_kill9_during_usage_updates(tiny_model, tmp_path):
     per_turn = len(prompt) + 3  # tokens routed through the first MoE layer: the prompt, 3 decode steps
     rng, landed, before = random.Random(SEED), Counter(), 0
     for trial in range(TRIALS):
-        proc = subprocess.Popen([sys.executable, "-c", USAGE_CHILD, str(m)], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True, env=ENV)
-        assert proc.stdout.readline() == "ready\n"
+        log = tmp_path / "child.log"
+        with open(log, "w") as err:
+            proc = subprocess.Popen([sys.executable, "-c", USAGE_CHILD, str(m)], stdout=subprocess.PIPE, stderr=err,
+                                    text=True, env=ENV)
+        assert proc.stdout.readline() == "ready\n", log.read_text()
         time.sleep(rng.uniform(0.05, 0.5))
         kill(proc)
         temporaries = list(m.glob(f"{USAGE_FILE}.*.tmp"))

@@ -251,3 +251,21 @@ def test_chat_resumes_an_old_file_ending_on_a_question_at_the_turn_before(tiny_m
     assert "the last question was saved without its answer" in r.stderr and "resumed" not in r.stderr
     assert r.stdout.split("> ")[-2] == fresh
     assert [m["role"] for m in _messages(model, "old")] == ["user", "assistant"]
+
+
+def test_notices_count_turns_not_records(tmp_path):
+    """Turns are numbered in their records: a conversation started over is turn 0, and a torn save
+    is reported against the last whole turn."""
+    s = toy_session(tmp_path)
+    turn(s, [1, 2])
+    turn(s, [3])
+    assert s.turns == 2
+    s.reset()
+    s.save()  # the conversation started over: turn 0, no tokens
+    assert toy_session(tmp_path).turns == 0 and toy_session(tmp_path).ids == []
+    turn(s, [4, 5])
+    turn(s, [6])
+    whole = s.file.path.read_bytes()
+    s.file.path.write_bytes(whole[:-3])
+    r = toy_session(tmp_path)
+    assert r.turns == 1 and r.ids == [4, 5] and "resuming after turn 1" in r.notice
