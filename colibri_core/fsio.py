@@ -62,7 +62,10 @@ def remove_stale_temporaries(path: Path) -> None:
         pid = tmp.name[len(path.name) + 1: -len(".tmp")]
         if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
             continue
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # a directory we may not write: leave it
+            pass
 
 
 def _alive(pid: int) -> bool:

@@ -153,6 +153,22 @@ def test_leftovers_of_a_kill_are_resumed_or_cleared(sources, tmp_path):
     convert_quietly(sources["A"], dst)
     assert files_of(dst) == files_of(sources["A-int4"])
     shutil.rmtree(dst)
+    interrupted(sources["A"], dst, layers=2)  # a progress.json naming what no conversion writes
+    progress = json.loads((staging / "progress.json").read_text())
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not yours")
+    progress["files"]["../outside.txt"] = {"size": 9, "crc32": 0}
+    progress["files"]["experts/layer-099.bin"] = progress["files"]["experts/layer-000.bin"]
+    del progress["files"]["experts/layer-001.bin"]["extent_crc32"]
+    shutil.copyfile(staging / "experts/layer-000.bin", staging / "experts/layer-099.bin")
+    (staging / "progress.json").write_text(json.dumps(progress))
+    convert_quietly(sources["A"], dst)
+    assert files_of(dst) == files_of(sources["A-int4"]) and outside.read_text() == "not yours"
+    shutil.rmtree(dst)
+    interrupted(sources["A"], dst, layers=1)
+    with pytest.raises(ColibriError, match="unfinished conversion"):  # `colibri run --model DST.partial`
+        load(staging)
+    shutil.rmtree(staging)
     staging.mkdir()
     (staging / "experts").mkdir()  # killed right after making the directories
     convert_quietly(sources["A"], dst)

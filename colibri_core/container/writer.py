@@ -400,7 +400,8 @@ class _Staging:
     A staging directory is resumed only for the same key (format, source structure, quantisation,
     architecture, layout) and only if every finished file is still whole and its source bytes
     still hash to what they did (`check_sources`); otherwise it is discarded with a one-line notice.
-    Anything else in it (a file cut short by a kill, a temporary) is removed before writing."""
+    Anything else in it (a file cut short by a kill, a temporary) is removed before writing
+    (`check_sources`)."""
 
     def __init__(self, path: Path, key: dict, say):
         self.path, self.say = path, say
@@ -427,7 +428,6 @@ class _Staging:
         path.mkdir(parents=True, exist_ok=True)
         self.save()  # progress.json first: a directory holding it is recognisably ours
         (path / "experts").mkdir(exist_ok=True)
-        self._remove_strays()
 
     def _clear(self) -> None:
         shutil.rmtree(self.path)
@@ -446,17 +446,21 @@ class _Staging:
     def save(self) -> None:
         write_atomic(self.path / PROGRESS, json.dumps(self.rec).encode())
 
-    def check_sources(self, source_digest, src: Path) -> None:
-        """Check every finished file against the source: one no longer whole is forgotten (it will
-        be rewritten); one made from other source bytes (`source_digest(rel)` differs: another
+    def check_sources(self, source_digest, src: Path, extents: dict[str, int]) -> None:
+        """Check every finished file against the source: one no longer whole, or not one this
+        conversion writes (`extents`: expert file -> its expert count), is forgotten (it will be
+        rewritten); one made from other source bytes (`source_digest(rel)` differs: another
         checkpoint of the same shapes, or this one changed since) discards the whole directory."""
         files = self.rec["files"]
         for rel in list(files):
             rec, f = files[rel], self.path / rel
-            if not (isinstance(rec, dict) and f.is_file() and f.stat().st_size == rec.get("size")
-                    and crc32_file(f) == rec.get("crc32")):
+            crcs = rec.get("extent_crc32") if isinstance(rec, dict) else None
+            ours = isinstance(rec, dict) and (rel == RESIDENT_FILE or (
+                rel in extents and isinstance(crcs, list) and len(crcs) == extents[rel]))
+            if not (ours and f.is_file() and f.stat().st_size == rec.get("size") and crc32_file(f) == rec.get("crc32")):
                 del files[rel]
-                f.unlink(missing_ok=True)
+                if rel == RESIDENT_FILE or rel in extents:  # never a path a damaged progress.json names
+                    f.unlink(missing_ok=True)
                 continue
             if rec.get("source") != source_digest(rel):
                 self.say(f"discarding {self.path}: its {rel} was converted from other weights than {src} "
@@ -468,6 +472,7 @@ class _Staging:
                 (self.path / "experts").mkdir()
                 return
         self.save()
+        self._remove_strays()
 
     def finished(self, rel: str) -> dict | None:
         """The record of a file finished earlier (checked by `check_sources`)."""
@@ -552,7 +557,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str, layou
         ckpt.digests = None
         return digest if write is None else {**rec, "source": digest}
 
-    staging.check_sources(reads, src)
+    staging.check_sources(reads, src, dict.fromkeys(layer_of, layout.n_experts))
     total = len(plan.resident) + len(layout.moe_layers) * layout.n_experts
     bar = _progressbar(total, f"converting {src.name} -> {dst.name} ({quant})") if progress else _NoBar()
     layers = []
