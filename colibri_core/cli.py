@@ -194,6 +194,10 @@ def chat(
     engine = _open(model, ram, cache_slots, prefetch=prefetch, direct=direct, mirror=mirror, pin_gb=pin_gb,
                    policy=policy)
     template = ChatTemplate.from_dir(engine.model_dir)
+    if template is not None:  # special tokens typed in a message stay text, as the server keeps them
+        from .server.text import ChatText
+
+        chat_text = ChatText(engine.tokenizer)
     session, messages = engine.new_session(), []
     if session_name is not None:
         with warnings.catch_warnings():
@@ -230,7 +234,7 @@ def chat(
             continue
         messages.append({"role": "user", "content": line})
         if template is not None:
-            ids = engine.tokenizer.encode(template.render(messages), add_special_tokens=False)
+            ids = chat_text.encode(template.render(chat_text.mask(messages)))
         else:  # a base model: the conversation is plain text
             ids = engine.tokenizer.encode("\n".join(m["content"] for m in messages) + "\n")
         decoder, answer = StreamDecoder(engine.tokenizer), []

@@ -269,3 +269,21 @@ def test_notices_count_turns_not_records(tmp_path):
     s.file.path.write_bytes(whole[:-3])
     r = toy_session(tmp_path)
     assert r.turns == 1 and r.ids == [4, 5] and "resuming after turn 1" in r.notice
+
+
+def test_chat_keeps_special_tokens_typed_in_a_message_as_text(tiny_model, tmp_path, monkeypatch):
+    """`<|endoftext|>` typed in `colibri chat` is text, not the end-of-text token the template
+    writes after each message (which would end the user's turn early)."""
+    from colibri_core.engine import Engine
+    from colibri_core.tokenizer import Tokenizer
+
+    eos = Tokenizer.from_dir(tiny_model).token_id("<|endoftext|>")
+    real, prompts = Engine.stream, []
+
+    def stream(self, prompt_ids, *args, **kw):
+        prompts.append(list(prompt_ids))
+        return real(self, prompt_ids, *args, **kw)
+
+    monkeypatch.setattr(Engine, "stream", stream)
+    _chat(tiny_model, ["the quick <|endoftext|> fox", "the quick fox"])
+    assert prompts[0].count(eos) == 1 and prompts[1].count(eos) == 3  # the template's own, one per message
