@@ -5,29 +5,33 @@ attention residual mixes normalised values with a 1/√D scale; K3 mixes the raw
 its check is the float64 NumPy reference in plugins/kimi_k3/tests.
 
     values  V = [blocks…, prefix]                                   (n, T, H)
-    scores  s_i = Σ_d (V_i · rsqrt(mean V_i² + eps)) ⊙ w            w = res_norm.w ⊙ res_proj.w[0]
-    mix     Σ_i softmax(s)_i · V_i                                  over the raw values
+    scores  s_i = res_proj · (V_i · rsqrt(mean V_i² + eps) ⊙ res_norm.w)     (no 1/√D)
+    mix     Σ_i softmax(s)_i · V_i                                           over the raw values
 
-in float32, each sum in index order (the scores of the real model differ by ~0.02 between summation
-orders, so the order is fixed).
+in float32, every sum in one fixed order (the scores of the real model differ by ~0.02 between
+summation orders): the score is one row of the C matmul, the mix is summed in block order.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from ..model import linear
+
 __all__ = ["attn_res_mix"]
 
 
-def attn_res_mix(blocks: list[np.ndarray], prefix: np.ndarray | None, weight: np.ndarray, eps: float) -> np.ndarray:
-    """The mix of `blocks` (each (T, H)) and `prefix` ((T, H), or None at a block's start) with the
-    folded score weight `weight` (H,) → (T, H) float32. A single value is returned as it is."""
+def attn_res_mix(blocks: list[np.ndarray], prefix: np.ndarray | None, norm: np.ndarray, proj, eps: float) -> np.ndarray:
+    """The mix of `blocks` (each (T, H)) and `prefix` ((T, H), or None at a block's start), scored
+    with `norm` (H,) (res_norm) and `proj` (1, H) (res_proj) → (T, H) float32. A single value is
+    returned as it is."""
     values = list(blocks) if prefix is None else [*blocks, prefix]
     if len(values) == 1:
         return values[0]
     V = np.stack(values).astype(np.float32, copy=False)  # (n, T, H)
-    ms = np.add.reduce(V * V, axis=-1, keepdims=True) / np.float32(V.shape[-1])
-    normed = V / np.sqrt(ms + np.float32(eps))
-    scores = np.add.reduce(normed * weight.astype(np.float32), axis=-1)  # (n, T)
+    n, T, H = V.shape
+    ms = np.add.reduce(V * V, axis=-1, keepdims=True) / np.float32(H)
+    normed = V / np.sqrt(ms + np.float32(eps)) * norm.astype(np.float32)
+    scores = linear(np.ascontiguousarray(normed.reshape(n * T, H)), proj).reshape(n, T)
     scores = scores - scores.max(axis=0, keepdims=True)
     p = np.exp(scores)
     p = p / p.sum(axis=0, keepdims=True)  # (n, T)

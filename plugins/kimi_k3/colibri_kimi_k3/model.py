@@ -318,8 +318,8 @@ class Layer:
     router: SigmoidGroupTopK | None = None  # (E, H) float32 + bias (E,); None on a dense layer
     mlp: tuple | None = None  # dense: gate (F, H), up (F, H), down (H, F); MoE: the shared experts'
     latent: tuple | None = None  # K3: routed_expert_down_proj (Z, H), routed_expert_norm (Z,), up_proj (H, Z)
-    attn_res: np.ndarray | None = None  # K3: self_attention_res_norm ⊙ self_attention_res_proj[0] (H,)
-    mlp_res: np.ndarray | None = None  # K3: mlp_res_norm ⊙ mlp_res_proj[0] (H,)
+    attn_res: tuple | None = None  # K3: self_attention_res_norm (H,), self_attention_res_proj (1, H)
+    mlp_res: tuple | None = None  # K3: mlp_res_norm (H,), mlp_res_proj (1, H)
 
 
 class KimiLinear(MoEModel):
@@ -379,7 +379,7 @@ class KimiLinear(MoEModel):
         self.layers = [self._layer(weights, i) for i in range(cfg.num_hidden_layers)]
         self.output_res = None
         if cfg.k3:
-            self.output_res = weights(f"{p}output_attn_res_norm.weight") * weights(f"{p}output_attn_res_proj.weight")[0]
+            self.output_res = (weights(f"{p}output_attn_res_norm.weight"), weights(f"{p}output_attn_res_proj.weight"))
         self.norm = weights(f"{p}norm.weight")  # (H,)
         self.lm_head = weights(f"{cfg.head_prefix}lm_head.weight")  # (V, H)
         r = cfg.qk_rope_head_dim  # NoPE: the shared key part goes through MLA's rope path unrotated
@@ -416,8 +416,8 @@ class KimiLinear(MoEModel):
             extra["q_proj"] = None if q_lora else w("self_attn.q_proj.weight")
             extra["g_proj"] = w("self_attn.g_proj.weight") if cfg.k3 else None
         if cfg.k3:
-            extra["attn_res"] = w("self_attention_res_norm.weight") * w("self_attention_res_proj.weight")[0]
-            extra["mlp_res"] = w("mlp_res_norm.weight") * w("mlp_res_proj.weight")[0]
+            extra["attn_res"] = (w("self_attention_res_norm.weight"), w("self_attention_res_proj.weight"))
+            extra["mlp_res"] = (w("mlp_res_norm.weight"), w("mlp_res_proj.weight"))
         post_norm = w("post_attention_layernorm.weight")
         if i in cfg.moe_layers:
             m = "block_sparse_moe."
@@ -494,13 +494,13 @@ class KimiLinear(MoEModel):
             if i % cfg.attn_res_block_size == 0:
                 blocks.append(prefix)
                 prefix = None
-            x_in = attn_res_mix(blocks, prefix, L.attn_res, eps)
+            x_in = attn_res_mix(blocks, prefix, *L.attn_res, eps)
             a = self._mix(rms_norm(x_in, L.input_norm, eps), T, cos, sin, L, state.layers[i])
             prefix = a if prefix is None else prefix + a
-            x_in = attn_res_mix(blocks, prefix, L.mlp_res, eps)
+            x_in = attn_res_mix(blocks, prefix, *L.mlp_res, eps)
             prefix = prefix + self._ffn(i, L, rms_norm(x_in, L.post_norm, eps), x_in, ids)
             record(i, l_out=prefix)
-        return attn_res_mix(blocks, prefix, self.output_res, eps)
+        return attn_res_mix(blocks, prefix, *self.output_res, eps)
 
 
 class KimiK3(KimiLinear):
