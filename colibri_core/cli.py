@@ -43,6 +43,37 @@ PinOpt = typer.Option(None, "--pin-gb", help="Hot-store size in GB for the most-
 PolicyOpt = typer.Option("lru", "--policy", help="Expert cache eviction policy: lru, lfu, or one a plugin registers.")
 StatsOpt = typer.Option(False, "--stats", help="After the stats line, print every expert-store counter.")
 DraftOpt = typer.Option("auto", "--draft", help="Speculative decoding: auto (a grammar's forced tokens, and the model's MTP head while it pays), mtp, grammar, off, or a drafter a plugin registers. Never changes a greedy token.")
+RayOpt = typer.Option(None, "--ray", envvar="COLIBRI_RAY", help="A Ray cluster (auto, HOST:PORT) whose other nodes hold "
+                      "the routed experts in RAM; the local store stays a cache in front (needs colibri[ray]).")
+RaySplitOpt = typer.Option("expert", "--ray-split", help="How experts are cut into shards, one per node: expert "
+                           "(each layer's ids split over the nodes) or layer (ranges of layers per node).")
+RayModelOpt = typer.Option(None, "--ray-model", help="The model's path on the Ray nodes (default: the same path): "
+                           "PATH for all, or NODE=PATH for one (NODE: its IP or Ray node id); repeat for several.")
+RayTimeoutOpt = typer.Option(10.0, "--ray-timeout", help="Seconds a node has to answer one layer's call; a node "
+                             "later than that is treated as failed and its experts are read from the local disk.")
+
+
+def _ray_options(ray, split, model_paths, timeout) -> dict:
+    """load()'s ray / ray_options from the --ray* options (a missing Ray is one line, here)."""
+    if ray is None:
+        return {}
+    from .remote import require_ray
+    from .remote.placement import SPLITS
+
+    require_ray()
+    if split not in SPLITS:
+        raise ColibriError(f"--ray-split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if timeout <= 0:
+        raise ColibriError(f"--ray-timeout must be positive, got {timeout}")
+    paths, default = {}, None
+    for item in model_paths or ():
+        node, sep, path = item.rpartition("=")
+        if sep:
+            paths[node] = path
+        else:
+            default = path
+    return {"ray": ray, "ray_options": {"split": split, "model_paths": paths, "default_path": default,
+                                        "timeout": timeout}}
 
 
 # The trained demo model shipped inside the colibri distribution (colibri_core/demo, found through
@@ -89,6 +120,25 @@ def store_report(engine) -> str:
             f"forced tokens {s['draft_forced_tokens']} · tokens per forward {s['tokens_per_forward']:.2f}")
 
 
+def remote_report(engine) -> str:
+    """The remote shards' counters and each shard's state, a few lines (`run --stats --ray`)."""
+    from .sizes import format_bytes
+
+    s = engine.stats()
+    answered = s["remote_latency"]["count"]
+    lines = [f"remote ({s['remote_split']} split): {s['remote_shards_up']}/{s['remote_shards']} shards up · "
+             f"calls {s['remote_calls']} ({s['remote_calls'] / max(1, s['generated_tokens']):.1f}/token) · "
+             f"mean latency {1e3 * s['remote_seconds'] / max(1, answered):.2f} ms · sent "
+             f"{format_bytes(s['remote_bytes_sent'])} · received {format_bytes(s['remote_bytes_received'])} · "
+             f"failures {s['remote_failures']} (timeouts {s['remote_timeouts']}) · rejoins {s['remote_rejoins']} · "
+             f"experts computed locally after a failure {s['remote_fallback_experts']}"]
+    for r in s["remote_shard_table"].values():
+        lines.append(f"  shard {r['shard']} on {r['address']} ({r['node'][:8]}): {r['state']}, {r['experts']} experts "
+                     f"({format_bytes(r['bytes'])}), {r['calls']} calls" + (f", last error: {r['last_error']}"
+                                                                            if r["last_error"] else ""))
+    return "\n".join(lines)
+
+
 def stats_line(engine, seconds: float) -> str:
     from .sizes import format_bytes
 
@@ -118,6 +168,10 @@ def run(
     policy: str = PolicyOpt,
     stats: bool = StatsOpt,
     draft: str = DraftOpt,
+    ray: Optional[str] = RayOpt,
+    ray_split: str = RaySplitOpt,
+    ray_model: Optional[list[str]] = RayModelOpt,
+    ray_timeout: float = RayTimeoutOpt,
 ):
     """Generate a completion of PROMPT, print it, then one stats line (--stats: every store counter)."""
     from .chat_template import ChatTemplate
@@ -125,7 +179,7 @@ def run(
 
     t0 = time.perf_counter()
     engine = _open(model, ram, cache_slots, prefetch=prefetch, direct=direct, mirror=mirror, pin_gb=pin_gb,
-                   policy=policy)
+                   policy=policy, **_ray_options(ray, ray_split, ray_model, ray_timeout))
     text = prompt
     if chat:
         template = ChatTemplate.from_dir(engine.model_dir)
@@ -142,6 +196,8 @@ def run(
     print(stats_line(engine, time.perf_counter() - t0), file=sys.stderr)
     if stats:
         print(store_report(engine), file=sys.stderr)
+        if engine.remote is not None:
+            print(remote_report(engine), file=sys.stderr)
     engine.close()
 
 
@@ -180,6 +236,10 @@ def chat(
     mirror: Optional[Path] = MirrorOpt,
     pin_gb: Optional[float] = PinOpt,
     policy: str = PolicyOpt,
+    ray: Optional[str] = RayOpt,
+    ray_split: str = RaySplitOpt,
+    ray_model: Optional[list[str]] = RayModelOpt,
+    ray_timeout: float = RayTimeoutOpt,
     draft: str = DraftOpt,
     session_name: Optional[str] = typer.Option(None, "--session", help="Save the conversation as NAME beside "
                                                "the model after every turn and resume it when started again."),
@@ -192,7 +252,7 @@ def chat(
     from .tokenizer import StreamDecoder
 
     engine = _open(model, ram, cache_slots, prefetch=prefetch, direct=direct, mirror=mirror, pin_gb=pin_gb,
-                   policy=policy)
+                   policy=policy, **_ray_options(ray, ray_split, ray_model, ray_timeout))
     template = ChatTemplate.from_dir(engine.model_dir)
     if template is not None:  # special tokens typed in a message stay text, as the server keeps them
         from .server.text import ChatText
@@ -275,7 +335,8 @@ MaxTokensOpt = typer.Option(None, "--max-tokens", min=1, help="Most tokens one r
                             "(default: the model's context).")
 
 
-def _serve(dashboard, model, host, port, api_key, queue, model_name, ram, cache_slots, allow_origin, max_tokens):
+def _serve(dashboard, model, host, port, api_key, queue, model_name, ram, cache_slots, allow_origin, max_tokens,
+           ray=None, ray_split="expert", ray_model=None, ray_timeout=10.0):
     import os
 
     from .server import ServerConfig, serve
@@ -284,27 +345,33 @@ def _serve(dashboard, model, host, port, api_key, queue, model_name, ram, cache_
         api_key = os.environ["COLIBRI_API_KEY"]
     serve(ServerConfig(_model_dir(model), model_name=model_name, ram=ram, cache_slots=cache_slots, max_queue=queue,
                        api_key=api_key, dashboard=dashboard, allow_origins=tuple(allow_origin or ()),
-                       max_tokens=max_tokens), host=host, port=port)
+                       max_tokens=max_tokens, **_ray_options(ray, ray_split, ray_model, ray_timeout)),
+          host=host, port=port)
 
 
 @app.command()
 def serve(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
           queue: int = QueueOpt, model_name: Optional[str] = NameOpt, ram: Optional[str] = RamOpt,
           cache_slots: Optional[int] = SlotsOpt, allow_origin: Optional[list[str]] = OriginOpt,
-          max_tokens: Optional[int] = MaxTokensOpt):
+          max_tokens: Optional[int] = MaxTokensOpt, ray: Optional[str] = RayOpt, ray_split: str = RaySplitOpt,
+          ray_model: Optional[list[str]] = RayModelOpt, ray_timeout: float = RayTimeoutOpt):
     """Serve the model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
     /v1/models, /health, /tokenize, /detokenize, /metrics (Prometheus), /openapi.json."""
-    _serve(False, model, host, port, api_key, queue, model_name, ram, cache_slots, allow_origin, max_tokens)
+    _serve(False, model, host, port, api_key, queue, model_name, ram, cache_slots, allow_origin, max_tokens,
+           ray, ray_split, ray_model, ray_timeout)
 
 
 @app.command()
 def web(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
         queue: int = QueueOpt, model_name: Optional[str] = NameOpt, ram: Optional[str] = RamOpt,
         cache_slots: Optional[int] = SlotsOpt, allow_origin: Optional[list[str]] = OriginOpt,
-        max_tokens: Optional[int] = MaxTokensOpt):
+        max_tokens: Optional[int] = MaxTokensOpt, ray: Optional[str] = RayOpt, ray_split: str = RaySplitOpt,
+        ray_model: Optional[list[str]] = RayModelOpt, ray_timeout: float = RayTimeoutOpt):
     """Serve the API and a live dashboard at / : chat, tok/s, time to first token, where the time
-    goes, the RAM budget, hit rate over time, and the Brain map of every expert."""
-    _serve(True, model, host, port, api_key, queue, model_name, ram, cache_slots, allow_origin, max_tokens)
+    goes, the RAM budget, hit rate over time, the Brain map of every expert (and, with --ray, the
+    cluster's shards)."""
+    _serve(True, model, host, port, api_key, queue, model_name, ram, cache_slots, allow_origin, max_tokens,
+           ray, ray_split, ray_model, ray_timeout)
 
 
 @app.command()
@@ -422,9 +489,13 @@ def plan(
     disk_bw: Optional[str] = typer.Option(None, "--disk-bw", help="Disk bandwidth per second (e.g. 2GB) instead of measuring it."),
     mem_bw: Optional[str] = typer.Option(None, "--mem-bw", help="Memory bandwidth per second (e.g. 20GB) instead of measuring it."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    ray: Optional[str] = typer.Option(None, "--ray", envvar="COLIBRI_RAY", help="Also place the experts on this Ray "
+                                      "cluster's other nodes: which experts live where, RAM per node, calls per token."),
+    ray_split: str = RaySplitOpt,
 ):
     """Show how a model fits a RAM budget: resident bytes, experts, the budget split, expected bytes
-    read per token and the floor times from this machine's measured disk and memory bandwidth."""
+    read per token and the floor times from this machine's measured disk and memory bandwidth
+    (--ray: and the placement of the experts on a Ray cluster)."""
     from . import planning
     from .sizes import available_memory, format_bytes, parse_size
     from .store import budget as bw
@@ -455,6 +526,8 @@ def plan(
     p = {**report, **make_plan(sizes, budget, context, None if pin_gb is None else int(pin_gb * 1e9), history,
                                disk_bw, mem_bw)}
     p["disk_bandwidth_direct"] = direct
+    if ray is not None:
+        p["ray"] = _ray_plan(ray, ray_split, p["model"])
     if as_json:
         print(json.dumps(p, indent=2))
         return
@@ -478,18 +551,44 @@ def plan(
     print(f"machine: disk {fb(disk_bw)}/s ({how}), memory {fb(mem_bw)}/s")
     print(f"floor per token: disk {f['disk']:.3f} s, memory {f['memory']:.3f} s → {f['floor']:.3f} s "
           f"({1 / f['floor'] if f['floor'] else float('inf'):.1f} tok/s at best)")
+    if ray is not None:
+        r = p["ray"]
+        print(f"Ray cluster {ray} ({r['split']} split, {len(r['nodes'])} nodes besides this one):")
+        for n in r["nodes"]:
+            print(f"  node {n['address']} ({n['node'][:8]})  memory {fb(n['memory'])}, holds {n['experts']} experts "
+                  f"({fb(n['bytes'])})" + (f": layer:experts {n['placement']}" if n["placement"] else ""))
+        print(f"  experts on the cluster {r['experts_remote']}, read from the local disk {r['experts_local']}")
+        print(f"  per token: {r['remote_calls_per_token']:.1f} remote calls expected (uniform routing; at most "
+              f"{r['max_calls_per_layer']} per MoE layer, in parallel)")
+
+
+def _ray_plan(address: str, split: str, model: dict) -> dict:
+    from .remote import cluster_nodes
+    from .remote.placement import SPLITS, cluster_plan
+
+    if split not in SPLITS:
+        raise ColibriError(f"--ray-split must be one of {', '.join(SPLITS)}, got {split!r}")
+    _, _, nodes = cluster_nodes(address)
+    return cluster_plan(nodes, range(model["moe_layers"]), model["n_experts"], model["expert_nbytes"], model["top_k"],
+                        split)
 
 
 @app.command()
 def doctor(
     model: Optional[Path] = ModelOpt,
     deep: bool = typer.Option(False, "--deep", help="Also verify every checksum (reads every expert file)."),
+    ray: Optional[str] = typer.Option(None, "--ray", envvar="COLIBRI_RAY", help="Also check this Ray cluster: its "
+                                      "nodes, their RAM, and that each opens the same model (--ray-model)."),
+    ray_model: Optional[list[str]] = RayModelOpt,
 ):
     """Read-only checks, one PASS/WARN/FAIL line each: kernels and SIMD path, plugin, files and sizes,
-    free disk and RAM, O_DIRECT support (--deep: every checksum). Exit status 1 on any FAIL."""
+    free disk and RAM, O_DIRECT support (--deep: every checksum; --ray: the cluster). Exit status 1 on
+    any FAIL."""
     from .doctor import run_checks
 
-    checks = run_checks(_model_dir(model), deep=deep)
+    options = _ray_options(ray, "expert", ray_model, 10.0).get("ray_options", {})
+    checks = run_checks(_model_dir(model), deep=deep, ray=ray, ray_paths=options.get("model_paths"),
+                        ray_default_path=options.get("default_path"))
     for c in checks:
         print(c.line())
     if any(c.status == "FAIL" for c in checks):

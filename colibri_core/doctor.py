@@ -22,7 +22,8 @@ class Check:
         return f"{self.status:4}  {self.name}: {self.detail}"
 
 
-def run_checks(model_dir: str | Path, deep: bool = False) -> list[Check]:
+def run_checks(model_dir: str | Path, deep: bool = False, ray: str | None = None, ray_paths: dict | None = None,
+               ray_default_path: str | None = None) -> list[Check]:
     model_dir = Path(model_dir)
     checks: list[Check] = []
 
@@ -87,4 +88,9 @@ def run_checks(model_dir: str | Path, deep: bool = False) -> list[Check]:
         container.close()
     else:
         add("RAM", True, f"{format_bytes(ram)} available", warn=True)
+    if ray is not None:
+        from .remote.doctor import ray_checks
+
+        for name, status, detail in ray_checks(ray, model_dir, ray_paths or {}, ray_default_path):
+            checks.append(Check(name, status, detail))
     return checks

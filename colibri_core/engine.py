@@ -47,8 +47,12 @@ class Engine:
                  prefetch: bool = True, direct: bool = False, mirror: str | Path | None = None,
                  pin_gb: float | None = None, policy: str = "lru", io_threads: int = 4,
                  usage: bool | str | Path = True,
-                 activations: str | None = None):
+                 activations: str | None = None, ray: str | None = None, ray_options: dict | None = None):
         self.model_dir = Path(model_dir)
+        if ray is not None:  # without Ray installed: one line, before anything loads
+            from .remote import require_ray
+
+            require_ray()
         # "f32": exact (the oracle's arithmetic, the default); "int8": activations quantised per block
         # of 64 for integer dot products, faster, an explicit choice (kernels module docstring)
         self.activations = kernels._act_name(activations or os.environ.get("COLIBRI_ACTIVATIONS") or "f32")
@@ -64,7 +68,7 @@ class Engine:
             self.container = NativeCheckpoint(model_dir, model_cls.layout(cfg), self.arch.name)
         else:
             self.container = Container(model_dir)
-        self.store = None
+        self.store = self.remote = None
         try:  # what fails past here closes what was opened: the container's files, the store's I/O threads
             if self.arch.name != self.container.architecture:
                 raise ColibriError(f"{model_dir}: container is for architecture {self.container.architecture}, "
@@ -89,6 +93,13 @@ class Engine:
             if sorted(routed) != sorted(self.container.moe_layers):
                 raise ColibriError(f"plugin {self.arch.plugin} {self.arch.version}: {self.arch.name} declares routers "
                                    f"for layers {list(routed)}, but its MoE layers are {list(self.container.moe_layers)}")
+            if ray is not None:  # expert shards on the Ray cluster's other nodes, behind the store (remote/)
+                if not isinstance(self.container, Container):
+                    raise ColibriError("--ray needs a converted container (colibri convert), not a checkpoint run as it is")
+                from .remote.client import RemoteConfig, RemoteExperts
+
+                self.remote = RemoteExperts(self.container, self.store, RemoteConfig(ray, **(ray_options or {})))
+                self.store.remote = self.remote
         except BaseException:
             self.close()
             raise
@@ -330,6 +341,7 @@ class Engine:
             "decode_tokens_per_second": decoded / c["decode_seconds"] if c["decode_seconds"] else 0.0,
             **self.store.stats(),
             **self.drafting.stats(),
+            **(self.remote.stats() if self.remote is not None else {}),
             **{f"{name}_seconds": s for name, s in list(self.probe.seconds.items())},  # attention, moe, disk
             "resident_bytes": self.resident_bytes,
             "ram_budget": self.split.budget,
@@ -337,6 +349,9 @@ class Engine:
         }
 
     def close(self) -> None:
+        if getattr(self, "remote", None) is not None:
+            self.remote.close()
+            self.remote = None
         if self.store is not None:
             self.store.close()
         self.container.close()
@@ -351,7 +366,7 @@ class Engine:
 def load(model_dir: str | Path, *, ram: int | str | None = None, cache_slots: int | None = None,
          prefetch: bool = True, direct: bool = False, mirror: str | Path | None = None, pin_gb: float | None = None,
          policy: str = "lru", io_threads: int = 4, usage: bool | str | Path = True,
-         activations: str | None = None) -> Engine:
+         activations: str | None = None, ray: str | None = None, ray_options: dict | None = None) -> Engine:
     """Open a converted model directory.
 
     `ram`: budget in bytes or "2GB" (default 80% of available); `cache_slots`: experts cached per
@@ -362,7 +377,11 @@ def load(model_dir: str | Path, *, ram: int | str | None = None, cache_slots: in
     beside the model (True), in another file (a path), or not at all (False).
     None of these changes an output, only speed. `activations`: "f32" (exact, the default) or
     "int8" (faster, changes the arithmetic; default from COLIBRI_ACTIVATIONS).
+    `ray`: the address of a Ray cluster ("auto", HOST:PORT) whose other nodes hold the routed experts
+    in RAM (colibri_core/remote; needs `colibri[ray]`), the local store a cache in front of them;
+    `ray_options`: `remote.client.RemoteConfig`'s fields (split, model_paths, default_path, timeout,
+    start_timeout, retry, share). Also only speed: the tokens are the same.
     """
     return Engine(model_dir, ram=ram, cache_slots=cache_slots, prefetch=prefetch, direct=direct, mirror=mirror,
                   pin_gb=pin_gb, policy=policy, io_threads=io_threads, usage=usage,
-                  activations=activations)
+                  activations=activations, ray=ray, ray_options=ray_options)

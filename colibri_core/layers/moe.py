@@ -3,7 +3,9 @@ layer, and every expert the batch needs, fetched from the store and run by the C
 
 Placement never changes the result: each expert's FFN is computed by the same kernel wherever its
 weights came from and whichever experts were ready first, each token's expert output lands in a
-fixed slot (its top-k rank), and the weighted sum over ranks is taken in rank order.
+fixed slot (its top-k rank), and the weighted sum over ranks is taken in rank order. The same holds
+for remote shards (colibri_core/remote): a shard computes the slots of its experts with the same
+kernels on another machine, and they land in the same slots.
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ class MoE:
             raise ColibriError(f"unknown expert activation {activation!r} (colibri runs 'swiglu' and 'situ')")
         self.store, self.routers, self.swiglu_limit = store, routers, swiglu_limit
         self.run = run_experts if activation == "swiglu" else run_situ_experts
+        self.activation = activation
         self.lookahead = dict(zip(layers, layers[1:])) if lookahead is None else dict(lookahead)
 
     @timed("moe")
@@ -86,8 +89,20 @@ class MoE:
         predict = None if nxt is None else (nxt, lambda: self.routers[nxt].predict(residual, token_ids))
         T, k = ids.shape
         outs = np.zeros((T, k, xe.shape[1]), np.float32)  # (T, k, H): one slot per (token, rank)
-        for ready in self.store.experts(layer, ids, predict=predict):  # {expert: (gate, up, down)}, resident first
+        remote = getattr(self.store, "remote", None)  # remote shards behind the store (colibri_core/remote)
+        sent = None
+        if remote is not None:  # experts not resident here go to their shard's actor now, one call per shard
+            sent = remote.dispatch(layer, xe, ids, self.store.resident(layer), self.activation, self.swiglu_limit)
+            if predict is not None:
+                predict = (nxt, remote.watch(nxt, predict[1]))  # the lookahead also warms the remote shards
+        skip = sent.experts if sent is not None else frozenset()
+        for ready in self.store.experts(layer, ids, predict=predict, skip=skip):  # {expert: (gate, up, down)}, resident first
             self.run(outs, xe, ids, ready, self.swiglu_limit)
+        if sent is not None:
+            failed = remote.collect(sent, outs)  # the shards' slots; a failed or late shard's experts are …
+            if failed:  # … read and computed here, within this call
+                for ready in self.store.experts(layer, ids, skip=skip - failed, record=False):
+                    self.run(outs, xe, ids, ready, self.swiglu_limit)
         out = combine(outs, weights)  # (T, H)
         record(layer, ffn_moe_out=out)
         return out

@@ -74,6 +74,8 @@ class ServerConfig:
     body_timeout: float = 30.0  # seconds for a request body to arrive whole (408 after)
     header_timeout: float = 10.0  # seconds for a request's headers to arrive whole (the connection closed after)
     tokenize_threads: int = 2  # chat templates and tokenizers run at most this many at once, off the event loop
+    ray: str | None = None  # a Ray cluster holding the experts (`--ray`; colibri_core/remote)
+    ray_options: dict | None = None  # remote.client.RemoteConfig's fields
 
     def __post_init__(self):
         if self.api_key is not None and not self.api_key.strip():
@@ -120,7 +122,8 @@ class Server:
 
         cfg = self.cfg
         try:
-            engine = load(cfg.model_dir, ram=cfg.ram, cache_slots=cfg.cache_slots)
+            engine = load(cfg.model_dir, ram=cfg.ram, cache_slots=cfg.cache_slots, ray=cfg.ray,
+                          ray_options=cfg.ray_options)
             engine.tokenizer  # noqa: B018 — read tokenizer.json now, not on the first request
             self.template = ChatTemplate.from_dir(engine.model_dir)
             self.chat_text = ChatText(engine.tokenizer)

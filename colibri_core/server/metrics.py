@@ -131,6 +131,18 @@ def prometheus(metrics: Metrics, stats: dict | None, queue: dict, model: str) ->
         "cache_bytes": ("colibri_expert_cache_bytes", "gauge", "Bytes of experts in the cache."),
         "resident_bytes": ("colibri_resident_bytes", "gauge", "Bytes of resident (dense) weights."),
         "peak_rss_bytes": ("colibri_peak_rss_bytes", "gauge", "Peak resident set size of the process."),
+        # remote shards (--ray; colibri_core/remote)
+        "remote_calls": ("colibri_remote_calls_total", "counter", "Calls sent to remote expert shards (one per shard per MoE layer)."),
+        "remote_failures": ("colibri_remote_failures_total", "counter", "Remote shards marked down (an error, a death or a missed deadline)."),
+        "remote_timeouts": ("colibri_remote_timeouts_total", "counter", "Remote calls that missed their deadline."),
+        "remote_rejoins": ("colibri_remote_rejoins_total", "counter", "Remote shards used again after a failure."),
+        "remote_bytes_sent": ("colibri_remote_bytes_sent_total", "counter", "Bytes of hidden states and expert ids sent to remote shards."),
+        "remote_bytes_received": ("colibri_remote_bytes_received_total", "counter", "Bytes of expert outputs received from remote shards."),
+        "remote_seconds": ("colibri_remote_seconds_total", "counter", "Seconds from sending remote calls to their answers, summed."),
+        "remote_fallback_experts": ("colibri_remote_fallback_experts_total", "counter", "Experts computed locally because their shard failed."),
+        "remote_prefetches": ("colibri_remote_prefetches_total", "counter", "Lookahead guesses sent to shards still reading their experts."),
+        "remote_shards": ("colibri_remote_shards", "gauge", "Remote expert shards placed."),
+        "remote_shards_up": ("colibri_remote_shards_up", "gauge", "Remote expert shards in use now."),
     }
     for key, value in sorted(stats.items()):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or key == "time_to_first_token":
@@ -147,4 +159,19 @@ def prometheus(metrics: Metrics, stats: dict | None, queue: dict, model: str) ->
         if isinstance(per_layer, dict):
             _help(lines, name, kind, text)
             lines += [f'{name}{{layer="{layer}"}} {value:.6f}' for layer, value in per_layer.items()]
+    latency = stats.get("remote_latency")
+    if isinstance(latency, dict):
+        name = "colibri_remote_call_seconds"
+        _help(lines, name, "histogram", "Latency of answered remote shard calls (send to answer).")
+        lines += [f'{name}_bucket{{le="{b:g}"}} {c}' for b, c in zip(latency["buckets"], latency["counts"])]
+        lines += [f'{name}_bucket{{le="+Inf"}} {latency["count"]}', f"{name}_sum {latency['sum']:.6f}",
+                  f"{name}_count {latency['count']}"]
+    shards = stats.get("remote_shard_table")
+    if isinstance(shards, dict):
+        shards = list(shards.values())
+        _help(lines, "colibri_remote_shard_up", "gauge", "1 while a remote shard is in use, per shard and node.")
+        lines += [f'colibri_remote_shard_up{{shard="{r["shard"]}",address="{r["address"]}",node="{r["node"]}"}} '
+                  f'{1 if r["state"] == "up" else 0}' for r in shards]
+        _help(lines, "colibri_remote_shard_calls_total", "counter", "Answered calls per remote shard.")
+        lines += [f'colibri_remote_shard_calls_total{{shard="{r["shard"]}"}} {r["calls"]}' for r in shards]
     return "\n".join(lines) + "\n"

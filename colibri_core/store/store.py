@@ -16,7 +16,10 @@ a time while layers' reads are in flight, one per I/O thread while the disk is i
 reads them all at once and waits). A layer that needs a pinned expert not read yet reads it at once.
 
 The store is a passive cache: it knows no model, engine or plugin registry. It is handed the
-container, the eviction policy and what to read; it is told what will be needed.
+container, the eviction policy and what to read; it is told what will be needed. With remote shards
+(colibri_core/remote) it stays the cache in front of them: the MoE block asks it which experts are
+`resident`, has the others computed remotely and passes those as `skip`; `elsewhere` says which
+experts a live remote shard serves, so the lookahead never reads them from disk.
 
 Placement changes speed only: every expert is handed to the kernels as the same QTensor views of
 its extent, verified (crc32 computed by the I/O thread against the trailer and the manifest, layer
@@ -108,6 +111,8 @@ class ExpertStore:
         self.slots = min(slots, container.n_experts)
         layers = tuple(container.moe_layers)
         self.layer_index = {layer: i for i, layer in enumerate(layers)}
+        self.elsewhere: dict[int, frozenset[int]] = {}  # layer -> experts a live remote shard computes
+        self.remote = None  # the remote shards in front of which this store is a cache (set by the engine)
         self.policies = {layer: policy.factory(slots=self.slots, n_experts=container.n_experts) for layer in layers}
         self.cache: dict[int, dict[int, _Entry]] = {layer: {} for layer in layers}
         self.pinned: dict[int, dict[int, _Entry]] = {layer: {} for layer in layers}
@@ -140,7 +145,8 @@ class ExpertStore:
             raise
 
     # ---- a layer's experts ---------------------------------------------------------------
-    def experts(self, layer: int, ids: np.ndarray, predict: tuple[int, Callable[[], np.ndarray | None]] | None = None):
+    def experts(self, layer: int, ids: np.ndarray, predict: tuple[int, Callable[[], np.ndarray | None]] | None = None,
+                skip=frozenset(), record: bool = True):
         """Yield {expert: (gate, up, down)} groups covering the batch union of `ids` (T, k).
 
         First the experts already resident, then the others as their reads arrive (each group: the
@@ -148,13 +154,15 @@ class ExpertStore:
         this layer's reads are queued, and unless every expert of that layer is resident already,
         `guess()` returns the ids (T, k) it will likely need, each token's likeliest first (router
         lookahead), and the store starts reading them. Call `next` only after computing the group
-        yielded before: its experts may then be evicted.
+        yielded before: its experts may then be evicted. Experts in `skip` are computed elsewhere
+        (remote shards): neither read nor counted; `record` False leaves the routing history alone
+        (a second call for the same tokens: the experts of a remote shard that failed).
         """
         c = self.counters
         self._reap_orphans()
-        if self.usage is not None:
+        if self.usage is not None and record:
             self.usage.record(self.layer_index[layer], ids)
-        need = sorted(set(np.asarray(ids).ravel().tolist()))  # the batch union, ascending
+        need = sorted(set(np.asarray(ids).ravel().tolist()).difference(skip))  # the batch union, ascending
         predicted = self._predicted.pop(layer, None)
         if predicted is not None:
             c.needed_after_prediction += len(need)
@@ -213,6 +221,11 @@ class ExpertStore:
             waiting = still
             yield group
             protected.difference_update(group)
+
+    def resident(self, layer: int) -> set[int]:
+        """Experts of `layer` ready here now (cached or pinned, read; not those still being read)."""
+        return {e for d in (self.cache[layer], self.pinned[layer]) for e, entry in d.items()
+                if entry.tensors is not None or (entry.read is not None and self.pool.done(entry.read))}
 
     def get(self, layer: int, expert: int):
         """(gate, up, down) QTensors of one expert (reads it if it is not resident)."""
@@ -362,6 +375,8 @@ class ExpertStore:
         votes = np.bincount(ids.ravel(), weights=rank_weights.ravel(), minlength=self.container.n_experts)
         order = np.argsort(-votes, kind="stable")[: np.count_nonzero(votes)].tolist()  # voted for, most first
         self._predicted[nxt] = set(order)
+        if self.elsewhere.get(nxt):  # computed by a live remote shard: nothing to read here
+            order = [e for e in order if e not in self.elsewhere[nxt]]
         wanted = order[: self.slots]  # never more than the cache holds
         protected = set(wanted)
         cache, pinned = self.cache[nxt], self.pinned[nxt]

@@ -246,10 +246,40 @@ function renderStats(s) {
     ], e.total);
   }
 
+  renderCluster(s.engine);
+
   for (const h of s.history) if (h.t > state.lastSample) state.history.push(h);
   if (state.history.length) state.lastSample = state.history[state.history.length - 1].t;
   state.history = state.history.slice(-300);
   drawHitChart();
+}
+
+function renderCluster(e) {
+  // the remote shards (--ray): one row per shard, its node, state, experts and calls
+  const card = $("cluster-card");
+  card.hidden = !(e && e.remote_shards);
+  if (card.hidden) return;
+  const answered = e.remote_latency ? e.remote_latency.count : 0;
+  $("cluster-summary").textContent = e.remote_shards_up + "/" + e.remote_shards + " shards up · " +
+    (e.remote_calls / Math.max(1, e.generated_tokens)).toFixed(1) + " calls/token · " +
+    (answered ? (1e3 * e.remote_seconds / answered).toFixed(2) + " ms per call" : "no call yet") + " · sent " +
+    bytes(e.remote_bytes_sent) + " · failures " + e.remote_failures + " · rejoins " + e.remote_rejoins;
+  const table = $("cluster-shards");
+  table.replaceChildren();
+  const head = table.insertRow();
+  for (const h of ["shard", "node", "state", "experts", "calls", "ms/call"]) {
+    const th = document.createElement("th"); th.textContent = h; head.appendChild(th);
+  }
+  for (const r of Object.values(e.remote_shard_table || {})) {
+    const row = table.insertRow();
+    row.className = r.state;
+    row.title = r.placement + (r.last_error ? "\nlast error: " + r.last_error : "");
+    for (const v of [r.shard, r.address + " (" + r.node.slice(0, 8) + ")", r.state + (r.warming ? ", warming" : ""),
+                     r.experts + " (" + bytes(r.bytes) + ")", r.calls,
+                     r.calls ? (1e3 * r.seconds / r.calls).toFixed(2) : "–"]) {
+      row.insertCell().textContent = String(v);
+    }
+  }
 }
 
 function drawHitChart() {
