@@ -419,9 +419,12 @@ class _Staging:
                 say(f"resuming the conversion in {path}" + (f" (checking its {n} finished files against the "
                                                             "source first)" if n else ""))
             else:
-                if (path / PROGRESS).exists() or (path / MANIFEST).exists():
+                if (path / PROGRESS).exists():
                     say(f"discarding {path}: an unfinished conversion of another source, quantisation or layout "
                         "(or by another colibri version)")
+                elif (path / MANIFEST).exists():  # killed between its last two steps: too late to check
+                    say(f"discarding {path}: a conversion interrupted as it was being published; converting "
+                        "from the start")
                 self._clear()
                 rec = None
         self.rec = rec or {"key": key, "files": {}}
