@@ -172,21 +172,30 @@ def test_plan_and_doctor_show_the_cluster(models, cluster):
     assert r.exit_code == 1 and "FAIL  ray node" in r.output and "another model" in r.output
 
 
-def test_metrics_export_remote_calls_latency_and_bytes(models, cluster):
+def test_serve_with_ray_exports_the_cluster(models, cluster):
+    """`colibri web --ray`: /metrics has the remote calls, bytes and latency histogram, /api/stats
+    (the dashboard's Cluster card) every shard."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from colibri_core.server.metrics import Metrics, prometheus
+    from live_server import LiveServer, post_json
 
-    with remote_load(models["olmoe"], cluster) as e:
-        e.generate(PROMPT, 3, stop_ids=())
-        text = prometheus(Metrics(), e.stats(), {"waiting": 0, "capacity": 1, "running": 0}, "tiny")
-    families = {f.name: f for f in text_string_to_metric_families(text)}
+    server = LiveServer("web", models["olmoe"], "--cache-slots", "1", "--ray", cluster.address)
+    try:
+        status, body = post_json(server.url + "/v1/completions", {"prompt": "the quick", "max_tokens": 4})
+        assert status == 200, body
+        status, text = server.get("/metrics")
+        stats = server.json("/api/stats")["engine"]
+    finally:
+        server.stop()
+    families = {f.name: f for f in text_string_to_metric_families(text.decode())}
     assert families["colibri_remote_calls"].type == "counter"
     assert families["colibri_remote_calls"].samples[0].value > 0
     assert families["colibri_remote_bytes_sent"].samples[0].value > 0
     hist = families["colibri_remote_call_seconds"]
     assert hist.type == "histogram" and any(s.name.endswith("_count") and s.value > 0 for s in hist.samples)
     assert [s.value for s in families["colibri_remote_shard_up"].samples] == [1.0, 1.0]
+    assert stats["remote_shards_up"] == 2 and len(stats["remote_shard_table"]) == 2
+    assert all(r["state"] == "up" and r["calls"] > 0 for r in stats["remote_shard_table"].values())
 
 
 def test_run_with_ray_on_the_command_line(models, cluster):
