@@ -293,20 +293,26 @@ def test_convert_refuses_a_deeply_nested_source_config(tmp_path):
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "nested too deeply" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("rel", ["generation_config.json", "tokenizer_config.json"])
-def test_unlisted_files_nested_or_broken_are_one_line(model, rel):
-    """A file the manifest does not list (added after conversion) is read unchecked, but still
-    fails as one line naming it."""
+BROKEN = {
+    "generation_config.json": [NESTED, '{"eos_token_id": "</s>"}'],
+    "tokenizer_config.json": [NESTED, "[7]"],
+    "tokenizer.json": [NESTED, '{"version": "1.0"}'],
+    "chat_template.jinja": ["{% for m in messages %}", "{{ raise_exception('no system role here') }}"],
+}
+
+
+@pytest.mark.parametrize("rel", BROKEN)
+def test_unlisted_files_broken_are_one_line(model, rel):
+    """A file the manifest does not list (added after conversion) is read unchecked, but a broken
+    one (nested too deeply, not what the format holds, a template that does not compile or raises)
+    still fails as one line naming it."""
     m = yaml.safe_load((model / "colibri.yaml").read_text())
     del m["files"][rel]
-    text = yaml.safe_dump(m, sort_keys=False)
-    (model / "colibri.yaml").write_text(text)  # an edited manifest without its checksum line
-    (model / rel).write_text(NESTED)
-    code, _, _, error, _ = cli(*RUN, "--chat", "--model", model, PROMPT)
-    assert code == 1 and rel in str(error) and "nested too deeply" in str(error), error
-    (model / rel).write_text('{"eos_token_id": "</s>"}' if rel == "generation_config.json" else '[7]')
-    code, _, _, error, _ = cli(*RUN, "--chat", "--model", model, PROMPT)
-    assert code == 1 and rel in str(error), error
+    (model / "colibri.yaml").write_text(yaml.safe_dump(m, sort_keys=False))  # edited: no checksum line
+    for text in BROKEN[rel]:
+        (model / rel).write_text(text)
+        code, out, _, error, _ = cli(*RUN, "--chat", "--model", model, PROMPT)
+        assert code == 1 and rel in str(error) and len(str(error).splitlines()) == 1 and out == "", (text[:40], error)
 
 
 def test_serve_survives_a_nested_routing_history(model):
