@@ -113,6 +113,37 @@ def test_placement_is_sized_to_each_nodes_ram():
     assert plan["experts_remote"] + plan["experts_local"] == 48 and plan["experts_local"] > 0
 
 
+def test_the_shard_computes_its_slots_as_the_local_block_does(models):
+    """ShardServer without Ray: its slots equal the local MoE block's bit for bit (also int8
+    activations), prefetch reorders what it reads next, another model's copy is refused."""
+    from colibri_core import kernels
+    from colibri_core.container import Container
+    from colibri_core.errors import ColibriError
+    from colibri_core.layers.moe import run_experts
+    from colibri_core.remote.shard import ShardServer, identity
+
+    c = Container(models["olmoe"])
+    layer = c.moe_layers[1]
+    shard = ShardServer(str(models["olmoe"]), {layer: [2, 3, 5, 8]}, identity(c), warm=False)
+    shard.prefetch(layer, [8, 9, 5])  # 9 is not its expert
+    assert shard._queue[:2] == [(layer, 8), (layer, 5)] and len(shard._queue) == 4
+    rng = np.random.default_rng(0)
+    x = rng.normal(0, 1, (5, c.hidden)).astype(np.float32)
+    ids = np.array([[2, 9], [3, 5], [0, 1], [8, 2], [5, 3]])
+    mine = np.isin(ids, [2, 3, 5, 8])
+    for act in ("f32", "int8"):
+        want = np.zeros((5, 2, c.hidden), np.float32)
+        with kernels.activations(act):
+            run_experts(want, x, ids, {e: c.read_expert(layer, e) for e in (2, 3, 5, 8)})
+        got = shard.compute(layer, x, np.where(mine, ids, -1), act, "swiglu", None)
+        assert np.array_equal(got, want[mine])
+    with pytest.raises(ValueError, match="does not hold"):
+        shard.compute(layer, x, ids, "f32", "swiglu", None)
+    with pytest.raises(ColibriError, match="another model or conversion"):
+        ShardServer(str(models["glm52"]), {}, identity(c), warm=False)
+    c.close()
+
+
 # ---- identity -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch,split", [("olmoe", "expert"), ("olmoe", "layer"), ("glm52", "expert")])
 def test_tokens_identical_to_a_single_machine(models, reference, cluster, arch, split):
