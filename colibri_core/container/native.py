@@ -9,7 +9,8 @@ their aliases, its expert name patterns and their `ExpertNames.other_names`):
   compute on; float8 with float32 block scales (``NAME_scale_inv``: DeepSeek V3, GLM) dequantised;
   integer tensors (a hash table) as float32;
 - routed experts: per expert, gate / up / down with their scales, as an `fp4` QTensor (packed E2M1
-  in I8 with a UE8M0 scale per 32 columns: DeepSeek V4's experts), `fp8`, or float32. Each expert is
+  in I8 with a UE8M0 scale per 32 columns: DeepSeek V4's experts; or MXFP4 as Kimi K3 stores it,
+  ``NAME.weight_packed`` U8 + ``NAME.weight_scale`` U8, the same bytes), `fp8`, or float32. Each expert is
   read as the fewest extents that cover its tensors: one read where they are contiguous in one
   shard (the official layout), sorted reads where they are not (tensors split across shards).
 
@@ -36,6 +37,7 @@ from .writer import Checkpoint
 __all__ = ["NativeCheckpoint", "is_checkpoint"]
 
 E8M0_SCALE = ".scale"  # DeepSeek V4: NAME.weight (F8_E4M3 or packed fp4 in I8) + NAME.scale (F8_E8M0)
+PACKED = ".weight_packed"  # Kimi K3: NAME.weight_packed (E2M1 pairs in U8) + NAME.weight_scale (UE8M0 in U8)
 MERGE_GAP = 1 << 16  # tensors of one expert this close in one shard are read in one extent
 SAMPLE = 1 << 16  # bytes of each shard hashed into the fingerprint, at its start, middle and end
 
@@ -47,6 +49,8 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def _scale_name(name: str) -> str:
+    if name.endswith(PACKED):  # Kimi K3's MXFP4: NAME.weight_packed (U8) + NAME.weight_scale (U8)
+        return name.removesuffix(PACKED) + ".weight_scale"
     return name.removesuffix(".weight") + E8M0_SCALE
 
 
@@ -122,7 +126,7 @@ class NativeCheckpoint:
             st = self._ckpt.where[name]
             rows, cols = (self.hidden, self.intermediate) if proj == "down" else (self.intermediate, self.hidden)
             dtype, scale = st.dtype(name), _scale_name(name)
-            if dtype == "I8" and scale in self._ckpt.where:
+            if (dtype == "I8" or (dtype == "U8" and name.endswith(PACKED))) and scale in self._ckpt.where:
                 kind = "fp4"
             elif dtype == "F8_E4M3" and scale in self._ckpt.where:
                 kind = "fp8"

@@ -350,9 +350,13 @@ class KimiLinear(MoEModel):
                             "down": experts + ".{expert}.w2.weight"},
                 fused_gate_up=cfg.prefix + "layers.{layer}.mlp.experts.gate_up_proj",  # transformers' fused save
                 fused_down=cfg.prefix + "layers.{layer}.mlp.experts.down_proj",
+                # K3's official release: MXFP4 experts (w{1,2,3}.weight_packed U8 + weight_scale U8), run as they are
+                other_names=({"gate": experts + ".{expert}.w1.weight_packed", "up": experts + ".{expert}.w3.weight_packed",
+                              "down": experts + ".{expert}.w2.weight_packed"},) if cfg.k3 else (),
             ),
             aliases=aliases(cfg),
             expert_activation="situ" if cfg.k3 else "swiglu",
+            native_expert_kind="fp4" if cfg.k3 else None,  # K3's release: MXFP4 = E2M1 + UE8M0 per 32 columns
         )
 
     @classmethod

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 TINY_K3 = dict(  # every part: 4 KDA + 2 MLA layers, blocks of 2, a dense layer 0, a latent MoE
-    vocab_size=256, hidden_size=64, num_hidden_layers=6, intermediate_size=96, moe_intermediate_size=24,
+    vocab_size=256, hidden_size=64, num_hidden_layers=6, intermediate_size=96, moe_intermediate_size=32,
     num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
     num_experts=8, num_experts_per_token=3, num_shared_experts=2, num_expert_group=1, topk_group=1,
     moe_renormalize=True, routed_scaling_factor=1.0, first_k_dense_replace=1, moe_latent_size=32,
@@ -132,7 +132,7 @@ def mxfp4_decode(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
 def save_checkpoint(d: Path, c: dict, w: dict[str, np.ndarray], mxfp4: bool = False, shards: int = 1) -> dict:
     """Write a K3 checkpoint to d (config.json, model-0000k-of-0000N.safetensors + index). With `mxfp4`
     the routed experts are stored as the official checkpoint stores them (`w{1,2,3}.weight_packed`
-    U8 + `weight_scale` U8), in a shuffled order within each shard; returns the weights the files
+    U8 + `weight_scale` U8), each expert's tensors together in one shard; returns the weights the files
     hold (the experts rounded to MXFP4)."""
     from safetensors.numpy import save_file
 
@@ -147,9 +147,12 @@ def save_checkpoint(d: Path, c: dict, w: dict[str, np.ndarray], mxfp4: bool = Fa
             held[name] = exact.astype(np.float32)
         else:
             tensors[name] = t
+    # each expert's tensors together in one shard (safetensors orders a shard by dtype, then name: an
+    # expert's six MXFP4 tensors are contiguous, experts in name order, 10 before 2), the rest spread
+    expert_of = lambda n: int(n.split(".experts.")[1].split(".")[0]) if ".experts." in n else None  # noqa: E731
     names = list(tensors)
-    np.random.default_rng(7).shuffle(names)  # experts not in id order within a shard
-    parts = [names[k::shards] for k in range(shards)]
+    parts = [[n for j, n in enumerate(names) if (expert_of(n) if expert_of(n) is not None else j) % shards == k]
+             for k in range(shards)]
     index = {}
     for k, part in enumerate(parts):
         fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
@@ -202,7 +205,7 @@ class Reference:
         return (p[..., None] * V).sum(0)
 
     def kda(self, i, x):
-        c, lin = self.c, self.c["linear_attn_config"]
+        lin = self.c["linear_attn_config"]
         Hh, d, K = lin["num_heads"], lin["head_dim"], lin["short_conv_kernel_size"]
         T = len(x)
         outs = []
@@ -289,3 +292,17 @@ class Reference:
                                else self.moe(i, x))
         h = self.mix(blocks, prefix, self.p("output_attn_res_norm.weight"), self.p("output_attn_res_proj.weight"))
         return rms(h, self.p("norm.weight"), eps) @ self.w["language_model.lm_head.weight"].T
+
+
+# The flagship's shape, for planning (ARCHITECTURES.md, "Kimi K3"): 93 layers = 69 KDA (96 heads of 128)
+# + 24 MLA (96 heads, 128 + 64 query/key, 128 value, latent 512 + 64), hidden 7168, 896 experts top-16
+# on a 3584-wide latent, expert width 3072, 2 shared. Not published and assumed here: the MLA layers'
+# places (every 4th, and the last), q_lora_rank, the dense layer's width, the vocabulary.
+K3_FLAGSHIP = dict(
+    vocab_size=163840, hidden_size=7168, num_hidden_layers=93, intermediate_size=18432, moe_intermediate_size=3072,
+    num_attention_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, num_experts=896, num_experts_per_token=16, num_shared_experts=2, moe_latent_size=3584,
+    linear_attn_config={"full_attn_layers": [*range(4, 93, 4), 93], "kda_layers": [i for i in range(1, 94)
+                                                                               if i % 4 and i != 93],
+                        "head_dim": 128, "num_heads": 96, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
+)

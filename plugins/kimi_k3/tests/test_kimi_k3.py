@@ -122,3 +122,63 @@ def test_quantised_containers_place_invisibly(k3, q):
     # and they compute what the reference computes with the container's (dequantised) weights
     want = Reference(TINY_K3, dequantize(dst)).logits(prompt)
     assert np.abs(runs[0][0] - want).max() <= REL_TOL * np.abs(want).max()
+
+
+def test_official_mxfp4_checkpoint_runs_without_conversion(k3, tmp_path):
+    """The official layout — `language_model.` names, config under text_config, routed experts as MXFP4
+    (`w{1,2,3}.weight_packed` U8 E2M1 pairs, low nibble the even column + `weight_scale` U8 UE8M0 per 32
+    columns), an expert's six tensors contiguous in one of two shards, not in id order — loads with no
+    conversion (the experts stay fp4; each read is its tensors' extent) and matches the reference
+    given the same (MXFP4-rounded) weights, prefill and decode."""
+    from safetensors import safe_open
+
+    held = save_checkpoint(tmp_path / "official", TINY_K3, k3["weights"], mxfp4=True, shards=2)
+    with safe_open(tmp_path / "official" / "model-00001-of-00002.safetensors", "np") as f:
+        packed = [n for n in f.keys() if n.endswith("w1.weight_packed")]
+        assert packed and f.get_tensor(packed[0]).dtype == np.uint8
+    with load(tmp_path / "official", activations="f32") as engine:
+        assert type(engine.container).__name__ == "NativeCheckpoint"
+        gate, up, down = engine.container.read_expert(TINY_K3["first_k_dense_replace"], 3)
+        assert gate.kind == up.kind == down.kind == "fp4"
+        name = "language_model.model.layers.1.block_sparse_moe.experts.3.w{}.weight"
+        for t, w in ((gate, 1), (up, 3), (down, 2)):
+            assert np.array_equal(dequantize_qtensor(t), held[name.format(w)])  # E2M1 × 2^(s−127), bit for bit
+        tokens, got = decode(engine, k3["prompt"], NEW, restore_at=5)
+    check_against_reference(Reference(TINY_K3, held), k3["prompt"] + tokens[:-1], got, tokens, "MXFP4 checkpoint")
+
+
+def dequantize_qtensor(t):
+    from colibri_core import quant
+
+    return quant.dequantize(t)
+
+
+def test_plan_of_the_official_config():
+    """`colibri plan --config` on the flagship's shape, as released (native: MXFP4 experts): one expert
+    is 17,547,264 bytes, the KDA state ≈ 445 MiB fixed, 576 floats per token per MLA layer."""
+    import json
+    import subprocess
+    import sys
+
+    from kimi_k3_reference import K3_FLAGSHIP, k3_config
+
+    config = k3_config(**K3_FLAGSHIP)
+    out = {}
+    for quant in ("native", "int4"):
+        p = subprocess.run([sys.executable, "-m", "colibri_core", "plan", "--config", "/dev/stdin", "--quant", quant,
+                            "--json", "--disk-bw", "2GB", "--mem-bw", "20GB", "--ram", "512GB"],
+                           input=json.dumps(config), capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        out[quant] = json.loads(p.stdout)
+    native, int4 = out["native"], out["int4"]
+    assert native["moe_layers"] == 92 and native["top_k"] == 16
+    assert native["expert_bytes"] == 17_547_264  # the official MXFP4 expert: six tensors, data + scales
+    assert native["experts_total"] == 92 * 896 and native["experts_total_bytes"] == 92 * 896 * 17_547_264
+    kda_state = 3 * 3 * 12288 + 96 * 128 * 128  # conv window (K−1, 3·12288) + S (96, 128, 128), float32
+    assert native["fixed_state_bytes"] == 69 * 4 * kda_state  # ≈ 443 MiB
+    assert native["state_bytes_per_token"] == 24 * 576 * 4  # the MLA latent + shared key, 24 layers
+    resident_params = native["resident_bytes"] / 4  # float32 in RAM
+    expert_params = 3 * 3072 * 3584
+    assert abs(resident_params + 16 * 92 * expert_params - 104e9) < 0.03 * 104e9  # 104B active
+    assert abs(resident_params + 92 * 896 * expert_params - 2.8e12) < 0.03 * 2.8e12  # 2.8T total
+    assert int4["experts_total_bytes"] < native["experts_total_bytes"] * 1.2  # int4 containers are no bigger
