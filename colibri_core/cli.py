@@ -42,6 +42,8 @@ MirrorOpt = typer.Option(None, "--mirror", help="A byte-identical copy of the mo
 PinOpt = typer.Option(None, "--pin-gb", help="Hot-store size in GB for the most-routed experts (default: 3/4 of the expert budget once there is routing history; 0: off).")
 PolicyOpt = typer.Option("lru", "--policy", help="Expert cache eviction policy: lru, lfu, or one a plugin registers.")
 StatsOpt = typer.Option(False, "--stats", help="After the stats line, print every expert-store counter.")
+GrammarOpt = typer.Option(None, "--grammar", help="A grammar file the answer follows: Lark (llguidance's dialect) or GBNF (llama.cpp's), by extension (.lark, .gbnf) or content.")
+JsonSchemaOpt = typer.Option(None, "--json-schema", help="A JSON schema file: the answer is JSON valid against it.")
 DraftOpt = typer.Option("auto", "--draft", help="Speculative decoding: auto (a grammar's forced tokens, and the model's MTP head while it pays), mtp, grammar, off, or a drafter a plugin registers. Never changes a greedy token.")
 RayOpt = typer.Option(None, "--ray", envvar="COLIBRI_RAY", help="A Ray cluster (auto, HOST:PORT) whose other nodes hold "
                       "the routed experts in RAM; the local store stays a cache in front (needs colibri[ray]).")
@@ -97,6 +99,27 @@ def _open(model, ram, cache_slots, **store):
     if model is None:  # the bundled demo is read-only package data: no routing history beside it
         store.setdefault("usage", False)  # (it fits any sensible budget whole, so pinning has nothing to do)
     return load(model_dir, ram=ram, cache_slots=cache_slots, **store)
+
+
+def _structure(engine, grammar: Optional[Path], json_schema: Optional[Path]):
+    """A maker of fresh constraints for --grammar / --json-schema (one per answer), or None; the file
+    is compiled here, once, so a grammar that cannot be compiled is one line before any generation."""
+    if grammar is None and json_schema is None:
+        return None
+    if grammar is not None and json_schema is not None:
+        raise ColibriError("give --grammar or --json-schema, not both")
+    from .structured import Constraint, Vocabulary
+
+    vocab = Vocabulary.of(engine)
+    path, kind = (grammar, "grammar") if grammar is not None else (json_schema, "json_schema")
+    Constraint.from_file(vocab, path, kind)
+    return lambda: Constraint.from_file(vocab, path, kind)
+
+
+def _structured_draft(draft: str, make) -> str:
+    """Drafting is off under a constraint for now: Engine.stream advances a grammar-forced draft that
+    ends the grammar twice (tests/test_structured.py)."""
+    return "off" if make is not None else draft
 
 
 def store_report(engine) -> str:
@@ -168,6 +191,8 @@ def run(
     policy: str = PolicyOpt,
     stats: bool = StatsOpt,
     draft: str = DraftOpt,
+    grammar: Optional[Path] = GrammarOpt,
+    json_schema: Optional[Path] = JsonSchemaOpt,
     ray: Optional[str] = RayOpt,
     ray_split: str = RaySplitOpt,
     ray_model: Optional[list[str]] = RayModelOpt,
@@ -187,8 +212,10 @@ def run(
             raise ColibriError(f"{engine.model_dir}: --chat needs a chat template, and this model has none")
         text = template.render([{"role": "user", "content": prompt}])
     ids = engine.tokenizer.encode(text, add_special_tokens=not chat)
+    make = _structure(engine, grammar, json_schema)
     decoder = StreamDecoder(engine.tokenizer)
-    for token in engine.stream(ids, max_tokens, temperature, top_p, top_k, seed, draft=draft):
+    for token in engine.stream(ids, max_tokens, temperature, top_p, top_k, seed, draft=_structured_draft(draft, make),
+                               constraint=make and make()):
         sys.stdout.write(decoder.push(token))
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -241,6 +268,8 @@ def chat(
     ray_model: Optional[list[str]] = RayModelOpt,
     ray_timeout: float = RayTimeoutOpt,
     draft: str = DraftOpt,
+    grammar: Optional[Path] = GrammarOpt,
+    json_schema: Optional[Path] = JsonSchemaOpt,
     session_name: Optional[str] = typer.Option(None, "--session", help="Save the conversation as NAME beside "
                                                "the model after every turn and resume it when started again."),
 ):
@@ -254,6 +283,7 @@ def chat(
     engine = _open(model, ram, cache_slots, prefetch=prefetch, direct=direct, mirror=mirror, pin_gb=pin_gb,
                    policy=policy, **_ray_options(ray, ray_split, ray_model, ray_timeout))
     template = ChatTemplate.from_dir(engine.model_dir)
+    make = _structure(engine, grammar, json_schema)  # each answer follows it
     if template is not None:  # special tokens typed in a message stay text, as the server keeps them
         from .server.text import ChatText
 
@@ -303,7 +333,8 @@ def chat(
         turn = session.turn() if session_name is not None else contextlib.nullcontext()
         try:
             with turn:
-                tokens = engine.stream(ids, max_tokens, temperature, top_p, top_k, seed, session=session, draft=draft)
+                tokens = engine.stream(ids, max_tokens, temperature, top_p, top_k, seed, session=session,
+                                       draft=_structured_draft(draft, make), constraint=make and make())
                 try:
                     for token in tokens:
                         answer.append(token)

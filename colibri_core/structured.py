@@ -172,12 +172,13 @@ class Constraint:
             raise ColibriError(f"{path}: {e}") from None
 
     @classmethod
-    def tool_calls(cls, vocab: Vocabulary, tools: list[dict], choice: str | dict = "auto",
-                   parallel: bool = True) -> Constraint:
+    def tool_calls(cls, vocab: Vocabulary, tools: list[dict], choice: str = "auto", parallel: bool = True,
+                   answer: dict | None = None) -> Constraint:
         """Tool calls in the format `parse_tool_calls` reads: TOOL_OPEN {"name":…,"arguments":{…}}
         TOOL_CLOSE, each call's arguments valid against its function's parameters. `choice`:
         "auto" (text, or calls), "required" (calls), or one function's name (one call of it);
-        `parallel`: more than one call allowed."""
+        `parallel`: more than one call allowed; `answer`: with "auto", a JSON schema the text
+        answer must follow instead of free text."""
         functions = tool_functions(tools)
         if isinstance(choice, str) and choice not in ("auto", "required"):
             functions = [f for f in functions if f["name"] == choice]
@@ -185,16 +186,19 @@ class Constraint:
                 raise ColibriError(f"tool_choice names the function {choice!r}, which is not among the tools")
             parallel = False
         call = " | ".join(f"call_{i}" for i in range(len(functions)))
-        rules = [f'start: {"TEXT | calls" if choice == "auto" else "calls"}',
+        text = "TEXT" if answer is None else "answer"
+        rules = [f'start: {text + " | calls" if choice == "auto" else "calls"}',
                  f"calls: call {'(NL? call)*' if parallel else ''}",
                  f"call: {call}",
                  'NL: "\\n"',
                  # text that does not begin a tool call (leading whitespace, then the tag)
                  rf"TEXT: /(.|\n)*/ & ~/\s*{re.escape(TOOL_OPEN)}(.|\n)*/"]
+        if answer is not None:
+            rules.append(f"answer: %json {json.dumps(_with_options(answer))}")
         for i, f in enumerate(functions):
-            schema = {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-                      "required": ["name", "arguments"], "additionalProperties": False,
-                      "x-guidance": JSON_OPTIONS}
+            schema = _with_options({"type": "object", "properties": {"name": {"const": f["name"]},
+                                                                     "arguments": f["parameters"]},
+                                    "required": ["name", "arguments"], "additionalProperties": False})
             rules.append(f'call_{i}: "{TOOL_OPEN}" NL? %json {json.dumps(schema)} NL? "{TOOL_CLOSE}"')
         return cls(vocab, _llg().LLMatcher.grammar_from_lark("\n".join(rules)), "tools' grammar")
 
@@ -261,9 +265,20 @@ class Constraint:
         return self.eos_at is not None or self.matcher.is_accepting()
 
 
+def _with_options(schema: dict) -> dict:
+    """A schema embedded in a Lark grammar, with JSON_OPTIONS unless it sets its own."""
+    return schema if isinstance(schema, dict) and "x-guidance" in schema else {**schema, "x-guidance": JSON_OPTIONS}
+
+
 def _one_line(message: str) -> str:
-    """llguidance's messages (which may span lines, with a caret under the error) as one line."""
-    return " ".join(message.split())[:600]
+    """llguidance's message as one line: its lines once each, without the source excerpts and carets
+    it draws under them."""
+    keep = []
+    for line in message.splitlines():
+        line = line.strip()
+        if line and line not in keep and not re.fullmatch(r"\^+|\d+ \|.*", line):
+            keep.append(line)
+    return " ".join(" ".join(keep).split())[:600]
 
 
 # ---- tools --------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def test_stop_matches_brute_force():
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "top_k": -2}, "top_k"),
     ({"messages": [{"role": "user", "content": "x"}], "seed": 1.5}, "seed"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format.type"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format.type"),
 ])
 def test_chat_checks(body, param):
     with pytest.raises(ApiError) as e:

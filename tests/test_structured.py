@@ -303,3 +303,46 @@ def test_the_demo_model_writes_invalid_json_alone_and_valid_json_under_the_schem
     c = Constraint.tool_calls(vocab, WEATHER, "required", parallel=False)
     calls = parse_tool_calls(constrained_greedy(engine, prompt, c, 80))
     assert calls and calls[0]["name"] in ("get_weather", "now")
+
+
+# ---- the CLI ------------------------------------------------------------------------------------------
+def test_run_and_chat_follow_a_grammar_or_a_schema(tmp_path):
+    import re
+
+    from conftest import colibri
+
+    (tmp_path / "yn.gbnf").write_text('root ::= ("yes" | "no") ", " [a-z ]{3,20} "."\n')
+    (tmp_path / "p.json").write_text(json.dumps(PERSON))
+    r = colibri("run", "Who begat Enos?", "--grammar", tmp_path / "yn.gbnf")
+    assert r.returncode == 0 and re.fullmatch(r"(yes|no), [a-z ]{3,20}\.\n", r.stdout), r
+    r = colibri("run", "Who begat Enos?", "--chat", "--json-schema", tmp_path / "p.json")
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout), PERSON)
+    r = colibri("chat", "--json-schema", tmp_path / "p.json", "--temperature", "0", input="Who begat Enos?\nAnd Seth?\n")
+    answers = [json.loads(line.removeprefix("> ")) for line in r.stdout.splitlines() if line.strip("> ")]
+    assert r.returncode == 0 and len(answers) == 2, r
+    for a in answers:
+        jsonschema.validate(a, PERSON)
+
+
+def test_run_refuses_a_grammar_it_cannot_compile_in_one_line(tmp_path):
+    from conftest import colibri
+
+    (tmp_path / "bad.lark").write_text("start: foo\n")
+    r = colibri("run", "x", "--grammar", tmp_path / "bad.lark")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (f'colibri: error: {tmp_path / "bad.lark"}: the Lark grammar cannot be '
+                                                 'compiled: at 1(8): unknown name: "foo"')
+    r = colibri("run", "x", "--grammar", tmp_path / "bad.lark", "--json-schema", tmp_path / "bad.lark")
+    assert r.returncode == 1 and "not both" in r.stderr
+
+
+@pytest.mark.xfail(raises=ValueError, strict=False, reason=(
+    "Engine.stream advances an accepted grammar draft that ends the grammar a second time when it yields it "
+    "(the `not pending` check), and the constraint refuses it; the server and the CLI draft off under a "
+    "constraint until it is fixed"))
+def test_grammar_drafts_give_the_tokens_of_decoding_without_drafts(engine, vocab):
+    ids = engine.tokenizer.encode("And the LORD said unto Moses,")
+    plain = engine.generate(ids, 80, constraint=Constraint.json_schema(vocab, PERSON), draft="off")
+    drafted = engine.generate(ids, 80, constraint=Constraint.json_schema(vocab, PERSON), draft="grammar")
+    assert drafted == plain

@@ -43,7 +43,7 @@ from starlette.staticfiles import StaticFiles
 
 from ..errors import ColibriError
 from . import brain, metrics as metrics_mod
-from . import openapi, security
+from . import openapi, security, structure
 from .schemas import (CHARS_PER_TOKEN, ApiError, Limits, Sampling, detokenize_model, invalid, parse_chat, parse_completion, parse_json,
                       tokenize_model)
 from .snapshot import Snapshot
@@ -308,8 +308,9 @@ class Generation:
     """One accepted request: its job in the worker's queue, and how its answer is shaped."""
 
     def __init__(self, server: Server, kind: str, prompt_ids: list[int], params: Params, sampling: Sampling,
-                 echo: str = ""):
+                 echo: str = "", tools: bool = False):
         self.server, self.kind, self.sampling, self.echo = server, kind, sampling, echo
+        self.tools = tools  # the answer may be tool calls (structure.py): answered as `tool_calls`
         self.endpoint = "chat" if kind == "chat" else "completions"
         self.object = "chat.completion" if kind == "chat" else "text_completion"
         self.chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -330,9 +331,11 @@ class Generation:
             self.server.worker.cancel(self.job)
             self.server.metrics.count(self.endpoint, "cancelled")
 
-    def _chunk(self, text: str | None, finish: str | None, first: bool = False) -> dict:
+    def _chunk(self, text: str | None, finish: str | None, first: bool = False, calls: list | None = None) -> dict:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+            if calls:
+                delta = {"tool_calls": calls}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
@@ -351,9 +354,21 @@ class Generation:
             yield sse(self._chunk(None, None, first=True))
         elif self.echo:
             yield sse(self._chunk(self.echo, None))
+        calls = structure.CallStream() if self.tools else None
         while True:
             event = await self.job.events.get()
-            if isinstance(event, Delta):
+            if isinstance(event, Delta) and calls is not None:  # text held until it is known not to be a call
+                text, whole = calls.push(event.text)
+                if whole:
+                    yield sse(self._chunk(None, None, calls=structure.openai_calls(whole, calls.n_calls - len(whole),
+                                                                                    stream=True)))
+                if event.finish:
+                    text += calls.flush()
+                if text:
+                    yield sse(self._chunk(text, None))
+                if event.finish:
+                    yield sse(self._chunk(None, "tool_calls" if calls.called and event.finish == "stop" else event.finish))
+            elif isinstance(event, Delta):
                 if event.text or event.finish:
                     yield sse(self._chunk(event.text, event.finish))
             elif isinstance(event, End):
@@ -399,8 +414,12 @@ class Generation:
         self.server.metrics.count(self.endpoint, "ok")
         text = "".join(texts)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            calls = structure.parse_tool_calls(text) if self.tools else None
+            if calls:
+                message = {"role": "assistant", "content": None, "tool_calls": structure.openai_calls(calls)}
+                finish = "tool_calls" if finish == "stop" else finish
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": self.echo + text, "logprobs": None, "finish_reason": finish}
         return JSONResponse({"id": self.id, "object": self.object, "created": self.created, "model": self.server.model_id,
@@ -479,9 +498,13 @@ async def get_model(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     server = server_of(request)
     req = server.parse(parse_chat, await read_json(request, server))
-    ids = await server.encode_chat(req.messages, req.tools)
+    shape = req.structure
+    messages = await server.off_loop(structure.chat_messages, server.template, req.messages, shape) if shape.tools \
+        else req.messages
+    ids = await server.encode_chat(messages, req.tools)
     params = server.resolve(req.sampling, len(ids), "messages")
-    return await Generation(server, "chat", ids, params, req.sampling).respond(request)
+    params.constraint = await server.off_loop(structure.constraint, server.engine, shape)
+    return await Generation(server, "chat", ids, params, req.sampling, tools=shape.calls_tools).respond(request)
 
 
 async def completions(request: Request) -> Response:
@@ -491,6 +514,7 @@ async def completions(request: Request) -> Response:
     ids = await server.encode(req.prompt, "prompt") if isinstance(req.prompt, str) else req.prompt
     echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(ids)
     params = server.resolve(req.sampling, len(ids), "prompt")
+    params.constraint = await server.off_loop(structure.constraint, engine, req.structure)
     return await Generation(server, "completion", ids, params, req.sampling, echo).respond(request)
 
 

@@ -26,6 +26,7 @@ MAX_DEPTH = 32  # nesting of arrays and objects in a request body
 MAX_MESSAGES = 4096
 MAX_TOOLS = 128  # OpenAI's own limit
 MAX_NAME = 512  # characters of a model id, a message's name, a tool call id
+MAX_FUNCTION_NAME = 64  # OpenAI's limit on a function's name
 CHARS_PER_TOKEN = 32  # text beyond this many characters per token of context is refused untokenized
 
 
@@ -489,6 +490,53 @@ class Prompt(Spec):
                           {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]}
 
 
+# ---- structured output: response_format, grammar, tools ------------------------------------------
+def tool_spec(lim: Limits) -> Obj:
+    function = Obj({
+        "name": String(MAX_FUNCTION_NAME, 1, description="Letters, digits, '_', '-' or '.'."),
+        "description": String(lim.max_chars),
+        "parameters": AnyJson("object", "The arguments' JSON schema; a call's arguments always follow it."),
+        "strict": Boolean("Accepted: arguments always follow 'parameters'."),
+    }, required=("name",))
+    return Obj({"type": String(choices=("function",), refusal="only function tools are supported"),
+                "function": function}, required=("type", "function"))
+
+
+def structure_fields(lim: Limits) -> dict[str, Spec]:
+    """The fields that constrain the answer (structured.py), shared by both generation models."""
+    return {
+        "response_format": Obj({
+            "type": String(choices=("text", "json_object", "json_schema")),
+            "json_schema": Obj({"name": String(MAX_FUNCTION_NAME), "description": String(lim.max_chars),
+                                "schema": AnyJson("object", "The JSON schema the answer is valid against."),
+                                "strict": Boolean("Accepted: the answer always follows the schema.")}),
+        }, required=("type",), description="'json_object': the answer is a JSON object; 'json_schema': JSON valid "
+                                            "against json_schema.schema (enforced token by token).",
+            rules=[{"anyOf": [{"properties": {"type": {"enum": ["text", "json_object"]}}},
+                              {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}],
+                    "description": "'json_schema' with type 'json_schema'."}]),
+        "grammar": String(lim.max_chars, 1, description="llama-server's extension: a GBNF or Lark grammar the answer "
+                          "follows (not with response_format json or tools)."),
+    }
+
+
+def _structure(v: dict, tools: list | None = None, tool_choice=None, parallel: bool | None = None) -> Structure:
+    fmt, grammar = v["response_format"], v["grammar"]
+    if fmt is not None and fmt["type"] == "json_schema" and fmt["json_schema"] is None:
+        raise invalid("response_format.json_schema", "'response_format.json_schema' is required with type 'json_schema'",
+                      "missing_required_parameter")
+    fmt = None if fmt is None or fmt["type"] == "text" else fmt
+    if isinstance(tool_choice, dict):
+        tool_choice = tool_choice["function"]["name"]
+    if tools and tool_choice is None:
+        tool_choice = "auto"  # OpenAI's default with tools
+    if tool_choice not in (None, "none", "auto") and not tools:
+        raise invalid("tool_choice", f"'tool_choice' {tool_choice!r} needs 'tools'")
+    if grammar is not None and (fmt is not None or (tools and tool_choice != "none")):
+        raise invalid("grammar", "'grammar' cannot be combined with a JSON 'response_format' or with tools")
+    return Structure(fmt, grammar, tools or None, tool_choice or "none", True if parallel is None else parallel)
+
+
 # ---- the request models ---------------------------------------------------------------------------
 STREAM_RULE = {"anyOf": [{"properties": {"stream": {"const": True}}, "required": ["stream"]},
                          {"properties": {"stream_options": {"type": "null"}}}],
@@ -528,10 +576,18 @@ def chat_model(lim: Limits = Limits()) -> Obj:
         **sampling_fields(lim),
         "messages": Array(Message(lim), 1, MAX_MESSAGES, "The conversation, rendered by the model's chat template."),
         "max_completion_tokens": Integer(1, lim.tokens_cap, "The newer name of 'max_tokens' (wins over it)."),
-        "tools": Array(AnyJson("object"), max_items=MAX_TOOLS, description="Passed to the chat template."),
-        "tool_choice": String(choices=("none", "auto"), refusal="colibri cannot force a tool call"),
-        "response_format": Obj({"type": String(choices=("text",), refusal="structured output is not supported")},
-                               required=("type",)),
+        **structure_fields(lim),
+        "tools": Array(tool_spec(lim), max_items=MAX_TOOLS, description="Functions the model may call: passed to the "
+                       "chat template (or described in a system message if it ignores them); calls come back as "
+                       "'tool_calls'."),
+        "tool_choice": OneOfKinds(
+            String(choices=("none", "auto", "required")),
+            Obj({"type": String(choices=("function",)), "function": Obj({"name": String(MAX_FUNCTION_NAME, 1)},
+                                                                         required=("name",))},
+                required=("type", "function")),
+            description="'auto' (the default with tools): text or calls; 'required': calls; a named function: one "
+                        "call of it; 'none': text."),
+        "parallel_tool_calls": Boolean("More than one call in an answer (default true)."),
         "logprobs": Neutral(False, "log probabilities are not returned"),
         "top_logprobs": Neutral(0, "log probabilities are not returned"),
     }, required=("messages",), rules=[STREAM_RULE])
@@ -542,6 +598,7 @@ def completion_model(lim: Limits = Limits()) -> Obj:
         **sampling_fields(lim),
         "prompt": Prompt(lim),
         "echo": Boolean("Put the prompt before the completion."),
+        **structure_fields(lim),  # vLLM's and llama-server's extensions to completions
         "suffix": Neutral("", "no fill-in-the-middle"),
         "best_of": Neutral(1, "one choice per request"),
         "logprobs": Neutral(0, "log probabilities are not returned"),
@@ -610,16 +667,34 @@ def parse_sampling(body: dict, lim: Limits = Limits()) -> Sampling:
 
 
 @dataclass
+class Structure:
+    """What the answer must be (structured.py); all None / "none": free text."""
+
+    response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}
+    grammar: str | None = None  # GBNF or Lark
+    tools: list | None = None  # OpenAI's tools, checked by the model's spec (structured.tool_functions checks more)
+    tool_choice: str = "none"  # "none" | "auto" | "required" | a function's name
+    parallel_tool_calls: bool = True
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+@dataclass
 class ChatRequest:
     sampling: Sampling
     messages: list[dict]  # role + content (a string) + whatever else the template may read
     tools: list | None
+    structure: Structure = field(default_factory=Structure)
 
 
 def parse_chat(body: dict, lim: Limits = Limits()) -> ChatRequest:
     v = chat_model(lim).check(body, "")
     max_tokens = v["max_completion_tokens"] if v["max_completion_tokens"] is not None else v["max_tokens"]
-    return ChatRequest(_sampling(v, max_tokens), v["messages"], v["tools"] or None)
+    tools = body["tools"] if v["tools"] else None  # as sent (checked): the template sees every field it was given
+    structure = _structure(v, tools, v["tool_choice"], v["parallel_tool_calls"])
+    return ChatRequest(_sampling(v, max_tokens), v["messages"], tools, structure)
 
 
 @dataclass
@@ -627,8 +702,9 @@ class CompletionRequest:
     sampling: Sampling
     prompt: str | list[int]  # text, or token ids
     echo: bool  # put the prompt before the completion
+    structure: Structure = field(default_factory=Structure)
 
 
 def parse_completion(body: dict, lim: Limits = Limits()) -> CompletionRequest:
     v = completion_model(lim).check(body, "")
-    return CompletionRequest(_sampling(v, v["max_tokens"]), v["prompt"], bool(v["echo"]))
+    return CompletionRequest(_sampling(v, v["max_tokens"]), v["prompt"], bool(v["echo"]), _structure(v))

@@ -1,0 +1,145 @@
+"""A request's structure (response_format, grammar, tools) → the engine's `Constraint`, and tool
+calls back out of the answer in OpenAI's shape.
+
+The constraint (colibri_core/structured.py) is built before the request is queued, off the event
+loop, so a schema or grammar that cannot be compiled is a 400 with the compiler's message and never
+costs a queue slot. Tools are passed to the chat template; a template that ignores them (its
+rendering is the same with and without) gets a system message describing them and the call format
+instead, and earlier assistant calls are written into their messages in that format, so the model
+sees its own calls. Calls come back as `<tool_call>{"name", "arguments"}</tool_call>`, forced by the
+grammar, and are answered as `tool_calls` (finish_reason "tool_calls"), whole or, streamed, one
+call at a time as each is complete.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+
+from ..errors import ColibriError
+from ..structured import TOOL_CLOSE, TOOL_OPEN, Constraint, Vocabulary, parse_tool_calls, tool_prompt
+from .schemas import Structure, invalid
+
+
+def constraint(engine, s: Structure) -> Constraint | None:
+    """The request's constraint (None: free text); a ColibriError becomes a 400 naming the field."""
+    if s.response_format is None and s.grammar is None and not s.calls_tools:
+        return None
+    param = "tools" if s.calls_tools else "grammar" if s.grammar is not None else "response_format"
+    try:
+        vocab = Vocabulary.of(engine)
+        answer = None
+        if s.response_format is not None:
+            spec = s.response_format
+            answer = ({"type": "object"} if spec["type"] == "json_object"
+                      else spec["json_schema"]["schema"] if spec["json_schema"]["schema"] is not None else {})
+            if not s.calls_tools:
+                return (Constraint.json_object(vocab) if spec["type"] == "json_object"
+                        else Constraint.json_schema(vocab, answer))
+        if s.grammar is not None:
+            return Constraint.grammar(vocab, s.grammar)
+        return Constraint.tool_calls(vocab, s.tools, s.tool_choice, s.parallel_tool_calls, answer=answer)
+    except ColibriError as e:
+        raise invalid(param, str(e), "invalid_grammar") from None
+
+
+def chat_messages(template, messages: list[dict], s: Structure) -> list[dict]:
+    """The messages to render: unchanged if the template renders the tools itself; otherwise earlier
+    calls written into their assistant messages, and (when tools may be called) a system message
+    describing them first."""
+    if not s.tools:
+        return messages
+    if template is not None and _renders_tools(template, messages, s.tools):
+        return messages
+    out = [_with_calls(m) for m in messages]
+    if s.calls_tools:
+        try:
+            prompt = tool_prompt(s.tools, s.tool_choice)
+        except ColibriError as e:
+            raise invalid("tools", str(e)) from None
+        if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _renders_tools(template, messages: list[dict], tools: list) -> bool:
+    try:
+        return template.render(messages, tools=tools) != template.render(messages, tools=None)
+    except Exception:  # the template refuses something: encode_chat reports it
+        return True
+
+
+def _with_calls(m: dict) -> dict:
+    calls = m.get("tool_calls")
+    if m.get("role") != "assistant" or not calls:
+        return m
+    text = [m.get("content") or ""]
+    for c in calls:
+        f = c.get("function") if isinstance(c.get("function"), dict) else {}
+        args = f.get("arguments")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            pass
+        text.append(TOOL_OPEN + json.dumps({"name": f.get("name"), "arguments": args}, ensure_ascii=False) + TOOL_CLOSE)
+    return {**m, "content": "".join(text)}
+
+
+def openai_calls(calls: list[dict], start: int = 0, stream: bool = False) -> list[dict]:
+    """Parsed calls ([{"name", "arguments"}]) as OpenAI's `tool_calls` (`index` too when streamed)."""
+    out = []
+    for i, c in enumerate(calls, start):
+        call = {"id": "call_" + secrets.token_hex(12), "type": "function",
+                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+        out.append({"index": i, **call} if stream else call)
+    return out
+
+
+_WHOLE_CALL = re.compile(rf"\s*{re.escape(TOOL_OPEN)}.*?{re.escape(TOOL_CLOSE)}", re.S)
+
+
+class CallStream:
+    """Streamed text in, content deltas or whole tool calls out.
+
+    Until the answer is known to be text (it does not begin with TOOL_OPEN) it is held back; once it
+    is calls, each call is handed out when its closing tag has arrived."""
+
+    def __init__(self):
+        self.held = ""
+        self.mode: str | None = None  # None: undecided; "text"; "calls"
+        self.n_calls = 0
+
+    def push(self, text: str) -> tuple[str, list[dict]]:
+        """(content to send, complete calls to send)."""
+        if self.mode == "text":
+            return text, []
+        self.held += text
+        if self.mode is None:
+            head = self.held.lstrip()
+            if head.startswith(TOOL_OPEN):
+                self.mode = "calls"
+            elif TOOL_OPEN.startswith(head):
+                return "", []  # could still become a call
+            else:
+                self.mode, out, self.held = "text", self.held, ""
+                return out, []
+        calls = []
+        while (m := _WHOLE_CALL.match(self.held)):
+            parsed = parse_tool_calls(m.group(0))
+            if not parsed:
+                break
+            calls += parsed
+            self.held = self.held[m.end():]
+        self.n_calls += len(calls)
+        return "", calls
+
+    def flush(self) -> str:
+        """What is still held at the end (text, or a call cut short), as content."""
+        held, self.held = self.held, ""
+        return held
+
+    @property
+    def called(self) -> bool:
+        return self.n_calls > 0

@@ -1,0 +1,261 @@
+"""Structured output through the server, driven with the official `openai` client on the bundled demo
+model (a bad JSON writer: what makes its output valid is the constraint, colibri_core/structured.py).
+
+The property test: 60 random JSON schemas from a seeded generator (nested objects, arrays, enums,
+required and optional fields, bounded strings and integers, booleans, null), each asked for with
+`response_format: json_schema`, greedy and sampled in turn; every answer must end by itself
+(finish_reason "stop"), parse, and validate with `jsonschema`. No answer may be cut short: the
+generator only makes schemas whose longest valid compact JSON is bounded (strings by maxLength,
+arrays by maxItems, integers by minimum/maximum, no additional properties; floats are left out as
+their digits are unbounded), `max_tokens` is that bound in bytes (a token is at least one byte), and
+a schema whose bound does not fit the demo model's context is replaced by the generator's next one
+(counted, and few). Tool calls round-trip through `client.chat.completions.create(tools=...)`,
+streamed and not.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import openai
+import pytest
+
+from colibri_core.demo import demo_model
+from live_server import LiveServer, post
+
+N_SCHEMAS = 60
+MAX_BOUND = 700  # the demo model's context is 1024 tokens; the prompt takes ~20
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                        "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Ur of the Chaldees?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = LiveServer("serve", demo_model())
+    yield s
+    s.stop()
+    assert "Traceback" not in s.text_log() and "internal error" not in s.text_log(), s.text_log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(server):
+    return server.json("/v1/models")["data"][0]["id"]
+
+
+# ---- random schemas, with the most bytes their compact JSON may take ------------------------------------
+WORDS = ["alpha", "beta", "Gamma", "delta one", "x", "yes", "no", "a\"b"]
+KEYS = ["name", "id", "tags", "count", "kind", "items", "meta", "ok", "value", "child", "list", "note"]
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> tuple[dict, int]:
+    """(schema, the most bytes a compact JSON value of it takes)."""
+    kinds = ["string", "integer", "boolean", "enum", "null"] + (["object", "array", "object"] if depth < 3 else [])
+    kind = rng.choice(kinds)
+    if kind == "string":
+        n = rng.randint(0, 8)
+        return {"type": "string", "maxLength": n}, 2 + 12 * n  # a character: at most a surrogate pair's \\uXXXX\\uXXXX
+    if kind == "integer":
+        lo = rng.randint(-1000, 100)
+        hi = lo + rng.randint(0, 5000)
+        return {"type": "integer", "minimum": lo, "maximum": hi}, max(len(str(lo)), len(str(hi)))
+    if kind == "boolean":
+        return {"type": "boolean"}, 5
+    if kind == "null":
+        return {"type": "null"}, 4
+    if kind == "enum":
+        values = rng.sample(WORDS, rng.randint(1, 4)) + ([rng.randint(0, 99)] if rng.random() < 0.3 else [])
+        return {"enum": values}, max(len(json.dumps(v)) for v in values)
+    if kind == "array":
+        item, bound = random_schema(rng, depth + 1)
+        most = rng.randint(0, 3)
+        least = rng.randint(0, most)
+        return {"type": "array", "items": item, "minItems": least, "maxItems": most}, 2 + most * (bound + 1)
+    keys = rng.sample(KEYS, rng.randint(1, 4))
+    props, total = {}, 2
+    for k in keys:
+        props[k], bound = random_schema(rng, depth + 1)
+        total += len(json.dumps(k)) + 1 + bound + 1
+    required = [k for k in keys if rng.random() < 0.6]
+    schema = {"type": "object", "properties": props, "additionalProperties": False}
+    if required:
+        schema["required"] = required
+    return schema, total
+
+
+def schemas(n: int, seed: int = 19) -> tuple[list[tuple[dict, int]], int]:
+    """n top-level object schemas whose bound fits; and how many were replaced for not fitting."""
+    rng, out, replaced = random.Random(seed), [], 0
+    while len(out) < n:
+        props, total = {}, 2
+        for k in rng.sample(KEYS, rng.randint(1, 4)):
+            props[k], bound = random_schema(rng, 1)
+            total += len(json.dumps(k)) + 1 + bound + 1
+        schema = {"type": "object", "properties": props, "additionalProperties": False,
+                  "required": [k for k in props if rng.random() < 0.7]}
+        if total > MAX_BOUND:
+            replaced += 1
+            continue
+        out.append((schema, total))
+    return out, replaced
+
+
+def test_the_schema_generator_covers_what_the_issue_asks_for():
+    made, replaced = schemas(N_SCHEMAS)
+    text = json.dumps([s for s, _ in made])
+    nested = sum('"type": "object"' in json.dumps(list(s["properties"].values())) for s, _ in made)
+    assert len(made) == N_SCHEMAS and replaced <= N_SCHEMAS // 4
+    assert nested >= 10 and text.count('"array"') >= 10 and text.count('"enum"') >= 10
+    assert sum(bool(s["required"]) for s, _ in made) >= 40 and text.count('"integer"') >= 10
+
+
+def test_random_schemas_give_valid_json(client, model):
+    made, _ = schemas(N_SCHEMAS)
+    for i, (schema, bound) in enumerate(made):
+        sampled = i % 2 == 1
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Describe the ark as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}},
+            max_tokens=bound, temperature=1.0 if sampled else 0.0, seed=i)
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", (i, schema, choice)
+        value = json.loads(choice.message.content)
+        jsonschema.validate(value, schema)
+
+
+def test_json_object_streamed_and_not(client, model):
+    r = client.chat.completions.create(model=model, messages=ASK, response_format={"type": "json_object"},
+                                       max_tokens=60, temperature=0)
+    text = r.choices[0].message.content
+    assert text.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    chunks = list(client.chat.completions.create(model=model, messages=ASK, response_format={"type": "json_object"},
+                                                 max_tokens=60, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text  # greedy: the same
+
+
+def tool_args(call) -> dict:
+    assert call.type == "function" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    schema = {"get_weather": WEATHER, "now": CLOCK}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(args, schema)
+    return args
+
+
+def streamed_calls(stream) -> tuple[list[dict], str | None, str]:
+    """The tool calls of a streamed answer, put together from their deltas as a client does."""
+    calls: dict[int, dict] = {}
+    finish, content = None, ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                c = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                c["id"] = d.id or c["id"]
+                c["name"] += (d.function.name or "") if d.function else ""
+                c["arguments"] += (d.function.arguments or "") if d.function else ""
+    return [calls[i] for i in sorted(calls)], finish, content
+
+
+def test_a_tool_call_round_trips(client, model):
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=120)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    tool_args(call)
+    # the call and its result go back into the conversation; the model answers in text
+    history = ASK + [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 31}'}]
+    r = client.chat.completions.create(model=model, messages=history, tools=[WEATHER, CLOCK], tool_choice="none",
+                                       max_tokens=8)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+
+
+def test_a_tool_call_round_trips_streamed(client, model):
+    kw = dict(model=model, messages=ASK, tools=[WEATHER, CLOCK], parallel_tool_calls=False, max_tokens=120,
+              temperature=0)
+    whole = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}}, **kw)
+    calls, finish, content = streamed_calls(client.chat.completions.create(
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True, **kw))
+    assert finish == "tool_calls" and content == "" and len(calls) == 1
+    (call,) = whole.choices[0].message.tool_calls
+    assert calls[0]["name"] == call.function.name == "get_weather" and calls[0]["id"].startswith("call_")
+    assert json.loads(calls[0]["arguments"]) == tool_args(call)  # greedy: the same call
+
+
+def test_several_calls_streamed(client, model):
+    calls, finish, _ = streamed_calls(client.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=200, stream=True))
+    assert calls and all(c["name"] in ("get_weather", "now") for c in calls)
+    for c in calls:
+        json.loads(c["arguments"])
+    assert finish in ("tool_calls", "length")  # a weak model may go on calling until max_tokens
+
+
+def test_auto_is_text_or_calls(client, model):
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=40)
+    m = r.choices[0].message
+    assert (m.tool_calls is None and m.content) or (m.content is None and m.tool_calls)
+
+
+def test_completions_take_response_format_and_grammar(client, model):
+    r = client.completions.create(model=model, prompt="And God said", max_tokens=40,
+                                  extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "n", "schema": {"type": "object", "properties": {"n": {"enum": [1, 2]}},
+                                                              "required": ["n"], "additionalProperties": False}}}})
+    assert json.loads(r.choices[0].text)["n"] in (1, 2) and r.choices[0].finish_reason == "stop"
+    for grammar in ('root ::= ("yes" | "no") "!"', 'start: ("yes" | "no") "!"'):
+        r = client.completions.create(model=model, prompt="Is it good?", max_tokens=10, extra_body={"grammar": grammar})
+        assert r.choices[0].text in ("yes!", "no!")
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format", "the JSON schema cannot be compiled: Invalid type: foo"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string",
+                                                                                          "pattern": "(("}}}},
+     "response_format", "unclosed group"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "is required"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+    ({"grammar": "start: foo"}, "grammar", 'the Lark grammar cannot be compiled: at 1(8): unknown name: "foo"'),
+    ({"grammar": 'root ::= "a" | foo'}, "grammar", "the GBNF grammar cannot be compiled"),
+    ({"grammar": "start: /a/", "response_format": {"type": "json_object"}}, "grammar", "cannot be combined"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}], "tool_choice": "required"},
+     "tools", "Invalid type: nope"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tools",
+     "not among the tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "only function tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+])
+def test_what_cannot_be_compiled_is_a_400_in_openais_shape(server, body, param, message):
+    status, _, raw = post(server.url + "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, **body})
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert message in error["message"] and "\n" not in error["message"]
+
+
+def test_the_openai_client_sees_a_bad_schema_as_bad_request(client, model):
+    with pytest.raises(openai.BadRequestError, match="Invalid type: foo"):
+        client.chat.completions.create(model=model, messages=ASK, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}})
+
+
+def test_openapi_describes_the_structured_fields(server):
+    doc = server.json("/openapi.json")
+    text = json.dumps(doc)
+    assert '"json_schema"' in text and '"parallel_tool_calls"' in text and '"required"' in text
