@@ -1,6 +1,7 @@
 // deltanet.c — Gated DeltaNet: the causal conv1d with its rolling state and the gated delta rule
-// (recurrent and chunked forms). The math is in deltanet.h; the float64 NumPy reference is
-// colibri_core/kernels/reference_deltanet.py.
+// (recurrent and chunked forms), and Kimi Delta Attention's per-channel-decay rule (recurrent form).
+// The math is in deltanet.h; the float64 NumPy references are colibri_core/kernels/reference_deltanet.py
+// and reference_kda.py.
 //
 // Loop orders are chosen so the innermost loop runs over a contiguous dv (or channel) axis; every
 // sum over an axis is taken sequentially in index order, so each result depends only on the
@@ -275,5 +276,64 @@ int gated_delta_rule_chunked(float *out, float *state, const float *q, const flo
         }
     }
     free(gamma), free(A), free(u), free(qs), free(qn), free(kn);
+    return COLI_OK;
+}
+
+// ----------------------------------------------------------------------------
+// Kimi Delta Attention: the recurrent form with a per-channel decay
+
+int kda_recurrent(float *out, float *state, const float *q, const float *k, const float *v, const float *g,
+                  const float *beta, int n, int heads, int d) {
+    int status = check_sizes(n, heads, heads, d, d);
+    if (status != COLI_OK || n == 0) {
+        return status;
+    }
+    float *qn, *kn;
+    if ((status = normalise_qk(&qn, &kn, q, k, n, heads, d)) != COLI_OK) {
+        return status;
+    }
+    float *delta = malloc((size_t)d * sizeof(float));  // [d]
+    if (delta == NULL) {
+        free(qn);
+        free(kn);
+        return COLI_ENOMEM;
+    }
+    for (int h = 0; h < heads; h++) {  // each head's state stays in cache across the tokens
+        float *S = state + (size_t)h * d * d;  // [d, d]
+        for (int t = 0; t < n; t++) {
+            const size_t row_th = (size_t)t * heads + h;
+            const float *qt = qn + row_th * d, *kt = kn + row_th * d, *vt = v + row_th * d, *gt = g + row_th * d;
+            float *ot = out + row_th * d;
+            float b = beta[row_th];
+            // Pass 1: S[i, :] ← exp(g[i]) · S[i, :] and kv = Sᵀ k̂ (delta holds kv for now).
+            for (int j = 0; j < d; j++) {
+                delta[j] = 0.0f;
+            }
+            for (int i = 0; i < d; i++) {
+                float *row = S + (size_t)i * d;
+                float decay = expf(gt[i]), ki = kt[i];
+                for (int j = 0; j < d; j++) {
+                    row[j] *= decay;
+                    delta[j] += row[j] * ki;
+                }
+            }
+            for (int j = 0; j < d; j++) {
+                delta[j] = (vt[j] - delta[j]) * b;
+                ot[j] = 0.0f;
+            }
+            // Pass 2: S ← S + k̂ ⊗ δ and o = Sᵀ q̂.
+            for (int i = 0; i < d; i++) {
+                float *row = S + (size_t)i * d;
+                float ki = kt[i], qi = qt[i];
+                for (int j = 0; j < d; j++) {
+                    row[j] += ki * delta[j];
+                    ot[j] += row[j] * qi;
+                }
+            }
+        }
+    }
+    free(delta);
+    free(qn);
+    free(kn);
     return COLI_OK;
 }

@@ -55,4 +55,15 @@ int gated_delta_rule_chunked(float *out, float *state, const float *q, const flo
                              const float *g, const float *beta, int n, int hk, int hv, int dk, int dv,
                              int chunk);
 
+// Kimi Delta Attention (Kimi-Linear, Kimi K3): the same rule with a per-channel decay, token by token.
+// Per head h (q, k and v have as many heads) with state S [d, d] and per token t:
+//   q̂ = l2norm(q_t) · d^-1/2,  k̂ = l2norm(k_t)
+//   S[i, :] ← exp(g_t[i]) · S[i, :]      (g_t ≤ 0: the decay of key channel i, in log space)
+//   δ = β_t · (v_t − Sᵀ k̂);  S ← S + k̂ ⊗ δ;  o_t = Sᵀ q̂
+// out: f32 [n, heads, d] (written); state: f32 [heads, d, d] (read, updated); q, k, v, g: f32
+// [n, heads, d] (q, k not yet normalised); beta: f32 [n, heads]. The float64 reference is
+// colibri_core/kernels/reference_kda.py. Returns COLI_OK, COLI_EINVAL or COLI_ENOMEM.
+int kda_recurrent(float *out, float *state, const float *q, const float *k, const float *v, const float *g,
+                  const float *beta, int n, int heads, int d);
+
 #endif  // COLIBRI_DELTANET_H
