@@ -250,6 +250,13 @@ def test_without_ray_the_option_is_one_line(models):
     assert r.stderr.strip() == "colibri: error: --ray needs Ray, which is not installed: pip install 'colibri[ray]'"
 
 
+def test_an_unreachable_cluster_is_one_line_at_once(models):
+    r = subprocess.run([sys.executable, "-m", "colibri_core", "run", "--model", str(models["olmoe"]), "--ray",
+                        "127.0.0.1:9", "hi"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip().startswith("colibri: error: cannot join the Ray cluster at 127.0.0.1:9: nothing answers")
+
+
 # ---- a node dies mid-generation; another joins --------------------------------------------------
 def test_a_node_killed_mid_generation_then_a_new_node_takes_its_shard(models, reference, cluster):
     """Last in the module: it removes a worker node for good."""

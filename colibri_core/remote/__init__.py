@@ -37,6 +37,7 @@ def connect(address: str):
     """Join the Ray cluster at `address` ("auto", "HOST:PORT" or "ray://HOST:PORT") once per process."""
     ray = require_ray()
     if not ray.is_initialized():
+        _reachable(address)
         try:
             ray.init(address=address, log_to_driver=False, logging_level="WARNING", configure_logging=True)
         except (ConnectionError, ValueError, RuntimeError) as e:
@@ -50,6 +51,23 @@ def __getattr__(name):
 
         return RemoteExperts
     raise AttributeError(f"module 'colibri_core.remote' has no attribute {name!r}")
+
+
+def _reachable(address: str, timeout: float = 5.0) -> None:
+    """A HOST:PORT that answers no TCP connection within `timeout` is one line now (Ray itself would
+    retry for minutes, logging as it goes)."""
+    import socket
+
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ColibriError(f"--ray {address!r}: expected auto, HOST:PORT or ray://HOST:PORT")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ColibriError(f"cannot join the Ray cluster at {address}: nothing answers there "
+                           f"({e.strerror or e}); is `ray start --head` running?") from None
 
 
 def cluster_nodes(address: str):
