@@ -185,7 +185,7 @@ def versions_text() -> str:
     for p in installed():
         supports = "any colibri" if not p.requires else f"colibri {p.requires}"
         lines.append(f"{p.distribution} {p.version} (supports {supports})"
-                     + (f": not loaded: {p.problem}" if p.problem else ""))
+                     + (": not loaded (not this colibri)" if p.problem else ""))
     return "\n".join(lines)
 
 
