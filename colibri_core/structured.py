@@ -207,12 +207,14 @@ class Constraint:
         """The tokens allowed next, bool (V,) (read-only; the same array until the state changes)."""
         if self._mask is None:
             v = self.vocab
-            allowed = np.zeros(v.vocab_size, bool)
-            if self.eos_at is None:
+            if self.eos_at is not None:
+                allowed = np.zeros(v.vocab_size, bool)
+            else:
                 self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-                bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:v.n_tokens].astype(bool)
-                n = min(v.n_tokens, v.vocab_size)
-                allowed[:n] = bits[:n]
+                allowed = np.unpackbits(self._bits.view(np.uint8), count=v.n_tokens, bitorder="little").view(bool)
+                if v.vocab_size != v.n_tokens:  # the model's output is wider (or narrower) than the tokenizer
+                    n, allowed = min(v.n_tokens, v.vocab_size), allowed[:v.vocab_size]
+                    allowed = np.concatenate([allowed, np.zeros(v.vocab_size - n, bool)])
             allowed.flags.writeable = False
             self._mask = allowed
         return self._mask

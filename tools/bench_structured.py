@@ -2,7 +2,10 @@
 engine's bool (V,) array), advance and forced, at every position of a valid answer, and the compile
 time of each grammar kind; on a model's tokenizer (default: the bundled demo model's).
 
-    .venv/bin/python tools/bench_structured.py [--model DIR] [--repeat 200]
+    .venv/bin/python tools/bench_structured.py [--model DIR] [--repeat 200] [--decode 5]
+
+--decode N: also decode 96 tokens greedily N times each, with no constraint and under a JSON-object
+constraint (drafting off), alternating, and give the median tokens per second of each.
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=demo_model())
     ap.add_argument("--repeat", type=int, default=200, help="walks of each answer")
+    ap.add_argument("--decode", type=int, default=0, help="decode runs with and without a constraint")
     args = ap.parse_args()
     cfg = json.loads((args.model / "config.json").read_text())
     gen = args.model / "generation_config.json"
@@ -86,6 +90,25 @@ def main() -> None:
         print(f"{kind:14} {1e3 * statistics.median(compile_s):10.2f} {len(ids):6d} |                  "
               f"{us(raw):>15} {us(full):>15} {us(adv):>15} {us(ff):>15}")
 
+    if args.decode:
+        decode(args.model, vocab, args.decode)
+
+
+def decode(model: Path, vocab: Vocabulary, runs: int) -> None:
+    from colibri_core.engine import load
+
+    with load(model, usage=False) as engine:
+        ids = engine.tokenizer.encode("And God said, Let there be light")
+        rates: dict[str, list[float]] = {"free": [], "json_object": []}
+        for _ in range(runs):
+            for kind in rates:
+                c = Constraint.json_object(vocab) if kind == "json_object" else None
+                before = dict(engine.counters)
+                engine.generate(ids, 96, stop_ids=(), constraint=c, draft="off")
+                n = engine.counters["generated_tokens"] - before["generated_tokens"] - 1  # decode steps
+                rates[kind].append(n / (engine.counters["decode_seconds"] - before["decode_seconds"]))
+        print("decode (greedy, up to 96 tokens, prefill excluded), tok/s median: "
+              + " · ".join(f"{k} {statistics.median(v):.1f}" for k, v in rates.items()))
 
 if __name__ == "__main__":
     main()
