@@ -109,11 +109,23 @@ class Checkpoint:
 
     E8M0_SCALE = ".scale"  # DeepSeek V4: NAME.weight (F8_E4M3, or fp4 packed in I8) + NAME.scale (F8_E8M0)
 
+    MXFP4_PACKED = ".weight_packed"  # Kimi K3: NAME.weight_packed (E2M1 pairs in U8) + NAME.weight_scale (UE8M0 in U8)
+
+    def _native_scale(self, name: str) -> str:
+        if name.endswith(self.MXFP4_PACKED):
+            return name.removesuffix(self.MXFP4_PACKED) + ".weight_scale"
+        return name.removesuffix(".weight") + self.E8M0_SCALE
+
     def native_kind(self, name: str) -> str | None:
         """"fp8" / "fp4" for a tensor stored in a UE8M0-scaled native format (DeepSeek V4's release:
-        its `NAME.scale` sibling is F8_E8M0), else None."""
-        scale = name.removesuffix(".weight") + self.E8M0_SCALE
-        if scale == name or scale not in self.where or self.where[scale].dtype(scale) != "F8_E8M0":
+        its `NAME.scale` sibling is F8_E8M0; Kimi K3's MXFP4: `NAME.weight_packed` U8 with a U8
+        `NAME.weight_scale`), else None."""
+        scale = self._native_scale(name)
+        if scale == name or scale not in self.where:
+            return None
+        if name.endswith(self.MXFP4_PACKED):
+            return "fp4" if self.where[name].dtype(name) == self.where[scale].dtype(scale) == "U8" else None
+        if self.where[scale].dtype(scale) != "F8_E8M0":
             return None
         return {"F8_E4M3": "fp8", "I8": "fp4"}.get(self.where[name].dtype(name))
 
@@ -134,7 +146,7 @@ class Checkpoint:
     def scales_of(self, name: str) -> str | None:
         """The scale tensor of an fp8 / fp4 tensor (None for any other)."""
         if self.native_kind(name):
-            return name.removesuffix(".weight") + self.E8M0_SCALE
+            return self._native_scale(name)
         if self.where[name].dtype(name) != "F8_E4M3":
             return None
         scale = name + self.FP8_SCALE_SUFFIX

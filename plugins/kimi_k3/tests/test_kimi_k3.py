@@ -129,7 +129,7 @@ def test_official_mxfp4_checkpoint_runs_without_conversion(k3, tmp_path):
     (`w{1,2,3}.weight_packed` U8 E2M1 pairs, low nibble the even column + `weight_scale` U8 UE8M0 per 32
     columns), an expert's six tensors contiguous in one of two shards, not in id order — loads with no
     conversion (the experts stay fp4; each read is its tensors' extent) and matches the reference
-    given the same (MXFP4-rounded) weights, prefill and decode."""
+    given the same (MXFP4-rounded) weights, prefill and decode; `colibri convert` reads it too."""
     from safetensors import safe_open
 
     held = save_checkpoint(tmp_path / "official", TINY_K3, k3["weights"], mxfp4=True, shards=2)
@@ -144,7 +144,17 @@ def test_official_mxfp4_checkpoint_runs_without_conversion(k3, tmp_path):
         for t, w in ((gate, 1), (up, 3), (down, 2)):
             assert np.array_equal(dequantize_qtensor(t), held[name.format(w)])  # E2M1 × 2^(s−127), bit for bit
         tokens, got = decode(engine, k3["prompt"], NEW, restore_at=5)
-    check_against_reference(Reference(TINY_K3, held), k3["prompt"] + tokens[:-1], got, tokens, "MXFP4 checkpoint")
+    ref = Reference(TINY_K3, held)
+    check_against_reference(ref, k3["prompt"] + tokens[:-1], got, tokens, "MXFP4 checkpoint")
+    # converting the release reads the MXFP4 experts too: at f32 they are the values written, exactly
+    convert_checkpoint(tmp_path / "official", tmp_path / "f32", "f32", progress=False)
+    stored = dequantize(tmp_path / "f32")
+    as_stored = lambda n: n.replace(".weight", ".weight_packed") if ".experts." in n else n  # noqa: E731
+    assert all(np.array_equal(stored[as_stored(n)], w) for n, w in held.items())
+    with load(tmp_path / "f32", activations="f32") as engine:
+        tokens32, got32 = decode(engine, k3["prompt"], 4)
+    assert tokens32 == tokens[:4]
+    assert np.abs(got32 - got[: len(got32)]).max() <= REL_TOL * np.abs(got).max()
 
 
 def dequantize_qtensor(t):
