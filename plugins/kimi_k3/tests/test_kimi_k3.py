@@ -85,7 +85,8 @@ def test_save_restore_mid_stream_is_token_identical(k3):
 
 
 def test_routing_and_reference_agree(k3):
-    """The engine's routing (recorded by the core's MoE block) is the reference's, bar near ties."""
+    """The engine's routing (recorded by the core's MoE block) is the reference's, bar near ties, and
+    each router's prediction from its layer's own input is exactly its routing."""
     from colibri_core import probe
 
     ids = k3["prompt"]
@@ -93,8 +94,13 @@ def test_routing_and_reference_agree(k3):
     ref.logits(ids)
     with load(k3["root"] / "f32", activations="f32") as engine, probe.recording() as rec:
         engine.logits(ids)
+        routers = engine.model.routers()
+    assert list(routers) == [1, 2, 3, 4, 5]
     for layer, (want, choice) in ref.routing.items():
         got = rec.tensors[("ffn_moe_ids", layer)][-1]
+        # the lookahead's predictor on the layer's own input (the mixed residual) is its routing
+        predicted = routers[layer].predict(rec.tensors[("ffn_inp", layer)][-1], np.asarray(ids))
+        assert np.array_equal(predicted, got)
         k = want.shape[1]
         margin = np.sort(choice, axis=-1)[:, ::-1]
         clear = (margin[:, k - 1] - margin[:, k]) > 1e-5
