@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import jsonschema
 import openai
@@ -259,3 +260,15 @@ def test_openapi_describes_the_structured_fields(server):
     doc = server.json("/openapi.json")
     text = json.dumps(doc)
     assert '"json_schema"' in text and '"parallel_tool_calls"' in text and '"required"' in text
+
+
+def test_an_answer_that_ends_on_its_last_allowed_token_is_a_stop(server):
+    body = {"messages": [{"role": "user", "content": "Yes?"}], "temperature": 0, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "b", "schema": {
+            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}}}
+    whole = json.loads(post(server.url + "/v1/chat/completions", {**body, "max_tokens": 50})[2])
+    n = whole["usage"]["completion_tokens"]
+    for stream in (False, True):
+        for m, finish in ((n, "stop"), (n - 1, "length")):
+            raw = post(server.url + "/v1/chat/completions", {**body, "max_tokens": m, "stream": stream})[2].decode()
+            assert re.search(f'"finish_reason": ?"{finish}"', raw), (m, raw)

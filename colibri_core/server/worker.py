@@ -205,7 +205,11 @@ class Worker:
                 live["tokens"] = n
                 self._publish(live)  # the token's pass is done: statistics and map as they are now
                 piece = text.push(token)
-                done = ("stop" if text.stopped or token in p.stop_ids
+                whole = False  # the last token allowed ends the grammar too: "stop", not "length"
+                if n >= p.max_tokens and p.constraint is not None:
+                    next(tokens, None)  # the engine's last step: it advances the constraint past `token`, then ends
+                    whole = p.constraint.finished()
+                done = ("stop" if text.stopped or token in p.stop_ids or whole
                         else "length" if n >= p.max_tokens else None)
                 if done:
                     finish = done
