@@ -56,6 +56,7 @@ enum {
     ACT_F32 = 0,    // float32 activations (exact mode)
     ACT_Q8 = 1,     // activations quantised to int8 per block (fast mode)
     Q8_BLOCK = 64,  // columns per activation block in ACT_Q8
+    GLU_SITU = 16,  // OR'ed into expert_ffn / moe_experts' act: Kimi K3's SiTU-GLU instead of SwiGLU
 };
 
 // Status codes returned by the kernels.
@@ -142,8 +143,9 @@ int threads_set(int n);
 // expert_ffn.c — routed experts, fused
 
 // out = down( silu(min(gate x, limit)) * clamp(up x, -limit, limit) ), silu(a) = a / (1 + exp(-a));
-// limit > 0, INFINITY for the plain SwiGLU (DeepSeek V4 clamps at swiglu_limit = 10). The [n, inter]
-// intermediate lives in a scratch buffer owned by this call.
+// limit > 0, INFINITY for the plain SwiGLU (DeepSeek V4 clamps at swiglu_limit = 10). With GLU_SITU
+// OR'ed into act the gated unit is Kimi K3's SiTU-GLU instead, 4 tanh(g/4) σ(g) · 25 tanh(u/25) (limit
+// unused). The [n, inter] intermediate lives in a scratch buffer owned by this call.
 // out: f32 [n, hidden] (written); gate, up: QMatrix [inter, hidden]; down: QMatrix [hidden, inter];
 // x: f32 [n, hidden]. Returns COLI_OK, COLI_EINVAL (shapes/kinds) or COLI_ENOMEM.
 int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix *down,

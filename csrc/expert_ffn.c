@@ -1,6 +1,7 @@
 // expert_ffn.c — routed experts' SwiGLU feed-forward, fused, many experts per call:
 //   out = down( silu(min(gate x, L)) * clamp(up x, -L, L) ),  silu(a) = a / (1 + exp(-a)),
-// L the clamp limit (DeepSeek V4's swiglu_limit; INFINITY: no clamp, the plain SwiGLU).
+// L the clamp limit (DeepSeek V4's swiglu_limit; INFINITY: no clamp, the plain SwiGLU); with GLU_SITU
+// in act, Kimi K3's SiTU-GLU  down( 4 tanh(g/4) σ(g) · 25 tanh(u/25) )  instead.
 //
 // One call runs every expert of an MoE layer that is ready (moe_experts), in two parallel phases:
 //   1. gate and up rows of every expert, for that expert's tokens, read together: the gated
@@ -38,6 +39,11 @@ typedef struct {
     int per_up, per_down;  // rows per task in phase 1 / 2
 } Expert;
 
+// Kimi K3's SiTU-GLU: 4 tanh(g/4) σ(g) · 25 tanh(u/25) (colibri_core/layers/situ.py is the reference).
+static float situ(float g, float u) {
+    return (tanhf(g / 4.0f) * 4.0f) * (1.0f / (1.0f + expf(-g))) * (tanhf(u / 25.0f) * 25.0f);
+}
+
 typedef struct {
     const Path *path;
     int act;
@@ -46,6 +52,7 @@ typedef struct {
     int n_experts;
     const Acts *x_acts; // [QKIND_COUNT]: x laid out per weight kind
     int *first;         // [n_experts + 1] first task of each expert in the current phase
+    int situ;           // the gated unit: SiTU-GLU (GLU_SITU) instead of SwiGLU
 } MoeJob;
 
 static int find_expert(const MoeJob *m, int task) {
@@ -74,7 +81,8 @@ static void gate_up_task(void *ctx, int task) {
             ru(e->up, r, a, e->tok, e->n, e->hrow);
         }
         for (int i = 0; i < e->n; i++) {
-            for (int r = r0; r < r1; r++) e->hrow[i][r] = swiglu(e->grow[i][r], e->hrow[i][r], m->limit);
+            for (int r = r0; r < r1; r++)
+                e->hrow[i][r] = m->situ ? situ(e->grow[i][r], e->hrow[i][r]) : swiglu(e->grow[i][r], e->hrow[i][r], m->limit);
         }
         return;
     }
@@ -82,7 +90,7 @@ static void gate_up_task(void *ctx, int task) {
         for (int i = 0; i < e->n; i++) {
             float g = dg(e->gate, r, a, e->tok[i]);
             float u = du(e->up, r, a, e->tok[i]);
-            e->h[(size_t)i * (size_t)inter + (size_t)r] = swiglu(g, u, m->limit);
+            e->h[(size_t)i * (size_t)inter + (size_t)r] = m->situ ? situ(g, u) : swiglu(g, u, m->limit);
         }
     }
 }
@@ -121,6 +129,8 @@ static int check_expert(const QMatrix *gate, const QMatrix *up, const QMatrix *d
 
 int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
                       int n_experts, const int32_t *slots, const int32_t *start, int act, float limit) {
+    const int use_situ = (act & GLU_SITU) != 0;
+    act &= ~GLU_SITU;
     if (T < 0 || k < 1 || hidden < 0 || n_experts < 0 || (act != ACT_F32 && act != ACT_Q8) || !(limit > 0)) {
         return COLI_EINVAL;
     }
@@ -141,6 +151,7 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
     }
 
     MoeJob m = {path_current(), act, limit, NULL, n_experts, NULL, NULL};
+    m.situ = use_situ;
     Acts x_acts[QKIND_COUNT];
     int have[QKIND_COUNT] = {0};
     int status = COLI_OK;

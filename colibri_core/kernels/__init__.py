@@ -121,6 +121,13 @@ def _act_code(act) -> int:
     return _ACT_CODES[_act.get() if act is None else _act_name(act)]
 
 
+def _glu_code(glu: str) -> int:
+    """The gated unit of the expert kernels: "swiglu" (0) or "situ" (GLU_SITU, Kimi K3)."""
+    if glu not in ("swiglu", "situ"):
+        raise ValueError(f"unknown gated unit {glu!r}: 'swiglu' or 'situ'")
+    return lib.GLU_SITU if glu == "situ" else 0
+
+
 def _check_environment() -> None:
     """COLIBRI_SIMD / COLIBRI_THREADS: an unusable value is a clear error, not a silent fallback."""
     forced = os.environ.get("COLIBRI_SIMD", "")
@@ -189,9 +196,10 @@ def dequantize(w: QTensor) -> np.ndarray:
 
 
 def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: str | None = None,
-               limit: float | None = None) -> np.ndarray:
+               limit: float | None = None, glu: str = "swiglu") -> np.ndarray:
     """``down(silu(min(gate x, limit)) * clip(up x, ±limit))``, ``silu(a) = a / (1 + exp(-a))``, fused
-    in one C call; limit None: the plain SwiGLU.
+    in one C call; limit None: the plain SwiGLU. `glu` "situ": Kimi K3's SiTU-GLU
+    ``down(4 tanh(g/4) σ(g) · 25 tanh(u/25))`` instead (limit unused; reference `layers.situ`).
 
     gate, up: ``[I, H]``; down: ``[H, I]``, all of one kind; x float32 ``[n, H]`` -> float32 ``[n, H]``.
     """
@@ -202,15 +210,15 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: st
     out = np.zeros((n, gate.cols), np.float32)
     if n == 0 or gate.cols == 0:
         return out
-    _check(lib.expert_ffn(_floats(out, writable=True), gm, um, dm, _floats(x), n, _act_code(act), _limit(limit)),
-           "expert_ffn")
+    _check(lib.expert_ffn(_floats(out, writable=True), gm, um, dm, _floats(x), n, _act_code(act) | _glu_code(glu),
+                          _limit(limit)), "expert_ffn")
     return out
 
 
 def moe_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, act: str | None = None,
-                limit: float | None = None) -> None:
+                limit: float | None = None, glu: str = "swiglu") -> None:
     """Every expert of `experts` ({expert id: (gate, up, down)}) in one C call, SwiGLU clamped at
-    `limit` as in `expert_ffn`.
+    `limit` (or SiTU-GLU, `glu` "situ") as in `expert_ffn`.
 
     outs float32 ``(T, k, H)``, C-contiguous: ``outs[t, r] = expert_ffn(*experts[ids[t, r]], x[t])``
     for every slot (t, r) whose expert is in `experts`; other slots are left as they are.
@@ -236,7 +244,7 @@ def moe_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict,
         mats += (_qmatrix(gate, "gate"), _qmatrix(up, "up"), _qmatrix(down, "down"))
     status = lib.moe_experts(_floats(outs, writable=True), _floats(x), T, k, hidden, ffi.new("QMatrix *[]", mats),
                              len(keys), ffi.from_buffer("int64_t[]", ids), ffi.from_buffer("int64_t[]", keys),
-                             _act_code(act), _limit(limit))
+                             _act_code(act) | _glu_code(glu), _limit(limit))
     if status == lib.COLI_EINVAL:
         for gate, up, down in experts.values():
             _check_expert(gate, up, down, hidden)

@@ -28,15 +28,9 @@ def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict,
 
 
 def run_situ_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, limit: float | None = None) -> None:
-    """`run_experts` with Kimi K3's SiTU-GLU instead of SwiGLU (`layers.situ`; no clamp). Each expert
-    runs on all its tokens at once, as the fused kernel does, so placement never changes a result;
-    the matrix products are the C kernels', the gated unit NumPy."""
-    from .situ import situ_mlp
-
-    for e, (gate, up, down) in experts.items():
-        t, r = np.nonzero(ids == e)
-        if len(t):
-            outs[t, r] = situ_mlp(np.ascontiguousarray(x[t]), gate, up, down)
+    """`run_experts` with Kimi K3's SiTU-GLU instead of SwiGLU (`layers.situ`; no clamp): the same
+    fused C call, its gated unit switched."""
+    kernels.moe_experts(outs, x, ids, experts, glu="situ")
 
 
 def combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import kernels
 from ..model import linear
+from ..quant import QTensor
 
 __all__ = ["GATE_CAP", "UP_CAP", "situ", "situ_mlp"]
 
@@ -31,5 +33,8 @@ def situ(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 
 def situ_mlp(x: np.ndarray, gate, up, down) -> np.ndarray:
-    """x (T, H) → (T, H). gate, up (I, H) and down (H, I): QTensors or float32 arrays."""
+    """x (T, H) → (T, H). gate, up (I, H) and down (H, I): QTensors or float32 arrays. Quantised
+    weights of one kind run as one fused C call, the routed experts' kernel (`kernels.expert_ffn`)."""
+    if all(isinstance(w, QTensor) for w in (gate, up, down)) and gate.kind == up.kind == down.kind:
+        return kernels.expert_ffn(gate, up, down, np.ascontiguousarray(x, np.float32), glu="situ")
     return linear(situ(linear(x, gate), linear(x, up)), down)
