@@ -433,3 +433,49 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes(sources, tmp_path, monkey
     assert "No space left on device" in msg and ".bin" in msg and "resumes" in msg and len(msg.splitlines()) == 1
     said = convert_quietly(sources["A"], dst)
     assert "resuming" in said and files_of(dst) == files_of(sources["A-int4"])
+
+
+def test_resume_reads_aliased_resident_tensors_as_the_writer_does(sources, tmp_path, monkeypatch):
+    """A layout that finds a resident tensor under another name (`ContainerLayout.aliases`): the
+    resume check re-reads it where the writer read it, so an unchanged source resumes."""
+    import dataclasses
+
+    from safetensors.numpy import load_file, save_file
+
+    from colibri_core import plugins
+    from colibri_core.container import convert, writer
+
+    src = tmp_path / "src"
+    shutil.copytree(sources["A"], src)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.final_norm.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    registry = plugins.registry()
+    config = json.loads((src / "config.json").read_text())
+    model_cls = registry.model_class(registry.resolve(config))
+    layout = model_cls.layout(model_cls.parse_config(config))
+    layout = dataclasses.replace(layout, aliases=(("model.norm.weight", "model.final_norm.weight", None, None),))
+
+    def run(dst, **kw):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            convert(src, dst, quant="int4", layout=layout, architecture="olmoe", plugin="colibri-olmoe",
+                    plugin_version="0", **kw)
+        return err.getvalue()
+
+    run(tmp_path / "ref", progress=False)
+    real, done = writer._write_layer, []
+
+    def layer(*args):
+        if len(done) == 2:
+            raise KeyboardInterrupt
+        done.append(real(*args))
+        return done[-1]
+
+    with monkeypatch.context() as mp:
+        mp.setattr(writer, "_write_layer", layer)
+        with pytest.raises(KeyboardInterrupt):
+            run(tmp_path / "out", progress=False)
+    said = run(tmp_path / "out")
+    assert "resuming" in said and "discarding" not in said, said
+    assert files_of(tmp_path / "out") == files_of(tmp_path / "ref")

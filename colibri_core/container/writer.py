@@ -564,7 +564,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, quant: str, layou
             rec = write(staging.path / rel)
         elif rel == RESIDENT_FILE:
             for name, _, _ in plan.resident:
-                ckpt.read_f32(name)
+                plan.read_resident(ckpt, name)  # as _write_resident reads it (aliases included)
         else:
             for e in range(layout.n_experts):
                 plan.expert_weights(ckpt, layer_of[rel], e)
