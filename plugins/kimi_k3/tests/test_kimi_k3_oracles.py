@@ -9,7 +9,8 @@ no transformers class implements K3 itself):
 - SiTU-GLU: `inkling2`'s Inkling2SoftcappedSwiGLU with caps 4 and 25.
 
 Each compares colibri's part — as the K3 model runs it — with the oracle on a 70-token sequence
-(prefill across the 64-token KDA chunk), and the prefill-then-decode path with the oracle's rows.
+(the oracle's KDA prefill crosses its 64-token chunk), and the prefill-then-decode path with the
+oracle's rows.
 """
 import numpy as np
 import pytest
@@ -81,8 +82,8 @@ def test_kda_lower_bound_and_full_rank_gate_match_glm5_next(x):
     layer = model._layer(weights(model.cfg, sd, 1), 1)
     xs = f32(x)[0]
     got = model._mix(xs, T, None, None, layer, KDAState(model.cfg.kda))
-    close(got, want, "KDA prefill (chunked) vs glm5_next")
-    state = KDAState(model.cfg.kda)  # prefill 66 tokens, then decode one by one (recurrent form)
+    close(got, want, "KDA prefill vs glm5_next (its chunked form)")
+    state = KDAState(model.cfg.kda)  # prefill 66 tokens, then decode one by one
     parts = [model._mix(xs[:66], 66, None, None, layer, state)]
     parts += [model._mix(xs[t:t + 1], 1, None, None, layer, state) for t in range(66, T)]
     close(np.concatenate(parts), want, "KDA prefill + decode vs glm5_next")
