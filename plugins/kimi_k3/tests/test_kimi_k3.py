@@ -1,8 +1,8 @@
 """Kimi K3 against its float64 NumPy reference (kimi_k3_reference.py), on a tiny config that uses every
 part: 4 KDA layers with the −5 lower-bounded decay and a full-rank output gate, 2 gated NoPE MLA
 layers with a q_lora query, attention residuals in blocks of 2 layers, a dense SiTU layer 0, a latent
-MoE (8 experts top-3 on a 32-wide latent, 2 shared experts) — a 70-token prompt (the KDA prefill
-runs a whole 64-token chunk and a partial one), then decoding token by token, with the state saved
+MoE (8 experts top-3 on a 32-wide latent, 2 shared experts) — a 70-token prompt (longer than the
+64-token chunk of the reference implementations' KDA), then decoding token by token, with the state saved
 and restored mid-stream. Logits within 1e-4 · max|logit| at every position, identical greedy tokens.
 """
 import numpy as np

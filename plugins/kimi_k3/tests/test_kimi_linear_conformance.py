@@ -1,7 +1,7 @@
 """Kimi-Linear against transformers' KimiLinearForCausalLM: the conformance kit on two tiny configs —
 KDA and NoPE MLA layers in several schedules (from linear_attn_config and from layer_types), dense
 first layers, group-limited routing (n_group > 1) and plain top-k (n_group = 1), a plain q_proj and a
-q_lora query, a prompt longer than the 64-token KDA chunk — plus the released checkpoints' config.json
+q_lora query, a prompt longer than transformers' 64-token KDA chunk — plus the released checkpoints' config.json
 and tensor names."""
 import numpy as np
 from transformers import KimiLinearConfig
@@ -72,7 +72,7 @@ class TestTinyKimiLinear(KimiLinearChecks, ConformanceSuite):
 class TestTinyKimiLinearWide(ConformanceSuite):
     """MLA first, then KDA, KDA, MLA, KDA (layer_types); two dense layers; 12 experts top-3 in one
     group; two shared experts; a q_lora query; 4 KDA heads of 8 with a 3-tap conv; a 70-token prompt,
-    so the KDA prefill runs a whole 64-token chunk and a partial one."""
+    so transformers' KDA prefill runs a whole 64-token chunk and a partial one."""
 
     seed = 1
     prompt_tokens = 70
