@@ -105,7 +105,9 @@ class UsageHistory:
         """(the parsed file, None) if it is a whole history of this model, else (None, why not)."""
         try:
             d = json.loads(data.decode("utf-8"))
-        except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deeply, a number too long
+        except RecursionError:
+            return None, "it is corrupt (nested too deeply)"
+        except ValueError:  # not UTF-8, not JSON, a number too long
             return None, "it is corrupt (not JSON)"
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             return None, "it is not a colibri routing history"
