@@ -156,7 +156,8 @@ def tool_args(call) -> dict:
 
 
 def streamed_calls(stream) -> tuple[list[dict], str | None, str]:
-    """The tool calls of a streamed answer, put together from their deltas as a client does."""
+    """The tool calls of a streamed answer, put together from their deltas as a client does (with how
+    many deltas carried arguments)."""
     calls: dict[int, dict] = {}
     finish, content = None, ""
     for chunk in stream:
@@ -164,8 +165,9 @@ def streamed_calls(stream) -> tuple[list[dict], str | None, str]:
             finish = choice.finish_reason or finish
             content += choice.delta.content or ""
             for d in choice.delta.tool_calls or []:
-                c = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                c = calls.setdefault(d.index, {"id": None, "name": "", "arguments": "", "pieces": 0})
                 c["id"] = d.id or c["id"]
+                c["pieces"] += bool(d.function and d.function.arguments)
                 c["name"] += (d.function.name or "") if d.function else ""
                 c["arguments"] += (d.function.arguments or "") if d.function else ""
     return [calls[i] for i in sorted(calls)], finish, content
@@ -195,6 +197,7 @@ def test_a_tool_call_round_trips_streamed(client, model):
     assert finish == "tool_calls" and content == "" and len(calls) == 1
     (call,) = whole.choices[0].message.tool_calls
     assert calls[0]["name"] == call.function.name == "get_weather" and calls[0]["id"].startswith("call_")
+    assert calls[0]["pieces"] > 1  # the arguments arrive as they are written
     assert json.loads(calls[0]["arguments"]) == tool_args(call)  # greedy: the same call
 
 
@@ -272,3 +275,30 @@ def test_an_answer_that_ends_on_its_last_allowed_token_is_a_stop(server):
         for m, finish in ((n, "stop"), (n - 1, "length")):
             raw = post(server.url + "/v1/chat/completions", {**body, "max_tokens": m, "stream": stream})[2].decode()
             assert re.search(f'"finish_reason": ?"{finish}"', raw), (m, raw)
+
+
+def test_call_stream_gives_the_same_calls_however_the_text_is_cut():
+    from colibri_core.server.structure import CallStream
+
+    text = ('<tool_call>\n{"name":"get_weather","arguments":{"city":"U}r","unit":"celsius"}}\n</tool_call>'
+            '<tool_call>{"name":"now","arguments":{}}</tool_call> <tool_call>{ "name": "now", "arguments": {}}</tool_call>')
+    want = [("get_weather", {"city": "U}r", "unit": "celsius"}), ("now", {}), ("now", {})]
+    for trial in range(300):
+        rng = random.Random(trial)
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, 40)))
+        stream, calls = CallStream(), {}
+        for piece in [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] + [None]:
+            content, deltas = stream.push(piece) if piece is not None else stream.flush()
+            assert content == ""
+            for d in deltas:
+                c = calls.setdefault(d["index"], {"name": None, "arguments": ""})
+                if "id" in d:
+                    assert c["name"] is None and d["id"].startswith("call_")
+                    c["name"] = d["function"]["name"]
+                c["arguments"] += d["function"]["arguments"]
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == want, (trial, calls)
+    s = CallStream()
+    assert s.push(" <tool")[0] == "" and s.push("s are")[0] == " <tools are" and s.push(" here")[0] == " here"
+    s = CallStream()
+    s.push('<tool_call>{"name":"f","arguments":{"a":1}}</tool_call><tool_c')
+    assert s.flush() == ("", [])  # a second call cut short before its name: dropped

@@ -358,12 +358,12 @@ class Generation:
         while True:
             event = await self.job.events.get()
             if isinstance(event, Delta) and calls is not None:  # text held until it is known not to be a call
-                text, whole = calls.push(event.text)
-                if whole:
-                    yield sse(self._chunk(None, None, calls=structure.openai_calls(whole, calls.n_calls - len(whole),
-                                                                                    stream=True)))
+                text, deltas = calls.push(event.text)
                 if event.finish:
-                    text += calls.flush()
+                    rest, more = calls.flush()
+                    text, deltas = text + rest, deltas + more
+                if deltas:
+                    yield sse(self._chunk(None, None, calls=deltas))
                 if text:
                     yield sse(self._chunk(text, None))
                 if event.finish:

@@ -7,8 +7,9 @@ costs a queue slot. Tools are passed to the chat template; a template that ignor
 rendering is the same with and without) gets a system message describing them and the call format
 instead, and earlier assistant calls are written into their messages in that format, so the model
 sees its own calls. Calls come back as `<tool_call>{"name", "arguments"}</tool_call>`, forced by the
-grammar, and are answered as `tool_calls` (finish_reason "tool_calls"), whole or, streamed, one
-call at a time as each is complete.
+grammar, and are answered as `tool_calls` (finish_reason "tool_calls"), whole or streamed as
+OpenAI streams them: each call's id and name once its name is written, then its arguments as they
+are.
 """
 from __future__ import annotations
 
@@ -92,27 +93,34 @@ def openai_calls(calls: list[dict], start: int = 0, stream: bool = False) -> lis
     out = []
     for i, c in enumerate(calls, start):
         call = {"id": "call_" + secrets.token_hex(12), "type": "function",
-                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False,
+                                                                        separators=(",", ":"))}}
         out.append({"index": i, **call} if stream else call)
     return out
 
 
 _WHOLE_CALL = re.compile(rf"\s*{re.escape(TOOL_OPEN)}.*?{re.escape(TOOL_CLOSE)}", re.S)
+# a call as the grammar writes it (compact JSON): its head up to the arguments, and its end
+_HEAD = re.compile(rf'\s*{re.escape(TOOL_OPEN)}\n?\{{"name":"([A-Za-z0-9_.-]+)","arguments":')
+_END = re.compile(rf"\}}\n?{re.escape(TOOL_CLOSE)}")
 
 
 class CallStream:
-    """Streamed text in, content deltas or whole tool calls out.
+    """Streamed text in; content, or tool-call deltas as OpenAI streams them, out.
 
-    Until the answer is known to be text (it does not begin with TOOL_OPEN) it is held back; once it
-    is calls, each call is handed out when its closing tag has arrived."""
+    Until the answer is known to be text (it does not begin with TOOL_OPEN) it is held back. Once it
+    is calls, each call's first delta (index, id, name) goes as soon as its name is written, then its
+    arguments as they arrive (all but a trailing '}' that may be the call's own end); a call written
+    otherwise than compactly is handed out whole when its closing tag arrives."""
 
     def __init__(self):
         self.held = ""
         self.mode: str | None = None  # None: undecided; "text"; "calls"
-        self.n_calls = 0
+        self.n_calls = 0  # calls begun
+        self.sent = None  # characters of the current call's arguments sent (None: no call open)
 
     def push(self, text: str) -> tuple[str, list[dict]]:
-        """(content to send, complete calls to send)."""
+        """(content to send, tool-call deltas to send)."""
         if self.mode == "text":
             return text, []
         self.held += text
@@ -125,20 +133,39 @@ class CallStream:
             else:
                 self.mode, out, self.held = "text", self.held, ""
                 return out, []
-        calls = []
-        while (m := _WHOLE_CALL.match(self.held)):
-            parsed = parse_tool_calls(m.group(0))
-            if not parsed:
-                break
-            calls += parsed
-            self.held = self.held[m.end():]
-        self.n_calls += len(calls)
-        return "", calls
+        deltas = []
+        while True:
+            if self.sent is None:
+                head = _HEAD.match(self.held)
+                whole = _WHOLE_CALL.match(self.held)
+                if head and not (whole and whole.end() <= head.end()):
+                    deltas.append({"index": self.n_calls, "id": "call_" + secrets.token_hex(12), "type": "function",
+                                   "function": {"name": head.group(1), "arguments": ""}})
+                    self.n_calls, self.sent, self.held = self.n_calls + 1, 0, self.held[head.end():]
+                    continue
+                parsed = parse_tool_calls(whole.group(0)) if whole else None
+                if not parsed:
+                    return "", deltas
+                deltas += openai_calls(parsed, self.n_calls, stream=True)
+                self.n_calls += len(parsed)
+                self.held = self.held[whole.end():]
+                continue
+            end = _END.search(self.held)
+            args = self.held[:end.start()] if end else self.held[:max(0, self.held.rfind("}"))]
+            if len(args) > self.sent:
+                deltas.append({"index": self.n_calls - 1, "function": {"arguments": args[self.sent:]}})
+                self.sent = len(args)
+            if not end:
+                return "", deltas
+            self.held, self.sent = self.held[end.end():], None
 
-    def flush(self) -> str:
-        """What is still held at the end (text, or a call cut short), as content."""
+    def flush(self) -> tuple[str, list[dict]]:
+        """At the end, what is still held: the rest of a call's arguments cut short, or text (a call
+        cut short before its arguments is dropped, as the whole answer's parse drops it)."""
         held, self.held = self.held, ""
-        return held
+        if self.sent is not None and held[self.sent:]:
+            return "", [{"index": self.n_calls - 1, "function": {"arguments": held[self.sent:]}}]
+        return ("" if self.mode == "calls" else held), []
 
     @property
     def called(self) -> bool:
