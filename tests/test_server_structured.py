@@ -302,3 +302,19 @@ def test_call_stream_gives_the_same_calls_however_the_text_is_cut():
     s = CallStream()
     s.push('<tool_call>{"name":"f","arguments":{"a":1}}</tool_call><tool_c')
     assert s.flush() == ("", [])  # a second call cut short before its name: dropped
+
+
+def test_auto_with_a_response_format_is_valid_json_or_calls(client, model):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    for seed in range(4):
+        r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=80, seed=seed,
+                                           temperature=1.0, response_format={"type": "json_schema", "json_schema": {
+                                               "name": "a", "schema": schema}})
+        m = r.choices[0].message
+        if m.tool_calls:
+            assert r.choices[0].finish_reason in ("tool_calls", "length") and m.content is None
+            tool_args(m.tool_calls[0])
+        else:
+            assert r.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(m.content), schema)

@@ -346,3 +346,16 @@ def test_grammar_drafts_give_the_tokens_of_decoding_without_drafts(engine, vocab
     plain = engine.generate(ids, 80, constraint=Constraint.json_schema(vocab, PERSON), draft="off")
     drafted = engine.generate(ids, 80, constraint=Constraint.json_schema(vocab, PERSON), draft="grammar")
     assert drafted == plain
+
+
+def test_tools_auto_with_a_schema_for_the_answer(vocab):
+    c = Constraint.tool_calls(vocab, WEATHER, "auto", answer=PERSON)
+    assert text_of(vocab, np.flatnonzero(c.mask())) in ("{<", "<{")  # an object, or a call
+    walk(c, ids_of(vocab, '{"name":"Enoch","age":65,"tags":[]}'))
+    assert c.finished()
+    c = Constraint.tool_calls(vocab, WEATHER, "auto", answer=PERSON)
+    with pytest.raises(ValueError):
+        walk(c, ids_of(vocab, "It is warm."))
+    c = Constraint.tool_calls(vocab, WEATHER, "auto", answer=PERSON)
+    walk(c, ids_of(vocab, f'{TOOL_OPEN}{{"name":"now","arguments":{{}}}}{TOOL_CLOSE}'))
+    assert c.accepting()
