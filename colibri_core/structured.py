@@ -54,9 +54,10 @@ class Vocabulary:
         self.eos_ids = tuple(int(i) for i in eos_ids)
         try:
             self.n_tokens = Raw.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
-            # an EOS id is required by llguidance; without one the grammar's end is found by `finished`
             self.tok = _llg().LLTokenizer(tokenizer_json, n_vocab=self.n_tokens,
                                           eos_token=list(self.eos_ids) or None)
+            # none given: the one llguidance found in the tokenizer, so an EOS is always kept here
+            self.eos_ids = self.eos_ids or tuple(int(i) for i in self.tok.eos_tokens)
         except Exception as e:
             raise ColibriError(f"structured output: llguidance cannot read this tokenizer ({' '.join(str(e).split())[:200]})") from None
         self.vocab_size = int(vocab_size)

@@ -359,3 +359,13 @@ def test_tools_auto_with_a_schema_for_the_answer(vocab):
     c = Constraint.tool_calls(vocab, WEATHER, "auto", answer=PERSON)
     walk(c, ids_of(vocab, f'{TOOL_OPEN}{{"name":"now","arguments":{{}}}}{TOOL_CLOSE}'))
     assert c.accepting()
+
+
+def test_without_eos_ids_the_tokenizers_own_is_used_and_rolled_back_like_any_token():
+    v = Vocabulary.from_file(demo_model() / "tokenizer.json", 2048, [])
+    assert v.eos_ids == (EOS,)  # <|endoftext|>, found by llguidance
+    c = Constraint.lark(v, 'start: "(" /c+/')
+    walk(c, ids_of(v, "(cc") + [EOS])
+    assert c.finished()
+    c.rollback(2)
+    assert not c.finished() and not c.accepting() and c.history == ids_of(v, "(cc")[:-1]
