@@ -116,12 +116,6 @@ def _structure(engine, grammar: Optional[Path], json_schema: Optional[Path]):
     return lambda: Constraint.from_file(vocab, path, kind)
 
 
-def _structured_draft(draft: str, make) -> str:
-    """Drafting is off under a constraint for now: Engine.stream advances a grammar-forced draft that
-    ends the grammar twice (tests/test_structured.py)."""
-    return "off" if make is not None else draft
-
-
 def store_report(engine) -> str:
     """Every expert-store counter, a few lines (`run --stats`, `chat` /stats)."""
     from .sizes import format_bytes
@@ -214,7 +208,7 @@ def run(
     ids = engine.tokenizer.encode(text, add_special_tokens=not chat)
     make = _structure(engine, grammar, json_schema)
     decoder = StreamDecoder(engine.tokenizer)
-    for token in engine.stream(ids, max_tokens, temperature, top_p, top_k, seed, draft=_structured_draft(draft, make),
+    for token in engine.stream(ids, max_tokens, temperature, top_p, top_k, seed, draft=draft,
                                constraint=make and make()):
         sys.stdout.write(decoder.push(token))
         sys.stdout.flush()
@@ -334,7 +328,7 @@ def chat(
         try:
             with turn:
                 tokens = engine.stream(ids, max_tokens, temperature, top_p, top_k, seed, session=session,
-                                       draft=_structured_draft(draft, make), constraint=make and make())
+                                       draft=draft, constraint=make and make())
                 try:
                     for token in tokens:
                         answer.append(token)

@@ -291,26 +291,27 @@ class Engine:
             logits = self._feed(session, prompt_ids)
             self.counters["prompt_tokens"] += len(prompt_ids)
             self.counters["prefill_seconds"] += time.perf_counter() - t0
-            pending = [sample(self._masked(logits, constraint), rng, *sampling)]  # chosen, to yield in order
+            # (token, already advanced in the constraint): chosen, to yield in order
+            pending = [(sample(self._masked(logits, constraint), rng, *sampling), False)]
             produced = 0
             while pending:
-                token = pending.pop(0)
+                token, advanced = pending.pop(0)
                 if produced == 0:
                     self.counters["time_to_first_token"] = time.perf_counter() - t0
                 produced += 1
                 self.counters["generated_tokens"] += 1
                 yield token
                 ids.append(token)
-                if constraint is not None and not pending:  # an accepted draft was advanced when verified
+                if constraint is not None and not advanced:  # an accepted draft was, when verified
                     constraint.advance(token)
+                if pending:  # accepted drafts, verified (stops and the grammar's end were checked then)
+                    continue
                 if token in stop or produced == max_new_tokens or (constraint is not None and constraint.finished()):
                     break
-                if pending:
-                    continue
                 t1 = time.perf_counter()
                 accepted, after = self._step(session, ids, self._choose_drafters(session, draft, constraint),
                                              constraint, rng, sampling, max_new_tokens - produced, stop)
-                pending = accepted + ([] if after is None else [after])
+                pending = [(t, True) for t in accepted] + ([] if after is None else [(after, False)])
                 self.counters["decode_seconds"] += time.perf_counter() - t1
         except GeneratorExit:  # the caller stopped early: the state is whole, keep the turn
             save()

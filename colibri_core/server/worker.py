@@ -192,9 +192,7 @@ class Worker:
         text = TextStream(engine.tokenizer, p.stop)
         finish, n, first = "cancelled", 0, None
         # persistent sessions (issue 5) plug in here: a request's session → engine.stream(session=...)
-        # drafting off under a constraint for now: Engine.stream advances a grammar-forced draft that
-        # ends the grammar twice (ValueError from the constraint); see tests/test_structured.py
-        structure = {} if p.constraint is None else {"constraint": p.constraint, "draft": "off"}
+        structure = {} if p.constraint is None else {"constraint": p.constraint}  # its forced tokens drafted
         tokens = engine.stream(job.prompt_ids, p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed,
                                stop_ids=p.stop_ids, session=None, **structure)
         try:
