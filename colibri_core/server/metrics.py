@@ -143,6 +143,11 @@ def prometheus(metrics: Metrics, stats: dict | None, queue: dict, model: str) ->
         "remote_prefetches": ("colibri_remote_prefetches_total", "counter", "Lookahead guesses sent to shards still reading their experts."),
         "remote_shards": ("colibri_remote_shards", "gauge", "Remote expert shards placed."),
         "remote_shards_up": ("colibri_remote_shards_up", "gauge", "Remote expert shards in use now."),
+        "draft_drafted": ("colibri_draft_tokens_total", "counter", "Tokens drafted for speculative decoding."),
+        "draft_accepted": ("colibri_draft_accepted_total", "counter", "Drafted tokens the model accepted."),
+        "draft_forced_tokens": ("colibri_draft_forced_tokens_total", "counter", "Tokens a grammar forced, drafted and accepted."),
+        "draft_acceptance": ("colibri_draft_acceptance_ratio", "gauge", "Accepted over drafted tokens."),
+        "tokens_per_forward": ("colibri_tokens_per_forward", "gauge", "Generated tokens per forward pass (above 1 with accepted drafts)."),
     }
     for key, value in sorted(stats.items()):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or key == "time_to_first_token":
