@@ -154,6 +154,7 @@ def test_tokens_identical_to_a_single_machine(models, reference, cluster, arch, 
     assert got == reference[arch]
     assert s["remote_shards_up"] == s["remote_shards"] == 2
     assert s["remote_failures"] == 0 and s["remote_fallback_experts"] == 0
+    assert s["remote_local_fills"] > 0  # the local cache in front: free slots took remotely computed experts
     assert all(r["calls"] > 0 for r in s["remote_shard_table"].values())  # both nodes computed experts
     assert s["remote_calls"] >= N and s["remote_bytes_sent"] > 0 and s["remote_latency"]["count"] == s["remote_calls"]
     assert s["expert_misses"] < s["remote_calls"]  # the disk is read only for what the cluster does not serve

@@ -47,6 +47,7 @@ class RemoteConfig:
     start_timeout: float = 120.0  # seconds an actor has to open its container
     retry: float = 5.0  # seconds before a failed shard is tried again (doubling while it keeps failing)
     share: float = RAM_SHARE  # of each node's Ray memory a shard may fill
+    fill_local: bool = True  # read experts computed remotely into free local cache slots (never evicting)
 
 
 @dataclass
@@ -114,7 +115,7 @@ class RemoteExperts:
         if not self.placement:
             raise ColibriError(f"no node of the Ray cluster at {cfg.address} has room for one expert")
         self.c = {"calls": 0, "failures": 0, "timeouts": 0, "rejoins": 0, "bytes_sent": 0, "bytes_received": 0,
-                  "seconds": 0.0, "fallback_experts": 0, "prefetches": 0}
+                  "seconds": 0.0, "fallback_experts": 0, "prefetches": 0, "local_fills": 0}
         self.latency_counts = [0] * len(LATENCY_BUCKETS)  # cumulative
         self.answered = 0
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -326,6 +327,8 @@ class RemoteExperts:
                 if dt <= b:
                     self.latency_counts[i] += 1
         self.c["fallback_experts"] += len(failed)
+        if self.cfg.fill_local:  # free local slots take what the shards computed: next time it is here
+            self.c["local_fills"] += self.store.fill(sent.layer, sent.experts - failed)
         return frozenset(failed)
 
     def watch(self, layer: int, guess):

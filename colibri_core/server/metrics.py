@@ -141,6 +141,7 @@ def prometheus(metrics: Metrics, stats: dict | None, queue: dict, model: str) ->
         "remote_seconds": ("colibri_remote_seconds_total", "counter", "Seconds from sending remote calls to their answers, summed."),
         "remote_fallback_experts": ("colibri_remote_fallback_experts_total", "counter", "Experts computed locally because their shard failed."),
         "remote_prefetches": ("colibri_remote_prefetches_total", "counter", "Lookahead guesses sent to shards still reading their experts."),
+        "remote_local_fills": ("colibri_remote_local_fills_total", "counter", "Experts computed remotely then read into free local cache slots."),
         "remote_shards": ("colibri_remote_shards", "gauge", "Remote expert shards placed."),
         "remote_shards_up": ("colibri_remote_shards_up", "gauge", "Remote expert shards in use now."),
         "draft_drafted": ("colibri_draft_tokens_total", "counter", "Tokens drafted for speculative decoding."),

@@ -227,6 +227,19 @@ class ExpertStore:
         return {e for d in (self.cache[layer], self.pinned[layer]) for e, entry in d.items()
                 if entry.tensors is not None or (entry.read is not None and self.pool.done(entry.read))}
 
+    def fill(self, layer: int, experts) -> int:
+        """Start reading `experts` (computed elsewhere this time: remote shards) into the layer's free
+        cache slots, never evicting, so later tokens compute them here: the store as a cache in front
+        of the shards. Returns how many reads it started."""
+        cache, pinned, n = self.cache[layer], self.pinned[layer], 0
+        for e in sorted(experts):
+            if len(cache) >= self.slots:
+                break
+            if e not in cache and e not in pinned:
+                self._insert(layer, e, prefetched=False)
+                n += 1
+        return n
+
     def get(self, layer: int, expert: int):
         """(gate, up, down) QTensors of one expert (reads it if it is not resident)."""
         for group in self.experts(layer, np.array([[expert]])):
