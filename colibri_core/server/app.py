@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -29,6 +30,7 @@ import secrets
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -112,7 +114,8 @@ class Server:
         self.metrics = metrics_mod.Metrics()
         self.created = int(time.time())
         self.limits = Limits(max_tokens=cfg.max_tokens, max_body_bytes=cfg.max_body_bytes)
-        self.tokenizing: asyncio.Semaphore | None = None  # made on the event loop (create_app's lifespan)
+        # chat templates and tokenizers: a pool of their own, so the threads are a fixed number
+        self.text_pool = ThreadPoolExecutor(cfg.tokenize_threads, thread_name_prefix="colibri-text")
 
     # ---- loading ------------------------------------------------------------------------------
     def load(self) -> None:
@@ -223,10 +226,7 @@ class Server:
     async def off_loop(self, fn, *args):
         """Run `fn` (a chat template, a tokenizer) on a worker thread, at most `tokenize_threads` at
         once, so a long prompt never stalls the event loop (health checks, streams, metrics)."""
-        if self.tokenizing is None:
-            self.tokenizing = asyncio.Semaphore(self.cfg.tokenize_threads)
-        async with self.tokenizing:
-            return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, functools.partial(fn, *args))
 
     def _bound(self, n_chars: int, param: str) -> None:
         if n_chars > self.limits.max_chars:
@@ -670,6 +670,7 @@ def create_app(cfg: ServerConfig) -> Starlette:
             sampler.cancel()
             if server.worker is not None:
                 await asyncio.get_running_loop().run_in_executor(None, server.worker.stop)
+            server.text_pool.shutdown(wait=False, cancel_futures=True)
 
     policy = security.Policy(cfg.api_key, cfg.allow_origins, cfg.host)
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
