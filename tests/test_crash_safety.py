@@ -385,6 +385,7 @@ def test_kill9_during_usage_updates(tiny_model, tmp_path):
     worth of tokens each time, no temporary left behind, and the same tokens as without history."""
     m = tmp_path / "m"
     shutil.copytree(tiny_model, m)
+    (m / USAGE_FILE).unlink(missing_ok=True)  # a history of whole turns of this test's prompt only
     prompt = list(range(3, 13))
     with load(m, cache_slots=2, usage=False) as e:
         want = e.generate(prompt, 4, stop_ids=())
