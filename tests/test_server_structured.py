@@ -205,9 +205,9 @@ def test_several_calls_streamed(client, model):
     calls, finish, _ = streamed_calls(client.chat.completions.create(
         model=model, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=200, stream=True))
     assert calls and all(c["name"] in ("get_weather", "now") for c in calls)
-    for c in calls:
-        json.loads(c["arguments"])
     assert finish in ("tool_calls", "length")  # a weak model may go on calling until max_tokens
+    for c in calls if finish == "tool_calls" else calls[:-1]:  # cut at max_tokens: the last call may be partial
+        json.loads(c["arguments"])
 
 
 def test_auto_is_text_or_calls(client, model):

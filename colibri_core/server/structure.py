@@ -105,6 +105,14 @@ _HEAD = re.compile(rf'\s*{re.escape(TOOL_OPEN)}\n?\{{"name":"([A-Za-z0-9_.-]+)",
 _END = re.compile(rf"\}}\n?{re.escape(TOOL_CLOSE)}")
 
 
+def _whole_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 class CallStream:
     """Streamed text in; content, or tool-call deltas as OpenAI streams them, out.
 
@@ -163,8 +171,14 @@ class CallStream:
         """At the end, what is still held: the rest of a call's arguments cut short, or text (a call
         cut short before its arguments is dropped, as the whole answer's parse drops it)."""
         held, self.held = self.held, ""
-        if self.sent is not None and held[self.sent:]:
-            return "", [{"index": self.n_calls - 1, "function": {"arguments": held[self.sent:]}}]
+        if self.sent is not None:  # a call cut short (max_tokens): its arguments, without the call's own end
+            end = held.rfind("}") + 1
+            if end and (("\n" + TOOL_CLOSE).startswith(held[end:]) or TOOL_CLOSE.startswith(held[end:])):
+                held = held[:end]  # a closing tag cut short
+            if held.endswith("}") and _whole_json(held[:-1]):  # whole arguments, then the call's own "}"
+                held = held[:-1]
+            rest = held[self.sent:]
+            return "", [{"index": self.n_calls - 1, "function": {"arguments": rest}}] if rest else []
         return ("" if self.mode == "calls" else held), []
 
     @property
