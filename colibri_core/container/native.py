@@ -233,10 +233,6 @@ class NativeCheckpoint:
             out[name] = quant.QTensor("f32", w.shape[0], w.shape[1], np.ascontiguousarray(w)) if w.ndim == 2 else w
         return out
 
-    @property
-    def resident_nbytes(self) -> int:
-        return sum(t.nbytes for t in self.resident().values())
-
     # -- identity, files
 
     def _fingerprint(self) -> str:
@@ -250,15 +246,6 @@ class NativeCheckpoint:
                     f.seek(max(at, 0))
                     h.update(f.read(SAMPLE))
         return "native-" + h.hexdigest()[:32]
-
-    def verify(self, deep: bool = False) -> list[str]:
-        """Problems found: missing or truncated shards (a checkpoint has no checksums to verify)."""
-        problems = []
-        for st in self._ckpt.files.values():
-            end = max((off + n for _, _, off, n in st.tensors.values()), default=st.data_start)
-            if not st.path.is_file() or st.path.stat().st_size < end:
-                problems.append(f"{st.path} is missing or truncated")
-        return problems
 
     def close(self) -> None:
         pass
