@@ -211,7 +211,7 @@ def test_soak_mixed_requests(server):
     """SOAK_SECONDS of mixed requests from 6 clients, after a warm-up of the same: never a 5xx;
     peak RSS within budget + margin (in-flight bodies included: up to 6 x 24 MiB at once); idle
     RSS, descriptors and threads after the soak where they were idle after the warm-up."""
-    run_clients(server.url, min(10.0, SOAK_SECONDS / 3), [])  # thread pools, allocator arenas, caches
+    run_clients(server.url, 10.0, [])  # thread pools, allocator arenas, caches
     before = idle_figures(server)
     out: list = []
     samples: list = []
@@ -238,5 +238,7 @@ def test_soak_mixed_requests(server):
     assert statuses and not bad, bad
     assert statuses.count(200) > len(statuses) // 4, report  # the server did serve, not only refuse
     assert after["peak_rss"] < BUDGET + MARGIN, report
-    assert after["rss"] - before["rss"] < 16 << 20, report  # no growth with the number of requests
+    # no growth with the number of requests: the worker gives freed pages back when idle, so the
+    # idle figures agree within about 1 MiB (without that, allocator retention swung them by ±35 MiB)
+    assert after["rss"] - before["rss"] < 8 << 20, report
     assert after["fds"] <= before["fds"] + 2 and after["threads"] <= before["threads"] + 1, report

@@ -16,6 +16,7 @@ import socket
 import sys
 
 from ..errors import ColibriError
+from . import memory
 from .app import ServerConfig, create_app
 
 __all__ = ["ServerConfig", "create_app", "serve"]
@@ -89,6 +90,7 @@ def serve(cfg: ServerConfig, host: str = "127.0.0.1", port: int = 8000, access_l
     # the cheap checks first, so a wrong directory is one line before anything listens
     plugins.registry().resolve(read_config(cfg.model_dir), where=str(cfg.model_dir))
     cfg = dataclasses.replace(cfg, host=host)
+    memory.return_large_buffers()
     sock = bind(host, port)
     if not _loopback(host) and not cfg.api_key:
         print(f"colibri: warning: listening on {host} without --api-key: anyone who can reach this port can use "

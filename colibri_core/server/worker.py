@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from ..errors import ColibriError
+from . import memory
 from .snapshot import Snapshot, take
 from .text import TextStream
 
@@ -108,6 +109,9 @@ def time_split(before: dict, after: dict, total: float) -> dict:
     return {"attention": attention, "experts": experts, "disk": disk, "other": other}
 
 
+IDLE_TRIM_SECONDS = 1.0  # after a turn, this long with nothing to run: give freed memory back
+
+
 class Worker:
     """Runs jobs one by one on its own thread; at most `max_queue` wait behind the running one."""
 
@@ -157,10 +161,14 @@ class Worker:
 
     # ---- the worker thread -------------------------------------------------------------------
     def _loop(self) -> None:
+        trimmed = True
         while True:
             with self._cv:
                 while not self.waiting and not self._stop:
-                    self._cv.wait()
+                    if not self._cv.wait(timeout=None if trimmed else IDLE_TRIM_SECONDS) and not trimmed:
+                        memory.trim()  # idle since the last turn: its freed pages go back
+                        trimmed = True
+                trimmed = False
                 if self._stop:
                     return
                 job = self.running = self.waiting.popleft()
