@@ -141,6 +141,14 @@ def test_dashboard_chats_and_draws_the_brain(browser, web, tmp_path, tiny_model)
     tiers = b.js("document.querySelector('.brain-legend').textContent")
     assert "on disk" in tiers and "cached" in tiers
     b.wait_for("+document.getElementById('hit-chart').dataset.samples >= 2", "the hit-rate history")
+    # a schema's forced tokens are drafted and accepted: the drafting figures appear
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    post_json(web.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30,
+                                                 "temperature": 0, "response_format": {
+                                                     "type": "json_schema", "json_schema": {"name": "b", "schema": schema}}})
+    b.wait_for("+document.getElementById('tpf').textContent > 1 && "
+               "/Drafting: [1-9]\\d* of [1-9]/.test(document.getElementById('drafting').textContent)",
+               "the drafting figures (tokens per forward above 1, drafts accepted)")
     png = b.screenshot(tmp_path / "dashboard.png", ARTIFACTS / "dashboard.png")
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 

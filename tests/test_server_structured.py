@@ -147,6 +147,20 @@ def test_json_object_streamed_and_not(client, model):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text  # greedy: the same
 
 
+def test_usage_counts_the_drafted_tokens(client, model):
+    """A schema's forced tokens (keys, punctuation) are drafted and always accepted; the usage block
+    reports them where OpenAI counts a prediction's tokens."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+              "required": ["name", "ok"], "additionalProperties": False}
+    r = client.chat.completions.create(model=model, messages=ASK, max_tokens=60, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= len('{"name":"",ok":}') // 4, details  # at least the keys' tokens
+    assert details.rejected_prediction_tokens == 0 and details.accepted_prediction_tokens < r.usage.completion_tokens
+    plain = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=0)
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0  # no grammar, no MTP head
+
+
 def tool_args(call) -> dict:
     assert call.type == "function" and call.id.startswith("call_")
     args = json.loads(call.function.arguments)

@@ -300,8 +300,12 @@ async def wait_disconnect(request: Request) -> None:
 
 # ---- generation responses -----------------------------------------------------------------------
 def _usage(turn: dict) -> dict:
+    """OpenAI's usage block; drafted tokens go where OpenAI counts a prediction's tokens (Predicted
+    Outputs): accepted ones are part of the completion, rejected ones cost a forward but are not."""
     return {"prompt_tokens": turn["prompt_tokens"], "completion_tokens": turn["completion_tokens"],
-            "total_tokens": turn["prompt_tokens"] + turn["completion_tokens"]}
+            "total_tokens": turn["prompt_tokens"] + turn["completion_tokens"],
+            "completion_tokens_details": {"accepted_prediction_tokens": turn["draft_accepted"],
+                                          "rejected_prediction_tokens": turn["draft_drafted"] - turn["draft_accepted"]}}
 
 
 class Generation:

@@ -15,7 +15,11 @@ ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-         "properties": {k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+         "properties": {**{k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                        "completion_tokens_details": {  # speculative decoding's drafts, as OpenAI's Predicted Outputs
+                            "type": "object", "required": ["accepted_prediction_tokens", "rejected_prediction_tokens"],
+                            "properties": {k: {"type": "integer", "minimum": 0}
+                                           for k in ("accepted_prediction_tokens", "rejected_prediction_tokens")}}}}
 FINISH = {"type": ["string", "null"], "enum": ["stop", "length", None]}
 
 

@@ -249,6 +249,9 @@ class Worker:
             "expert_hits": after.get("expert_hits", 0) - before.get("expert_hits", 0),
             "expert_misses": after.get("expert_misses", 0) - before.get("expert_misses", 0),
             "bytes_read": after.get("bytes_read", 0) - before.get("bytes_read", 0),
+            # speculative decoding: tokens drafted, and those of them the model accepted
+            "draft_drafted": after.get("draft_drafted", 0) - before.get("draft_drafted", 0),
+            "draft_accepted": after.get("draft_accepted", 0) - before.get("draft_accepted", 0),
             "finished_at": time.time(),
             # tokens generated after the client went away (the one in flight when it did): at most 1
             "tokens_after_cancel": None if job.tokens_at_cancel is None else n - job.tokens_at_cancel,

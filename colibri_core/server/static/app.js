@@ -206,6 +206,7 @@ function renderStats(s) {
   $("ttft").textContent = last ? secs(last.time_to_first_token) : "–";
   $("queue").textContent = s.queue.running + " · " + s.queue.waiting;
   $("hit").textContent = s.engine ? pct(s.engine.hit_rate) : "–";
+  renderDrafting(s.engine);
   const rates = s.engine && s.engine.layer_hit_rate;
   if (rates) $("layer-rates").textContent = "Cache hit rate per layer: " +
     Object.entries(rates).map(([layer, r]) => layer + ": " + pct(r)).join(" · ");
@@ -252,6 +253,15 @@ function renderStats(s) {
   if (state.history.length) state.lastSample = state.history[state.history.length - 1].t;
   state.history = state.history.slice(-300);
   drawHitChart();
+}
+
+function renderDrafting(e) {
+  // speculative decoding (--draft): generated tokens per forward, drafts accepted, grammar-forced tokens
+  $("tpf").textContent = e && e.tokens_per_forward ? e.tokens_per_forward.toFixed(2) : "–";
+  $("drafting").textContent = !e ? "" : e.draft_drafted
+    ? "Drafting: " + e.draft_accepted + " of " + e.draft_drafted + " drafted tokens accepted (" +
+      pct(e.draft_acceptance) + "), " + e.draft_forced_tokens + " of them forced by a grammar"
+    : "Drafting: nothing drafted yet (drafts come from a grammar's forced tokens or the model's MTP head)";
 }
 
 function renderCluster(e) {
