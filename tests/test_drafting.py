@@ -138,7 +138,7 @@ class Forcing:
         return False
 
 
-@pytest.mark.parametrize("arch", ("olmoe", "deepseek_v4"))
+@pytest.mark.parametrize("arch", ARCHS)
 def test_grammar_drafts_forced_tokens(models, arch):
     """The tokens a constraint forces are drafted and verified in one forward with the token before
     them; the output is that of generating under the same constraint without drafts."""
