@@ -635,6 +635,8 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 def bench_kernels(
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Kernel threads (default: COLIBRI_THREADS or all CPUs)."),
+    simd: Optional[str] = typer.Option(None, "--simd", help="Code path: portable, avx2, avx512, or all (each one this "
+                                                            "CPU runs, side by side; default: the one in use)."),
 ):
     """Each C kernel's GB/s (GFLOP/s for matrix-matrix) beside the machine's read bandwidth, measured in one run."""
 
@@ -643,7 +645,7 @@ def bench_kernels(
 
     if threads is not None:
         kernels.set_threads(threads)
-    result = bench.run()
+    result = bench.run(simd=simd)
     print(json.dumps(result, indent=2) if json_out else bench.format_table(result))
 
 

@@ -10,6 +10,7 @@ batches, where C is compared with itself. The references themselves are checked 
 
 A code path this CPU lacks is skipped with its reason in the summary (pytest -ra), never silently.
 """
+import dataclasses
 import itertools
 import os
 import subprocess
@@ -473,11 +474,36 @@ def test_bench_kernels_reports_every_kernel_beside_the_read_bandwidth():
 
     result = bench.run(working_set=1 << 20, min_seconds=0.0, moe_experts=8)
     assert result["machine"]["read_gbps"] > 0 and result["machine"]["simd"] == kernels.simd()
+    assert result["machine"]["paths"] == [kernels.simd()]
     names = [r["name"] for r in result["kernels"]]
     assert names[0] == "int4_matvec" and "moe_experts" in names and "int4_matmul" in names
     for r in result["kernels"]:
         assert r["gbps"] > 0 and r["fraction_of_read"] > 0 and ("gflops" in r) == (r["tokens"] > 1)
     assert "int4_matvec" in bench.format_table(result)
+
+
+def test_bench_kernels_measures_every_code_path_side_by_side():
+    """`colibri bench kernels --simd all`: every kernel on every path this CPU runs, one line each;
+    the path in use afterwards is the one before; a path the CPU lacks is one clear error."""
+    from colibri_core.bench import kernels as bench
+
+    before = kernels.simd()
+    paths = [p for p in kernels.SIMD_PATHS if kernels.simd_supported(p)]
+    small = tuple(dataclasses.replace(c, rows=128, cols=256) for c in bench.CASES)
+    result = bench.run(working_set=1 << 20, min_seconds=0.0, moe_experts=8, simd="all", cases=small)
+    assert kernels.simd() == before and result["machine"]["paths"] == paths and "portable" in paths
+    per_name = {}
+    for r in result["kernels"]:
+        per_name.setdefault(r["name"], []).append(r["simd"])
+    assert all(seen == paths for seen in per_name.values()), per_name
+    table = bench.format_table(result).splitlines()
+    assert all(p in table[1] for p in paths) and len(table) == 3 + len(per_name)
+    missing = [p for p in kernels.SIMD_PATHS if not kernels.simd_supported(p)]
+    for p in missing:
+        with pytest.raises(ColibriError, match=f"--simd {p}: this CPU cannot run that path"):
+            bench.run(simd=p)
+    with pytest.raises(ColibriError, match="--simd sse9"):
+        bench.run(simd="sse9")
 
 
 # ----------------------------------------------------------------------------

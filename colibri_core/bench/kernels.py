@@ -6,8 +6,11 @@ same threads). Prefill is bound by arithmetic, so matrix-matrix kernels also rep
 (2 · rows · cols · tokens per call). Weights are random and larger than the last-level cache, and
 the calls cycle through several copies, so every byte comes from RAM as in a real decode.
 
-JSON shape: {"machine": {"read_gbps": …, "threads": …, "simd": …, "cpu": …},
-             "kernels": [{"name": "int4_matvec", "gbps": …, "fraction_of_read": …, …}, …]}
+`--simd all` runs every kernel on each code path this CPU can run (portable, avx2, avx512),
+side by side against the same read bandwidth; `--simd NAME` one path.
+
+JSON shape: {"machine": {"read_gbps": …, "threads": …, "simd": (the default path), "paths": […], "cpu": …},
+             "kernels": [{"name": "int4_matvec", "simd": "avx2", "gbps": …, "fraction_of_read": …, …}, …]}
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri_core import kernels
+from colibri_core.errors import ColibriError
 from colibri_core.quant import INT4_GROUP, QTensor, layout
 
 MIN_SECONDS = 0.6  # per measurement: repeat calls at least this long
@@ -153,29 +157,59 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def run(seed: int = 0, working_set: int = WORKING_SET, min_seconds: float = MIN_SECONDS, moe_experts: int = 64) -> dict:
-    """Measure everything once; returns the JSON-shaped result. (The keyword arguments shrink the
-    run for a quick check of the machinery; the defaults are the benchmark.)"""
-    rng = np.random.default_rng(seed)
+def simd_paths(which: str | None) -> list[str]:
+    """The code paths to measure: None → the one in use, "all" → every one this CPU runs, or NAME."""
+    if which is None:
+        return [kernels.simd()]
+    if which == "all":
+        return [p for p in kernels.SIMD_PATHS if kernels.simd_supported(p)]
+    if not kernels.simd_supported(which):
+        raise ColibriError(f"--simd {which}: this CPU cannot run that path (it can: "
+                           f"{', '.join(p for p in kernels.SIMD_PATHS if kernels.simd_supported(p))}, or all)")
+    return [which]
+
+
+def run(seed: int = 0, working_set: int = WORKING_SET, min_seconds: float = MIN_SECONDS, moe_experts: int = 64,
+        simd: str | None = None, cases: tuple[Case, ...] = CASES) -> dict:
+    """Measure everything once per code path (`simd_paths`); returns the JSON-shaped result. (The
+    keyword arguments shrink the run for a quick check of the machinery; the defaults are the benchmark.)"""
+    paths, default = simd_paths(simd), kernels.simd()
     read = read_bandwidth(working_set, min_seconds)
-    rows = [run_case(c, rng, working_set, min_seconds) for c in CASES]
-    rows += [run_moe_case(rng, t, working_set, min_seconds, moe_experts) for t in (1, 16)]
-    rows += [run_moe_case(rng, t, working_set, min_seconds, moe_experts, "fp4") for t in (1, 16)]
+    rows = []
+    try:
+        for path in paths:
+            kernels.set_simd(path)
+            rng = np.random.default_rng(seed)  # the same weights on every path
+            measured = [run_case(c, rng, working_set, min_seconds) for c in cases]
+            measured += [run_moe_case(rng, t, working_set, min_seconds, moe_experts) for t in (1, 16)]
+            measured += [run_moe_case(rng, t, working_set, min_seconds, moe_experts, "fp4") for t in (1, 16)]
+            rows += [{"simd": path, **r} for r in measured]
+    finally:
+        kernels.set_simd(default)
     for r in rows:
         r["fraction_of_read"] = r["gbps"] * 1e9 / read
-    return {"machine": {"read_gbps": read / 1e9, "threads": kernels.threads(), "simd": kernels.simd(),
+    return {"machine": {"read_gbps": read / 1e9, "threads": kernels.threads(), "simd": default, "paths": paths,
                         "cpu": cpu_name(), "load_average": os.getloadavg()[0]},
             "kernels": rows}
 
 
 def format_table(result: dict) -> str:
-    m = result["machine"]
-    lines = [f"read bandwidth {m['read_gbps']:.1f} GB/s  ({m['threads']} threads, {m['simd']}, {m['cpu']}, "
-             f"load average {m['load_average']:.1f})",
-             f"{'kernel':<22} {'shape':>16} {'tok':>4} {'ms':>8} {'GB/s':>7} {'% read':>7} {'GFLOP/s':>8}"]
+    """One line per kernel; per code path its ms, GB/s, % of the read bandwidth (and GFLOP/s)."""
+    m, paths = result["machine"], result["machine"]["paths"]
+    lines = [f"read bandwidth {m['read_gbps']:.1f} GB/s  ({m['threads']} threads, default path {m['simd']}, "
+             f"{m['cpu']}, load average {m['load_average']:.1f})",
+             f"{'':<22} {'':>16} {'':>4}" + "".join(f" {'── ' + p + ' ':─<34}" for p in paths),
+             f"{'kernel':<22} {'shape':>16} {'tok':>4}" + f" {'ms':>8} {'GB/s':>7} {'% read':>7} {'GFLOP/s':>8}" * len(paths)]
+    by_name: dict[str, dict] = {}
     for r in result["kernels"]:
-        shape = f"{r['rows']}x{r['cols']}" + (f" x{r['experts']}" if "experts" in r else "")
-        gflops = f"{r['gflops']:8.1f}" if "gflops" in r else f"{'':>8}"
-        lines.append(f"{r['name']:<22} {shape:>16} {r['tokens']:>4} {r['seconds'] * 1e3:8.3f} {r['gbps']:7.1f} "
-                     f"{100 * r['fraction_of_read']:6.0f}% {gflops}")
+        by_name.setdefault(r["name"], {})[r["simd"]] = r
+    for name, per_path in by_name.items():
+        r0 = next(iter(per_path.values()))
+        shape = f"{r0['rows']}x{r0['cols']}" + (f" x{r0['experts']}" if "experts" in r0 else "")
+        line = f"{name:<22} {shape:>16} {r0['tokens']:>4}"
+        for p in paths:
+            r = per_path[p]
+            gflops = f"{r['gflops']:8.1f}" if "gflops" in r else f"{'':>8}"
+            line += f" {r['seconds'] * 1e3:8.3f} {r['gbps']:7.1f} {100 * r['fraction_of_read']:6.0f}% {gflops}"
+        lines.append(line)
     return "\n".join(lines)
