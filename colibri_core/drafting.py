@@ -22,8 +22,10 @@ Verification (`Engine.stream`): the sampled token and its drafts go through one 
 Greedy: a draft is accepted while it is the model's own choice, so the tokens are those of decoding
 without drafts. Sampling: the drafters here are deterministic (a one-hot proposal q), so standard
 speculative sampling accepts draft d with probability p(d) and otherwise samples from p with d
-removed: the model's distribution exactly. A rejection rolls the state back: the state taken
-before the forward is restored and the accepted tokens are fed again.
+removed: the model's distribution exactly. A rejection rolls the state back: a state of rows only
+drops the rejected drafts in place (`kv.State.truncate`) and the drafters are told again what the
+forward said of the kept positions; any other state is restored as it was before the forward and
+the accepted tokens are fed again.
 """
 from __future__ import annotations
 

@@ -244,12 +244,21 @@ class Engine:
             token = sample(self._masked(logits[-1], constraint), rng, *sampling)
         self.drafting.record(name, len(drafts), len(accepted))
         self.drafting.tokens += 1 + len(accepted)
-        if len(accepted) < len(drafts):  # roll back: the state before the forward, then ids[-1] + accepted again
-            state = self.model.new_state()
-            state.load_arrays(kept)
-            self._drafters[session] = (state, self._drafters[session][1])  # the same sequence: its drafters stay
-            session.state, session.ids = state, kept_ids
-            self._feed(session, ids + accepted)  # a short forward: bit for bit what the verification computed
+        if len(accepted) < len(drafts):
+            keep = len(ids) + len(accepted)  # ids[-1] and the accepted drafts: bit for bit what decoding computes
+            if session.state.truncate(keep):  # a state of rows: the rejected drafts' rows dropped in place
+                session.ids = session.ids[:keep]
+                start = len(kept_ids) if ids[:len(kept_ids)] == kept_ids else 0  # where the forward began (`_feed`)
+                hidden = getattr(self.model, "last_hidden", None)
+                for drafter in self._session_drafters(session).values():
+                    if drafter is not None:  # what the forward said of the rejected positions is void
+                        drafter.observe(start, None if hidden is None else hidden[:keep - start])
+            else:  # roll back: the state before the forward, then ids[-1] + accepted again
+                state = self.model.new_state()
+                state.load_arrays(kept)
+                self._drafters[session] = (state, self._drafters[session][1])  # the same sequence: its drafters stay
+                session.state, session.ids = state, kept_ids
+                self._feed(session, ids + accepted)  # a short forward: bit for bit what the verification computed
         return accepted, token
 
     def stream(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,

@@ -35,6 +35,16 @@ class State:
         """Restore what `arrays()` returned (into a fresh state of the same model)."""
         raise NotImplementedError
 
+    def truncate(self, length: int) -> bool:
+        """Forget every token past the first `length`, in place, if this state can: a state made only
+        of per-token rows (KV caches, latents, indexer keys) sets their lengths and returns True; one
+        that folds tokens into a running state (a recurrence, a compressor's window) cannot and
+        returns False (the default). Speculative decoding uses it to drop rejected drafts without
+        feeding the kept tokens again; the rows past `length` are then overwritten, so arrays taken
+        while they were held stop being valid past `length` (the engine only truncates past the
+        arrays it keeps)."""
+        return False
+
 
 def cache_arrays(caches) -> dict[str, np.ndarray]:
     """Named arrays of a list of per-layer `KVCache`s."""

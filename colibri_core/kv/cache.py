@@ -30,6 +30,11 @@ class KVCache:
         past them, or into a grown copy), so they are `State.arrays()` as they are."""
         return self.k[: self.length], self.v[: self.length]
 
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens (`State.truncate`)."""
+        assert 0 <= length <= self.length, (length, self.length)
+        self.length = length
+
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
@@ -55,6 +60,11 @@ class Rows:
     def view(self) -> np.ndarray:
         """Every row held, (length, *shape): a view no later `append` changes (as `KVCache.view`)."""
         return self.data[: self.length]
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` rows (`State.truncate`)."""
+        assert 0 <= length <= self.length, (length, self.length)
+        self.length = length
 
     @property
     def nbytes(self) -> int:

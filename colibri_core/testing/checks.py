@@ -204,7 +204,10 @@ def check_state_round_trip(oracle: Oracle, q: str = "int4", follow: int = 8) -> 
 
 def check_short_forward_is_decode_exact(oracle: Oracle, q: str = "int4", n: int = 6) -> None:
     """A forward of n ≤ EXACT_BATCH new tokens gives, bit for bit, the logits of those tokens fed one
-    at a time (drafted tokens are verified in one forward: drafting must never change a token)."""
+    at a time (drafted tokens are verified in one forward: drafting must never change a token). A
+    state that can drop tokens in place (`State.truncate`, how rejected drafts are dropped) is then,
+    truncated after the first of them, the state that never saw the others: same arrays, same next
+    logits."""
     from ..kernels.deltanet import EXACT_BATCH
 
     check = "short_forward_is_decode_exact"
@@ -217,12 +220,23 @@ def check_short_forward_is_decode_exact(oracle: Oracle, q: str = "int4", n: int 
         model.forward(ids[:p], single)
         together = model.forward(ids[p:], batched)  # (n, V)
         alone = np.concatenate([model.forward(ids[t:t + 1], single) for t in range(p, len(ids))])
-    for t in range(len(ids) - p):
-        if not np.array_equal(together[t], alone[t]):
-            fail(check, f"token {t + 1} of a {len(ids) - p}-token forward after the prompt: its logits differ from "
-                        f"feeding it alone by up to {float(np.abs(together[t] - alone[t]).max()):.3g} (compute each "
-                        f"query over exactly its own keys, and recurrent states token by token, for up to "
-                        f"{EXACT_BATCH} tokens: see colibri_core.kernels.deltanet.EXACT_BATCH)")
+        for t in range(len(ids) - p):
+            if not np.array_equal(together[t], alone[t]):
+                fail(check, f"token {t + 1} of a {len(ids) - p}-token forward after the prompt: its logits differ from "
+                            f"feeding it alone by up to {float(np.abs(together[t] - alone[t]).max()):.3g} (compute each "
+                            f"query over exactly its own keys, and recurrent states token by token, for up to "
+                            f"{EXACT_BATCH} tokens: see colibri_core.kernels.deltanet.EXACT_BATCH)")
+        if batched.truncate(p + 1):
+            never = model.new_state()
+            model.forward(ids[:p + 1], never)
+            a, b = batched.arrays(), never.arrays()
+            differ = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not np.array_equal(a[k], b[k]))
+            if batched.length != p + 1 or differ:
+                fail(check, f"truncate({p + 1}) after a {len(ids) - p}-token forward returned True but left length "
+                            f"{batched.length} and arrays {differ[:3]} unlike a state fed only {p + 1} tokens")
+            nxt = ids[p + 1:p + 2]
+            if not np.array_equal(model.forward(nxt, batched), model.forward(nxt, never)):
+                fail(check, f"after truncate({p + 1}) the next token's logits differ from a state fed only {p + 1} tokens")
 
 
 def check_moe_layers(oracle: Oracle, ids: list[int]) -> None:

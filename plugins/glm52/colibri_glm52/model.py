@@ -201,6 +201,14 @@ class State(kv.State):
         for i, keys in self.index_keys.items():
             keys.append(arrays[f"layer.{i}.index_k"])
 
+    def truncate(self, length: int) -> bool:
+        for cache in self.mla.values():
+            cache.latent.truncate(length)
+            cache.k_rope.truncate(length)
+        for keys in self.index_keys.values():
+            keys.truncate(length)
+        return True
+
 
 class Glm52(MoEModel):
     @classmethod

@@ -79,6 +79,11 @@ class State(kv.State):
     def load_arrays(self, arrays: dict) -> None:
         kv.load_cache_arrays(self.caches, arrays)
 
+    def truncate(self, length: int) -> bool:
+        for cache in self.caches:
+            cache.truncate(length)
+        return True
+
 
 class Olmoe(MoEModel):
     @classmethod
