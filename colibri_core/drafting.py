@@ -8,8 +8,9 @@ apply (a model without an MTP head). The core registers two:
 
 - ``grammar``: the tokens a structured-output constraint forces next (JSON keys, punctuation, tool-call
   scaffolding): drafted with no model at all, and always accepted, since nothing else is allowed;
-- ``mtp``: the model's multi-token-prediction head (GLM-5.2: ``mtp_forward``), one token ahead of
-  the model: its input at position p is the model's final hidden state there and token p + 1.
+- ``mtp``: the model's multi-token-prediction head (GLM-5.2: ``mtp_forward``): its input at position
+  p is the model's final hidden state there and token p + 1; chained, it drafts further tokens
+  from its own output (as vLLM and SGLang run one MTP layer for several speculative tokens).
 
 A drafter is asked, before a forward, for up to `limit` tokens to follow the sequence `ids` (whose
 last token is about to be fed): ``propose(ids, limit, constraint) -> list[int]``. After every
@@ -43,6 +44,7 @@ DRAFT_MODES = ("auto", "mtp", "grammar", "off")
 AUTO_MIN_ACCEPTANCE = 0.35  # `--draft auto` stops drafting with the model's head below this acceptance …
 AUTO_RETRY = 16  # … and tries it again after this many tokens
 ACCEPTANCE_DECAY = 0.9  # the acceptance estimate's memory, per draft
+MTP_CHAIN = 3  # tokens the MTP head drafts per step at most (the first from the model's hidden state, the rest chained)
 
 
 class Drafter:
@@ -77,22 +79,35 @@ class GrammarDrafter(Drafter):
 
 
 class MTPDrafter(Drafter):
-    """The model's MTP head, one token ahead: position p's input is the model's hidden state at p and
-    token p + 1, both verified, so its own state (the MTP layer's cache) never needs rolling back.
-    Needs a model with ``new_mtp_state()``, ``mtp_forward(hidden, next_ids, state)`` and ``last_hidden``."""
+    """The model's MTP head. Position p's input is the model's hidden state at p and token p + 1,
+    both verified, so the head's own cache holds verified positions only; a chained draft (the
+    head run again on its own output, `last_mtp_hidden`, and the token it drafted) adds rows past
+    them, dropped (`State.truncate`) before the head goes on. Needs a model with
+    ``new_mtp_state()``, ``mtp_forward(hidden, next_ids, state)`` and ``last_hidden``; chains with
+    ``last_mtp_hidden`` and a head state that truncates."""
 
     name = "mtp"
 
-    def __init__(self, model):
+    def __init__(self, model, chain: int = MTP_CHAIN):
         import numpy as np
 
         self.model = model
-        self.state = model.new_mtp_state()  # rows for positions 0 … fed − 1
+        self.state = model.new_mtp_state()  # rows for positions 0 … fed − 1 (+ `speculative`)
         self.hidden = np.zeros((0, 0), np.float32)  # (n, H): positions fed … fed + n − 1, not yet given to the head
+        self.speculative = 0  # rows the chained drafts added to the head's state
+        self.chain = chain if hasattr(model, "last_mtp_hidden") and self.state.truncate(0) else 1
+        self.depth = 1  # drafts the next proposal may chain (`_adapt_depth`)
+        self.last: tuple[int, list[int]] | None = None  # (where the last proposal began, its drafts)
+
+    def _drop_speculative(self) -> None:
+        if self.speculative:
+            self.state.truncate(self.state.length - self.speculative)
+            self.speculative = 0
 
     def observe(self, start, hidden):
         import numpy as np
 
+        self._drop_speculative()
         fed = self.state.length
         if hidden is None or start + len(hidden) <= fed:
             return
@@ -104,15 +119,34 @@ class MTPDrafter(Drafter):
     def propose(self, ids, limit, constraint=None):
         import numpy as np
 
+        self._drop_speculative()
+        self._adapt_depth(ids)
         fed = self.state.length
         n = len(self.hidden)
         if limit < 1 or n == 0 or fed + n != len(ids) - 1:
             return []  # the head is not in step with the model (e.g. nothing observed yet)
         logits = self.model.mtp_forward(self.hidden, np.asarray(ids[fed + 1:], np.int64), self.state)  # (n, V)
         self.hidden = self.hidden[:0]
-        if constraint is not None:
-            logits = np.where(constraint.mask(), logits[-1], -np.inf)[None]
-        return [int(np.argmax(logits[-1]))]
+        if constraint is not None:  # a grammar's next states are not simulated: one draft
+            return [int(np.argmax(np.where(constraint.mask(), logits[-1], -np.inf)))]
+        drafts = [int(np.argmax(logits[-1]))]
+        while len(drafts) < min(limit, self.depth):
+            logits = self.model.mtp_forward(self.model.last_mtp_hidden[-1:], np.asarray(drafts[-1:], np.int64), self.state)
+            self.speculative += 1
+            drafts.append(int(np.argmax(logits[-1])))
+        self.last = (len(ids), drafts)
+        return drafts
+
+    def _adapt_depth(self, ids) -> None:
+        """One draft more after a proposal the model took whole (up to `chain`), back to one after a
+        rejection: long chains where the head keeps agreeing, no wasted chained drafts elsewhere.
+        Read from the tokens alone, so it is the same on every machine and at every RAM budget."""
+        if self.last is None:
+            return
+        at, prev = self.last
+        taken = ids[at:at + len(prev)] == prev and len(ids) > at + len(prev)  # and the model went on past them
+        self.depth = min(self.chain, self.depth + 1) if taken else 1
+        self.last = None
 
 
 def mtp_drafter(model) -> Drafter | None:

@@ -111,6 +111,40 @@ def test_glm52_mtp_drafts_never_change_greedy_tokens(models):
     assert stats["draft_drafted"] >= N - 2
 
 
+def test_glm52_mtp_chains_drafts_while_the_model_takes_them(models):
+    """A head that knows the greedy continuation but for every 7th position: its chains grow to
+    MTP_CHAIN drafts while the model takes them whole and fall back to one after a rejection (the
+    rows of chained drafts dropped from the head's cache); the tokens are those without drafts."""
+    from colibri_core.drafting import MTP_CHAIN
+
+    with load(models["glm52"], activations="f32", usage=False) as engine:
+        want = engine.generate(PROMPT, N, stop_ids=(), draft="off")
+        seq, model = PROMPT + want, engine.model
+        real, sizes = model.mtp_forward, []
+
+        def knowing_head(hidden, next_ids, state, keep=None):
+            start = state.length  # row t: the hidden state at start + t → the token at start + t + 2
+            logits = real(hidden, next_ids, state, keep)  # the head's cache and last_mtp_hidden as ever
+            knows = np.full_like(logits, -1e9)
+            for t in range(len(next_ids)):
+                pos = start + t + 2
+                if pos < len(seq):
+                    knows[t, seq[pos] if pos % 7 else (seq[pos] + 1) % logits.shape[1]] = 0.0
+            sizes.append(len(next_ids))
+            return knows
+
+        model.mtp_forward = knowing_head
+        d = engine.drafting
+        before = (sum(d.drafted.values()), sum(d.accepted.values()), d.forwards, d.tokens)
+        got = engine.generate(PROMPT, N, stop_ids=(), draft="mtp")
+        drafted, accepted, forwards, tokens = (b - a for a, b in zip(before, (
+            sum(d.drafted.values()), sum(d.accepted.values()), d.forwards, d.tokens)))
+    assert got == want
+    assert MTP_CHAIN > 1 and 0 < accepted < drafted, (drafted, accepted)  # some chains cut short
+    assert tokens / forwards > 2, (tokens, forwards)  # beyond what one draft per step can give
+    assert sizes.count(1) > 0  # chained calls: one row each, on the head's own output
+
+
 def test_mtp_needs_a_head(models):
     with load(models["olmoe"], usage=False) as engine:
         assert engine.generate(PROMPT, 4, stop_ids=(), draft="mtp") == engine.generate(PROMPT, 4, stop_ids=(), draft="off")

@@ -272,6 +272,7 @@ class Glm52(MoEModel):
         self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta)  # interleaved pairs on the rope dims
         self.dense_attention = False  # True: ignore the indexer (tests: DSA with every key == dense)
         self.last_hidden = None  # the final-normalised hidden states of the last forward (T, H)
+        self.last_mtp_hidden = None  # the same of the last `mtp_forward` (T, H)
 
     def _layer(self, weights, i: int) -> dict:
         cfg = self.cfg
@@ -375,4 +376,6 @@ class Glm52(MoEModel):
         e = rms_norm(embed(next_ids, self.embed_tokens), L["enorm"], eps)  # (T, H)
         x = linear(np.concatenate([e, rms_norm(hidden, L["hnorm"], eps)], axis=-1), L["eh_proj"])  # (T, H)
         x, _ = self._decoder_layer(L, x, next_ids, state, cos, sin, keep)
-        return linear(rms_norm(x, L["head_norm"], eps), self.lm_head)
+        x = rms_norm(x, L["head_norm"], eps)  # (T, H)
+        self.last_mtp_hidden = x  # a chained draft's stand-in for the model's hidden state at t + 1
+        return linear(x, self.lm_head)
