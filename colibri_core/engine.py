@@ -176,10 +176,15 @@ class Engine:
         with kernels.activations(self.activations), self.probe.listening():
             logits = self.model.forward(np.asarray(ids[n:], np.int64), session.state, last_only=last_only)
         session.ids = list(ids)
+        self._tell_drafters(session, n, getattr(self.model, "last_hidden", None))
+        return logits[-1] if last_only else logits
+
+    def _tell_drafters(self, session, start: int, hidden) -> None:
+        """Drafter.observe for each of the session's drafters: the hidden states (T, H) of positions
+        start … start + T − 1, or None."""
         for drafter in self._session_drafters(session).values():
             if drafter is not None:
-                drafter.observe(n, getattr(self.model, "last_hidden", None))
-        return logits[-1] if last_only else logits
+                drafter.observe(start, hidden)
 
     def _session_drafters(self, session) -> dict:
         """The drafters of `session` ({name: Drafter, or None where one does not apply}), built anew
@@ -249,10 +254,8 @@ class Engine:
             if session.state.truncate(keep):  # a state of rows: the rejected drafts' rows dropped in place
                 session.ids = session.ids[:keep]
                 start = len(kept_ids) if ids[:len(kept_ids)] == kept_ids else 0  # where the forward began (`_feed`)
-                hidden = getattr(self.model, "last_hidden", None)
-                for drafter in self._session_drafters(session).values():
-                    if drafter is not None:  # what the forward said of the rejected positions is void
-                        drafter.observe(start, None if hidden is None else hidden[:keep - start])
+                hidden = getattr(self.model, "last_hidden", None)  # what it said of the rejected positions is void
+                self._tell_drafters(session, start, None if hidden is None else hidden[:keep - start])
             else:  # roll back: the state before the forward, then ids[-1] + accepted again
                 state = self.model.new_state()
                 state.load_arrays(kept)
