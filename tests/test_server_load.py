@@ -5,7 +5,7 @@ plus a stated margin and flat across rounds; open file descriptors and threads d
 client that disconnects stops its generation within one token.
 
 The soak runs SOAK_SECONDS in CI; RELIABILITY.md records a longer run
-(COLIBRI_SOAK_SECONDS=1800 pytest tests/test_server_load.py -k soak -s).
+(COLIBRI_SOAK_SECONDS=3600 pytest tests/test_server_load.py -k soak -s).
 """
 import json
 import os

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import ipaddress
 import logging
+import signal
 import socket
 import sys
 
@@ -121,3 +122,9 @@ def serve(cfg: ServerConfig, host: str = "127.0.0.1", port: int = 8000, access_l
         sock.close()
     if state.load_error:
         raise ColibriError(state.load_error)
+    # uvicorn raises the signal that stopped it again once it has shut down, so Ctrl-C exits 130.
+    # After one 1-hour soak that was lost (exit 0; never reproduced): Ctrl-C exits 130 regardless,
+    # and a stop that no signal asked for says so.
+    if signal.SIGINT in getattr(server, "_captured_signals", ()):
+        raise KeyboardInterrupt
+    print("colibri: the server stopped without a signal or an error", file=sys.stderr, flush=True)
