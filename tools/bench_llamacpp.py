@@ -16,10 +16,28 @@ Models (`--model`):
          over the full projected width instead of per head: the same matrices, a few KB of norm
          weights apart). `--layers N` keeps only the first N layers (RAM).
 
-Quantisation: colibri int4 (groups of 64, f16 scales) against llama.cpp Q4_0 (groups of 32, f16
-scales) for every matrix; colibri's router stays f32 as its converter keeps it; norms f32 in both.
-colibri runs with `--activations int8` (llama.cpp also quantises activations to int8 for Q4_0);
+Quantisation (`--quant`): colibri int4 (groups of 64, f16 scales) against llama.cpp Q4_0 (groups of
+32, f16 scales), or colibri int8 (a f32 scale per row) against Q8_0 (groups of 32, f16 scales), for
+every matrix; colibri's router stays f32 as its converter keeps it; norms f32 in both. colibri runs
+with `--activations int8` (llama.cpp also quantises activations to int8 for Q4_0/Q8_0);
 `--activations f32` measures the exact mode.
+
+Larger than RAM (`--memory SIZE`): the model's weights exceed the memory each engine gets, and the
+experts are read from disk as the tokens need them. Each engine runs in a memory cgroup of SIZE
+(its RSS and the page cache it fills count; needs root, else the machine's RAM is the limit and the
+model must exceed it): llama.cpp with its GGUF mmapped (the page cache evicts as it must),
+colibri with `ram=SIZE - 1 GiB` and O_DIRECT reads (its own expert cache). colibri's container is
+converted from the GGUF (GgufCheckpoint), so both engines run the same model and route alike;
+`--routing` chooses how that model routes (build_gguf). Before each run the page cache of both
+models is dropped (posix_fadvise DONTNEED: no privilege needed). Each run
+decodes `--gen` tokens cold (a fresh process, the first token its prompt) and `--gen` more warm
+(the same process, caches filled); reported: tok/s, bytes read from disk per token (/proc/self/io:
+mmap faults and O_DIRECT reads alike) and the disk floor (those bytes at the disk's O_DIRECT
+bandwidth, measured on the model files in the same run).
+
+    flock /tmp/colibri-cpu.lock python tools/bench_llamacpp.py --model qwen3 --quant int8 --memory 16GB \
+        --routing token --gen 16 --rounds 3 --keep
+
 Synthetic files go under bench-data/ (gitignored); `--keep` keeps them for the next run.
 """
 from __future__ import annotations
@@ -130,8 +148,58 @@ class SyntheticCheckpoint:
         return {"fingerprint": "sha256:synthetic", "tensors": len(self.shapes), "bytes": 0, "files": {}}
 
 
-def build_colibri(d: Dims, dst: Path) -> None:
-    """The int4 colibri container of `d`, through the real converter (quantisation memoised per pool matrix)."""
+class GgufCheckpoint:
+    """The GGUF's model as a writer checkpoint (HF names, dequantised to float32), so that colibri's
+    container holds the weights llama.cpp runs, requantised: the two engines then route tokens
+    alike (the synthetic pool's few distinct matrices route far more narrowly than random weights,
+    which would flatter any cache). Norm weights are ones in both; colibri's OLMoE graph normalises
+    q and k over the full width where llama.cpp's qwen3moe does per head."""
+
+    def __init__(self, path: Path, d: Dims, gguf_path: Path):
+        import gguf
+
+        self.path, self.shapes = path, tensor_shapes(d)
+        self.where = {name: self for name in self.shapes}
+        self.files = {"synthetic": self}
+        self._tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
+        self._dequantize = gguf.quants.dequantize
+
+    dtype, shape, scales_of = SyntheticCheckpoint.dtype, SyntheticCheckpoint.shape, SyntheticCheckpoint.scales_of
+
+    @staticmethod
+    def gguf_name(name: str) -> tuple[str, int | None]:
+        """HF name -> (GGUF tensor, expert index or None)."""
+        fixed = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight"}
+        if name in fixed:
+            return fixed[name], None
+        parts = name.split(".")  # model.layers.I.(self_attn.X_proj | mlp.gate | mlp.experts.E.X_proj).weight
+        blk = f"blk.{parts[2]}."
+        attn = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+        if parts[3] == "self_attn":
+            return blk + attn[parts[4]] + ".weight", None
+        if parts[4] == "gate":
+            return blk + "ffn_gate_inp.weight", None
+        return blk + {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}[parts[6]] \
+            + ".weight", int(parts[5])
+
+    def read_f32(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
+        shape = self.shapes[name]
+        if len(shape) == 1:
+            return np.ones(shape, np.float32)  # norms: ones in the GGUF too
+        gname, expert = self.gguf_name(name)
+        t = self._tensors[gname]
+        data = t.data if expert is None else t.data[expert]
+        w = np.asarray(data, np.float32) if t.tensor_type == 0 else self._dequantize(np.asarray(data), t.tensor_type)
+        w = w.reshape(shape)
+        return w[first:None if count is None else first + count]
+
+    def fingerprint(self) -> dict:
+        return {"fingerprint": "sha256:gguf-synthetic", "tensors": len(self.shapes), "bytes": 0, "files": {}}
+
+
+def build_colibri(d: Dims, dst: Path, kind: str, gguf_path: Path | None = None) -> None:
+    """The `kind` (int4, int8) colibri container of `d`, through the real converter: of the
+    synthetic pool (quantisation memoised per pool matrix), or of the GGUF at `gguf_path`."""
     from colibri_core import quant
     from colibri_core.container import writer
     from colibri_olmoe.model import Olmoe
@@ -150,14 +218,15 @@ def build_colibri(d: Dims, dst: Path) -> None:
 
     real_checkpoint = writer.Checkpoint
     def synthetic(path):
-        return SyntheticCheckpoint(path, d)
+        return SyntheticCheckpoint(path, d) if gguf_path is None else GgufCheckpoint(path, d, gguf_path)
 
     synthetic.FP8_SCALE_SUFFIX = real_checkpoint.FP8_SCALE_SUFFIX  # the writer reads it off the class
     writer.Checkpoint = synthetic
-    writer.q.quantize = quantize
+    if gguf_path is None:
+        writer.q.quantize = quantize
     try:
         layout = Olmoe.layout(Olmoe.parse_config(hf_config(d)))
-        writer.convert(src, dst, quant="int4", layout=layout, architecture="olmoe", plugin="colibri-olmoe",
+        writer.convert(src, dst, quant=kind, layout=layout, architecture="olmoe", plugin="colibri-olmoe",
                        plugin_version="bench", progress=True, force=True)
     finally:
         writer.Checkpoint, writer.q.quantize = real_checkpoint, real_quantize
@@ -167,18 +236,42 @@ def build_colibri(d: Dims, dst: Path) -> None:
 # ----------------------------------------------------------------------------- GGUF for llama.cpp
 
 
-def q4_0_random(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+def q4_0_random(rng: np.random.Generator, rows: int, cols: int, damp: float = 1.0) -> np.ndarray:
     """Random Q4_0 blocks as raw bytes: per 32 columns an f16 scale and 16 bytes of nibbles."""
     nblocks = rows * cols // 32
     blocks = np.empty((nblocks, 18), np.uint8)
-    scales = (rng.random(nblocks, dtype=np.float32) * 0.01 + 0.002).astype(np.float16)
+    scales = ((rng.random(nblocks, dtype=np.float32) * 0.01 + 0.002) * damp).astype(np.float16)
     blocks[:, :2] = scales.view(np.uint8).reshape(nblocks, 2)
     blocks[:, 2:] = rng.integers(0, 256, (nblocks, 16), dtype=np.uint8)
     return blocks.reshape(rows, cols // 32 * 18)
 
 
-def build_gguf(d: Dims, path: Path) -> None:
+def q8_0_random(rng: np.random.Generator, rows: int, cols: int, damp: float = 1.0) -> np.ndarray:
+    """Random Q8_0 blocks as raw bytes: per 32 columns an f16 scale and 32 signed bytes."""
+    nblocks = rows * cols // 32
+    blocks = np.empty((nblocks, 34), np.uint8)
+    scales = ((rng.random(nblocks, dtype=np.float32) * 0.001 + 0.0002) * damp).astype(np.float16)
+    blocks[:, :2] = scales.view(np.uint8).reshape(nblocks, 2)
+    blocks[:, 2:] = rng.integers(0, 256, (nblocks, 32), dtype=np.uint8)
+    return blocks.reshape(rows, cols // 32 * 34)
+
+
+GGUF_QUANTS = {"int4": ("Q4_0", 18, q4_0_random), "int8": ("Q8_0", 34, q8_0_random)}  # name, bytes per 32, blocks
+
+
+ROUTINGS = {"weights": 1.0, "token": 0.0}  # --routing: the factor on the output projections' scales
+
+
+def build_gguf(d: Dims, path: Path, quant: str, routing: str = "weights") -> None:
+    """The GGUF of `d`: random Q4_0/Q8_0 blocks. `routing` "weights": as random weights route, which
+    in a deep random network narrows to a few experts per layer (its hidden states grow alike);
+    "token": the attention and expert output projections zero (still read and multiplied), so the
+    residual stream stays each token's embedding and every layer routes each token afresh, as
+    independently as random tokens are (the caches' worst case; damping them 100-fold instead
+    still left 32 of 128 experts per layer serving 16 tokens)."""
     import gguf
+
+    qname, block_bytes, blocks = GGUF_QUANTS[quant]
 
     rng = np.random.default_rng(1)
     w = gguf.GGUFWriter(str(path), d.gguf_arch)
@@ -196,43 +289,45 @@ def build_gguf(d: Dims, path: Path) -> None:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_expert_count(d.experts)
     w.add_expert_used_count(d.top_k)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    w.add_file_type(getattr(gguf.LlamaFileType, "MOSTLY_" + qname))
     w.add_tokenizer_model("llama")
     w.add_token_list([f"<t{i}>".encode() for i in range(d.vocab)])
     w.add_token_scores([0.0] * d.vocab)
     w.add_token_types([gguf.TokenType.NORMAL] * d.vocab)
     w.add_bos_token_id(1)
     w.add_eos_token_id(0)
-    Q4 = gguf.GGMLQuantizationType.Q4_0
+    Q = getattr(gguf.GGMLQuantizationType, qname)
     tensors = []  # (name, byte shape, dtype, raw dtype or None, make): streamed, one tensor in memory at a time
 
-    def q4(name, rows, cols, experts=1):
-        shape = (rows, cols // 32 * 18) if experts == 1 else (experts, rows, cols // 32 * 18)
-        tensors.append((name, shape, np.uint8, Q4, lambda: q4_0_random(rng, experts * rows, cols).reshape(shape)))
+    def quantised(name, rows, cols, experts=1, damp=1.0):  # Q4_0 or Q8_0
+        shape = (rows, cols // 32 * block_bytes) if experts == 1 else (experts, rows, cols // 32 * block_bytes)
+        tensors.append((name, shape, np.uint8, Q, lambda: blocks(rng, experts * rows, cols, damp).reshape(shape)))
+
+    damp = ROUTINGS[routing]
 
     def f32(name, shape, make=None):
         tensors.append((name, shape, np.float32, None, make or (lambda: np.ones(shape, np.float32))))
 
     H, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
-    q4("token_embd.weight", d.vocab, H)
+    quantised("token_embd.weight", d.vocab, H)
     for i in range(d.layers):
         b = f"blk.{i}."
         f32(b + "attn_norm.weight", (H,))
-        q4(b + "attn_q.weight", q, H)
-        q4(b + "attn_k.weight", kv, H)
-        q4(b + "attn_v.weight", kv, H)
-        q4(b + "attn_output.weight", H, q)
+        quantised(b + "attn_q.weight", q, H)
+        quantised(b + "attn_k.weight", kv, H)
+        quantised(b + "attn_v.weight", kv, H)
+        quantised(b + "attn_output.weight", H, q, damp=damp)
         per_head = d.gguf_arch == "qwen3moe"  # Qwen3: q/k norm per head; OLMoE: over the full width
         f32(b + "attn_q_norm.weight", (d.head_dim,) if per_head else (q,))
         f32(b + "attn_k_norm.weight", (d.head_dim,) if per_head else (kv,))
         f32(b + "ffn_norm.weight", (H,))
         f32(b + "ffn_gate_inp.weight", (d.experts, H),
             lambda: rng.standard_normal((d.experts, H), dtype=np.float32) * np.float32(0.05))
-        q4(b + "ffn_gate_exps.weight", d.inter, H, d.experts)
-        q4(b + "ffn_up_exps.weight", d.inter, H, d.experts)
-        q4(b + "ffn_down_exps.weight", H, d.inter, d.experts)
+        quantised(b + "ffn_gate_exps.weight", d.inter, H, d.experts)
+        quantised(b + "ffn_up_exps.weight", d.inter, H, d.experts)
+        quantised(b + "ffn_down_exps.weight", H, d.inter, d.experts, damp=damp)
     f32("output_norm.weight", (H,))
-    q4("output.weight", d.vocab, H)
+    quantised("output.weight", d.vocab, H)
     for name, shape, dtype, raw, _ in tensors:
         w.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize, raw_dtype=raw)
     w.write_header_to_file()
@@ -302,6 +397,125 @@ def run_llama(gguf_path: Path, d: Dims, prompt: int, gen: int, threads: int) -> 
             "version": llama_cpp.__version__}
 
 
+# ----------------------------------------------------------------------------- larger than RAM
+
+MARGIN = 1 << 30  # what colibri's --ram leaves of the cgroup (at most an eighth): interpreter, NumPy, buffers
+
+
+def read_bytes() -> int:
+    """Bytes this process has caused to be read from the disk (page faults on mmapped files and O_DIRECT reads alike)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise RuntimeError("no read_bytes in /proc/self/io")
+
+
+def decode_phases(step, gen: int) -> dict:
+    """`step(i)` feeds the i-th token; `gen` tokens cold, then `gen` warm: tok/s and bytes read per token of each."""
+    out = {}
+    for phase, first in (("cold", 0), ("warm", gen)):
+        b0, t0 = read_bytes(), time.perf_counter()
+        for i in range(first, first + gen):
+            step(i)
+        dt, nbytes = time.perf_counter() - t0, read_bytes() - b0
+        out[phase] = {"tok_s": gen / dt, "bytes_per_token": nbytes / gen}
+    return out
+
+
+def streamed_token(d: Dims, i: int) -> int:
+    return int(np.random.default_rng(1000 + i).integers(2, d.vocab))
+
+
+def parse_size(text: str) -> int:
+    from colibri_core.sizes import parse_size as parse
+
+    return parse(text)
+
+
+def run_colibri_streamed(model: Path, d: Dims, gen: int, threads: int, activations: str, memory: int) -> dict:
+    import colibri_core
+    from colibri_core import kernels
+
+    kernels.set_threads(threads)
+    t0 = time.perf_counter()
+    ram = memory - min(MARGIN, memory // 8)
+    engine = colibri_core.load(model, ram=ram, direct=True, usage=False, activations=activations)
+    load = time.perf_counter() - t0
+    session, ids = engine.new_session(), []
+
+    def step(i):
+        ids.append(streamed_token(d, i))
+        engine._feed(session, ids)
+
+    r = decode_phases(step, gen)
+    return {**r, "load_s": load, "simd": kernels.simd(), "threads": kernels.threads(), "activations": activations,
+            "ram": ram, "cache_slots_per_layer": engine.split.cache_slots,
+            "direct": engine.store.stats()["direct_io"]}
+
+
+def run_llama_streamed(gguf_path: Path, d: Dims, gen: int, threads: int) -> dict:
+    import llama_cpp
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=2 * gen + 16, n_batch=32, n_ubatch=32, n_threads=threads,
+                          n_threads_batch=threads, use_mmap=True, use_mlock=False, verbose=False, logits_all=False)
+    load = time.perf_counter() - t0
+    r = decode_phases(lambda i: llm.eval([streamed_token(d, i)]), gen)
+    return {**r, "load_s": load, "threads": threads, "version": llama_cpp.__version__}
+
+
+class MemoryLimit:
+    """A memory cgroup (v2, or v1's memory controller) holding what its processes use — RSS and the
+    page cache they fill — to `limit` bytes. Needs root; `reason` says why not where it cannot be made."""
+
+    def __init__(self, limit: int):
+        self.limit, self.path, self.reason = limit, None, None
+        v2, v1 = Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/memory")
+        name = f"colibri-bench-{os.getpid()}"
+        try:
+            if (v2 / "cgroup.controllers").is_file():
+                (v2 / "cgroup.subtree_control").write_text("+memory")
+                self.path, self.files = v2 / name, ("memory.max", "memory.peak")
+            else:
+                self.path, self.files = v1 / name, ("memory.limit_in_bytes", "memory.max_usage_in_bytes")
+            self.path.mkdir()
+            (self.path / self.files[0]).write_text(str(limit))
+        except OSError as e:
+            self.path, self.reason = None, f"no memory cgroup ({e.strerror}: {e.filename})"
+
+    def enter(self) -> None:
+        """For preexec_fn: the calling process joins the cgroup."""
+        if self.path is not None:
+            (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def peak(self) -> int | None:
+        """The most the cgroup held since the last reset (v1: reset by writing 0; v2's peak is per cgroup)."""
+        return int((self.path / self.files[1]).read_text()) if self.path is not None else None
+
+    def reset_peak(self) -> None:
+        if self.path is not None and self.files[1].endswith("max_usage_in_bytes"):
+            (self.path / self.files[1]).write_text("0")
+
+    def close(self) -> None:
+        if self.path is not None:
+            self.path.rmdir()
+
+
+def drop_cached(paths) -> None:
+    """Evict the files' clean pages from the page cache (posix_fadvise DONTNEED: no privilege needed)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def model_files(path: Path) -> list[Path]:
+    return [p for p in sorted(path.rglob("*")) if p.is_file()] if path.is_dir() else [path]
+
+
 def read_bandwidth(threads: int) -> float:
     from colibri_core import kernels
     from colibri_core.bench.kernels import read_bandwidth as rb
@@ -314,25 +528,92 @@ def child(args) -> None:
     d = MODELS[args.model]
     if args.layers:
         d = Dims(**{**asdict(d), "layers": args.layers})
+    memory = parse_size(args.memory) if args.memory else 0
     if args.child == "colibri":
-        r = run_colibri(Path(args.path), d, args.prompt, args.gen, args.threads, args.activations)
+        r = (run_colibri_streamed(Path(args.path), d, args.gen, args.threads, args.activations, memory) if memory
+             else run_colibri(Path(args.path), d, args.prompt, args.gen, args.threads, args.activations))
     elif args.child == "llama":
-        r = run_llama(Path(args.path), d, args.prompt, args.gen, args.threads)
+        r = (run_llama_streamed(Path(args.path), d, args.gen, args.threads) if memory
+             else run_llama(Path(args.path), d, args.prompt, args.gen, args.threads))
     else:
         r = {"read_gbps": read_bandwidth(args.threads)}
     r["load_average_after"] = os.getloadavg()[0]  # other work on the machine during the run
     print("RESULT " + json.dumps(r))
 
 
-def in_child(kind: str, path: Path, args) -> dict:
+def in_child(kind: str, path: Path, args, limit: MemoryLimit | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", kind, "--path", str(path), "--model", args.model,
            "--prompt", str(args.prompt), "--gen", str(args.gen), "--threads", str(args.threads),
-           "--activations", args.activations, "--layers", str(args.layers or 0)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+           "--activations", args.activations, "--layers", str(args.layers or 0), "--memory", args.memory or ""]
+    out = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=limit.enter if limit else None)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         raise SystemExit(f"{kind} run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(lines[-1][7:])
+
+
+def median(values) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def larger_than_ram(args, d: Dims, cdir: Path, gpath: Path) -> None:
+    """The `--memory` case: both engines cold and warm under the same memory limit, alternating."""
+    from colibri_core.sizes import available_memory, format_bytes
+    from colibri_core.store.budget import disk_bandwidth
+
+    memory = parse_size(args.memory)
+    sizes = {"colibri": sum(p.stat().st_size for p in model_files(cdir)), "llama_cpp": gpath.stat().st_size}
+    if min(sizes.values()) <= memory:
+        raise SystemExit(f"--memory {args.memory}: the models ({format_bytes(min(sizes.values()))}) must be larger")
+    limit = MemoryLimit(memory)
+    ram = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    if limit.path is None:
+        if min(sizes.values()) <= ram:
+            raise SystemExit(f"{limit.reason}, and the models fit in this machine's RAM ({format_bytes(ram)})")
+        print(f"{limit.reason}: the machine's RAM ({format_bytes(ram)}) is the limit", file=sys.stderr)
+    paths = model_files(cdir) + [gpath]
+    drop_cached(paths)
+    disk, direct = disk_bandwidth([p for p in model_files(cdir) if p.stat().st_size > 1 << 28][:8], nbytes=2 << 30)
+    read = in_child("read", cdir, args)["read_gbps"]
+    rounds = []
+    try:
+        for i in range(args.rounds):
+            r = {}
+            for engine, path in (("colibri", cdir), ("llama_cpp", gpath)):
+                drop_cached(paths)  # cold: nothing of either model in the page cache
+                limit.reset_peak()
+                r[engine] = {**in_child("colibri" if engine == "colibri" else "llama", path, args, limit),
+                             "peak_memory": limit.peak()}
+            for phase in ("cold", "warm"):
+                r[phase + "_ratio"] = r["colibri"][phase]["tok_s"] / r["llama_cpp"][phase]["tok_s"]
+            rounds.append(r)
+            print(f"round {i + 1}: " + "; ".join(
+                f"{ph} colibri {r['colibri'][ph]['tok_s']:.2f} vs llama.cpp {r['llama_cpp'][ph]['tok_s']:.2f} tok/s "
+                f"({r[ph + '_ratio']:.2f}x), read {r['colibri'][ph]['bytes_per_token'] / 1e9:.2f} vs "
+                f"{r['llama_cpp'][ph]['bytes_per_token'] / 1e9:.2f} GB/token" for ph in ("cold", "warm")), file=sys.stderr)
+    finally:
+        limit.close()
+    result = {"model": asdict(d), "quant": args.quant, "routing": args.routing, "threads": args.threads,
+              "decode_tokens": args.gen, "memory_limit": memory, "cgroup": limit.reason or "yes", "machine_ram": ram,
+              "available_memory": available_memory(), "model_bytes": sizes, "disk_gbps": disk / 1e9,
+              "disk_direct": direct, "read_gbps": read, "rounds": rounds}
+    for ph in ("cold", "warm"):
+        result[ph] = {"ratio": median(r[ph + "_ratio"] for r in rounds)}
+        for engine in ("colibri", "llama_cpp"):
+            bpt = median(r[engine][ph]["bytes_per_token"] for r in rounds)
+            result[ph][engine] = {"tok_s": median(r[engine][ph]["tok_s"] for r in rounds), "bytes_per_token": bpt,
+                                  "disk_floor_tok_s": disk / bpt if bpt else None}
+    print(json.dumps(result, indent=2))
+    for ph in ("cold", "warm"):
+        c, ll = result[ph]["colibri"], result[ph]["llama_cpp"]
+        floor = lambda e: f"{e['disk_floor_tok_s']:.2f}" if e["disk_floor_tok_s"] else "-"  # noqa: E731
+        print(f"{ph}: colibri {c['tok_s']:.2f} tok/s ({c['bytes_per_token'] / 1e9:.2f} GB/token read, disk floor "
+              f"{floor(c)} tok/s) vs llama.cpp {ll['tok_s']:.2f} ({ll['bytes_per_token'] / 1e9:.2f} GB/token, floor "
+              f"{floor(ll)}): {result[ph]['ratio']:.2f}x (median of {args.rounds})")
+    print(f"models: colibri {format_bytes(sizes['colibri'])}, llama.cpp {format_bytes(sizes['llama_cpp'])}; memory "
+          f"{format_bytes(memory)} ({'cgroup' if limit.reason is None else limit.reason}); disk {disk / 1e9:.2f} GB/s "
+          f"({'O_DIRECT' if direct else 'page cache'}); read {read:.1f} GB/s")
 
 
 def main() -> None:
@@ -343,6 +624,10 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefill)")
     ap.add_argument("--gen", type=int, default=32, help="decoded tokens")
     ap.add_argument("--activations", choices=("int8", "f32"), default="int8")
+    ap.add_argument("--quant", choices=sorted(GGUF_QUANTS), default="int4", help="int4 vs Q4_0, or int8 vs Q8_0")
+    ap.add_argument("--memory", default="", help="larger than RAM: each engine gets this much memory (e.g. 12GB)")
+    ap.add_argument("--routing", choices=sorted(ROUTINGS), default="weights",
+                    help="with --memory: route as the random weights do, or by each token afresh (build_gguf)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating runs of the two engines (median reported)")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic models in bench-data/")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -355,12 +640,22 @@ def main() -> None:
         d = Dims(**{**asdict(d), "layers": args.layers})
     tag = f"{d.name}-{d.layers}l"
     DATA.mkdir(exist_ok=True)
-    cdir, gpath = DATA / f"{tag}-int4", DATA / f"{tag}-q4_0.gguf"
-    if not (cdir / "colibri.yaml").is_file():
-        build_colibri(d, cdir)
+    cdir, gpath = DATA / f"{tag}-{args.quant}", DATA / f"{tag}-{GGUF_QUANTS[args.quant][0].lower()}.gguf"
+    if args.memory:  # what is read from disk depends on the routing: colibri's container from the GGUF
+        routed = "" if args.routing == "weights" else f"-{args.routing}-routed"
+        gpath = gpath.with_name(gpath.stem + routed + ".gguf")
+        cdir = cdir.with_name(cdir.name + routed + "-of-gguf")
     if not gpath.is_file():
-        build_gguf(d, gpath.with_suffix(".partial"))
+        build_gguf(d, gpath.with_suffix(".partial"), args.quant, args.routing)
         gpath.with_suffix(".partial").rename(gpath)
+    if not (cdir / "colibri.yaml").is_file():
+        build_colibri(d, cdir, args.quant, gpath if args.memory else None)
+    if args.memory:
+        larger_than_ram(args, d, cdir, gpath)
+        if not args.keep:
+            shutil.rmtree(cdir, ignore_errors=True)
+            gpath.unlink(missing_ok=True)
+        return
     load_before = os.getloadavg()[0]
     read = in_child("read", cdir, args)["read_gbps"]
     # The engines alternate, round after round: this shared machine's speed drifts by up to 2x
@@ -375,17 +670,16 @@ def main() -> None:
               f"({rounds[-1]['decode_ratio']:.2f}x); prefill {ours['prefill_tok_s']:.1f} vs "
               f"{theirs['prefill_tok_s']:.1f} ({rounds[-1]['prefill_ratio']:.2f}x)", file=sys.stderr)
 
-    def median(key: str, engine: str | None = None) -> float:
-        vals = sorted(r[key] if engine is None else r[engine][key] for r in rounds)
-        return vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+    def med(key: str, engine: str | None = None) -> float:
+        return median(r[key] if engine is None else r[engine][key] for r in rounds)
 
-    result = {"model": asdict(d), "threads": args.threads, "prompt_tokens": args.prompt, "decode_tokens": args.gen,
-              "read_gbps": read, "load_average_before": load_before, "rounds": rounds,
-              "decode_ratio": median("decode_ratio"), "prefill_ratio": median("prefill_ratio")}
+    result = {"model": asdict(d), "quant": args.quant, "threads": args.threads, "prompt_tokens": args.prompt,
+              "decode_tokens": args.gen, "read_gbps": read, "load_average_before": load_before, "rounds": rounds,
+              "decode_ratio": med("decode_ratio"), "prefill_ratio": med("prefill_ratio")}
     print(json.dumps(result, indent=2))
-    print(f"{tag}: median of {args.rounds} rounds: decode colibri {median('decode_tok_s', 'colibri'):.1f} tok/s vs "
-          f"llama.cpp {median('decode_tok_s', 'llama_cpp'):.1f} ({result['decode_ratio']:.2f}x); prefill "
-          f"{median('prefill_tok_s', 'colibri'):.1f} vs {median('prefill_tok_s', 'llama_cpp'):.1f} "
+    print(f"{tag}: median of {args.rounds} rounds: decode colibri {med('decode_tok_s', 'colibri'):.1f} tok/s vs "
+          f"llama.cpp {med('decode_tok_s', 'llama_cpp'):.1f} ({result['decode_ratio']:.2f}x); prefill "
+          f"{med('prefill_tok_s', 'colibri'):.1f} vs {med('prefill_tok_s', 'llama_cpp'):.1f} "
           f"({result['prefill_ratio']:.2f}x); read {read:.1f} GB/s, {args.threads} threads")
     if not args.keep:
         shutil.rmtree(cdir, ignore_errors=True)
