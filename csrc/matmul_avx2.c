@@ -68,7 +68,7 @@ AVX2 static inline __m256 cvt8_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
-AVX2 static float dot_int8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t) {
+AVX2 float dot_int8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t) {
     int cols = w->cols;
     const int8_t *wr = (const int8_t *)w->data + (size_t)r * (size_t)cols;
     const float *x = a->xf + (size_t)t * a->stride;
@@ -283,8 +283,8 @@ AVX2 static inline void chunk_isum_t2(const __m256i *wt, const __m256i *x0, cons
 // Row r for tokens tok[0..n) (NULL: 0..n), n > 1: each chunk of the row is unpacked and transposed
 // once into wt (L1), then every token's group sums run from it — the same integer sums, hence the
 // same operations per (row, token) as the one-token dot, whatever n.
-AVX2 static void rows_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n,
-                                   float *const *yrow) {
+AVX2 void rows_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n,
+                            float *const *yrow) {
     int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)w->cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
