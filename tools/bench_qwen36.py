@@ -11,11 +11,11 @@ The numbers it produces are speeds, not text: with random routers the routing is
 so expert hit rates are lower than a real model's (whose routing is skewed and repeats).
 
 `run` evicts the expert files from the page cache first (posix_fadvise DONTNEED) and, by default,
-after every expert read too, so a miss really reads the disk (the machine's free RAM would otherwise
+reads experts with O_DIRECT, so a miss really reads the disk (the machine's free RAM would otherwise
 cache most of the container and hide the disk). It measures the machine's disk read bandwidth for
 one-extent preads and its memory bandwidth, then prefills a random prompt and decodes greedily,
 and prints: decode tok/s, expert hit rate, bytes read per token, time per token next to its floor
-(bytes missed ÷ measured disk bandwidth, plus the measured compute time).
+(bytes missed ÷ measured disk bandwidth, plus the compute time: decode time less the I/O stall).
 Run heavy steps under `flock /tmp/colibri-cpu.lock` on a shared machine.
 """
 from __future__ import annotations
@@ -194,23 +194,10 @@ def run(model: Path, ram: str | None, slots: int | None, prompt_len: int, tokens
     paths = sorted(str(p) for p in (model / "experts").glob("*.bin"))
     if ram == "fit":  # the largest budget that leaves HEADROOM of the machine's available memory to others
         ram = str(int(available_memory() - HEADROOM))
-    engine = load(model, ram=ram, cache_slots=slots)
+    engine = load(model, ram=ram, cache_slots=slots, direct=not keep_cache)  # O_DIRECT: every miss reads the disk
     c = engine.container
     disk = disk_bandwidth(paths, c.expert_nbytes)
     mem = memory_bandwidth()
-    read_time = [0.0]
-    original = c.read_expert
-
-    def timed_read(layer, expert):  # every miss: timed, and its pages dropped again unless keep_cache
-        t = time.perf_counter()
-        out = original(layer, expert)
-        read_time[0] += time.perf_counter() - t
-        if not keep_cache:
-            path, offset, nbytes = c.expert_location(layer, expert)
-            os.posix_fadvise(c._fds[layer], offset, nbytes, os.POSIX_FADV_DONTNEED)
-        return out
-
-    c.read_expert = timed_read
     if warm:  # fill every layer's cache before measuring (steady state instead of a cold start)
         for layer in c.moe_layers:
             for e in range(engine.store.slots):
@@ -222,13 +209,13 @@ def run(model: Path, ram: str | None, slots: int | None, prompt_len: int, tokens
     stream = engine.stream(prompt, tokens, stop_ids=())
     next(stream)
     prefill = time.perf_counter() - t0
-    base = (s.expert_hits, s.expert_misses, s.bytes_read, read_time[0])
+    keys = ("expert_hits", "expert_misses", "bytes_read", "io_stall_seconds")
+    base = [s.stats()[k] for k in keys]
     t1 = time.perf_counter()
     n = 1 + sum(1 for _ in stream)
     decode = time.perf_counter() - t1
     steps = n - 1
-    hits, misses = s.expert_hits - base[0], s.expert_misses - base[1]
-    bytes_read, io = s.bytes_read - base[2], read_time[0] - base[3]
+    hits, misses, bytes_read, io = (s.stats()[k] - b for k, b in zip(keys, base))  # io: decode waiting on reads
     st = engine.stats()
     per_tok = decode / steps
     out = {
@@ -263,7 +250,7 @@ def main() -> None:
     r.add_argument("--cache-slots", type=int, default=None)
     r.add_argument("--prompt", type=int, default=4)
     r.add_argument("--tokens", type=int, default=8)
-    r.add_argument("--keep-page-cache", action="store_true", help="do not drop expert pages after each read")
+    r.add_argument("--keep-page-cache", action="store_true", help="read through the page cache (no O_DIRECT)")
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.dst, a.layers)
