@@ -164,9 +164,9 @@ AVX512 static float dot_int4_q8_avx512(const QMatrix *w, int r, const Acts *a, i
     return tree8_512(L);
 }
 
-// int8 weights with f32 activations (AVX2's: 27 against 20 GB/s on an AMD EPYC with AVX-512, its
-// 512-bit version held back by the per-16-column masked loads), several-token int4 rows, fp8 and
-// fp4 weights: matmul_avx2.c's (this path has AVX2 and F16C too).
+// int8 weights with f32 activations (AVX2's ran at 27 GB/s where a 512-bit version ran at 20, on an
+// AMD EPYC with AVX-512), several-token int4 rows, fp8 and fp4 weights: matmul_avx2.c's (this path
+// has AVX2 and F16C too).
 const Path PATH_AVX512 = {"avx512", dot_f32_avx512, dot_int8_f32_avx2, dot_int8_q8_avx512,
                           dot_int4_f32_avx512, dot_int4_q8_avx512, rows_int4_q8_avx2, dot_fp8_f32_avx2, dot_fp4_f32_avx2,
                           dot_fp4_q8_avx2, rows_fp8_f32_avx2, rows_fp4_f32_avx2};
