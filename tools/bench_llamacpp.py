@@ -51,6 +51,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import median
 
 import numpy as np
 
@@ -236,27 +237,19 @@ def build_colibri(d: Dims, dst: Path, kind: str, gguf_path: Path | None = None) 
 # ----------------------------------------------------------------------------- GGUF for llama.cpp
 
 
-def q4_0_random(rng: np.random.Generator, rows: int, cols: int, damp: float = 1.0) -> np.ndarray:
-    """Random Q4_0 blocks as raw bytes: per 32 columns an f16 scale and 16 bytes of nibbles."""
+def random_blocks(rng: np.random.Generator, rows: int, cols: int, payload: int, scale_lo: float, scale_span: float,
+                  damp: float = 1.0) -> np.ndarray:
+    """Random Q4_0 / Q8_0 blocks as raw bytes: per 32 columns an f16 scale in [scale_lo, scale_lo +
+    scale_span) times `damp`, then `payload` random bytes (16 of nibbles, or 32 signed bytes)."""
     nblocks = rows * cols // 32
-    blocks = np.empty((nblocks, 18), np.uint8)
-    scales = ((rng.random(nblocks, dtype=np.float32) * 0.01 + 0.002) * damp).astype(np.float16)
+    blocks = np.empty((nblocks, 2 + payload), np.uint8)
+    scales = ((rng.random(nblocks, dtype=np.float32) * scale_span + scale_lo) * damp).astype(np.float16)
     blocks[:, :2] = scales.view(np.uint8).reshape(nblocks, 2)
-    blocks[:, 2:] = rng.integers(0, 256, (nblocks, 16), dtype=np.uint8)
-    return blocks.reshape(rows, cols // 32 * 18)
+    blocks[:, 2:] = rng.integers(0, 256, (nblocks, payload), dtype=np.uint8)
+    return blocks.reshape(rows, cols // 32 * (2 + payload))
 
 
-def q8_0_random(rng: np.random.Generator, rows: int, cols: int, damp: float = 1.0) -> np.ndarray:
-    """Random Q8_0 blocks as raw bytes: per 32 columns an f16 scale and 32 signed bytes."""
-    nblocks = rows * cols // 32
-    blocks = np.empty((nblocks, 34), np.uint8)
-    scales = ((rng.random(nblocks, dtype=np.float32) * 0.001 + 0.0002) * damp).astype(np.float16)
-    blocks[:, :2] = scales.view(np.uint8).reshape(nblocks, 2)
-    blocks[:, 2:] = rng.integers(0, 256, (nblocks, 32), dtype=np.uint8)
-    return blocks.reshape(rows, cols // 32 * 34)
-
-
-GGUF_QUANTS = {"int4": ("Q4_0", 18, q4_0_random), "int8": ("Q8_0", 34, q8_0_random)}  # name, bytes per 32, blocks
+GGUF_QUANTS = {"int4": ("Q4_0", 16, 0.002, 0.01), "int8": ("Q8_0", 32, 0.0002, 0.001)}  # type, payload, scales
 
 
 ROUTINGS = {"weights": 1.0, "token": 0.0}  # --routing: the factor on the output projections' scales
@@ -271,7 +264,7 @@ def build_gguf(d: Dims, path: Path, quant: str, routing: str = "weights") -> Non
     still left 32 of 128 experts per layer serving 16 tokens)."""
     import gguf
 
-    qname, block_bytes, blocks = GGUF_QUANTS[quant]
+    qname, payload, scale_lo, scale_span = GGUF_QUANTS[quant]
 
     rng = np.random.default_rng(1)
     w = gguf.GGUFWriter(str(path), d.gguf_arch)
@@ -300,8 +293,10 @@ def build_gguf(d: Dims, path: Path, quant: str, routing: str = "weights") -> Non
     tensors = []  # (name, byte shape, dtype, raw dtype or None, make): streamed, one tensor in memory at a time
 
     def quantised(name, rows, cols, experts=1, damp=1.0):  # Q4_0 or Q8_0
-        shape = (rows, cols // 32 * block_bytes) if experts == 1 else (experts, rows, cols // 32 * block_bytes)
-        tensors.append((name, shape, np.uint8, Q, lambda: blocks(rng, experts * rows, cols, damp).reshape(shape)))
+        row = cols // 32 * (2 + payload)
+        shape = (rows, row) if experts == 1 else (experts, rows, row)
+        tensors.append((name, shape, np.uint8, Q, lambda: random_blocks(rng, experts * rows, cols, payload, scale_lo,
+                                                                        scale_span, damp).reshape(shape)))
 
     damp = ROUTINGS[routing]
 
@@ -501,17 +496,6 @@ class MemoryLimit:
             self.path.rmdir()
 
 
-def drop_cached(paths) -> None:
-    """Evict the files' clean pages from the page cache (posix_fadvise DONTNEED: no privilege needed)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def model_files(path: Path) -> list[Path]:
     return [p for p in sorted(path.rglob("*")) if p.is_file()] if path.is_dir() else [path]
 
@@ -552,13 +536,9 @@ def in_child(kind: str, path: Path, args, limit: MemoryLimit | None = None) -> d
     return json.loads(lines[-1][7:])
 
 
-def median(values) -> float:
-    v = sorted(values)
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
-
-
 def larger_than_ram(args, d: Dims, cdir: Path, gpath: Path) -> None:
     """The `--memory` case: both engines cold and warm under the same memory limit, alternating."""
+    from colibri_core.bench.model import drop_file_pages
     from colibri_core.sizes import available_memory, format_bytes
     from colibri_core.store.budget import disk_bandwidth
 
@@ -573,7 +553,7 @@ def larger_than_ram(args, d: Dims, cdir: Path, gpath: Path) -> None:
             raise SystemExit(f"{limit.reason}, and the models fit in this machine's RAM ({format_bytes(ram)})")
         print(f"{limit.reason}: the machine's RAM ({format_bytes(ram)}) is the limit", file=sys.stderr)
     paths = model_files(cdir) + [gpath]
-    drop_cached(paths)
+    drop_file_pages(paths)
     disk, direct = disk_bandwidth([p for p in model_files(cdir) if p.stat().st_size > 1 << 28][:8], nbytes=2 << 30)
     read = in_child("read", cdir, args)["read_gbps"]
     rounds = []
@@ -581,7 +561,7 @@ def larger_than_ram(args, d: Dims, cdir: Path, gpath: Path) -> None:
         for i in range(args.rounds):
             r = {}
             for engine, path in (("colibri", cdir), ("llama_cpp", gpath)):
-                drop_cached(paths)  # cold: nothing of either model in the page cache
+                drop_file_pages(paths)  # cold: nothing of either model in the page cache
                 limit.reset_peak()
                 r[engine] = {**in_child("colibri" if engine == "colibri" else "llama", path, args, limit),
                              "peak_memory": limit.peak()}

@@ -32,6 +32,7 @@ import numpy as np
 import yaml
 
 from colibri_core import load, quant
+from colibri_core.bench.model import drop_file_pages
 from colibri_core.sizes import available_memory
 from colibri_core.container.reader import (
     ARRAY, MANIFEST, RESIDENT_FILE, SCALES_SUFFIX, crc32_file, expert_extent,
@@ -139,19 +140,9 @@ def make(dst: Path, layers: int, q: str = "int4") -> None:
 
 # ---- measuring -------------------------------------------------------------------------------
 
-def evict(paths) -> None:
-    """Drop these files' pages from the page cache (clean pages only; no root needed)."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def disk_bandwidth(paths, nbytes: int, n: int = 200) -> float:
     """Bytes/s of single-threaded preads of whole random extents, from evicted files."""
-    evict(paths)
+    drop_file_pages(paths)
     rnd = random.Random(1)
     fds = [os.open(p, os.O_RDONLY) for p in paths]
     sizes = [os.fstat(fd).st_size // nbytes for fd in fds]
@@ -162,7 +153,7 @@ def disk_bandwidth(paths, nbytes: int, n: int = 200) -> float:
     dt = time.perf_counter() - t
     for fd in fds:
         os.close(fd)
-    evict(paths)
+    drop_file_pages(paths)
     return n * nbytes / dt
 
 
@@ -202,7 +193,7 @@ def run(model: Path, ram: str | None, slots: int | None, prompt_len: int, tokens
         for layer in c.moe_layers:
             for e in range(engine.store.slots):
                 engine.store.get(layer, e)
-    evict(paths)
+    drop_file_pages(paths)
     prompt = [int(i) for i in np.random.default_rng(0).integers(0, engine.model.cfg.vocab_size, prompt_len)]
     s = engine.store
     t0 = time.perf_counter()

@@ -57,6 +57,18 @@ def drop_page_cache() -> bool:
         return False
 
 
+def drop_file_pages(paths) -> None:
+    """Evict these files' pages from the page cache: each is flushed, then its clean pages are
+    dropped (posix_fadvise DONTNEED: no privilege needed, unlike `drop_page_cache`)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def _prompts(engine, n: int, length: int, seed: int) -> list[list[int]]:
     """`n` different prompts of `length` tokens: from text when the model has a tokenizer, else
     deterministic random token ids (synthetic models have none)."""
