@@ -328,7 +328,7 @@ AVX2 void rows_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_
 }
 
 // One token: whole chunks straight from the weights (no unpacked copy), the last one via the copy.
-AVX2 static float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
+AVX2 float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
     int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)w->cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;

@@ -1,9 +1,10 @@
 // matmul_avx512.c — the AVX-512 (F, BW, VL, VNNI) row dot products, in the fixed order of matmul.c.
 //
 // Function-level target attributes, chosen at run time (matmul.c checks cpuid). ACT_F32: one
-// 16-float accumulator is matmul.c's 16 lanes. ACT_Q8: vpdpbusd (u8 x s8, 4-way sums into int32,
-// no saturation) per 64 bytes; int4 nibbles unsigned (q + 8) minus 8 Σxq, int8 weights as w + 128
-// (w ^ 0x80) minus 128 Σxq — exact in int32, then the float part exactly as the other paths.
+// 16-float accumulator is matmul.c's 16 lanes. ACT_Q8 (int8 weights): vpdpbusd (u8 x s8, 4-way sums
+// into int32, no saturation) per 64 bytes, the weights as w + 128 (w ^ 0x80) minus 128 Σxq — exact in
+// int32, then the float part exactly as the other paths. int4 weights with int8 activations take
+// the AVX2 path's kernels (kernels_impl.h says why).
 #include "impl/kernels_impl.h"
 
 #if COLI_X86
@@ -118,57 +119,8 @@ AVX512 static float dot_int8_q8_avx512(const QMatrix *w, int r, const Acts *a, i
     return tree8_512(L) * ((const float *)w->scales)[r];
 }
 
-AVX512 static float dot_int4_q8_avx512(const QMatrix *w, int r, const Acts *a, int t) {
-    int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
-    size_t row_bytes = ((size_t)cols + 1) / 2;
-    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
-    const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
-    const int8_t *xq = a->xq + (size_t)t * a->stride;  // per block: 32 even, 32 odd; nb8 blocks
-    const float *xs = a->xs + (size_t)t * (size_t)a->nb8;
-    const int32_t *xsum = a->xsum + (size_t)t * (size_t)a->nb8;
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
-    __m256 L = _mm256_setzero_ps();
-    uint16_t stmp[8];
-    for (int g0 = 0; g0 < a->nb8; g0 += 8) {
-        __m256i acc[8];
-        for (int p = 0; p < 4; p++) {
-            int g = g0 + 2 * p;  // groups g and g + 1 in one 64-byte load
-            if (g >= ngroups) {
-                acc[2 * p] = acc[2 * p + 1] = _mm256_setzero_si256();
-                continue;
-            }
-            // bytes past the row load as 0: nibble 0 against xq = 0 there (and 8 Σxq counts real
-            // columns only), so they add nothing
-            __m512i b = _mm512_maskz_loadu_epi8(bytes_mask(row_bytes - (size_t)g * 32), wr + (size_t)g * 32);
-            __m512i lo = _mm512_and_si512(b, low4);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
-            __m512i x0 = _mm512_loadu_si512(xq + (size_t)g * 64);        // [xe_g | xo_g]
-            __m512i x1 = _mm512_loadu_si512(xq + (size_t)g * 64 + 64);   // [xe_g+1 | xo_g+1]
-            __m512i xe = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(1, 0, 1, 0));  // [xe_g | xe_g+1]
-            __m512i xo = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 2, 3, 2));  // [xo_g | xo_g+1]
-            __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
-            acc[2 * p] = _mm512_castsi512_si256(s);           // group g
-            acc[2 * p + 1] = _mm512_extracti64x4_epi64(s, 1);  // group g + 1 (zero past ngroups)
-        }
-        __m256i isum = _mm256_sub_epi32(hsum8_512(acc), _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(xsum + g0)), 3));
-        const uint16_t *sp = sr + g0;
-        if (g0 + 8 > ngroups) {
-            memset(stmp, 0, sizeof stmp);
-            memcpy(stmp, sp, (size_t)(ngroups - g0) * sizeof(uint16_t));
-            sp = stmp;
-        }
-        __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sp));
-        __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(xs + g0));
-        L = _mm256_add_ps(L, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), c));
-    }
-    return tree8_512(L);
-}
-
-// int8 weights with f32 activations (AVX2's ran at 27 GB/s where a 512-bit version ran at 20, on an
-// AMD EPYC with AVX-512), several-token int4 rows, fp8 and fp4 weights: matmul_avx2.c's (this path
-// has AVX2 and F16C too).
 const Path PATH_AVX512 = {"avx512", dot_f32_avx512, dot_int8_f32_avx2, dot_int8_q8_avx512,
-                          dot_int4_f32_avx512, dot_int4_q8_avx512, rows_int4_q8_avx2, dot_fp8_f32_avx2, dot_fp4_f32_avx2,
+                          dot_int4_f32_avx512, dot_int4_q8_avx2, rows_int4_q8_avx2, dot_fp8_f32_avx2, dot_fp4_f32_avx2,
                           dot_fp4_q8_avx2, rows_fp8_f32_avx2, rows_fp4_f32_avx2};
 
 #endif  // COLI_X86
