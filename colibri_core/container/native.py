@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import quant
+from ..arena import Arena
 from ..errors import ColibriError
 from ..layout import PROJS, ContainerLayout
 from .reader import SafetensorsFile
@@ -215,23 +216,43 @@ class NativeCheckpoint:
 
     def resident(self) -> dict[str, quant.QTensor | np.ndarray]:
         """Every resident tensor by its layout name: matrices as QTensors (fp8 kept, the rest float32),
-        other arrays as float32 ndarrays."""
+        other arrays as float32 ndarrays; all of them copied, one at a time, into one `Arena` (huge pages)."""
+        kept = {name: self._kept(name) for name in self._resident}  # name -> fp8 (rows, cols), or None
+        parts = []
+        for name, (src, first, end) in self._resident.items():
+            if kept[name] is not None and not self.layout.stays_f32(name, 2):
+                parts += [(dt, shape) for _, dt, shape in quant.layout("fp8", *kept[name])]
+            else:
+                shape = self._ckpt.where[src].shape(src)
+                parts.append((np.float32, (((end or shape[0]) - (first or 0)), *shape[1:])))
+        arena = Arena(Arena.size(parts))
         out = {}
         for name, (src, first, end) in self._resident.items():
             st: SafetensorsFile = self._ckpt.where[src]
             count = None if end is None else end - (first or 0)
-            scale = _scale_name(src)
-            if st.dtype(src) == "F8_E4M3" and scale in self._ckpt.where and first is None and end is None:
-                rows, cols = st.shape(src)
+            if kept[name] is not None:
+                rows, cols = kept[name]
+                scale = _scale_name(src)
                 data = st.read(src).reshape(rows, cols)
                 scales = self._ckpt.where[scale].read(scale).view(np.uint8).reshape(-(-rows // quant.FP8_BLOCK), -1)
                 t = quant.QTensor("fp8", rows, cols, data, scales)
-                out[name] = quant.QTensor("f32", rows, cols, quant.dequantize(t)) if self.layout.stays_f32(name, 2) else t
+                out[name] = (quant.QTensor("f32", rows, cols, arena.copy(quant.dequantize(t))) if self.layout.stays_f32(name, 2)
+                             else quant.QTensor("fp8", rows, cols, arena.copy(data), arena.copy(scales)))
                 continue
             w = self._ckpt.read_f32(src, first or 0, count) if st.dtype(src) in ("F32", "BF16", "F16", "F8_E4M3") \
                 else st.read(src, first or 0, count).astype(np.float32)
-            out[name] = quant.QTensor("f32", w.shape[0], w.shape[1], np.ascontiguousarray(w)) if w.ndim == 2 else w
+            w = arena.copy(np.asarray(w, np.float32))
+            out[name] = quant.QTensor("f32", w.shape[0], w.shape[1], w) if w.ndim == 2 else w
         return out
+
+    def _kept(self, name: str) -> tuple[int, int] | None:
+        """(rows, cols) of resident tensor `name` if it is a whole fp8 matrix with its block scales
+        (kept fp8, or dequantised when the layout keeps it f32), else None."""
+        src, first, end = self._resident[name]
+        st = self._ckpt.where[src]
+        if st.dtype(src) == "F8_E4M3" and _scale_name(src) in self._ckpt.where and first is None and end is None:
+            return st.shape(src)
+        return None
 
     # -- identity, files
 

@@ -17,6 +17,7 @@ import numpy as np
 import yaml
 
 from .. import quant
+from ..arena import Arena
 from ..errors import ColibriError
 from ..fsio import read_json
 from ..layout import PROJS
@@ -168,9 +169,9 @@ class SafetensorsFile:
     def dtype(self, name: str) -> str:
         return self.tensors[name][0]
 
-    def read(self, name: str, first: int = 0, count: int | None = None) -> np.ndarray:
+    def read(self, name: str, first: int = 0, count: int | None = None, into: np.ndarray | None = None) -> np.ndarray:
         """The tensor (or rows first..first+count of its first axis) in its stored dtype
-        (BF16 as raw uint16)."""
+        (BF16 as raw uint16), read into `into` (a C-contiguous array of as many bytes) if given."""
         dtype, shape, start, nbytes = self.tensors[name]
         if dtype not in _ST_DTYPES:
             raise ColibriError(f"tensor {name} in {self.path} has dtype {dtype}, which colibri cannot read "
@@ -180,7 +181,9 @@ class SafetensorsFile:
             row = int(np.prod(shape[1:])) * npdt.itemsize
             count = shape[0] - first if count is None else count
             start, nbytes, shape = start + first * row, count * row, (count, *shape[1:])
-        out = np.empty(nbytes, np.uint8)
+        out = np.empty(nbytes, np.uint8) if into is None else into.reshape(-1).view(np.uint8)
+        if out.nbytes != nbytes:
+            raise ValueError(f"reading {name}: {nbytes} bytes into an array of {out.nbytes}")
         with open(self.path, "rb") as f:
             f.seek(start)
             if f.readinto(memoryview(out)) != nbytes:
@@ -421,10 +424,13 @@ class Container:
 
     def resident(self) -> dict[str, quant.QTensor | np.ndarray]:
         """Every resident tensor by checkpoint name (read from disk on each call): matrices as QTensors
-        (kind f32 for those the layout keeps unquantised), other arrays as ndarrays."""
+        (kind f32 for those the layout keeps unquantised), other arrays as ndarrays; all of them views
+        of one `Arena` (huge pages: the dense matrices stream through the TLB every token)."""
+        parts = {name: self._parts(name, kind, shape) for name, (kind, shape) in self._resident.items()}
+        arena = Arena(Arena.size((dtype, pshape) for p in parts.values() for _, dtype, pshape in p))
         out = {}
         for name, (kind, shape) in self._resident.items():
-            arrays = [self._where[part].read(part) for part, _, _ in self._parts(name, kind, shape)]
+            arrays = [self._where[part].read(part, into=arena.take(dtype, pshape)) for part, dtype, pshape in parts[name]]
             if kind == ARRAY and arrays[0].ndim == 2 and arrays[0].dtype == np.float32:
                 out[name] = quant.QTensor("f32", shape[0], shape[1], arrays[0], None)  # a matrix kept f32: C kernels
             elif kind == ARRAY:
