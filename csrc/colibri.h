@@ -189,6 +189,30 @@ int rope_rotate_half(float *out, const float *x, const float *cos, const float *
 int attention(float *out, const float *q, int T, int H, int D, const float *k, const float *v, int S, int Hkv,
               int start, float scale);
 
+// The pre-norm attention sub-block of a decoder layer (OLMoE, Qwen3-MoE and the like), for T new
+// tokens at positions start .. start+T-1, in one call, exactly the sequence of the calls above:
+//   x = rms_norm(h, norm); q, k, v = x wq^T, x wk^T, x wv^T (one matmul_multi);
+//   q, k = rms_norm over each whole projection (QK_NORM_WHOLE: OLMoE) or each head (QK_NORM_HEAD:
+//   Qwen3), or neither (0);
+//   q, k, v clamped to ±clip (INFINITY: none); q, k = rope_rotate_half(·, cos, sin);
+//   k, v written to rows start .. start+T-1 of k_cache, v_cache; a = attention(q, the cache rows
+//   0 .. start+T-1, scale); out = h + a wo^T.
+// out, h: f32 [T, hidden] (out may not alias h); cos, sin: f32 [T, head_dim]; k_cache, v_cache: f32
+// [start + T (at least), kv_heads, head_dim]. COLI_OK, COLI_EINVAL (shapes) or COLI_ENOMEM.
+enum { QK_NORM_WHOLE = 1, QK_NORM_HEAD = 2 };
+typedef struct {
+    const float *norm;             // [hidden] the input RMSNorm's weight
+    const QMatrix *wq, *wk, *wv;   // [heads * head_dim, hidden], [kv_heads * head_dim, hidden] (k, v)
+    const QMatrix *wo;             // [hidden, heads * head_dim]
+    int qk_norm;                   // 0, QK_NORM_WHOLE or QK_NORM_HEAD
+    const float *q_norm, *k_norm;  // WHOLE: [heads * head_dim], [kv_heads * head_dim]; HEAD: [head_dim] each
+    float clip;
+    int heads, kv_heads, head_dim;
+    float eps, scale;
+} AttnBlock;
+int attn_block(float *out, const float *h, int T, const AttnBlock *b, const float *cos, const float *sin,
+               float *k_cache, float *v_cache, int start, int act);
+
 // ----------------------------------------------------------------------------
 // membench.c
 

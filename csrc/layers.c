@@ -222,3 +222,51 @@ int attention(float *out, const float *q, int T, int H, int D, const float *k, c
     }
     return COLI_OK;
 }
+
+// ----------------------------------------------------------------------------
+// The pre-norm attention sub-block of a decoder layer, in one call (a decode step would otherwise
+// cross from Python to C six times per layer). Each step is the function above that the layer-
+// by-layer path calls, in the same order, so the results are the same bits.
+
+int attn_block(float *out, const float *h, int T, const AttnBlock *b, const float *cos, const float *sin,
+               float *k_cache, float *v_cache, int start, int act) {
+    int H = b->heads, Hkv = b->kv_heads, D = b->head_dim, hidden = b->wq->cols;
+    int nq = H * D, nkv = Hkv * D;
+    if (T < 0 || H < 1 || Hkv < 1 || D < 1 || D % 2 || H % Hkv || start < 0 || b->wq->rows != nq ||
+        b->wk->rows != nkv || b->wv->rows != nkv || b->wk->cols != hidden || b->wv->cols != hidden ||
+        b->wo->rows != hidden || b->wo->cols != nq || b->qk_norm < 0 ||
+        b->qk_norm > QK_NORM_HEAD) {
+        return COLI_EINVAL;
+    }
+    if (T == 0) return COLI_OK;
+    size_t t = (size_t)T;
+    float *x = malloc(t * ((size_t)hidden * 2 + (size_t)nq * 3 + (size_t)nkv * 2) * sizeof(float));
+    if (x == NULL) return COLI_ENOMEM;
+    float *q = x + t * hidden, *k = q + t * nq, *v = k + t * nkv, *qr = v + t * nkv, *attn = qr + t * nq;
+    float *o = attn + t * nq;
+    float *kr = k_cache + (size_t)start * nkv, *vr = v_cache + (size_t)start * nkv;  // this call's cache rows
+    int status = rms_norm(x, h, b->norm, T, hidden, b->eps);
+    float *qkv[3] = {q, k, v};
+    const QMatrix *w[3] = {b->wq, b->wk, b->wv};
+    if (status == COLI_OK) status = matmul_multi(qkv, w, 3, x, T, act);
+    if (status == COLI_OK && b->qk_norm) {  // in place: rms_norm reads a row whole before writing it
+        int whole = b->qk_norm == QK_NORM_WHOLE;
+        rms_norm(q, q, b->q_norm, whole ? T : T * H, whole ? nq : D, b->eps);
+        rms_norm(k, k, b->k_norm, whole ? T : T * Hkv, whole ? nkv : D, b->eps);
+    }
+    if (status == COLI_OK && b->clip < INFINITY) {
+        for (float *p = q; p < qr; p++) *p = *p < -b->clip ? -b->clip : *p > b->clip ? b->clip : *p;
+    }
+    if (status == COLI_OK) {
+        rope_rotate_half(qr, q, cos, sin, T, H, D);
+        rope_rotate_half(kr, k, cos, sin, T, Hkv, D);
+        memcpy(vr, v, t * (size_t)nkv * sizeof(float));
+        status = attention(attn, qr, T, H, D, k_cache, v_cache, start + T, Hkv, start, b->scale);
+    }
+    if (status == COLI_OK) status = matmul_multi(&o, &b->wo, 1, attn, T, act);
+    if (status == COLI_OK) {
+        for (size_t i = 0; i < t * (size_t)hidden; i++) out[i] = h[i] + o[i];
+    }
+    free(x);
+    return status;
+}

@@ -57,15 +57,16 @@ class BrokenOlmoe(Olmoe):
         cos, sin = self.rope.cos_sin(np.arange(state.length, state.length + T))
         h = embed(ids, self.embed_tokens)
         for i, L in enumerate(self.layers):
-            x = rms_norm(h, L["input_norm"], cfg.rms_norm_eps)
-            q, k, v = linears(x, (L["q_proj"], L["k_proj"], L["v_proj"]))
+            A = L["attn"]  # the layer's kernels.AttnBlock, run step by step
+            x = rms_norm(h, A.norm, cfg.rms_norm_eps)
+            q, k, v = linears(x, (A.wq, A.wk, A.wv))
             if not (self.fault == "q_norm" and i == 1):
-                q = rms_norm(q, L["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, L["k_norm"], cfg.rms_norm_eps)
+                q = rms_norm(q, A.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, A.k_norm, cfg.rms_norm_eps)
             q = apply_rotate_half(q.reshape(T, cfg.num_attention_heads, cfg.head_dim), cos, sin)
             k = apply_rotate_half(k.reshape(T, cfg.num_key_value_heads, cfg.head_dim), cos, sin)
             v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
-            h = h + linear(gqa_attention(q, k, v, state.caches[i], cfg.head_dim ** -0.5), L["o_proj"])
+            h = h + linear(gqa_attention(q, k, v, state.caches[i], cfg.head_dim ** -0.5), A.wo)
             x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
             h = h + self.moe(i, x, h, ids)
             record(i, l_out=h)

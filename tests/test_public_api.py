@@ -40,7 +40,7 @@ STABLE = {
     "colibri_core.probe": ["record"],
     "colibri_core.layers.norm": ["rms_norm", "rms_norm_zero_centred", "rms_norm_gated"],
     "colibri_core.layers.rope": ["Rope", "apply_rotate_half", "apply_interleaved"],
-    "colibri_core.layers.attention": ["gqa_attention"],
+    "colibri_core.layers.attention": ["gqa_attention", "AttnBlock", "gqa_block"],
     "colibri_core.layers.router": ["Router", "SoftmaxTopK", "SigmoidGroupTopK", "SqrtSoftplusTopK", "HashRouter",
                                    "topk", "softmax_topk", "sigmoid_group_topk", "sqrt_softplus"],
     "colibri_core.layers.mlp": ["swiglu_mlp"],

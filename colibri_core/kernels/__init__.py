@@ -51,7 +51,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         "install the package (`pip install -e .` in a checkout) to compile csrc/"
     ) from e
 
-__all__ = ["matmul", "matmul_multi", "matmul_t", "dequantize", "expert_ffn", "moe_experts", "moe_combine", "softmax_topk", "rms_norm", "rope_rotate_half", "attention",
+__all__ = ["AttnBlock", "matmul", "matmul_multi", "matmul_t", "dequantize", "expert_ffn", "moe_experts", "moe_combine", "softmax_topk", "rms_norm", "rope_rotate_half", "attention",
            "activations", "ACTIVATIONS",
            "simd", "set_simd", "simd_supported", "SIMD_PATHS", "threads", "set_threads", "reference"]
 
@@ -324,8 +324,78 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: fl
     return out
 
 
+class AttnBlock:
+    """The pre-norm attention sub-block of one decoder layer as one C call (csrc/colibri.h's
+    `attn_block`): rms_norm → q, k, v projections → q/k RMSNorm (`qk_norm` "whole" over each
+    projection, "head" per head, None) → clamp to ±`clip` → rotate-half RoPE → the new keys and
+    values into the cache → causal attention → output projection + residual. Each step is the C
+    function the step-by-step path calls (`rms_norm`, `matmul_multi`, `rope_rotate_half`,
+    `attention`, `matmul`), in the same order, so the result is the same bits.
+
+    Built once per layer (checks the shapes, keeps the C struct); called per forward pass. Its
+    weights stay readable as attributes (norm, wq, wk, wv, wo, q_norm, k_norm).
+    """
+
+    def __init__(self, norm: np.ndarray, wq: QTensor, wk: QTensor, wv: QTensor, wo: QTensor, *, heads: int,
+                 kv_heads: int, head_dim: int, eps: float, scale: float, qk_norm: str | None = None,
+                 q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None, clip: float | None = None):
+        hidden, nq, nkv = wq.cols, heads * head_dim, kv_heads * head_dim
+        if (wq.rows, wk.rows, wv.rows, wk.cols, wv.cols, wo.rows, wo.cols) != (nq, nkv, nkv, hidden, hidden, hidden, nq):
+            raise ValueError(f"attn_block: projections must be q [{nq}, H], k, v [{nkv}, H], o [H, {nq}]; got q "
+                             f"[{wq.rows}, {wq.cols}], k [{wk.rows}, {wk.cols}], v [{wv.rows}, {wv.cols}], o [{wo.rows}, {wo.cols}]")
+        if qk_norm not in (None, "whole", "head"):
+            raise ValueError(f"attn_block: qk_norm must be None, 'whole' or 'head', got {qk_norm!r}")
+        if heads % kv_heads or head_dim % 2:
+            raise ValueError(f"attn_block: {heads} heads over {kv_heads} kv heads of {head_dim} (even) floats")
+        self.hidden, self.kv_heads, self.head_dim = hidden, kv_heads, head_dim
+        widths = {None: (0, 0), "whole": (nq, nkv), "head": (head_dim, head_dim)}[qk_norm]
+        arrays = [_vector(norm, hidden, "norm")]
+        if qk_norm is not None:
+            arrays += [_vector(q_norm, widths[0], "q_norm"), _vector(k_norm, widths[1], "k_norm")]
+        b = ffi.new("AttnBlock *")
+        b.norm = ffi.from_buffer("float[]", arrays[0])
+        b.wq, b.wk, b.wv, b.wo = (_qmatrix(w, name) for w, name in ((wq, "wq"), (wk, "wk"), (wv, "wv"), (wo, "wo")))
+        b.qk_norm = {None: 0, "whole": lib.QK_NORM_WHOLE, "head": lib.QK_NORM_HEAD}[qk_norm]
+        if qk_norm is not None:
+            b.q_norm, b.k_norm = (ffi.from_buffer("float[]", a) for a in arrays[1:])
+        b.clip = math.inf if clip is None else float(clip)
+        b.heads, b.kv_heads, b.head_dim, b.eps, b.scale = heads, kv_heads, head_dim, eps, scale
+        self._c = b  # points into the arrays below, kept here
+        self.norm, self.wq, self.wk, self.wv, self.wo = arrays[0], wq, wk, wv, wo
+        self.q_norm, self.k_norm = (arrays[1], arrays[2]) if qk_norm is not None else (None, None)
+
+    def __call__(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                 start: int, act: str | None = None) -> np.ndarray:
+        """h (T, H) → h + attention (T, H) for positions start .. start+T-1; cos, sin (T, head_dim);
+        k_cache, v_cache (capacity, kv_heads, head_dim) float32, capacity >= start + T: rows
+        start .. start+T-1 are written, rows 0 .. start-1 are the cached tokens."""
+        h = _activations(h, self.hidden, "attn_block: h")
+        T = h.shape[0]
+        cos, sin = (np.ascontiguousarray(a, np.float32) for a in (cos, sin))
+        shape = (self.kv_heads, self.head_dim)
+        for a in (k_cache, v_cache):
+            if a.dtype != np.float32 or a.shape[1:] != shape or not a.flags.c_contiguous or a.shape[0] < start + T:
+                raise ValueError(f"attn_block: caches must be C-contiguous float32 (>= {start + T}, {shape[0]}, "
+                                 f"{shape[1]}), got {a.dtype} {list(a.shape)}")
+        if cos.shape != (T, self.head_dim) or sin.shape != cos.shape:
+            raise ValueError(f"attn_block: cos, sin must be ({T}, {self.head_dim}), got {list(cos.shape)}, {list(sin.shape)}")
+        out = np.empty_like(h)
+        if T:
+            _check(lib.attn_block(_floats(out, writable=True), _floats(h), T, self._c, _floats(cos), _floats(sin),
+                                  _floats(k_cache, writable=True), _floats(v_cache, writable=True), start, _act_code(act)),
+                   "attn_block")
+        return out
+
+
 # ----------------------------------------------------------------------------
 # Argument checks and conversion to C
+
+
+def _vector(a, n: int, name: str) -> np.ndarray:
+    a = np.ascontiguousarray(a, np.float32)
+    if a.shape != (n,):
+        raise ValueError(f"attn_block: {name} must be ({n},), got {list(a.shape)}")
+    return a
 
 
 def _limit(limit: float | None) -> float:

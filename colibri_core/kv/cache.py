@@ -14,16 +14,22 @@ class KVCache:
 
     def append(self, k: np.ndarray, v: np.ndarray) -> None:
         """Add k, v (T, Hkv, D) for T new tokens."""
-        need = self.length + k.shape[0]
+        need = self.reserve(k.shape[0])
+        self.k[self.length : need] = k
+        self.v[self.length : need] = v
+        self.length = need
+
+    def reserve(self, T: int) -> int:
+        """Room for T more tokens in `k` and `v` (rows length .. length+T-1, for a kernel to write
+        before the caller sets `length`); returns length + T."""
+        need = self.length + T
         if need > self.k.shape[0]:
             cap = max(need, 2 * self.k.shape[0])
             for name in ("k", "v"):
                 grown = np.empty((cap,) + self.k.shape[1:], np.float32)
                 grown[: self.length] = getattr(self, name)[: self.length]
                 setattr(self, name, grown)
-        self.k[self.length : need] = k
-        self.v[self.length : need] = v
-        self.length = need
+        return need
 
     def view(self) -> tuple[np.ndarray, np.ndarray]:
         """Cached keys and values, (length, Hkv, D) each: views no later `append` changes (it writes

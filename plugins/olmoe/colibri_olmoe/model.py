@@ -15,12 +15,12 @@ import numpy as np
 from colibri_core import kv
 from colibri_core.errors import ColibriError
 from colibri_core.kv.cache import KVCache
-from colibri_core.layers.attention import gqa_attention
+from colibri_core.layers.attention import AttnBlock, gqa_block
 from colibri_core.layers.norm import rms_norm
-from colibri_core.layers.rope import Rope, apply_rotate_half
+from colibri_core.layers.rope import Rope
 from colibri_core.layers.router import SoftmaxTopK
 from colibri_core.layout import ContainerLayout, ExpertNames
-from colibri_core.model import MoEModel, embed, linear, linears
+from colibri_core.model import MoEModel, embed, linear
 from colibri_core.probe import record
 
 
@@ -132,13 +132,18 @@ class Olmoe(MoEModel):
             w = lambda name: weights(f"{LAYER}.{name}".format(layer=i))  # noqa: E731
             post_norm = w("post_attention_layernorm.weight")  # (H,)
             self.layers.append(dict(
-                input_norm=w("input_layernorm.weight"),  # (H,)
-                q_proj=w("self_attn.q_proj.weight"),  # (heads * D, H)
-                k_proj=w("self_attn.k_proj.weight"),  # (kv_heads * D, H)
-                v_proj=w("self_attn.v_proj.weight"),  # (kv_heads * D, H)
-                o_proj=w("self_attn.o_proj.weight"),  # (H, heads * D)
-                q_norm=w("self_attn.q_norm.weight"),  # (heads * D,)
-                k_norm=w("self_attn.k_norm.weight"),  # (kv_heads * D,)
+                attn=AttnBlock(  # the attention sub-block, one C call (layers.attention.gqa_block)
+                    w("input_layernorm.weight"),  # (H,)
+                    w("self_attn.q_proj.weight"),  # (heads * D, H)
+                    w("self_attn.k_proj.weight"),  # (kv_heads * D, H)
+                    w("self_attn.v_proj.weight"),  # (kv_heads * D, H)
+                    w("self_attn.o_proj.weight"),  # (H, heads * D)
+                    heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                    eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5,
+                    qk_norm="whole",  # QK-norm over the full projected width, not per head
+                    q_norm=w("self_attn.q_norm.weight"),  # (heads * D,)
+                    k_norm=w("self_attn.k_norm.weight"),  # (kv_heads * D,)
+                    clip=cfg.clip_qkv),
                 post_norm=post_norm,
                 router=SoftmaxTopK(w("mlp.gate.weight"), cfg.num_experts_per_tok, cfg.norm_topk_prob,  # (E, H) f32
                                    input=partial(rms_norm, weight=post_norm, eps=cfg.rms_norm_eps)),
@@ -160,19 +165,8 @@ class Olmoe(MoEModel):
         cos, sin = self.rope.cos_sin(np.arange(state.length, state.length + T))  # (T, D)
         h = embed(ids, self.embed_tokens)  # (T, H)
         for i, L in enumerate(self.layers):
-            # ---- attention
-            x = rms_norm(h, L["input_norm"], cfg.rms_norm_eps)
-            q, k, v = linears(x, (L["q_proj"], L["k_proj"], L["v_proj"]))  # one kernel call
-            q = rms_norm(q, L["q_norm"], cfg.rms_norm_eps)  # (T, heads * D)
-            k = rms_norm(k, L["k_norm"], cfg.rms_norm_eps)  # (T, kv_heads * D)
-            # v (T, kv_heads * D)
-            if cfg.clip_qkv is not None:
-                q, k, v = (np.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-            q = apply_rotate_half(q.reshape(T, cfg.num_attention_heads, cfg.head_dim), cos, sin)
-            k = apply_rotate_half(k.reshape(T, cfg.num_key_value_heads, cfg.head_dim), cos, sin)
-            v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
-            attn = gqa_attention(q, k, v, state.caches[i], cfg.head_dim ** -0.5)  # (T, heads * D)
-            h = h + linear(attn, L["o_proj"])
+            # ---- attention: RMSNorm → q, k, v → q/k RMSNorm → clip → RoPE → GQA over the cache → o_proj, + h
+            h = gqa_block(L["attn"], h, state.caches[i], cos, sin)  # (T, H)
             # ---- routed experts
             x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
             h = h + self.moe(i, x, h, ids)

@@ -1,0 +1,78 @@
+"""kernels.AttnBlock / layers.attention.gqa_block: the fused attention sub-block gives the same bits
+as its steps one by one (the path every plugin took before it), for each q/k norm, clip, GQA,
+a prompt and decode steps over a filled cache, in both activation modes."""
+import numpy as np
+import pytest
+
+from colibri_core import kernels
+from colibri_core.kv.cache import KVCache
+from colibri_core.layers.attention import AttnBlock, gqa_attention, gqa_block
+from colibri_core.layers.norm import rms_norm
+from colibri_core.layers.rope import Rope, apply_rotate_half
+from colibri_core.model import linear, linears
+from colibri_core.quant import quantize
+
+H, HEADS, KV_HEADS, D, EPS = 64, 4, 2, 16, 1e-5
+
+
+def weights(kind, qk_norm, seed=0):
+    rng = np.random.default_rng(seed)
+    w = lambda r, c: quantize(rng.standard_normal((r, c)).astype(np.float32) * 0.2, kind)  # noqa: E731
+    width = {"whole": (HEADS * D, KV_HEADS * D), "head": (D, D), None: (0, 0)}[qk_norm]
+    return dict(norm=1 + 0.1 * rng.standard_normal(H).astype(np.float32),
+                wq=w(HEADS * D, H), wk=w(KV_HEADS * D, H), wv=w(KV_HEADS * D, H), wo=w(H, HEADS * D),
+                q_norm=1 + 0.1 * rng.standard_normal(width[0]).astype(np.float32),
+                k_norm=1 + 0.1 * rng.standard_normal(width[1]).astype(np.float32))
+
+
+def step_by_step(W, qk_norm, clip, h, cache, cos, sin):
+    T = len(h)
+    x = rms_norm(h, W["norm"], EPS)
+    q, k, v = linears(x, (W["wq"], W["wk"], W["wv"]))
+    if qk_norm == "whole":
+        q, k = rms_norm(q, W["q_norm"], EPS), rms_norm(k, W["k_norm"], EPS)
+    elif qk_norm == "head":
+        q = rms_norm(q.reshape(T, HEADS, D), W["q_norm"], EPS).reshape(T, -1)
+        k = rms_norm(k.reshape(T, KV_HEADS, D), W["k_norm"], EPS).reshape(T, -1)
+    if clip is not None:
+        q, k, v = (np.clip(t, -clip, clip) for t in (q, k, v))
+    q = apply_rotate_half(q.reshape(T, HEADS, D), cos, sin)
+    k = apply_rotate_half(k.reshape(T, KV_HEADS, D), cos, sin)
+    return h + linear(gqa_attention(q, k, v.reshape(T, KV_HEADS, D), cache, D ** -0.5), W["wo"])
+
+
+@pytest.mark.parametrize("act", ["f32", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "f32"])
+@pytest.mark.parametrize("qk_norm,clip", [("whole", None), ("head", None), (None, None), ("whole", 0.5)])
+def test_fused_block_is_bit_identical_to_its_steps(kind, qk_norm, clip, act):
+    W = weights(kind, qk_norm)
+    block = AttnBlock(W["norm"], W["wq"], W["wk"], W["wv"], W["wo"], heads=HEADS, kv_heads=KV_HEADS, head_dim=D,
+                      eps=EPS, scale=D ** -0.5, qk_norm=qk_norm, q_norm=W["q_norm"] if qk_norm else None,
+                      k_norm=W["k_norm"] if qk_norm else None, clip=clip)
+    rope = Rope(D, 10000.0)
+    rng = np.random.default_rng(1)
+    fused, steps = KVCache(KV_HEADS, D, capacity=4), KVCache(KV_HEADS, D, capacity=4)  # grows on the way
+    with kernels.activations(act):
+        for T in (7, 1, 1, 3, 1):  # a prompt, then decode steps and a short chunk over the filled cache
+            h = rng.standard_normal((T, H)).astype(np.float32)
+            cos, sin = rope.cos_sin(np.arange(fused.length, fused.length + T))
+            a = gqa_block(block, h, fused, cos, sin)
+            b = step_by_step(W, qk_norm, clip, h, steps, cos, sin)
+            assert a.tobytes() == b.tobytes()
+            assert fused.length == steps.length
+            assert all(x.tobytes() == y.tobytes() for x, y in zip(fused.view(), steps.view()))
+
+
+def test_bad_shapes_are_one_clear_error():
+    W = weights("int4", "whole")
+    with pytest.raises(ValueError, match="projections must be"):
+        AttnBlock(W["norm"], W["wk"], W["wq"], W["wv"], W["wo"], heads=HEADS, kv_heads=KV_HEADS, head_dim=D,
+                  eps=EPS, scale=1.0)
+    with pytest.raises(ValueError, match="q_norm must be"):
+        AttnBlock(W["norm"], W["wq"], W["wk"], W["wv"], W["wo"], heads=HEADS, kv_heads=KV_HEADS, head_dim=D,
+                  eps=EPS, scale=1.0, qk_norm="head", q_norm=W["q_norm"], k_norm=W["k_norm"])
+    block = AttnBlock(W["norm"], W["wq"], W["wk"], W["wv"], W["wo"], heads=HEADS, kv_heads=KV_HEADS, head_dim=D,
+                      eps=EPS, scale=1.0)
+    small = np.zeros((2, KV_HEADS, D), np.float32)
+    with pytest.raises(ValueError, match="caches must be"):
+        block(np.zeros((3, H), np.float32), np.zeros((3, D), np.float32), np.zeros((3, D), np.float32), small, small, 0)
