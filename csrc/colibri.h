@@ -163,6 +163,13 @@ int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMa
 int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
                       int n_experts, const int32_t *slots, const int32_t *start, int act, float limit);
 
+// A whole MoE layer whose experts are all at hand, in one call: moe_experts over the batch union of
+// ids (ascending) into a scratch (T, k, hidden), then moe_combine into out — the same bits as those
+// two calls. table: 3 * n_table matrices, expert e's gate, up, down at 3e, 3e+1, 3e+2; ids: int64
+// [T, k] in 0 .. n_table-1; weights: f32 [T, k]; out: f32 [T, hidden].
+int moe_block(float *out, const float *x, int T, int k, int hidden, const QMatrix *const *table, int n_table,
+              const int64_t *ids, const float *weights, int act, float limit);
+
 // out[t] = Σ_r weights[t, r] · outs[t, r], summed in rank order (out = o0 w0; out += o_r w_r).
 // out: f32 [T, hidden]; outs: f32 [T, k, hidden]; weights: f32 [T, k].
 int moe_combine(float *out, const float *outs, const float *weights, int T, int k, int hidden);

@@ -283,6 +283,37 @@ int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMa
     return status;
 }
 
+int moe_block(float *out, const float *x, int T, int k, int hidden, const QMatrix *const *table, int n_table,
+              const int64_t *ids, const float *weights, int act, float limit) {
+    if (T < 0 || k < 1 || hidden < 0 || n_table < 1) return COLI_EINVAL;
+    size_t nslots = (size_t)T * (size_t)k;
+    for (size_t s = 0; s < nslots; s++) {
+        if (ids[s] < 0 || ids[s] >= n_table) return COLI_EINVAL;
+    }
+    char *used = calloc((size_t)n_table, 1);
+    int64_t *experts = malloc((nslots + 1) * sizeof *experts);
+    const QMatrix **mats = malloc((3 * nslots + 1) * sizeof *mats);
+    float *outs = malloc((nslots * (size_t)hidden + 1) * sizeof *outs);
+    int status = used == NULL || experts == NULL || mats == NULL || outs == NULL ? COLI_ENOMEM : COLI_OK;
+    if (status == COLI_OK) {
+        int n = 0;  // the batch union, ascending (the order the store yields them)
+        for (size_t s = 0; s < nslots; s++) used[ids[s]] = 1;
+        for (int e = 0; e < n_table; e++) {
+            if (!used[e]) continue;
+            experts[n] = e;
+            for (int m = 0; m < 3; m++) mats[3 * n + m] = table[3 * e + m];
+            n++;
+        }
+        status = moe_experts(outs, x, T, k, hidden, mats, n, ids, experts, act, limit);
+    }
+    if (status == COLI_OK) status = moe_combine(out, outs, weights, T, k, hidden);
+    free(used);
+    free(experts);
+    free(mats);
+    free(outs);
+    return status;
+}
+
 int moe_combine(float *out, const float *outs, const float *weights, int T, int k, int hidden) {
     if (T < 0 || k < 1 || hidden < 0) return COLI_EINVAL;
     for (size_t t = 0; t < (size_t)T; t++) {

@@ -460,6 +460,26 @@ def test_layers_reject_bad_shapes():
         kernels.attention(np.ones((2, 4, 8), np.float32), np.ones((1, 2, 8), np.float32), np.ones((1, 2, 8), np.float32), 0, 1.0)
 
 
+@pytest.mark.parametrize("kind,act", MODES)
+@pytest.mark.parametrize("glu,limit", [("swiglu", None), ("swiglu", 0.7), ("situ", None)])
+def test_moe_block_is_moe_experts_then_combine(kind, act, glu, limit):
+    """The one-call MoE layer (every expert at hand) gives the bits of the two calls it replaces."""
+    rng = np.random.default_rng(23)
+    E, hidden, inter = 6, 130, 200
+    table = expert_set(rng, E, hidden, inter, kind)
+    block = kernels.ExpertTable([table[e] for e in range(E)])
+    for T, k in [(1, 3), (5, 2), (4, 6)]:
+        ids = np.stack([rng.permutation(E)[:k] for _ in range(T)])  # (T, k)
+        x, w = random_x(rng, T, hidden), rng.random((T, k)).astype(np.float32)
+        union = {int(e): table[int(e)] for e in sorted(set(ids.ravel().tolist()))}
+        outs = np.zeros((T, k, hidden), np.float32)
+        kernels.moe_experts(outs, x, ids, union, act, limit=limit, glu=glu)
+        got = kernels.moe_block(x, ids, w, block, act, limit=limit, glu=glu)
+        assert_same_bits(got, kernels.moe_combine(outs, w))
+    with pytest.raises(ValueError, match="rejected"):
+        kernels.moe_block(x, np.full_like(ids, E), w, block)  # an expert the table lacks
+
+
 def test_moe_combine_matches_reference_bit_for_bit():
     rng = np.random.default_rng(22)
     for T, k, H in [(1, 1, 1), (1, 8, 2048), (5, 3, 65)]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from colibri_core import load, plugins
+from colibri_core import kernels, load, plugins
 from colibri_core.errors import ColibriError
 from colibri_core.store import io
 from colibri_core.store.usage import USAGE_FILE, ColibriWarning, hot_set, pin_value
@@ -93,6 +93,29 @@ def test_placement_invariance(model, baseline, name):
         s = e.stats()
     if kw.get("cache_slots", 16) < 16:
         assert s["expert_misses"] > 0  # the placement really streamed experts
+
+
+def test_a_layer_holding_all_its_experts_runs_in_one_call(model, baseline, monkeypatch):
+    """Every expert read: each MoE layer is one kernels.moe_block call (the store's resident_table),
+    with the same bits as the per-group path a 1-slot cache takes, and every lookup a hit."""
+    calls = []
+    real = kernels.moe_block
+    monkeypatch.setattr(kernels, "moe_block", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with load(model, cache_slots=16, usage=False) as e:
+        c = e.container
+        for layer in c.moe_layers:
+            for expert in range(c.n_experts):
+                e.store.get(layer, expert)
+        before = e.stats()
+        check_same(e, baseline)
+        s = e.stats()
+    assert len(calls) >= len(c.moe_layers)
+    assert s["expert_misses"] == before["expert_misses"] and s["expert_hits"] > before["expert_hits"]
+    calls.clear()
+    with load(model, cache_slots=1, usage=False) as e:
+        check_same(e, baseline)
+        assert e.store.resident_table(c.moe_layers[0], np.zeros((1, 1), np.int64)) is None
+    assert not calls
 
 
 def test_pinning_on_gives_the_same_outputs(model, baseline, tmp_path):

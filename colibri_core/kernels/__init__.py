@@ -51,7 +51,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         "install the package (`pip install -e .` in a checkout) to compile csrc/"
     ) from e
 
-__all__ = ["AttnBlock", "matmul", "matmul_multi", "matmul_t", "dequantize", "expert_ffn", "moe_experts", "moe_combine", "softmax_topk", "rms_norm", "rope_rotate_half", "attention",
+__all__ = ["AttnBlock", "matmul", "matmul_multi", "matmul_t", "dequantize", "expert_ffn", "moe_experts", "moe_combine", "moe_block", "ExpertTable", "softmax_topk", "rms_norm", "rope_rotate_half", "attention",
            "activations", "ACTIVATIONS",
            "simd", "set_simd", "simd_supported", "SIMD_PATHS", "threads", "set_threads", "reference"]
 
@@ -249,6 +249,41 @@ def moe_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict,
         for gate, up, down in experts.values():
             _check_expert(gate, up, down, hidden)
     _check(status, "moe_experts")
+
+
+class ExpertTable:
+    """Every expert of one MoE layer as a C table for `moe_block`: experts[e] = (gate, up, down)
+    for e = 0 .. E-1, checked once (one kind per expert, the layer's shapes), kept alive here."""
+
+    def __init__(self, experts: list[tuple[QTensor, QTensor, QTensor]]):
+        if not experts:
+            raise ValueError("ExpertTable: no experts")
+        hidden = experts[0][0].cols
+        mats = []
+        for gate, up, down in experts:
+            _check_expert(gate, up, down, hidden)
+            mats += (_qmatrix(gate, "gate"), _qmatrix(up, "up"), _qmatrix(down, "down"))
+        self.hidden, self.n = hidden, len(experts)
+        self._c, self._keep = ffi.new("QMatrix *[]", mats), experts
+
+
+def moe_block(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, table: ExpertTable, act: str | None = None,
+              limit: float | None = None, glu: str = "swiglu") -> np.ndarray:
+    """A whole MoE layer whose experts are all in `table`, in one C call: ``Σ_rank weights[t, r] ·
+    expert_ffn(*table[ids[t, r]], x[t])``, the same bits as `moe_experts` over the batch union
+    then `moe_combine`. x float32 (T, H); ids integer (T, k) in 0 .. E-1; weights (T, k) → (T, H)."""
+    x = _activations(x, table.hidden, "moe_block: x")
+    ids = np.ascontiguousarray(ids, np.int64)
+    weights = np.ascontiguousarray(weights, np.float32)
+    T = x.shape[0]
+    if ids.ndim != 2 or ids.shape[0] != T or weights.shape != ids.shape:
+        raise ValueError(f"moe_block: ids and weights must be ({T}, k), got {list(ids.shape)}, {list(weights.shape)}")
+    out = np.empty((T, table.hidden), np.float32)
+    if T and table.hidden:
+        _check(lib.moe_block(_floats(out, writable=True), _floats(x), T, ids.shape[1], table.hidden, table._c, table.n,
+                             ffi.from_buffer("int64_t[]", ids), _floats(weights), _act_code(act) | _glu_code(glu),
+                             _limit(limit)), "moe_block")
+    return out
 
 
 def moe_combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:

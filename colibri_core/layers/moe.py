@@ -70,7 +70,9 @@ class MoE:
         The store reads the batch union once and yields the experts already resident first, the
         others in groups as their reads arrive, so compute overlaps the reads; once this layer's
         reads are queued, the next MoE layer's router guesses its experts from `residual` and the
-        store starts reading those too.
+        store starts reading those too. A layer that holds all its experts (the store's
+        `resident_table`) runs its experts and their weighted sum as one C call (`kernels.moe_block`),
+        the same bits.
         """
         router = self.routers.get(layer)
         if router is None:
@@ -81,9 +83,14 @@ class MoE:
         xe = x if expert_input is None else expert_input  # (T, H)
         nxt = self.lookahead.get(layer)
         predict = None if nxt is None else (nxt, lambda: self.routers[nxt].predict(residual, token_ids))
+        remote = getattr(self.store, "remote", None)  # remote shards behind the store (colibri_core/remote)
+        table = self.store.resident_table(layer, ids, predict) if remote is None else None
+        if table is not None:  # the layer holds all its experts: route → experts → combine, one C call
+            out = kernels.moe_block(xe, ids, weights, table, limit=self.swiglu_limit, glu=self.activation)
+            record(layer, ffn_moe_out=out)
+            return out
         T, k = ids.shape
         outs = np.zeros((T, k, xe.shape[1]), np.float32)  # (T, k, H): one slot per (token, rank)
-        remote = getattr(self.store, "remote", None)  # remote shards behind the store (colibri_core/remote)
         sent = None
         if remote is not None:  # experts not resident here go to their shard's actor now, one call per shard
             sent = remote.dispatch(layer, xe, ids, self.store.resident(layer), self.activation, self.swiglu_limit)

@@ -35,6 +35,7 @@ from typing import Callable
 
 import numpy as np
 
+from .. import kernels
 from ..errors import ColibriError
 from . import mirror as mirror_mod
 from .io import IOPool
@@ -120,6 +121,7 @@ class ExpertStore:
         self._predicted: dict[int, set[int]] = {}  # layer -> experts the lookahead predicted for it
         self._guesses: dict[int, list[tuple[int, int]]] = {}  # layer -> (expert, rank) guessed, not resident
         self._guess_record = GuessRecord()
+        self._tables: dict = {}  # layer -> kernels.ExpertTable of a layer holding all its experts (`resident_table`)
         self._pin_queue: list[tuple[int, int]] = []  # (layer, expert) pinned but not read yet, hottest first
         self._pin_reads: list = []  # background reads of pinned experts that may be in flight
         self._layer_reads: list = []  # demand and lookahead reads that may be in flight
@@ -222,6 +224,40 @@ class ExpertStore:
             yield group
             protected.difference_update(group)
 
+    def resident_table(self, layer: int, ids: np.ndarray, predict: tuple[int, Callable[[], np.ndarray | None]] | None = None):
+        """The C table (kernels.ExpertTable) of every expert of `layer` when the layer holds all of
+        them, read, none a prefetch not yet used, with the lookups of `ids` (T, k) counted and the
+        lookahead `predict` started as `experts` does; else None (call `experts`, which does both).
+        A layer that holds all its experts never
+        evicts one (nothing new can come in), so the table stays valid until the layer changes
+        (`_changed`) — the MoE block then runs the layer in one C call, without per-expert Python."""
+        table = self._tables.get(layer)
+        if table is None:
+            cache, pinned, E = self.cache[layer], self.pinned[layer], self.container.n_experts
+            if len(cache) + len(pinned) != E:
+                return None
+            entries = [pinned.get(e) or cache.get(e) for e in range(E)]
+            if any(entry is None or entry.prefetched or not (entry.tensors is not None or
+                   (entry.read is not None and self.pool.done(entry.read))) for entry in entries):
+                return None
+            table = self._tables[layer] = kernels.ExpertTable(
+                [self._tensors(layer, e, entry, stall=False) for e, entry in enumerate(entries)])
+        if self.usage is not None:
+            self.usage.record(self.layer_index[layer], ids)
+        hits = len(set(ids.ravel().tolist()))
+        c = self.counters
+        c.expert_hits += hits
+        c.layer_hits[layer] = c.layer_hits.get(layer, 0) + hits
+        if predict is not None and self.config.prefetch:
+            self._lookahead(*predict)
+        if self._pin_queue:
+            self._read_pinned()
+        return table
+
+    def _changed(self, layer: int) -> None:
+        """Layer `layer`'s experts changed (an insert, an eviction, a failed read, re-pinning)."""
+        self._tables.pop(layer, None)
+
     def resident(self, layer: int) -> set[int]:
         """Experts of `layer` ready here now (cached or pinned, read; not those still being read)."""
         return {e for d in (self.cache[layer], self.pinned[layer]) for e, entry in d.items()
@@ -268,6 +304,7 @@ class ExpertStore:
 
     def _insert(self, layer: int, expert: int, prefetched: bool) -> _Entry:
         entry = _Entry(read=self._submit(layer, expert), prefetched=prefetched)
+        self._changed(layer)
         self._layer_reads.append(entry.read)
         self.cache[layer][expert] = entry
         self.policies[layer].on_insert(expert)
@@ -309,6 +346,7 @@ class ExpertStore:
     def _forget(self, layer: int, expert: int, entry: _Entry) -> None:
         """Drop the entry of a read that failed: never a hit later, the next request reads it again
         (a pinned expert goes back to not read yet)."""
+        self._changed(layer)
         if self.pinned[layer].get(expert) is entry:
             self.pinned[layer][expert] = _Entry()
         elif self.cache[layer].get(expert) is entry:
@@ -329,6 +367,7 @@ class ExpertStore:
 
     def _orphan(self, layer: int, expert: int) -> None:
         """Evict an expert whose read is in flight: its buffer lives on with the read until it ends."""
+        self._changed(layer)
         self._orphans.append(self.cache[layer].pop(expert).read)
         self.policies[layer].on_evict(expert)
 
@@ -343,6 +382,7 @@ class ExpertStore:
         self._orphans = running
 
     def _evict(self, layer: int, expert: int) -> None:
+        self._changed(layer)
         entry = self.cache[layer].pop(expert)
         if entry.read is not None:
             self.pool.wait(entry.read)  # done already (only settled entries are evicted): releases it
@@ -442,6 +482,7 @@ class ExpertStore:
         """Revise the pinned set from the routing history (usage.pin_value; hysteresis: usage.hot_set)."""
         if self.usage is None or not self.config.pinned:
             return
+        self._tables.clear()
         layers = list(self.layer_index)
         current = {(self.layer_index[layer], e) for layer in layers for e in self.pinned[layer]}
         want = hot_set(pin_value(self.usage.counts, self.slots), self.config.pinned, current)
