@@ -7,6 +7,8 @@
     wf = kernels.dequantize(w)                 # f32 [w.rows, w.cols], bit for bit quant.dequantize(w)
     y = kernels.expert_ffn(gate, up, down, x)  # x f32 [n, H] -> f32 [n, H] = down(silu(gate x) * (up x))
     kernels.moe_experts(outs, x, ids, experts) # every ready expert of an MoE layer in one call
+    y = kernels.moe_block(x, ids, weights, kernels.ExpertTable(all_experts))  # a whole MoE layer, experts at hand
+    h = kernels.AttnBlock(norm, wq, wk, wv, wo, heads=…, …)(h, cos, sin, k_cache, v_cache, start)  # attention sub-block
     with kernels.activations("int8"): ...      # the fast arithmetic (default "f32", the exact one)
     kernels.simd(), kernels.set_simd("avx2")   # the C code path: "portable" | "avx2" | "avx512"
     kernels.threads(), kernels.set_threads(2)  # threads inside the kernels

@@ -85,7 +85,7 @@ class MoE:
         predict = None if nxt is None else (nxt, lambda: self.routers[nxt].predict(residual, token_ids))
         remote = getattr(self.store, "remote", None)  # remote shards behind the store (colibri_core/remote)
         table = self.store.resident_table(layer, ids, predict) if remote is None else None
-        if table is not None:  # the layer holds all its experts: route → experts → combine, one C call
+        if table is not None:  # the layer holds all its experts: the experts and their weighted sum, one C call
             out = kernels.moe_block(xe, ids, weights, table, limit=self.swiglu_limit, glu=self.activation)
             record(layer, ffn_moe_out=out)
             return out

@@ -228,9 +228,11 @@ class ExpertStore:
         """The C table (kernels.ExpertTable) of every expert of `layer` when the layer holds all of
         them, read, none a prefetch not yet used, with the lookups of `ids` (T, k) counted and the
         lookahead `predict` started as `experts` does; else None (call `experts`, which does both).
-        A layer that holds all its experts never
-        evicts one (nothing new can come in), so the table stays valid until the layer changes
-        (`_changed`) — the MoE block then runs the layer in one C call, without per-expert Python."""
+
+        A layer that holds all its experts never evicts one (nothing new can come in), so the table
+        stays valid until the layer changes (`_changed`); the MoE block runs such a layer in one C
+        call, without per-expert Python. (The cache policy hears of no hits there: it has nothing
+        to choose in that layer.)"""
         table = self._tables.get(layer)
         if table is None:
             cache, pinned, E = self.cache[layer], self.pinned[layer], self.container.n_experts
