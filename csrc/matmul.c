@@ -658,13 +658,20 @@ static void dequant_row(const QMatrix *w, int r, float *out) {
         for (size_t j = 0; j < cols; j++) out[j] = (float)q[j] * scale;
         break;
     }
-    case QKIND_INT4: {
+    case QKIND_INT4: {  // one scale per group of 64, two nibbles per byte (even column low)
         size_t row_bytes = (cols + 1) / 2, row_groups = (cols + INT4_GROUP - 1) / INT4_GROUP;
         const uint8_t *q = (const uint8_t *)w->data + row * row_bytes;
         const uint16_t *scales = (const uint16_t *)w->scales + row * row_groups;
-        for (size_t j = 0; j < cols; j++) {
-            int nibble = j % 2 ? q[j / 2] >> 4 : q[j / 2] & 0x0f;
-            out[j] = (float)(nibble - 8) * f16_to_f32(scales[j / INT4_GROUP]);
+        for (size_t g = 0; g < row_groups; g++) {
+            float scale = f16_to_f32(scales[g]);
+            size_t j0 = g * INT4_GROUP, j1 = j0 + INT4_GROUP < cols ? j0 + INT4_GROUP : cols;
+            size_t pairs = (j1 - j0) / 2;  // whole bytes (j0 is even)
+            for (size_t i = 0; i < pairs; i++) {
+                uint8_t b = q[j0 / 2 + i];
+                out[j0 + 2 * i] = (float)((int)(b & 0x0f) - 8) * scale;
+                out[j0 + 2 * i + 1] = (float)((int)(b >> 4) - 8) * scale;
+            }
+            if (j0 + 2 * pairs < j1) out[j1 - 1] = (float)((int)(q[(j1 - 1) / 2] & 0x0f) - 8) * scale;  // odd cols
         }
         break;
     }
