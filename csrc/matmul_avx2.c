@@ -361,11 +361,11 @@ AVX2 float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
     const int8_t *xq = a->xq + (size_t)t * a->stride;
     const float *xs = a->xs + (size_t)t * (size_t)a->nb8;
     const int32_t *xsum = a->xsum + (size_t)t * (size_t)a->nb8;
-    int whole = row_bytes == (size_t)ngroups * 32 ? ngroups : ngroups - 1;  // groups without a short end
+    int short_end = row_bytes != (size_t)ngroups * 32;  // the last group ends inside its 32 bytes
     __m256 L = _mm256_setzero_ps();
     for (int g0 = 0; g0 < a->nb8; g0 += 8) {
         __m256i isum;
-        if (g0 + 8 <= whole || (whole == ngroups && g0 < ngroups)) {
+        if (!short_end || g0 + 8 < ngroups) {  // every group of the chunk whole
             int n = ngroups - g0 < 8 ? ngroups - g0 : 8;
             isum = chunk_isum_direct(wr + (size_t)g0 * 32, xq + (size_t)g0 * 64, n);
         } else {

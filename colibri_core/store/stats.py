@@ -34,13 +34,14 @@ class StoreCounters:
     layer_misses: dict = field(default_factory=dict)
     layer_stall: dict = field(default_factory=dict)  # layer -> io_stall_seconds in that layer
 
-    def lookup(self, layer: int, hit: bool) -> None:
+    def lookup(self, layer: int, hit: bool, n: int = 1) -> None:
+        """Count `n` lookups in `layer`, all hits or all misses."""
         if hit:
-            self.expert_hits += 1
-            self.layer_hits[layer] = self.layer_hits.get(layer, 0) + 1
+            self.expert_hits += n
+            self.layer_hits[layer] = self.layer_hits.get(layer, 0) + n
         else:
-            self.expert_misses += 1
-            self.layer_misses[layer] = self.layer_misses.get(layer, 0) + 1
+            self.expert_misses += n
+            self.layer_misses[layer] = self.layer_misses.get(layer, 0) + n
 
     def stall(self, layer: int, seconds: float) -> None:
         self.io_stall_seconds += seconds

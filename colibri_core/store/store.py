@@ -246,10 +246,7 @@ class ExpertStore:
                 [self._tensors(layer, e, entry, stall=False) for e, entry in enumerate(entries)])
         if self.usage is not None:
             self.usage.record(self.layer_index[layer], ids)
-        hits = len(set(ids.ravel().tolist()))
-        c = self.counters
-        c.expert_hits += hits
-        c.layer_hits[layer] = c.layer_hits.get(layer, 0) + hits
+        self.counters.lookup(layer, True, len(set(ids.ravel().tolist())))  # the batch union, every one a hit
         if predict is not None and self.config.prefetch:
             self._lookahead(*predict)
         if self._pin_queue:
