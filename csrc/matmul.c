@@ -150,7 +150,8 @@ static void quantize_block(const float *x, int len, int order, int8_t *q, float 
     int32_t s = 0;
     for (int j = 0; j < len; j++) {
         float r = nearbyintf(x[j] * inv);  // round half to even (the default rounding mode)
-        int v = r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r;
+        // NaN: 0 · inf, a zero where absmax < 127 / FLT_MAX makes inv overflow; the product is 0
+        int v = r > 127.0f ? 127 : r < -127.0f ? -127 : r == r ? (int)r : 0;
         q[block_pos(j, order)] = (int8_t)v;
         s += v;
     }
@@ -203,14 +204,19 @@ int acts_prepare(Acts *a, const float *x, int n, int cols, int kind, int act) {
         acts_free(a);
         return COLI_ENOMEM;
     }
+    quant_fn quantize64 = path_current()->quantize64;
     for (size_t t = 0; t < nt; t++) {
         const float *src = x + t * (size_t)cols;
         for (int b = 0; b < nblocks; b++) {
             int len = cols - b * Q8_BLOCK < Q8_BLOCK ? cols - b * Q8_BLOCK : Q8_BLOCK;
             size_t at = t * (size_t)a->nb8 + (size_t)b;
-            quantize_block(src + (size_t)b * Q8_BLOCK, len,
-                           kind == QKIND_INT4 ? ORDER_INT4 : kind == QKIND_FP4 ? ORDER_FP4 : ORDER_NATURAL,
-                           a->xq + t * a->stride + (size_t)b * Q8_BLOCK, &a->xs[at], &a->xsum[at]);
+            int order = kind == QKIND_INT4 ? ORDER_INT4 : kind == QKIND_FP4 ? ORDER_FP4 : ORDER_NATURAL;
+            int8_t *q = a->xq + t * a->stride + (size_t)b * Q8_BLOCK;
+            if (quantize64 != NULL && len == Q8_BLOCK && order != ORDER_FP4) {
+                quantize64(src + (size_t)b * Q8_BLOCK, order == ORDER_INT4, q, &a->xs[at], &a->xsum[at]);
+            } else {
+                quantize_block(src + (size_t)b * Q8_BLOCK, len, order, q, &a->xs[at], &a->xsum[at]);
+            }
         }
     }
     if (kind == QKIND_FP4) {  // per group of 32: the sums the AVX2 kernel's unsigned weights need
@@ -423,7 +429,7 @@ static float dot_fp4_q8_portable(const QMatrix *w, int r, const Acts *a, int t) 
 
 const Path PATH_PORTABLE = {"portable", dot_f32_portable, dot_int8_f32_portable, dot_int8_q8_portable,
                             dot_int4_f32_portable, dot_int4_q8_portable, NULL, dot_fp8_f32_portable,
-                            dot_fp4_f32_portable, dot_fp4_q8_portable, NULL, NULL};
+                            dot_fp4_f32_portable, dot_fp4_q8_portable, NULL, NULL, NULL};
 
 // ----------------------------------------------------------------------------
 // Code paths: chosen once from COLIBRI_SIMD / the CPU, changeable with simd_select.

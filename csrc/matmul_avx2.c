@@ -663,8 +663,64 @@ AVX2 void rows_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_
     }
 }
 
+// ----------------------------------------------------------------------------
+// Activations: quantize_block (matmul.c) for a whole block, 8 lanes at a time. The same float
+// operations (absmax, 127 / absmax, x · inv rounded to nearest even, clamped), so the same bits; the
+// integer sum is exact in any order.
+
+AVX2 void quantize64_avx2(const float *x, int int4_order, int8_t *q, float *scale, int32_t *sum) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), fmax = _mm256_set1_ps(3.402823466e38f);
+    __m256 v[8], amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int i = 0; i < 8; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        __m256 m = _mm256_and_ps(v[i], abs_mask);
+        finite = _mm256_and_ps(finite, _mm256_cmp_ps(m, fmax, _CMP_LE_OQ));  // false for inf and NaN
+        amax = _mm256_max_ps(amax, m);
+    }
+    if (_mm256_movemask_ps(finite) != 0xff) {
+        memset(q, 0, 64);
+        *scale = NAN;
+        *sum = 0;
+        return;
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float am = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    __m256 inv = _mm256_set1_ps(am > 0.0f ? 127.0f / am : 0.0f);
+    const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    __m256i iv[8], s = _mm256_setzero_si256();
+    for (int i = 0; i < 8; i++) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm256_and_ps(r, _mm256_cmp_ps(r, r, _CMP_ORD_Q));  // NaN (0 · inf) -> 0, as quantize_block
+        iv[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+        s = _mm256_add_epi32(s, iv[i]);
+    }
+    // int32 -> int8 in column order: the packs interleave 128-bit lanes, the permute undoes it
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256i b0 = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3])), order);  // cols 0-31
+    __m256i b1 = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(iv[4], iv[5]), _mm256_packs_epi32(iv[6], iv[7])), order);  // cols 32-63
+    if (int4_order) {  // per 16 columns, the 8 even then the 8 odd; then gather evens and odds
+        const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                               0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        b0 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b0, split), 0xd8);  // even 0-30 | odd 1-31
+        b1 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b1, split), 0xd8);  // even 32-62 | odd 33-63
+        __m256i even = _mm256_permute2x128_si256(b0, b1, 0x20), odd = _mm256_permute2x128_si256(b0, b1, 0x31);
+        b0 = even;
+        b1 = odd;
+    }
+    _mm256_storeu_si256((__m256i *)q, b0);
+    _mm256_storeu_si256((__m256i *)(q + 32), b1);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    *scale = am / 127.0f;
+    *sum = _mm_cvtsi128_si32(s4);
+}
+
 const Path PATH_AVX2 = {"avx2", dot_f32_avx2, dot_int8_f32_avx2, dot_int8_q8_avx2, dot_int4_f32_avx2,
                         dot_int4_q8_avx2, rows_int4_q8_avx2, dot_fp8_f32_avx2, dot_fp4_f32_avx2,
-                        dot_fp4_q8_avx2, rows_fp8_f32_avx2, rows_fp4_f32_avx2};
+                        dot_fp4_q8_avx2, rows_fp8_f32_avx2, rows_fp4_f32_avx2, quantize64_avx2};
 
 #endif  // COLI_X86

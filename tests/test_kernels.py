@@ -168,6 +168,44 @@ def test_int8_activations_round_to_the_nearest_step():
     assert np.all(q[1] == 0) and np.all(xs[1] == 0)  # the zero token
 
 
+def identity_weights(n: int, kind: str) -> QTensor:
+    """An n x n identity in int8 (scale 1 per row) or int4 (q = 1 on the diagonal, scales 1)."""
+    if kind == "int8":
+        return QTensor("int8", n, n, np.eye(n, dtype=np.int8), np.ones(n, np.float32))
+    nib = np.full((n, n + n % 2), 8, np.uint8)  # q + 8
+    nib[np.arange(n), np.arange(n)] = 9
+    data = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
+    return QTensor("int4", n, n, data, np.ones((n, -(-n // 64)), np.float16))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_int8_activations_quantise_alike_on_every_path(simd_path, kind):
+    """Through an identity matrix each output is its column's q times its block's scale: the SIMD
+    quantisers (whole blocks of 64) give the reference's q, ties to even, clamps and edge blocks
+    included, in both column orders (int8 weights: natural; int4: even columns, then odd)."""
+    cols = 64 * 5 + 10  # five whole blocks and a partial one (the scalar loop)
+    rng = np.random.default_rng(10)
+    x = random_x(rng, 3, cols, scale=2.0)
+    x[0, :64] = np.arange(64) - 31.5
+    x[0, 0] = 127.0  # absmax 127: inv = 1, so the halves stay halves and round to even
+    x[0, 1:9] = [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5]
+    x[0, 64:128] = 0.0  # a zero block: q = 0, scale 0
+    x[0, 130], x[0, 131] = -0.0, 1e-38  # absmax 1e-38 < 127 / FLT_MAX: 127 / absmax is inf, 0 · inf
+    x[0, 128:130] = 0.0
+    x[0, 132:192] = 0.0
+    x[2, 200] = -np.abs(x[2, 192:256]).max() * 1.0000001  # the block's absmax: x · inv just past -127
+    w = identity_weights(cols, kind)
+    y = kernels.matmul(w, x, "int8")
+    assert_same_bits(y, reference.matmul(w, x, "int8"), f"{simd_path} {kind}")
+    q, xs = reference.quantize_activations(x)
+    assert list(q[0, 1:9]) == [0, 2, 2, 0, -2, -2, 126, -126] and q[0, 0] == 127  # half to even
+    assert np.all(q[0, 64:128] == 0) and q[0, 131] == 127 and np.all(q[0, 128:131] == 0)
+    assert q[2, 200] == -127 and np.all(q[1] == 0)  # random_x's token 1 is zeros
+    step = np.repeat(xs, 64, axis=1)[:, :cols]
+    nz = step > 0
+    assert np.array_equal(np.rint(y[nz] / step[nz]), q[:, :cols][nz].astype(np.float32))
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_int8_activations_with_inf_or_nan_give_nan(simd_path, kind):
     rng = np.random.default_rng(9)

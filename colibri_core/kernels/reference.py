@@ -72,6 +72,7 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(divide="ignore", invalid="ignore"):
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
         q = np.clip(np.rint(blocks * inv[..., None]), -127, 127)
+        q[np.isnan(q)] = 0  # 0 · inf: a zero in a block whose absmax < 127 / FLT_MAX overflows inv
     q = np.where(finite[..., None], q, 0).astype(np.int8).reshape(n, -1)
     xs = np.where(finite, amax / np.float32(127), np.float32(np.nan)).astype(np.float32)
     return q, xs

@@ -62,6 +62,11 @@ typedef float (*dot_fn)(const QMatrix *w, int r, const Acts *a, int t);
 // the weights are unpacked once for several tokens. Bit for bit what the dot_fn of its kind gives.
 typedef void (*rows_fn)(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow);
 
+// One whole block of 64 activations quantised to int8, bit for bit as matmul.c's quantize_block:
+// q[j] (int4_order: the 32 even columns, then the 32 odd ones) = rint(x[j] * (127 / absmax)),
+// *scale = absmax / 127, *sum = Σ q; a block holding inf or NaN: q = 0, scale NaN, sum 0.
+typedef void (*quant_fn)(const float *x, int int4_order, int8_t *q, float *scale, int32_t *sum);
+
 typedef struct {
     const char *name;
     dot_fn f32;       // f32 weights
@@ -75,6 +80,7 @@ typedef struct {
     dot_fn fp4_q8;    // fp4 weights, ACT_Q8
     rows_fn fp8_f32_rows;  // optional (NULL): fp8 weights, several tokens per row pass
     rows_fn fp4_f32_rows;  // optional (NULL): fp4 weights, ACT_F32, several tokens per row pass
+    quant_fn quantize64;   // optional (NULL: matmul.c's scalar loop): one whole block of 64
 } Path;
 
 // 2 * e2m1(nibble): the fp4 values as the integers 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12 (matmul.c).
@@ -112,6 +118,7 @@ float dot_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
 float dot_fp4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t);
 void rows_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow);
 void rows_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow);
+void quantize64_avx2(const float *x, int int4_order, int8_t *q, float *scale, int32_t *sum);
 #endif
 
 const Path *path_current(void);
