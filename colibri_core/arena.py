@@ -22,7 +22,7 @@ class Arena:
     """`nbytes` of zeroed memory handed out as aligned arrays by `take`, in order."""
 
     def __init__(self, nbytes: int):
-        self.buf = _map(nbytes)  # uint8, HUGE_PAGE aligned (ALIGN without mmap)
+        self.buf = huge_pages(nbytes)  # uint8, HUGE_PAGE aligned (ALIGN without mmap)
         self.used = 0
 
     def take(self, dtype, shape) -> np.ndarray:
@@ -47,7 +47,9 @@ class Arena:
         return sum(-(-np.dtype(dt).itemsize * int(np.prod(s, dtype=np.int64)) // ALIGN) * ALIGN for dt, s in parts)
 
 
-def _map(nbytes: int) -> np.ndarray:
+def huge_pages(nbytes: int) -> np.ndarray:
+    """`nbytes` of zeroed memory (uint8) in its own mapping, 2 MB aligned, with MADV_HUGEPAGE
+    (ordinary memory where there is no POSIX mmap); the array keeps the mapping alive."""
     flags = getattr(mmap, "MAP_PRIVATE", None), getattr(mmap, "MAP_ANONYMOUS", None)
     if None in flags or nbytes == 0:  # not a POSIX mmap (Windows): ordinary memory
         buf = np.zeros(nbytes + ALIGN, np.uint8)
