@@ -99,6 +99,30 @@ AVX512 static float dot_int4_f32_avx512(const QMatrix *w, int r, const Acts *a, 
     return tree16_512(S);
 }
 
+// fp4 (e2m1) weights the same way: 2 · value (FP4_TWICE) as a float by one permute per 16 columns.
+// 4096 x 4096 matvec, the path alternated call by call: 13.4 GB/s against AVX2's 10.3 (int4: 18.4
+// against 13.7).
+AVX512 static float dot_fp4_f32_avx512(const QMatrix *w, int r, const Acts *a, int t) {
+    int cols = w->cols, ngroups = (cols + FP4_GROUP - 1) / FP4_GROUP;
+    size_t row_bytes = ((size_t)cols + 1) / 2;
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+    const uint8_t *sr = (const uint8_t *)w->scales + (size_t)r * (size_t)ngroups;
+    const float *x = a->xf + (size_t)t * a->stride;  // per group: 16 even, then 16 odd columns
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);  // FP4_TWICE
+    __m512 S = _mm512_setzero_ps();
+    for (int g = 0; g < ngroups; g++) {
+        size_t left = row_bytes - (size_t)g * 16;  // past the row: byte 0, +0 against x = 0
+        __m128i b = left >= 16 ? _mm_loadu_si128((const __m128i *)(wr + (size_t)g * 16))
+                               : _mm_maskz_loadu_epi8((__mmask16)bytes_mask(left), wr + (size_t)g * 16);
+        __m512i d = _mm512_cvtepu8_epi32(b);
+        const float *xe = x + (size_t)g * 32, *xo = xe + 16;
+        __m512 A = _mm512_mul_ps(_mm512_permutexvar_ps(d, table), _mm512_loadu_ps(xe));
+        A = _mm512_add_ps(A, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table), _mm512_loadu_ps(xo)));
+        S = _mm512_add_ps(S, _mm512_mul_ps(A, _mm512_set1_ps(fp4_half_scale(sr[g]))));
+    }
+    return tree16_512(S);
+}
+
 // ----------------------------------------------------------------------------
 // ACT_Q8
 
@@ -131,7 +155,7 @@ AVX512 static float dot_int8_q8_avx512(const QMatrix *w, int r, const Acts *a, i
 }
 
 const Path PATH_AVX512 = {"avx512", dot_f32_avx512, dot_int8_f32_avx2, dot_int8_q8_avx512,
-                          dot_int4_f32_avx512, dot_int4_q8_avx2, rows_int4_q8_avx2, dot_fp8_f32_avx2, dot_fp4_f32_avx2,
+                          dot_int4_f32_avx512, dot_int4_q8_avx2, rows_int4_q8_avx2, dot_fp8_f32_avx2, dot_fp4_f32_avx512,
                           dot_fp4_q8_avx2, rows_fp8_f32_avx2, rows_fp4_f32_avx2, quantize64_avx2};
 
 #endif  // COLI_X86

@@ -109,7 +109,8 @@ extern const Path PATH_AVX512;  // matmul_avx512.c
 // faster (`colibri bench kernels --simd all`): int8 weights with f32 activations, int4 with int8
 // activations (one token: the AVX-512 version's decode was 6 % slower per token, alternated token by
 // token in one process, for want of AVX2's software prefetch; several tokens: prefill, batched
-// verification), and the fp8 and fp4 dot products.
+// verification), the fp8 dot products, fp4 with int8 activations, the several-token fp8 and fp4
+// rows, and the int8 activation quantiser.
 float dot_int8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
 float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t);
 void rows_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow);
