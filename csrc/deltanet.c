@@ -11,11 +11,39 @@
 #include <string.h>
 
 #include "deltanet.h"
+#include "impl/kernels_impl.h"
 
 #define L2NORM_EPS 1e-6f
+#define POOL_MIN_WORK 65536.0  // multiply-adds below which a call runs on the caller alone (a wake-up costs more)
 
 // ----------------------------------------------------------------------------
 // causal_conv1d
+
+typedef struct {
+    float *out;
+    const float *state, *x, *weight;
+    int n, channels, kernel, silu, per;  // per: channels per task
+} ConvJob;
+
+static void conv_task(void *ctx, int task) {
+    const ConvJob *j = ctx;
+    const int hist = j->kernel - 1;  // rows of state
+    int c0 = task * j->per, c1 = c0 + j->per < j->channels ? c0 + j->per : j->channels;
+    // xin = [state ; x]: (hist + n) rows of `channels`; row r is state[r] for r < hist, else x[r - hist]
+    for (int t = 0; t < j->n; t++) {
+        float *o = j->out + (size_t)t * j->channels;
+        for (int c = c0; c < c1; c++) {
+            const float *w = j->weight + (size_t)c * j->kernel;
+            float acc = 0.0f;
+            for (int i = 0; i < j->kernel; i++) {
+                int r = t + i;  // row of xin
+                float xv = r < hist ? j->state[(size_t)r * j->channels + c] : j->x[(size_t)(r - hist) * j->channels + c];
+                acc += w[i] * xv;
+            }
+            o[c] = j->silu ? acc / (1.0f + expf(-acc)) : acc;
+        }
+    }
+}
 
 int causal_conv1d(float *out, float *state, const float *x, const float *weight, int n, int channels,
                   int kernel, int silu) {
@@ -26,19 +54,14 @@ int causal_conv1d(float *out, float *state, const float *x, const float *weight,
         return COLI_OK;
     }
     const int hist = kernel - 1;  // rows of state
-    // xin = [state ; x]: (hist + n) rows of `channels`; row r is state[r] for r < hist, else x[r - hist]
-    for (int t = 0; t < n; t++) {
-        float *o = out + (size_t)t * channels;
-        for (int c = 0; c < channels; c++) {
-            const float *w = weight + (size_t)c * kernel;
-            float acc = 0.0f;
-            for (int j = 0; j < kernel; j++) {
-                int r = t + j;  // row of xin
-                float xv = r < hist ? state[(size_t)r * channels + c] : x[(size_t)(r - hist) * channels + c];
-                acc += w[j] * xv;
-            }
-            o[c] = silu ? acc / (1.0f + expf(-acc)) : acc;
-        }
+    // Channel ranges in parallel: each output element is one thread's, the same operations.
+    int tasks = (double)n * channels * (kernel + 8) < POOL_MIN_WORK ? 1 : 4 * threads_get();
+    ConvJob j = {out, state, x, weight, n, channels, kernel, silu, (channels + tasks - 1) / tasks};
+    int ntasks = (channels + j.per - 1) / j.per;
+    if (ntasks == 1) {
+        conv_task(&j, 0);
+    } else {
+        pool_run(conv_task, &j, ntasks);
     }
     // New state: the last `hist` rows of xin, i.e. rows n .. n + hist - 1.
     if (hist > 0) {
@@ -103,6 +126,52 @@ static int normalise_qk(float **qn, float **kn, const float *q, const float *k, 
 // ----------------------------------------------------------------------------
 // Recurrent form
 
+typedef struct {
+    float *out, *state, *delta;  // delta: [hv, dv] scratch, a row per head
+    const float *qn, *kn, *v, *g, *beta;
+    int n, hk, hv, dk, dv;
+} RecurrentJob;
+
+static void recurrent_head(void *ctx, int h) {
+    const RecurrentJob *jb = ctx;
+    const int n = jb->n, hk = jb->hk, hv = jb->hv, dk = jb->dk, dv = jb->dv, group = hv / hk;
+    float *S = jb->state + (size_t)h * dk * dv;  // [dk, dv]: stays in cache across the tokens
+    float *delta = jb->delta + (size_t)h * dv;   // [dv]
+    for (int t = 0; t < n; t++) {
+        const float *qt = jb->qn + ((size_t)t * hk + h / group) * dk;  // [dk]
+        const float *kt = jb->kn + ((size_t)t * hk + h / group) * dk;  // [dk]
+        const float *vt = jb->v + ((size_t)t * hv + h) * dv;           // [dv]
+        float *ot = jb->out + ((size_t)t * hv + h) * dv;                // [dv]
+        float decay = expf(jb->g[(size_t)t * hv + h]);
+        float b = jb->beta[(size_t)t * hv + h];
+        // Pass 1: S ← decay · S and kv = Sᵀ k̂ (delta holds kv for now).
+        for (int j = 0; j < dv; j++) {
+            delta[j] = 0.0f;
+        }
+        for (int i = 0; i < dk; i++) {
+            float *row = S + (size_t)i * dv;
+            float ki = kt[i];
+            for (int j = 0; j < dv; j++) {
+                row[j] *= decay;
+                delta[j] += row[j] * ki;
+            }
+        }
+        for (int j = 0; j < dv; j++) {
+            delta[j] = (vt[j] - delta[j]) * b;
+            ot[j] = 0.0f;
+        }
+        // Pass 2: S ← S + k̂ ⊗ δ and o = Sᵀ q̂.
+        for (int i = 0; i < dk; i++) {
+            float *row = S + (size_t)i * dv;
+            float ki = kt[i], qi = qt[i];
+            for (int j = 0; j < dv; j++) {
+                row[j] += ki * delta[j];
+                ot[j] += row[j] * qi;
+            }
+        }
+    }
+}
+
 int gated_delta_rule_recurrent(float *out, float *state, const float *q, const float *k, const float *v,
                                const float *g, const float *beta, int n, int hk, int hv, int dk, int dv) {
     int status = check_sizes(n, hk, hv, dk, dv);
@@ -113,48 +182,18 @@ int gated_delta_rule_recurrent(float *out, float *state, const float *q, const f
     if ((status = normalise_qk(&qn, &kn, q, k, n, hk, dk)) != COLI_OK) {
         return status;
     }
-    float *delta = malloc((size_t)dv * sizeof(float));  // [dv]
+    float *delta = malloc((size_t)hv * dv * sizeof(float));
     if (delta == NULL) {
         free(qn);
         free(kn);
         return COLI_ENOMEM;
     }
-    const int group = hv / hk;
-    for (int h = 0; h < hv; h++) {  // each head's state stays in cache across the tokens
-        float *S = state + (size_t)h * dk * dv;  // [dk, dv]
-        for (int t = 0; t < n; t++) {
-            const float *qt = qn + ((size_t)t * hk + h / group) * dk;  // [dk]
-            const float *kt = kn + ((size_t)t * hk + h / group) * dk;  // [dk]
-            const float *vt = v + ((size_t)t * hv + h) * dv;           // [dv]
-            float *ot = out + ((size_t)t * hv + h) * dv;                // [dv]
-            float decay = expf(g[(size_t)t * hv + h]);
-            float b = beta[(size_t)t * hv + h];
-            // Pass 1: S ← decay · S and kv = Sᵀ k̂ (delta holds kv for now).
-            for (int j = 0; j < dv; j++) {
-                delta[j] = 0.0f;
-            }
-            for (int i = 0; i < dk; i++) {
-                float *row = S + (size_t)i * dv;
-                float ki = kt[i];
-                for (int j = 0; j < dv; j++) {
-                    row[j] *= decay;
-                    delta[j] += row[j] * ki;
-                }
-            }
-            for (int j = 0; j < dv; j++) {
-                delta[j] = (vt[j] - delta[j]) * b;
-                ot[j] = 0.0f;
-            }
-            // Pass 2: S ← S + k̂ ⊗ δ and o = Sᵀ q̂.
-            for (int i = 0; i < dk; i++) {
-                float *row = S + (size_t)i * dv;
-                float ki = kt[i], qi = qt[i];
-                for (int j = 0; j < dv; j++) {
-                    row[j] += ki * delta[j];
-                    ot[j] += row[j] * qi;
-                }
-            }
-        }
+    // Heads in parallel: each head's state and outputs are one thread's, in the same order.
+    RecurrentJob jb = {out, state, delta, qn, kn, v, g, beta, n, hk, hv, dk, dv};
+    if (4.0 * n * hv * dk * dv < POOL_MIN_WORK) {
+        for (int h = 0; h < hv; h++) recurrent_head(&jb, h);
+    } else {
+        pool_run(recurrent_head, &jb, hv);
     }
     free(delta);
     free(qn);

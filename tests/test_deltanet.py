@@ -3,6 +3,7 @@ oracle's own torch implementation; the layer pieces (norms, partial RoPE, shared
 import numpy as np
 import pytest
 
+from colibri_core import kernels
 from colibri_core.kernels import deltanet as dn
 from colibri_core.kernels import reference_deltanet as ref
 from colibri_core.layers.deltanet import softplus
@@ -48,6 +49,27 @@ def test_causal_conv1d_in_pieces_equals_whole():
         parts.append(dn.causal_conv1d(x[t : t + size], w, state))
         t += size
     assert np.array_equal(np.concatenate(parts), whole)
+
+
+def test_conv_and_recurrent_rule_give_the_same_bits_on_every_thread_count():
+    """Decode-sized calls large enough to be split over the kernel threads (channel ranges; heads)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 4096)).astype(np.float32)
+    w = rng.standard_normal((4096, 4)).astype(np.float32)
+    q, k, v, g, beta = delta_inputs(rng, 2, 4, 8, 64, 64)
+    state0 = (rng.standard_normal((8, 64, 64)) * 0.3).astype(np.float32)
+    results, before = [], kernels.threads()
+    try:
+        for n in (1, 2, 3, 7):
+            kernels.set_threads(n)
+            conv_state, state = np.zeros((3, 4096), np.float32), state0.copy()
+            results.append((dn.causal_conv1d(x, w, conv_state), conv_state,
+                            dn.gated_delta_rule(q, k, v, g, beta, state, form="recurrent"), state))
+    finally:
+        kernels.set_threads(before)
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 @pytest.mark.parametrize("form,chunk", [("recurrent", 0), ("chunked", 64), ("chunked", 5), ("chunked", 1)])

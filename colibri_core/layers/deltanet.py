@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..kernels import deltanet as kernels
-from ..model import linear
+from ..model import linear, linears
 from .gated_attention import sigmoid
 from .norm import rms_norm_gated
 
@@ -94,14 +94,14 @@ class GatedDeltaNet:
     def __call__(self, x: np.ndarray, state: DeltaNetState) -> np.ndarray:
         """x (T, H) normalised hidden states → (T, H); `state` advances by T tokens."""
         d, T = self.dims, x.shape[0]
-        qkv = kernels.causal_conv1d(linear(x, self.in_proj_qkv), self.conv_weight, state.conv)  # (T, channels)
+        mixed, z, b, a = linears(x, (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))  # one C call
+        qkv = kernels.causal_conv1d(mixed, self.conv_weight, state.conv)  # (T, channels)
         nk = d.key_heads * d.key_dim
         q = qkv[:, :nk].reshape(T, d.key_heads, d.key_dim)
         k = qkv[:, nk : 2 * nk].reshape(T, d.key_heads, d.key_dim)
         v = qkv[:, 2 * nk :].reshape(T, d.value_heads, d.value_dim)
-        beta = sigmoid(linear(x, self.in_proj_b))  # (T, Hv)
-        g = -np.exp(self.A_log) * softplus(linear(x, self.in_proj_a) + self.dt_bias)  # (T, Hv)
+        beta = sigmoid(b)  # (T, Hv)
+        g = -np.exp(self.A_log) * softplus(a + self.dt_bias)  # (T, Hv)
         o = kernels.gated_delta_rule(q, k, v, g.astype(np.float32), beta, state.recurrent)  # (T, Hv, dv)
-        z = linear(x, self.in_proj_z).reshape(T, d.value_heads, d.value_dim)
-        o = rms_norm_gated(o, z, self.norm, self.eps)  # (T, Hv, dv)
+        o = rms_norm_gated(o, z.reshape(T, d.value_heads, d.value_dim), self.norm, self.eps)  # (T, Hv, dv)
         return linear(o.reshape(T, d.value_heads * d.value_dim), self.out_proj)
