@@ -5,7 +5,9 @@
 //
 // Loop orders are chosen so the innermost loop runs over a contiguous dv (or channel) axis; every
 // sum over an axis is taken sequentially in index order, so each result depends only on the
-// inputs. Built with -ffp-contract=off like the rest of csrc/.
+// inputs. Built with -ffp-contract=off like the rest of csrc/. The conv (by channel ranges) and the
+// recurrent rule (by value heads) run on the kernel threads; each result is one thread's, computed
+// in the same order, so the thread count never changes a bit.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,7 +57,7 @@ int causal_conv1d(float *out, float *state, const float *x, const float *weight,
     }
     const int hist = kernel - 1;  // rows of state
     // Channel ranges in parallel: each output element is one thread's, the same operations.
-    int tasks = (double)n * channels * (kernel + 8) < POOL_MIN_WORK ? 1 : 4 * threads_get();
+    int tasks = (double)n * channels * (kernel + 8) < POOL_MIN_WORK ? 1 : 4 * threads_get();  // +8: the SiLU's expf
     ConvJob j = {out, state, x, weight, n, channels, kernel, silu, (channels + tasks - 1) / tasks};
     int ntasks = (channels + j.per - 1) / j.per;
     if (ntasks == 1) {

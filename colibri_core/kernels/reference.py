@@ -69,7 +69,7 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     blocks = _pad_cols(x, Q8_BLOCK).reshape(n, -1, Q8_BLOCK)  # (n, nblocks, 64)
     finite = np.isfinite(blocks).all(axis=-1)
     amax = np.where(np.isfinite(blocks), np.abs(blocks), np.float32(0)).max(axis=-1, initial=np.float32(0))
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # inf where absmax < 127 / FLT_MAX
         inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
         q = np.clip(np.rint(blocks * inv[..., None]), -127, 127)
         q[np.isnan(q)] = 0  # 0 · inf: a zero in a block whose absmax < 127 / FLT_MAX overflows inv
