@@ -7,7 +7,9 @@ same threads). Prefill is bound by arithmetic, so matrix-matrix kernels also rep
 the calls cycle through several copies, so every byte comes from RAM as in a real decode.
 
 `--simd all` runs every kernel on each code path this CPU can run (portable, avx2, avx512),
-side by side against the same read bandwidth; `--simd NAME` one path.
+side by side; `--simd NAME` one path. The paths and a pass of the read-bandwidth probe take turns
+call by call, so a host whose speed drifts within minutes (a shared VM) moves them alike: each
+kernel's "% read" is against the reads taken between its own calls.
 
 JSON shape: {"machine": {"read_gbps": …, "threads": …, "simd": (the default path), "paths": […], "cpu": …},
              "kernels": [{"name": "int4_matvec", "simd": "avx2", "gbps": …, "fraction_of_read": …, …}, …]}
@@ -76,26 +78,52 @@ def random_qtensor(rng: np.random.Generator, kind: str, rows: int, cols: int) ->
     return QTensor("f32", rows, cols, rng.standard_normal((rows, cols), dtype=np.float32))
 
 
-def _timed(fn, min_seconds: float) -> float:
-    """Median seconds per call of fn() over at least `min_seconds` (after one warm-up call)."""
-    fn()
-    times, start = [], time.perf_counter()
-    while time.perf_counter() - start < min_seconds or len(times) < 5:
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+def _timed_turns(fns: dict, min_seconds: float) -> dict:
+    """Median seconds per call of each of `fns` ({name: (setup, call)}), the calls taking turns
+    (setup untimed before each) for at least `min_seconds` per fn and 5 calls each, after one
+    warm-up call each."""
+    for setup, call in fns.values():
+        setup()
+        call()
+    times = {name: [] for name in fns}
+    start = time.perf_counter()
+    while time.perf_counter() - start < min_seconds * len(fns) or len(times[next(iter(fns))]) < 5:
+        for name, (setup, call) in fns.items():
+            setup()
+            t = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t)
+    return {name: float(np.median(v)) for name, v in times.items()}
+
+
+class ReadProbe:
+    """One pass of the kernel threads over `nbytes` of RAM (`mem_read`): the machine's read bandwidth."""
+
+    def __init__(self, nbytes: int = WORKING_SET):
+        self.buf = np.ones(nbytes // 8, np.uint64)
+        self.ptr = kernels.ffi.from_buffer(self.buf)
+
+    def __call__(self) -> None:
+        kernels.lib.mem_read(self.ptr, self.buf.nbytes)
 
 
 def read_bandwidth(nbytes: int = WORKING_SET, min_seconds: float = MIN_SECONDS) -> float:
     """Bytes per second the kernel threads read from RAM (median over repeated full passes)."""
-    buf = np.ones(nbytes // 8, np.uint64)
-    ptr = kernels.ffi.from_buffer(buf)
-    seconds = _timed(lambda: kernels.lib.mem_read(ptr, buf.nbytes), min_seconds)
-    return buf.nbytes / seconds
+    probe = ReadProbe(nbytes)
+    return probe.buf.nbytes / _timed_turns({"read": (lambda: None, probe)}, min_seconds)["read"]
 
 
-def run_case(case: Case, rng: np.random.Generator, working_set: int, min_seconds: float) -> dict:
+def _on_paths(call, paths: list[str], probe: ReadProbe, min_seconds: float) -> tuple[dict, float]:
+    """({path: median seconds of `call`}, read bytes/s), the paths and the probe taking turns."""
+    fns = {p: (lambda p=p: kernels.set_simd(p), call) for p in paths}
+    fns["read"] = (lambda: None, probe)
+    seconds = _timed_turns(fns, min_seconds)
+    return {p: seconds[p] for p in paths}, probe.buf.nbytes / seconds["read"]
+
+
+def run_case(case: Case, rng: np.random.Generator, working_set: int, min_seconds: float,
+             paths: list[str], probe: ReadProbe) -> list[dict]:
+    """One row per path: the same weights, the calls cycling through enough copies to leave the cache."""
     w0 = random_qtensor(rng, case.kind, case.rows, case.cols)
     copies = max(1, working_set // w0.nbytes)
     ws = [w0] + [random_qtensor(rng, case.kind, case.rows, case.cols) for _ in range(copies - 1)]
@@ -106,16 +134,20 @@ def run_case(case: Case, rng: np.random.Generator, working_set: int, min_seconds
         kernels.matmul(ws[at[0] % len(ws)], x, case.act)
         at[0] += 1
 
-    seconds = _timed(call, min_seconds)
-    row = {"name": case.name, "kind": case.kind, "activations": case.act, "rows": case.rows, "cols": case.cols,
-           "tokens": case.tokens, "seconds": seconds, "gbps": w0.nbytes / seconds / 1e9}
-    if case.tokens > 1:
-        row["gflops"] = 2.0 * case.rows * case.cols * case.tokens / seconds / 1e9
-    return row
+    per_path, read = _on_paths(call, paths, probe, min_seconds)
+    rows = []
+    for path, seconds in per_path.items():
+        row = {"simd": path, "name": case.name, "kind": case.kind, "activations": case.act, "rows": case.rows,
+               "cols": case.cols, "tokens": case.tokens, "seconds": seconds, "gbps": w0.nbytes / seconds / 1e9,
+               "read_gbps": read / 1e9}
+        if case.tokens > 1:
+            row["gflops"] = 2.0 * case.rows * case.cols * case.tokens / seconds / 1e9
+        rows.append(row)
+    return rows
 
 
-def run_moe_case(rng: np.random.Generator, tokens: int, working_set: int, min_seconds: float,
-                 n_experts: int = 64, kind: str = "int4") -> dict:
+def run_moe_case(rng: np.random.Generator, tokens: int, working_set: int, min_seconds: float, paths: list[str],
+                 probe: ReadProbe, n_experts: int = 64, kind: str = "int4") -> list[dict]:
     """One OLMoE-1B-7B MoE layer (64 experts of 2048 -> 1024 -> 2048, int4 or `kind`, top-8) through
     moe_experts, `tokens` tokens routed at random, cycling over enough layers to leave the cache."""
     hidden, inter, k = 2048, 1024, 8
@@ -137,14 +169,17 @@ def run_moe_case(rng: np.random.Generator, tokens: int, working_set: int, min_se
         used[0] = len(experts)
         at[0] += 1
 
-    seconds = _timed(call, min_seconds)
+    per_path, read = _on_paths(call, paths, probe, min_seconds)
     name = "moe_experts" + ("" if kind == "int4" else f"_{kind}") + ("" if tokens == 1 else f"_{tokens}tok")
-    row = {"name": name, "kind": kind, "activations": "int8",
-           "rows": inter, "cols": hidden, "tokens": tokens, "experts": used[0], "seconds": seconds,
-           "gbps": used[0] * expert_bytes / seconds / 1e9}
-    if tokens > 1:
-        row["gflops"] = 2.0 * 3 * inter * hidden * tokens * k / seconds / 1e9
-    return row
+    rows = []
+    for path, seconds in per_path.items():
+        row = {"simd": path, "name": name, "kind": kind, "activations": "int8", "rows": inter, "cols": hidden,
+               "tokens": tokens, "experts": used[0], "seconds": seconds,
+               "gbps": used[0] * expert_bytes / seconds / 1e9, "read_gbps": read / 1e9}
+        if tokens > 1:
+            row["gflops"] = 2.0 * 3 * inter * hidden * tokens * k / seconds / 1e9
+        rows.append(row)
+    return rows
 
 
 def cpu_name() -> str:
@@ -171,32 +206,33 @@ def simd_paths(which: str | None) -> list[str]:
 
 def run(seed: int = 0, working_set: int = WORKING_SET, min_seconds: float = MIN_SECONDS, moe_experts: int = 64,
         simd: str | None = None, cases: tuple[Case, ...] = CASES) -> dict:
-    """Measure everything once per code path (`simd_paths`); returns the JSON-shaped result. (The
-    keyword arguments shrink the run for a quick check of the machinery; the defaults are the benchmark.)"""
+    """Measure every case on every code path (`simd_paths`), the paths and the read probe taking turns;
+    returns the JSON-shaped result. (The keyword arguments shrink the run for a quick check of the
+    machinery; the defaults are the benchmark.)"""
     paths, default = simd_paths(simd), kernels.simd()
-    read = read_bandwidth(working_set, min_seconds)
+    probe, rng = ReadProbe(working_set), np.random.default_rng(seed)
     rows = []
     try:
-        for path in paths:
-            kernels.set_simd(path)
-            rng = np.random.default_rng(seed)  # the same weights on every path
-            measured = [run_case(c, rng, working_set, min_seconds) for c in cases]
-            measured += [run_moe_case(rng, t, working_set, min_seconds, moe_experts) for t in (1, 16)]
-            measured += [run_moe_case(rng, t, working_set, min_seconds, moe_experts, "fp4") for t in (1, 16)]
-            rows += [{"simd": path, **r} for r in measured]
+        for c in cases:
+            rows += run_case(c, rng, working_set, min_seconds, paths, probe)
+        for kind in ("int4", "fp4"):
+            for t in (1, 16):
+                rows += run_moe_case(rng, t, working_set, min_seconds, paths, probe, moe_experts, kind)
     finally:
         kernels.set_simd(default)
     for r in rows:
-        r["fraction_of_read"] = r["gbps"] * 1e9 / read
-    return {"machine": {"read_gbps": read / 1e9, "threads": kernels.threads(), "simd": default, "paths": paths,
-                        "cpu": cpu_name(), "load_average": os.getloadavg()[0]},
+        r["fraction_of_read"] = r["gbps"] / r["read_gbps"]
+    rows.sort(key=lambda r: paths.index(r["simd"]))  # path by path, the cases in order (stable)
+    return {"machine": {"read_gbps": float(np.median([r["read_gbps"] for r in rows])), "threads": kernels.threads(),
+                        "simd": default, "paths": paths, "cpu": cpu_name(), "load_average": os.getloadavg()[0]},
             "kernels": rows}
 
 
 def format_table(result: dict) -> str:
     """One line per kernel; per code path its ms, GB/s, % of the read bandwidth (and GFLOP/s)."""
     m, paths = result["machine"], result["machine"]["paths"]
-    lines = [f"read bandwidth {m['read_gbps']:.1f} GB/s  ({m['threads']} threads, default path {m['simd']}, "
+    lines = [f"read bandwidth {m['read_gbps']:.1f} GB/s (median of the passes between the kernels' calls; each "
+             f"% read is against those of its own row)  ({m['threads']} threads, default path {m['simd']}, "
              f"{m['cpu']}, load average {m['load_average']:.1f})",
              f"{'':<22} {'':>16} {'':>4}" + "".join(f" {'── ' + p + ' ':─<34}" for p in paths),
              f"{'kernel':<22} {'shape':>16} {'tok':>4}" + f" {'ms':>8} {'GB/s':>7} {'% read':>7} {'GFLOP/s':>8}" * len(paths)]
