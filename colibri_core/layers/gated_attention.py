@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..kv.cache import KVCache
-from ..model import linear
+from ..model import linear, linears
 from .attention import gqa_attention
 from .norm import rms_norm_zero_centred
 from .rope import apply_rotate_half
@@ -59,16 +59,16 @@ class GatedAttention:
         """x (T, H) normalised hidden states; cos, sin (T, rotary_dim) at the tokens' positions → (T, H)."""
         T, D = x.shape[0], self.head_dim
         b = self.biases or {}
-        qg = self._proj(x, self.q_proj, b.get("q")).reshape(T, self.heads, 2 * D)
+        qg, k, v = linears(x, (self.q_proj, self.k_proj, self.v_proj))  # one C call for the three
+        qg, k, v = (self._bias(qg, b.get("q")), self._bias(k, b.get("k")), self._bias(v, b.get("v")))
+        qg = qg.reshape(T, self.heads, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(T, self.heads * D)
-        k = self._proj(x, self.k_proj, b.get("k")).reshape(T, self.kv_heads, D)
-        v = self._proj(x, self.v_proj, b.get("v")).reshape(T, self.kv_heads, D)
+        k, v = k.reshape(T, self.kv_heads, D), v.reshape(T, self.kv_heads, D)
         q = apply_partial_rotate_half(rms_norm_zero_centred(q, self.q_norm, self.eps), cos, sin)  # (T, heads, D)
         k = apply_partial_rotate_half(rms_norm_zero_centred(k, self.k_norm, self.eps), cos, sin)  # (T, kv_heads, D)
         attn = gqa_attention(q, k, v, cache, D ** -0.5)  # (T, heads * D)
-        return self._proj(attn * sigmoid(gate), self.o_proj, b.get("o"))
+        return self._bias(linear(attn * sigmoid(gate), self.o_proj), b.get("o"))
 
     @staticmethod
-    def _proj(x: np.ndarray, w, bias: np.ndarray | None) -> np.ndarray:
-        y = linear(x, w)
+    def _bias(y: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
         return y if bias is None else y + bias
