@@ -16,7 +16,6 @@
 #include "impl/kernels_impl.h"
 
 #define L2NORM_EPS 1e-6f
-#define POOL_MIN_WORK 65536.0  // multiply-adds below which a call runs on the caller alone (a wake-up costs more)
 
 // ----------------------------------------------------------------------------
 // causal_conv1d

@@ -215,7 +215,7 @@ int attention(float *out, const float *q, int T, int H, int D, const float *k, c
     AttnJob j = {out, q, k, v, T, H, D, S, Hkv, start, scale, (H + blocks - 1) / blocks,
                  path_current() != &PATH_PORTABLE};
     int tasks = T * ((H + j.heads - 1) / j.heads);
-    if ((double)T * H * (start + T) * D < 65536.0 || threads <= 1) {
+    if ((double)T * H * (start + T) * D < POOL_MIN_WORK || threads <= 1) {
         for (int i = 0; i < tasks; i++) attn_task(&j, i);
     } else {
         pool_run(attn_task, &j, tasks);

@@ -568,7 +568,7 @@ void rows_run(const RowsJob *j, int r0, int r1) {
 int rows_per_task(int rows, double work_per_row) {
     int threads = threads_get();
     if (rows <= 0) return 1;
-    if (threads <= 1 || (double)rows * work_per_row < 65536.0) return rows;  // not worth a wake-up
+    if (threads <= 1 || (double)rows * work_per_row < POOL_MIN_WORK) return rows;
     int tasks = threads * 4;
     int per = (rows + tasks - 1) / tasks;
     if (per < 1) per = 1;

@@ -148,6 +148,9 @@ int rows_per_task(int rows, double work_per_row);
 // ----------------------------------------------------------------------------
 // threads.c
 
+// Work (multiply-adds or the like) below which a call runs on the caller alone: a wake-up costs more.
+#define POOL_MIN_WORK 65536.0
+
 // Run fn(ctx, i) for i in [0, ntasks) on the pool's threads and the caller; returns when all ran.
 // Each task runs on exactly one thread. Called while the pool is busy (from another thread), the
 // tasks run on the caller alone.
