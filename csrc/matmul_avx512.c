@@ -9,7 +9,7 @@
 
 #if COLI_X86
 #include <string.h>
-#ifdef COLIBRI_SIMDE  // tools/check_avx512.sh: the same code over SIMDe's portable intrinsics
+#ifdef COLIBRI_SIMDE  // tools/avx512_check/run.sh: the same code over SIMDe's portable intrinsics
 #include "simde_shims.h"
 #define AVX512
 #else

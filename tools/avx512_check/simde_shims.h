@@ -12,15 +12,6 @@ typedef simde__mmask32 __mmask32;
 typedef simde__mmask64 __mmask64;
 #endif
 
-// 128-bit lanes: [a[imm & 3], a[(imm >> 2) & 3], b[(imm >> 4) & 3], b[(imm >> 6) & 3]]
-static inline __m512i coli_shuffle_i64x2(__m512i a, __m512i b, int imm) {
-    uint8_t va[64], vb[64], r[64];
-    memcpy(va, &a, 64); memcpy(vb, &b, 64);
-    for (int l = 0; l < 4; l++) memcpy(r + 16 * l, (l < 2 ? va : vb) + 16 * ((imm >> (2 * l)) & 3), 16);
-    __m512i out; memcpy(&out, r, 64); return out;
-}
-#define _mm512_shuffle_i64x2 coli_shuffle_i64x2
-
 static inline __m512i coli_maskz_loadu_epi8(__mmask64 k, const void *p) {
     int8_t v[64] = {0};
     for (int i = 0; i < 64; i++) if ((k >> i) & 1) v[i] = ((const int8_t *)p)[i];
@@ -41,19 +32,13 @@ static inline __m512 coli_maskz_loadu_ps(__mmask16 k, const float *p) {
     for (int i = 0; i < 16; i++) if ((k >> i) & 1) v[i] = p[i];
     __m512 r; memcpy(&r, v, 64); return r;
 }
-static inline __m512i coli_cvtepi8_epi32(__m128i a) {
-    int8_t b[16]; int32_t v[16]; memcpy(b, &a, 16);
+static inline __m512i coli_cvtepu8_epi32(__m128i a) {
+    uint8_t b[16]; int32_t v[16]; memcpy(b, &a, 16);
     for (int i = 0; i < 16; i++) v[i] = b[i];
     __m512i r; memcpy(&r, v, 64); return r;
-}
-static inline __m512 coli_cvtepi32_ps(__m512i a) {
-    int32_t b[16]; float v[16]; memcpy(b, &a, 64);
-    for (int i = 0; i < 16; i++) v[i] = (float)b[i];
-    __m512 r; memcpy(&r, v, 64); return r;
 }
 #define _mm512_maskz_loadu_epi8 coli_maskz_loadu_epi8
 #define _mm256_mask_loadu_epi8 coli_mask_loadu_epi8_256
 #define _mm_maskz_loadu_epi8 coli_maskz_loadu_epi8_128
 #define _mm512_maskz_loadu_ps coli_maskz_loadu_ps
-#define _mm512_cvtepi8_epi32 coli_cvtepi8_epi32
-#define _mm512_cvtepi32_ps coli_cvtepi32_ps
+#define _mm512_cvtepu8_epi32 coli_cvtepu8_epi32
