@@ -6,7 +6,7 @@
 // Loop orders are chosen so the innermost loop runs over a contiguous dv (or channel) axis; every
 // sum over an axis is taken sequentially in index order, so each result depends only on the
 // inputs. Built with -ffp-contract=off like the rest of csrc/. The conv (by channel ranges) and the
-// recurrent rule (by value heads) run on the kernel threads; each result is one thread's, computed
+// recurrent rules (by value heads) run on the kernel threads; each result is one thread's, computed
 // in the same order, so the thread count never changes a bit.
 #include <math.h>
 #include <stdlib.h>
@@ -127,54 +127,64 @@ static int normalise_qk(float **qn, float **kn, const float *q, const float *k, 
 // ----------------------------------------------------------------------------
 // Recurrent form
 
-typedef struct {
-    float *out, *state, *delta;  // delta: [hv, dv] scratch, a row per head
-    const float *qn, *kn, *v, *g, *beta;
-    int n, hk, hv, dk, dv;
-} RecurrentJob;
-
-static void recurrent_head(void *ctx, int h) {
-    const RecurrentJob *jb = ctx;
-    const int n = jb->n, hk = jb->hk, hv = jb->hv, dk = jb->dk, dv = jb->dv, group = hv / hk;
-    float *S = jb->state + (size_t)h * dk * dv;  // [dk, dv]: stays in cache across the tokens
-    float *delta = jb->delta + (size_t)h * dv;   // [dv]
-    for (int t = 0; t < n; t++) {
-        const float *qt = jb->qn + ((size_t)t * hk + h / group) * dk;  // [dk]
-        const float *kt = jb->kn + ((size_t)t * hk + h / group) * dk;  // [dk]
-        const float *vt = jb->v + ((size_t)t * hv + h) * dv;           // [dv]
-        float *ot = jb->out + ((size_t)t * hv + h) * dv;                // [dv]
-        float decay = expf(jb->g[(size_t)t * hv + h]);
-        float b = jb->beta[(size_t)t * hv + h];
-        // Pass 1: S ← decay · S and kv = Sᵀ k̂ (delta holds kv for now).
+// One token of the rule on one head's state S [dk, dv]: S[i, :] ← decay[i] · S[i, :] and kv = Sᵀ k̂
+// (pass 1), δ = b · (v − kv), then S ← S + k̂ ⊗ δ and o = Sᵀ q̂ (pass 2). delta: [dv] scratch.
+static void delta_step(float *S, const float *decay, const float *kt, const float *qt, const float *vt, float b,
+                       float *delta, float *ot, int dk, int dv) {
+    for (int j = 0; j < dv; j++) {
+        delta[j] = 0.0f;
+    }
+    for (int i = 0; i < dk; i++) {
+        float *row = S + (size_t)i * dv;
+        float di = decay[i], ki = kt[i];
         for (int j = 0; j < dv; j++) {
-            delta[j] = 0.0f;
+            row[j] *= di;
+            delta[j] += row[j] * ki;
         }
-        for (int i = 0; i < dk; i++) {
-            float *row = S + (size_t)i * dv;
-            float ki = kt[i];
-            for (int j = 0; j < dv; j++) {
-                row[j] *= decay;
-                delta[j] += row[j] * ki;
-            }
-        }
+    }
+    for (int j = 0; j < dv; j++) {
+        delta[j] = (vt[j] - delta[j]) * b;
+        ot[j] = 0.0f;
+    }
+    for (int i = 0; i < dk; i++) {
+        float *row = S + (size_t)i * dv;
+        float ki = kt[i], qi = qt[i];
         for (int j = 0; j < dv; j++) {
-            delta[j] = (vt[j] - delta[j]) * b;
-            ot[j] = 0.0f;
-        }
-        // Pass 2: S ← S + k̂ ⊗ δ and o = Sᵀ q̂.
-        for (int i = 0; i < dk; i++) {
-            float *row = S + (size_t)i * dv;
-            float ki = kt[i], qi = qt[i];
-            for (int j = 0; j < dv; j++) {
-                row[j] += ki * delta[j];
-                ot[j] += row[j] * qi;
-            }
+            row[j] += ki * delta[j];
+            ot[j] += row[j] * qi;
         }
     }
 }
 
-int gated_delta_rule_recurrent(float *out, float *state, const float *q, const float *k, const float *v,
-                               const float *g, const float *beta, int n, int hk, int hv, int dk, int dv) {
+typedef struct {
+    float *out, *state, *scratch;  // scratch: [hv, dv + dk], a row per head (delta, then the decays)
+    const float *qn, *kn, *v, *g, *beta;
+    int n, hk, hv, dk, dv;
+    int per_channel;  // g is [n, hv, dk] (Kimi Delta Attention) instead of [n, hv] (Gated DeltaNet)
+} RecurrentJob;
+
+static void recurrent_head(void *ctx, int h) {
+    const RecurrentJob *jb = ctx;
+    const int hk = jb->hk, hv = jb->hv, dk = jb->dk, dv = jb->dv, group = hv / hk;
+    float *S = jb->state + (size_t)h * dk * dv;  // [dk, dv]: stays in cache across the tokens
+    float *delta = jb->scratch + (size_t)h * (dv + dk), *decay = delta + dv;
+    for (int t = 0; t < jb->n; t++) {
+        const size_t th = (size_t)t * hv + h, tk = (size_t)t * hk + h / group;
+        if (jb->per_channel) {
+            for (int i = 0; i < dk; i++) decay[i] = expf(jb->g[th * dk + i]);
+        } else {
+            float e = expf(jb->g[th]);
+            for (int i = 0; i < dk; i++) decay[i] = e;
+        }
+        delta_step(S, decay, jb->kn + tk * dk, jb->qn + tk * dk, jb->v + th * dv, jb->beta[th], delta,
+                   jb->out + th * dv, dk, dv);
+    }
+}
+
+// Both recurrent forms, heads in parallel: each head's state and outputs are one thread's, in the
+// same order.
+static int recurrent(float *out, float *state, const float *q, const float *k, const float *v, const float *g,
+                     const float *beta, int n, int hk, int hv, int dk, int dv, int per_channel) {
     int status = check_sizes(n, hk, hv, dk, dv);
     if (status != COLI_OK || n == 0) {
         return status;
@@ -183,23 +193,27 @@ int gated_delta_rule_recurrent(float *out, float *state, const float *q, const f
     if ((status = normalise_qk(&qn, &kn, q, k, n, hk, dk)) != COLI_OK) {
         return status;
     }
-    float *delta = malloc((size_t)hv * dv * sizeof(float));
-    if (delta == NULL) {
+    float *scratch = malloc((size_t)hv * (dv + dk) * sizeof(float));
+    if (scratch == NULL) {
         free(qn);
         free(kn);
         return COLI_ENOMEM;
     }
-    // Heads in parallel: each head's state and outputs are one thread's, in the same order.
-    RecurrentJob jb = {out, state, delta, qn, kn, v, g, beta, n, hk, hv, dk, dv};
+    RecurrentJob jb = {out, state, scratch, qn, kn, v, g, beta, n, hk, hv, dk, dv, per_channel};
     if (4.0 * n * hv * dk * dv < POOL_MIN_WORK) {
         for (int h = 0; h < hv; h++) recurrent_head(&jb, h);
     } else {
         pool_run(recurrent_head, &jb, hv);
     }
-    free(delta);
+    free(scratch);
     free(qn);
     free(kn);
     return COLI_OK;
+}
+
+int gated_delta_rule_recurrent(float *out, float *state, const float *q, const float *k, const float *v,
+                               const float *g, const float *beta, int n, int hk, int hv, int dk, int dv) {
+    return recurrent(out, state, q, k, v, g, beta, n, hk, hv, dk, dv, 0);
 }
 
 // ----------------------------------------------------------------------------
@@ -324,56 +338,5 @@ int gated_delta_rule_chunked(float *out, float *state, const float *q, const flo
 
 int kda_recurrent(float *out, float *state, const float *q, const float *k, const float *v, const float *g,
                   const float *beta, int n, int heads, int d) {
-    int status = check_sizes(n, heads, heads, d, d);
-    if (status != COLI_OK || n == 0) {
-        return status;
-    }
-    float *qn, *kn;
-    if ((status = normalise_qk(&qn, &kn, q, k, n, heads, d)) != COLI_OK) {
-        return status;
-    }
-    float *delta = malloc((size_t)d * sizeof(float));  // [d]
-    if (delta == NULL) {
-        free(qn);
-        free(kn);
-        return COLI_ENOMEM;
-    }
-    for (int h = 0; h < heads; h++) {  // each head's state stays in cache across the tokens
-        float *S = state + (size_t)h * d * d;  // [d, d]
-        for (int t = 0; t < n; t++) {
-            const size_t row_th = (size_t)t * heads + h;
-            const float *qt = qn + row_th * d, *kt = kn + row_th * d, *vt = v + row_th * d, *gt = g + row_th * d;
-            float *ot = out + row_th * d;
-            float b = beta[row_th];
-            // Pass 1: S[i, :] ← exp(g[i]) · S[i, :] and kv = Sᵀ k̂ (delta holds kv for now).
-            for (int j = 0; j < d; j++) {
-                delta[j] = 0.0f;
-            }
-            for (int i = 0; i < d; i++) {
-                float *row = S + (size_t)i * d;
-                float decay = expf(gt[i]), ki = kt[i];
-                for (int j = 0; j < d; j++) {
-                    row[j] *= decay;
-                    delta[j] += row[j] * ki;
-                }
-            }
-            for (int j = 0; j < d; j++) {
-                delta[j] = (vt[j] - delta[j]) * b;
-                ot[j] = 0.0f;
-            }
-            // Pass 2: S ← S + k̂ ⊗ δ and o = Sᵀ q̂.
-            for (int i = 0; i < d; i++) {
-                float *row = S + (size_t)i * d;
-                float ki = kt[i], qi = qt[i];
-                for (int j = 0; j < d; j++) {
-                    row[j] += ki * delta[j];
-                    ot[j] += row[j] * qi;
-                }
-            }
-        }
-    }
-    free(delta);
-    free(qn);
-    free(kn);
-    return COLI_OK;
+    return recurrent(out, state, q, k, v, g, beta, n, heads, heads, d, d, 1);
 }

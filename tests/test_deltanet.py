@@ -5,6 +5,7 @@ import pytest
 
 from colibri_core import kernels
 from colibri_core.kernels import deltanet as dn
+from colibri_core.kernels import kda
 from colibri_core.kernels import reference_deltanet as ref
 from colibri_core.layers.deltanet import softplus
 from colibri_core.layers.gated_attention import apply_partial_rotate_half
@@ -51,20 +52,23 @@ def test_causal_conv1d_in_pieces_equals_whole():
     assert np.array_equal(np.concatenate(parts), whole)
 
 
-def test_conv_and_recurrent_rule_give_the_same_bits_on_every_thread_count():
-    """Decode-sized calls large enough to be split over the kernel threads (channel ranges; heads)."""
+def test_conv_and_recurrent_rules_give_the_same_bits_on_every_thread_count():
+    """Decode-sized calls large enough to be split over the kernel threads (channel ranges; heads),
+    Kimi Delta Attention's per-channel rule included."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 4096)).astype(np.float32)
     w = rng.standard_normal((4096, 4)).astype(np.float32)
     q, k, v, g, beta = delta_inputs(rng, 2, 4, 8, 64, 64)
     state0 = (rng.standard_normal((8, 64, 64)) * 0.3).astype(np.float32)
+    g_kda = -np.abs(rng.standard_normal((2, 8, 64))).astype(np.float32)
     results, before = [], kernels.threads()
     try:
         for n in (1, 2, 3, 7):
             kernels.set_threads(n)
-            conv_state, state = np.zeros((3, 4096), np.float32), state0.copy()
+            conv_state, state, kda_state = np.zeros((3, 4096), np.float32), state0.copy(), state0.copy()
             results.append((dn.causal_conv1d(x, w, conv_state), conv_state,
-                            dn.gated_delta_rule(q, k, v, g, beta, state, form="recurrent"), state))
+                            dn.gated_delta_rule(q, k, v, g, beta, state, form="recurrent"), state,
+                            kda.recurrent(v, v, v, g_kda, beta, kda_state), kda_state))
     finally:
         kernels.set_threads(before)
     for got in results[1:]:
