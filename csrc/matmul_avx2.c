@@ -216,6 +216,7 @@ AVX2 static inline void chunk_unpack(uint8_t *lohi, const uint8_t *wr, size_t ro
 // The float32 scales of the chunk's 8 groups (0 past the row's last group).
 AVX2 static inline __m256 chunk_scales(const uint16_t *scales, int g0, int ngroups) {
     if (g0 + 8 <= ngroups) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g0)));
+    if (g0 + 4 == ngroups) return _mm256_cvtph_ps(_mm_loadl_epi64((const __m128i *)(scales + g0)));  // 4 of them
     uint16_t stmp[8] = {0};
     memcpy(stmp, scales + g0, (size_t)(ngroups - g0) * sizeof(uint16_t));
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)stmp));
@@ -350,6 +351,31 @@ AVX2 static inline __m256i chunk_isum_direct(const uint8_t *wp, const int8_t *xq
     return hsum8_epi32(acc);
 }
 
+// chunk_isum_direct for n <= 4 groups: lanes 0..n-1 their sums, the rest zero (the same integers)
+// with half the horizontal work. Qwen3-30B-A3B's expert down rows (768 columns) end in such a
+// half chunk: 16 matrices of 2048 x 768 in one call, this and the 8-group version alternated call by
+// call, 19.9 -> 22.7 GB/s.
+AVX2 static inline __m256i chunk_isum_direct4(const uint8_t *wp, const int8_t *xq, int n) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int c = 0; c < 32 * n; c += 64) _mm_prefetch((const char *)wp + 4096 + c, _MM_HINT_T0);
+    __m256i acc[4];
+    for (int i = 0; i < 4; i++) {
+        if (i >= n) {
+            acc[i] = _mm256_setzero_si256();
+            continue;
+        }
+        __m256i b = _mm256_loadu_si256((const __m256i *)(wp + (size_t)i * 32));
+        __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+        const int8_t *x = xq + (size_t)i * 64;
+        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                                     _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 32))));
+        acc[i] = _mm256_madd_epi16(p, ones);
+    }
+    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0], acc[1]), _mm256_hadd_epi32(acc[2], acc[3]));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    return _mm256_inserti128_si256(_mm256_setzero_si256(), s, 0);
+}
+
 // One token: chunks straight from the weights (no unpacked copy), the row's last partial chunk too
 // when its groups are whole (cols a multiple of 64: Qwen3-30B-A3B's expert down rows of 768 are
 // 1.5 chunks); only a row ending inside a group goes through the copy.
@@ -367,7 +393,8 @@ AVX2 float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
         __m256i isum;
         if (!short_end || g0 + 8 < ngroups) {  // every group of the chunk whole
             int n = ngroups - g0 < 8 ? ngroups - g0 : 8;
-            isum = chunk_isum_direct(wr + (size_t)g0 * 32, xq + (size_t)g0 * 64, n);
+            isum = n <= 4 ? chunk_isum_direct4(wr + (size_t)g0 * 32, xq + (size_t)g0 * 64, n)
+                          : chunk_isum_direct(wr + (size_t)g0 * 32, xq + (size_t)g0 * 64, n);
         } else {
             _Alignas(32) uint8_t lohi[512];
             chunk_unpack(lohi, wr, row_bytes, g0, ngroups);
