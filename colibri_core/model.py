@@ -156,14 +156,16 @@ class MoEModel:
         raise NotImplementedError
 
     def moe(self, layer: int, x: np.ndarray, residual: np.ndarray, token_ids: np.ndarray,
-            expert_input: np.ndarray | None = None) -> np.ndarray:
+            expert_input: np.ndarray | None = None, shared=None) -> np.ndarray:
         """The core's MoE block for MoE layer `layer` (`colibri_core.layers.moe.MoE`): routes x (T, H)
         with the layer's declared router, starts the lookahead for the next MoE layer from
         `residual` (T, H) (the residual stream x was normalised from), runs the routed experts
-        on `expert_input` (default x) → (T, H). Call it from `forward`; never override it."""
+        on `expert_input` (default x) → (T, H), plus `shared(x)` given a shared expert
+        (`layers.shared_expert.SharedExpert`, run in the same C call where it can). Call it from
+        `forward`; never override it."""
         if self._moe is None:
             from .layers.moe import MoE  # the layers import this module's helpers
 
             layout = self.layout(self.cfg)
             self._moe = MoE(self.store, self.routers(), self.lookahead(), layout.swiglu_limit, layout.expert_activation)
-        return self._moe(layer, x, residual, token_ids, expert_input)
+        return self._moe(layer, x, residual, token_ids, expert_input, shared)

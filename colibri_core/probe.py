@@ -143,6 +143,11 @@ def recording(names=None):
         _recording.reset(token)
 
 
+def listening() -> bool:
+    """Whether a recorder listens on this thread (a fused block that skips an intermediate asks)."""
+    return _recording.get() is not None
+
+
 def record(layer: int, **tensors) -> None:
     """Name intermediates of layer `layer` for the listening recorder (if any): ``record(i, l_out=h)``.
     With nobody listening it costs one context-variable lookup; recording never changes a result."""

@@ -166,9 +166,13 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
 // A whole MoE layer whose experts are all at hand, in one call: moe_experts over the batch union of
 // ids (ascending) into a scratch (T, k, hidden), then moe_combine into out — the same bits as those
 // two calls. table: 3 * n_table matrices, expert e's gate, up, down at 3e, 3e+1, 3e+2; ids: int64
-// [T, k] in 0 .. n_table-1; weights: f32 [T, k]; out: f32 [T, hidden].
+// [T, k] in 0 .. n_table-1; weights: f32 [T, k]; out: f32 [T, hidden]. shared (NULL: none): the
+// gate, up, down of an always-on expert, run in the same phases as one more rank after the k
+// routed ones, weighted by shared_scale [T] (NULL: 1) — the bits of moe_block without it, plus
+// shared_scale[t] · expert_ffn(shared, x[t]).
 int moe_block(float *out, const float *x, int T, int k, int hidden, const QMatrix *const *table, int n_table,
-              const int64_t *ids, const float *weights, int act, float limit);
+              const int64_t *ids, const float *weights, const QMatrix *const *shared, const float *shared_scale,
+              int act, float limit);
 
 // out[t] = Σ_r weights[t, r] · outs[t, r], summed in rank order (out = o0 w0; out += o_r w_r).
 // out: f32 [T, hidden]; outs: f32 [T, k, hidden]; weights: f32 [T, k].

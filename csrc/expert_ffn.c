@@ -284,19 +284,33 @@ int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMa
 }
 
 int moe_block(float *out, const float *x, int T, int k, int hidden, const QMatrix *const *table, int n_table,
-              const int64_t *ids, const float *weights, int act, float limit) {
+              const int64_t *ids, const float *weights, const QMatrix *const *shared, const float *shared_scale,
+              int act, float limit) {
     if (T < 0 || k < 1 || hidden < 0 || n_table < 1) return COLI_EINVAL;
     size_t nslots = (size_t)T * (size_t)k;
     for (size_t s = 0; s < nslots; s++) {
         if (ids[s] < 0 || ids[s] >= n_table) return COLI_EINVAL;
     }
+    int ks = k + (shared != NULL);  // ranks per token: the shared expert, if any, is one more, the last
+    size_t nks = (size_t)T * (size_t)ks;
     char *used = calloc((size_t)n_table, 1);
-    int64_t *experts = malloc((nslots + 1) * sizeof *experts);
-    const QMatrix **mats = malloc((3 * nslots + 1) * sizeof *mats);
-    float *outs = malloc((nslots * (size_t)hidden + 1) * sizeof *outs);
-    int status = used == NULL || experts == NULL || mats == NULL || outs == NULL ? COLI_ENOMEM : COLI_OK;
+    int64_t *experts = malloc((nks + 1) * sizeof *experts);
+    int64_t *ids_s = malloc((nks + 1) * sizeof *ids_s);  // [T, ks]
+    float *weights_s = malloc((nks + 1) * sizeof *weights_s);  // [T, ks]
+    const QMatrix **mats = malloc((3 * nks + 1) * sizeof *mats);
+    float *outs = malloc((nks * (size_t)hidden + 1) * sizeof *outs);
+    int status = used == NULL || experts == NULL || ids_s == NULL || weights_s == NULL || mats == NULL ||
+                 outs == NULL ? COLI_ENOMEM : COLI_OK;
     if (status == COLI_OK) {
-        int n = 0;  // the batch union, ascending (the order the store yields them)
+        for (size_t t = 0; t < (size_t)T; t++) {
+            memcpy(ids_s + t * ks, ids + t * k, (size_t)k * sizeof *ids);
+            memcpy(weights_s + t * ks, weights + t * k, (size_t)k * sizeof *weights);
+            if (shared != NULL) {  // the shared expert: id n_table, weight its scale (1 without)
+                ids_s[t * ks + k] = n_table;
+                weights_s[t * ks + k] = shared_scale != NULL ? shared_scale[t] : 1.0f;
+            }
+        }
+        int n = 0;  // the batch union, ascending (the order the store yields them), then the shared expert
         for (size_t s = 0; s < nslots; s++) used[ids[s]] = 1;
         for (int e = 0; e < n_table; e++) {
             if (!used[e]) continue;
@@ -304,11 +318,18 @@ int moe_block(float *out, const float *x, int T, int k, int hidden, const QMatri
             for (int m = 0; m < 3; m++) mats[3 * n + m] = table[3 * e + m];
             n++;
         }
-        status = moe_experts(outs, x, T, k, hidden, mats, n, ids, experts, act, limit);
+        if (shared != NULL) {
+            experts[n] = n_table;
+            for (int m = 0; m < 3; m++) mats[3 * n + m] = shared[m];
+            n++;
+        }
+        status = moe_experts(outs, x, T, ks, hidden, mats, n, ids_s, experts, act, limit);
     }
-    if (status == COLI_OK) status = moe_combine(out, outs, weights, T, k, hidden);
+    if (status == COLI_OK) status = moe_combine(out, outs, weights_s, T, ks, hidden);
     free(used);
     free(experts);
+    free(ids_s);
+    free(weights_s);
     free(mats);
     free(outs);
     return status;

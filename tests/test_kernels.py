@@ -518,6 +518,31 @@ def test_moe_block_is_moe_experts_then_combine(kind, act, glu, limit):
         kernels.moe_block(x, np.full_like(ids, E), w, block)  # an expert the table lacks
 
 
+@pytest.mark.parametrize("kind,act", MODES)
+@pytest.mark.parametrize("glu,limit", [("swiglu", None), ("swiglu", 0.7), ("situ", None)])
+def test_moe_block_runs_a_shared_expert_as_one_more_rank(kind, act, glu, limit):
+    """A shared expert in the one-call MoE layer (another width than the routed experts, gated per
+    token or not) gives the bits of adding scale · expert_ffn after the call."""
+    rng = np.random.default_rng(29)
+    E, hidden, inter = 5, 130, 200
+    table = expert_set(rng, E, hidden, inter, kind)
+    block = kernels.ExpertTable([table[e] for e in range(E)])
+    shared = expert_set(rng, 1, hidden, 72, kind)[0]
+    one = kernels.ExpertTable([shared])
+    for T, k in [(1, 2), (4, 3)]:
+        ids = np.stack([rng.permutation(E)[:k] for _ in range(T)])  # (T, k)
+        x, w = random_x(rng, T, hidden), rng.random((T, k)).astype(np.float32)
+        routed = kernels.moe_block(x, ids, w, block, act, limit=limit, glu=glu)
+        alone = kernels.expert_ffn(*shared, x, act, limit=limit, glu=glu)
+        scale = rng.random(T).astype(np.float32)
+        got = kernels.moe_block(x, ids, w, block, act, limit=limit, glu=glu, shared=one, shared_scale=scale)
+        assert_same_bits(got, routed + scale[:, None] * alone, "gated")
+        got = kernels.moe_block(x, ids, w, block, act, limit=limit, glu=glu, shared=one)
+        assert_same_bits(got, routed + alone, "ungated")
+    with pytest.raises(ValueError, match="one expert"):
+        kernels.moe_block(x, ids, w, block, shared=block)
+
+
 def test_moe_combine_matches_reference_bit_for_bit():
     rng = np.random.default_rng(22)
     for T, k, H in [(1, 1, 1), (1, 8, 2048), (5, 3, 65)]:

@@ -44,7 +44,7 @@ STABLE = {
     "colibri_core.layers.router": ["Router", "SoftmaxTopK", "SigmoidGroupTopK", "SqrtSoftplusTopK", "HashRouter",
                                    "topk", "softmax_topk", "sigmoid_group_topk", "sqrt_softplus"],
     "colibri_core.layers.mlp": ["swiglu_mlp"],
-    "colibri_core.layers.shared_expert": ["shared_expert"],
+    "colibri_core.layers.shared_expert": ["SharedExpert"],
     "colibri_core.layers.mla": ["MLA", "MLACache", "MLADims"],
     "colibri_core.layers.dsa": ["Indexer"],
     "colibri_core.layers.deltanet": ["DeltaNetDims", "DeltaNetState", "GatedDeltaNet"],

@@ -270,21 +270,37 @@ class ExpertTable:
 
 
 def moe_block(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, table: ExpertTable, act: str | None = None,
-              limit: float | None = None, glu: str = "swiglu") -> np.ndarray:
+              limit: float | None = None, glu: str = "swiglu", shared: ExpertTable | None = None,
+              shared_scale: np.ndarray | None = None) -> np.ndarray:
     """A whole MoE layer whose experts are all in `table`, in one C call: ``Σ_rank weights[t, r] ·
     expert_ffn(*table[ids[t, r]], x[t])``, the same bits as `moe_experts` over the batch union
-    then `moe_combine`. x float32 (T, H); ids integer (T, k) in 0 .. E-1; weights (T, k) → (T, H)."""
+    then `moe_combine`. x float32 (T, H); ids integer (T, k) in 0 .. E-1; weights (T, k) → (T, H).
+
+    `shared`, a table of one expert (a shared expert), runs in the same call as one more rank after
+    the routed ones: ``+ shared_scale[t] · expert_ffn(*shared, x[t])`` (shared_scale (T,) float32,
+    None: 1), the bits of this sum done after the call."""
     x = _activations(x, table.hidden, "moe_block: x")
     ids = np.ascontiguousarray(ids, np.int64)
     weights = np.ascontiguousarray(weights, np.float32)
     T = x.shape[0]
     if ids.ndim != 2 or ids.shape[0] != T or weights.shape != ids.shape:
         raise ValueError(f"moe_block: ids and weights must be ({T}, k), got {list(ids.shape)}, {list(weights.shape)}")
+    shared_c, scale_c = ffi.NULL, ffi.NULL
+    if shared is not None:
+        if shared.n != 1 or shared.hidden != table.hidden:
+            raise ValueError(f"moe_block: shared must be a table of one expert of width {table.hidden}, "
+                             f"got {shared.n} of {shared.hidden}")
+        shared_c = shared._c
+        if shared_scale is not None:
+            shared_scale = np.ascontiguousarray(shared_scale, np.float32)
+            if shared_scale.shape != (T,):
+                raise ValueError(f"moe_block: shared_scale must be ({T},), got {list(shared_scale.shape)}")
+            scale_c = _floats(shared_scale)
     out = np.empty((T, table.hidden), np.float32)
     if T and table.hidden:
         _check(lib.moe_block(_floats(out, writable=True), _floats(x), T, ids.shape[1], table.hidden, table._c, table.n,
-                             ffi.from_buffer("int64_t[]", ids), _floats(weights), _act_code(act) | _glu_code(glu),
-                             _limit(limit)), "moe_block")
+                             ffi.from_buffer("int64_t[]", ids), _floats(weights), shared_c, scale_c,
+                             _act_code(act) | _glu_code(glu), _limit(limit)), "moe_block")
     return out
 
 

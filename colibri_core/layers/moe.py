@@ -13,8 +13,9 @@ import numpy as np
 
 from .. import kernels
 from ..errors import ColibriError
-from ..probe import record, route, timed
+from ..probe import listening, record, route, timed
 from .router import Router
+from .shared_expert import SharedExpert
 
 
 def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, limit: float | None = None) -> None:
@@ -62,17 +63,20 @@ class MoE:
 
     @timed("moe")
     def __call__(self, layer: int, x: np.ndarray, residual: np.ndarray, token_ids: np.ndarray,
-                 expert_input: np.ndarray | None = None) -> np.ndarray:
+                 expert_input: np.ndarray | None = None, shared: SharedExpert | None = None) -> np.ndarray:
         """MoE layer `layer`: x (T, H) the router's input (the layer's normalised residual stream),
         residual (T, H) the residual stream it was computed from (the lookahead's input), token_ids
-        (T,) → (T, H) = Σ_rank weight · expert(expert_input), expert_input defaulting to x.
+        (T,) → (T, H) = Σ_rank weight · expert(expert_input), expert_input defaulting to x; with a
+        `shared` expert, + shared(x) (the bits of adding it to this call's result).
 
         The store reads the batch union once and yields the experts already resident first, the
         others in groups as their reads arrive, so compute overlaps the reads; once this layer's
         reads are queued, the next MoE layer's router guesses its experts from `residual` and the
         store starts reading those too. A layer that holds all its experts (the store's
         `resident_table`) runs its experts and their weighted sum as one C call (`kernels.moe_block`),
-        the same bits.
+        the same bits. The shared expert runs in that call too, as one more rank (when it has the
+        routed experts' gated unit and clamp, and no probe listens for the routed sum alone), or
+        else while the first reads are in flight.
         """
         router = self.routers.get(layer)
         if router is None:
@@ -86,9 +90,11 @@ class MoE:
         remote = getattr(self.store, "remote", None)  # remote shards behind the store (colibri_core/remote)
         table = self.store.resident_table(layer, ids, predict) if remote is None else None
         if table is not None:  # the layer holds all its experts: the experts and their weighted sum, one C call
+            if shared is not None and self._fuses(shared, expert_input):
+                return kernels.moe_block(xe, ids, weights, table, limit=self.swiglu_limit, glu=self.activation,
+                                         shared=shared.table, shared_scale=shared.scale(x))
             out = kernels.moe_block(xe, ids, weights, table, limit=self.swiglu_limit, glu=self.activation)
-            record(layer, ffn_moe_out=out)
-            return out
+            return self._add_shared(layer, out, x, shared)
         T, k = ids.shape
         outs = np.zeros((T, k, xe.shape[1]), np.float32)  # (T, k, H): one slot per (token, rank)
         sent = None
@@ -97,13 +103,31 @@ class MoE:
             if predict is not None:
                 predict = (nxt, remote.watch(nxt, predict[1]))  # the lookahead also warms the remote shards
         skip = sent.experts if sent is not None else frozenset()
+        shared_out = None
         for ready in self.store.experts(layer, ids, predict=predict, skip=skip):  # {expert: (gate, up, down)}, resident first
             self.run(outs, xe, ids, ready, self.swiglu_limit)
+            if shared is not None and shared_out is None:  # the reads are queued now: compute it meanwhile
+                shared_out = shared(x)
         if sent is not None:
             failed = remote.collect(sent, outs)  # the shards' slots; a failed or late shard's experts are …
             if failed:  # … read and computed here, within this call
                 for ready in self.store.experts(layer, ids, skip=skip - failed, record=False):
                     self.run(outs, xe, ids, ready, self.swiglu_limit)
         out = combine(outs, weights)  # (T, H)
+        return self._add_shared(layer, out, x, shared, shared_out)
+
+    def _fuses(self, shared: SharedExpert, expert_input: np.ndarray | None) -> bool:
+        """Whether `shared` can run in the routed experts' C call: quantised weights of one kind, the
+        same input, gated unit and clamp as theirs, and no probe asking for the routed sum alone."""
+        return (shared.table is not None and expert_input is None and shared.glu == self.activation
+                and shared.limit == self.swiglu_limit and not listening())
+
+    def _add_shared(self, layer: int, out: np.ndarray, x: np.ndarray, shared: SharedExpert | None,
+                    shared_out: np.ndarray | None = None) -> np.ndarray:
+        """The routed experts' sum `out` (T, H), recorded, + the shared expert's output on x."""
         record(layer, ffn_moe_out=out)
-        return out
+        if shared is None:
+            return out
+        shared_out = shared(x) if shared_out is None else shared_out
+        record(layer, ffn_shexp=shared_out)
+        return out + shared_out

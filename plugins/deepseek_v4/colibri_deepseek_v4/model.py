@@ -43,10 +43,10 @@ from colibri_core.layers.compressor import (
     visible_entries,
 )
 from colibri_core.layers.hyper import HyperConnection, HyperHead
-from colibri_core.layers.mlp import swiglu_mlp
 from colibri_core.layers.norm import rms_norm
 from colibri_core.layers.rope import Rope, rotate_tail_interleaved, yarn_inv_freq
 from colibri_core.layers.router import HashRouter, SqrtSoftplusTopK
+from colibri_core.layers.shared_expert import SharedExpert
 from colibri_core.layers.sink_attention import (
     SlidingWindow,
     grouped_linear,
@@ -345,7 +345,7 @@ class Layer:
     compressor: Compressor | None
     indexer: CompressedIndexer | None
     router: object  # SqrtSoftplusTopK | HashRouter
-    shared: tuple  # gate, up (I_s, H), down (H, I_s)
+    shared: SharedExpert  # gate, up (I_s, H), down (H, I_s), clamped at swiglu_limit
 
 
 class DeepseekV4(MoEModel):
@@ -464,7 +464,7 @@ class DeepseekV4(MoEModel):
             wq_a=w("attn.wq_a.weight"), q_norm=w("attn.q_norm.weight"), wq_b=w("attn.wq_b.weight"),
             wkv=w("attn.wkv.weight"), kv_norm=w("attn.norm.weight"), wo_a=split_rows(w("attn.wo_a.weight"), cfg.o_groups),
             wo_b=w("attn.wo_b.weight"), sinks=w("attn.attn_sink"), compressor=compressor, indexer=indexer,
-            router=router, shared=tuple(w(n) for n in SHARED))
+            router=router, shared=SharedExpert(*(w(n) for n in SHARED), limit=cfg.swiglu_limit))
 
     def routers(self) -> dict:
         """Every layer: hash layers by token id (their lookahead reads the table), the others
@@ -511,7 +511,7 @@ class DeepseekV4(MoEModel):
             pre, post, comb = L.ffn_hc.weights(h)
             collapsed = HyperConnection.collapse(h, pre)  # (T, H): the stream the router's input is normalised from
             x = rms_norm(collapsed, L.ffn_norm, eps)
-            out = self.moe(L.index, x, collapsed, ids) + swiglu_mlp(x, *L.shared, limit=cfg.swiglu_limit)
+            out = self.moe(L.index, x, collapsed, ids, shared=L.shared)
             h = HyperConnection.expand(h, out, post, comb)
             record(L.index, l_out=h.reshape(T * cfg.hc_mult, -1))  # the streams after layer i (colibri_core.probe)
         state._length += T

@@ -29,6 +29,7 @@ from colibri_core.layers.mlp import swiglu_mlp
 from colibri_core.layers.norm import rms_norm
 from colibri_core.layers.rope import Rope
 from colibri_core.layers.router import SigmoidGroupTopK
+from colibri_core.layers.shared_expert import SharedExpert
 from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, embed, linear
 from colibri_core.probe import record
@@ -293,7 +294,7 @@ class Glm52(MoEModel):
                 w("mlp.gate.weight"), w("mlp.gate.e_score_correction_bias"),  # (E, H) float32, (E,)
                 cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
                 input=partial(rms_norm, weight=L["post_norm"], eps=cfg.rms_norm_eps))
-            L["shared"] = tuple(w(f"mlp.shared_experts.{p}_proj.weight") for p in ("gate", "up", "down"))
+            L["shared"] = SharedExpert(*(w(f"mlp.shared_experts.{p}_proj.weight") for p in ("gate", "up", "down")))
         else:
             L["mlp"] = tuple(w(f"mlp.{p}_proj.weight") for p in ("gate", "up", "down"))
         if MTP[0] in names:
@@ -338,7 +339,7 @@ class Glm52(MoEModel):
         x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
         if "mlp" in L:
             return h + swiglu_mlp(x, *L["mlp"]), keep
-        return h + (self.moe(i, x, h, ids) + swiglu_mlp(x, *L["shared"])), keep
+        return h + self.moe(i, x, h, ids, shared=L["shared"]), keep
 
     def hidden(self, ids: np.ndarray, state: State) -> np.ndarray:
         """The final-normalised hidden states (T, H) of new tokens `ids` (T,): what lm_head reads."""

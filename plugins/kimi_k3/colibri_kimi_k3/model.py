@@ -46,6 +46,7 @@ from colibri_core.layers.mla import MLA, MLACache, MLADims
 from colibri_core.layers.mlp import swiglu_mlp
 from colibri_core.layers.norm import rms_norm
 from colibri_core.layers.router import SigmoidGroupTopK
+from colibri_core.layers.shared_expert import SharedExpert
 from colibri_core.layers.situ import situ_mlp
 from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, embed, linear
@@ -316,7 +317,8 @@ class Layer:
     q_proj: object = None  # MLA without q_lora: (heads (nope + r), H)
     g_proj: object = None  # K3 MLA's output gate (heads v, H)
     router: SigmoidGroupTopK | None = None  # (E, H) float32 + bias (E,); None on a dense layer
-    mlp: tuple | None = None  # dense: gate (F, H), up (F, H), down (H, F); MoE: the shared experts'
+    mlp: tuple | None = None  # dense: gate (F, H), up (F, H), down (H, F)
+    shared: SharedExpert | None = None  # MoE: the shared experts, (S, H), (S, H), (H, S)
     latent: tuple | None = None  # K3: routed_expert_down_proj (Z, H), routed_expert_norm (Z,), up_proj (H, Z)
     attn_res: tuple | None = None  # K3: self_attention_res_norm (H,), self_attention_res_proj (1, H)
     mlp_res: tuple | None = None  # K3: mlp_res_norm (H,), mlp_res_proj (1, H)
@@ -432,7 +434,8 @@ class KimiLinear(MoEModel):
             if cfg.k3:
                 extra["latent"] = (w(m + "routed_expert_down_proj.weight"), w(m + "routed_expert_norm.weight"),
                                    w(m + "routed_expert_up_proj.weight"))
-            extra["mlp"] = tuple(w(f"{m}shared_experts.{p}_proj.weight") for p in ("gate", "up", "down"))
+            extra["shared"] = SharedExpert(*(w(f"{m}shared_experts.{p}_proj.weight") for p in ("gate", "up", "down")),
+                                           glu="situ" if cfg.k3 else "swiglu")
         else:
             extra["mlp"] = tuple(w(f"{cfg.moe_container}.{p}_proj.weight") for p in ("gate", "up", "down"))
         return Layer(kind=kind, mixer=mixer, input_norm=w("input_layernorm.weight"), post_norm=post_norm, **extra)
@@ -466,10 +469,10 @@ class KimiLinear(MoEModel):
         if L.router is None:
             return act(x, *L.mlp)
         if L.latent is None:
-            return self.moe(i, x, residual, ids) + act(x, *L.mlp)
+            return self.moe(i, x, residual, ids, shared=L.shared)
         down, norm, up = L.latent  # K3: experts run on the latent z, their sum normalised and projected up
         u = self.moe(i, x, residual, ids, expert_input=linear(x, down))  # (T, Z)
-        return linear(rms_norm(u, norm, LATENT_NORM_EPS), up) + act(x, *L.mlp)
+        return linear(rms_norm(u, norm, LATENT_NORM_EPS), up) + L.shared(x)
 
     def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
         cfg = self.cfg

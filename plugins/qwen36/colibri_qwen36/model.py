@@ -32,7 +32,7 @@ from colibri_core.layers.gated_attention import GatedAttention
 from colibri_core.layers.norm import rms_norm_zero_centred
 from colibri_core.layers.rope import Rope
 from colibri_core.layers.router import SoftmaxTopK
-from colibri_core.layers.shared_expert import shared_expert
+from colibri_core.layers.shared_expert import SharedExpert
 from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, embed, linear
 from colibri_core.probe import record
@@ -220,7 +220,7 @@ class Layer:
     input_norm: np.ndarray  # (H,) zero-centred
     post_norm: np.ndarray  # (H,) zero-centred
     router: SoftmaxTopK  # (E, H) float32 weights, on zRMSNorm(h, post_norm)
-    shared: tuple  # gate (S, H), up (S, H), down (H, S), gate of the shared expert (1, H) float32
+    shared: SharedExpert  # gate (S, H), up (S, H), down (H, S), its sigmoid gate (1, H) float32
 
 
 class Qwen36(MoEModel):
@@ -311,10 +311,10 @@ class Qwen36(MoEModel):
                 router=SoftmaxTopK(w("mlp.gate.weight"), cfg.num_experts_per_tok, renormalize=True,  # (E, H) float32
                                    input=partial(rms_norm_zero_centred, weight=w("post_attention_layernorm.weight"),
                                                  eps=cfg.rms_norm_eps)),
-                shared=(w("mlp.shared_expert.gate_proj.weight"),  # (S, H)
-                        w("mlp.shared_expert.up_proj.weight"),  # (S, H)
-                        w("mlp.shared_expert.down_proj.weight"),  # (H, S)
-                        w("mlp.shared_expert_gate.weight")),  # (1, H) float32
+                shared=SharedExpert(w("mlp.shared_expert.gate_proj.weight"),  # (S, H)
+                                    w("mlp.shared_expert.up_proj.weight"),  # (S, H)
+                                    w("mlp.shared_expert.down_proj.weight"),  # (H, S)
+                                    w("mlp.shared_expert_gate.weight")),  # (1, H) float32
             ))
         self.norm = weights(f"{p}norm.weight")  # (H,)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else weights("lm_head.weight")  # (V, H)
@@ -341,7 +341,7 @@ class Qwen36(MoEModel):
                 h = h + L.mixer(x, state.layers[i], cos, sin)
             # ---- routed experts + gated shared expert
             x = rms_norm_zero_centred(h, L.post_norm, cfg.rms_norm_eps)
-            h = h + (self.moe(i, x, h, ids) + shared_expert(x, *L.shared))
+            h = h + self.moe(i, x, h, ids, shared=L.shared)
             record(i, l_out=h)  # the residual stream after layer i (colibri_core.probe)
         state.advance(T)
         if last_only:
