@@ -187,6 +187,10 @@ int moe_combine(float *out, const float *outs, const float *weights, int T, int 
 // [T, k]; 1 <= k <= E.
 int softmax_topk(float *weights, int64_t *ids, const float *logits, int T, int E, int k, int renormalize);
 
+// out[i] = e^x[i] in float32 by colibri's own steps, the exp of attention's softmax and the experts'
+// SiLU: the same bits on every path (kernels_impl.h's coli_expf). out, x: f32 [n].
+int exp_f32(float *out, const float *x, int n);
+
 // out = x / sqrt(mean(x^2) + eps) * weight, row by row. out, x: f32 [n, dim]; weight: f32 [dim].
 int rms_norm(float *out, const float *x, const float *weight, int n, int dim, float eps);
 

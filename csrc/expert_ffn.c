@@ -1,5 +1,5 @@
 // expert_ffn.c — routed experts' SwiGLU feed-forward, fused, many experts per call:
-//   out = down( silu(min(gate x, L)) * clamp(up x, -L, L) ),  silu(a) = a / (1 + exp(-a)),
+//   out = down( silu(min(gate x, L)) * clamp(up x, -L, L) ),  silu(a) = a / (1 + exp(-a)) (exp: coli_expf),
 // L the clamp limit (DeepSeek V4's swiglu_limit; INFINITY: no clamp, the plain SwiGLU); with GLU_SITU
 // in act, Kimi K3's SiTU-GLU  down( 4 tanh(g/4) σ(g) · 25 tanh(u/25) )  instead.
 //
@@ -16,23 +16,12 @@
 
 #include "impl/kernels_impl.h"
 
-static float silu(float a) { return a / (1.0f + expf(-a)); }
-
-// silu(min(g, limit)) * clamp(u, -limit, limit); comparisons, so NaN stays NaN and limit = INFINITY
-// is exactly the unclamped product.
-static float swiglu(float g, float u, float limit) {
-    if (g > limit) g = limit;
-    if (u > limit) u = limit;
-    if (u < -limit) u = -limit;
-    return silu(g) * u;
-}
-
 typedef struct {
     const QMatrix *gate, *up, *down;
     int n;              // tokens routed to this expert
     int32_t *tok;       // [n] token (row of x) of each
     float *h;           // [n, inter] silu(gate x) * (up x)
-    float *g;           // [n, inter] scratch: gate x, when the rows are computed several tokens at once
+    float *g;           // [n, inter] scratch: gate x
     float **grow, **hrow;  // [n] rows of g and h, for rows_fn
     Acts h_acts;        // h laid out for down
     float **yrow;       // [n] output row of each (a slot of outs)
@@ -75,22 +64,26 @@ static void gate_up_task(void *ctx, int task) {
     int r0 = (task - m->first[ei]) * e->per_up;
     int r1 = r0 + e->per_up < inter ? r0 + e->per_up : inter;
     rows_fn rg = path_rows(m->path, e->gate->kind, a->act), ru = path_rows(m->path, e->up->kind, a->act);
+    // gate x into grow, up x into hrow, then the gated unit in place over the task's rows
     if (rg != NULL && ru != NULL && e->n > 1) {  // each weight row unpacked once for every token
         for (int r = r0; r < r1; r++) {
             rg(e->gate, r, a, e->tok, e->n, e->grow);
             ru(e->up, r, a, e->tok, e->n, e->hrow);
         }
-        for (int i = 0; i < e->n; i++) {
-            for (int r = r0; r < r1; r++)
-                e->hrow[i][r] = m->situ ? situ(e->grow[i][r], e->hrow[i][r]) : swiglu(e->grow[i][r], e->hrow[i][r], m->limit);
+    } else {
+        for (int r = r0; r < r1; r++) {
+            for (int i = 0; i < e->n; i++) {
+                e->grow[i][r] = dg(e->gate, r, a, e->tok[i]);
+                e->hrow[i][r] = du(e->up, r, a, e->tok[i]);
+            }
         }
-        return;
     }
-    for (int r = r0; r < r1; r++) {
-        for (int i = 0; i < e->n; i++) {
-            float g = dg(e->gate, r, a, e->tok[i]);
-            float u = du(e->up, r, a, e->tok[i]);
-            e->h[(size_t)i * (size_t)inter + (size_t)r] = m->situ ? situ(g, u) : swiglu(g, u, m->limit);
+    for (int i = 0; i < e->n; i++) {
+        float *g = e->grow[i], *h = e->hrow[i];
+        if (m->situ) {
+            for (int r = r0; r < r1; r++) h[r] = situ(g[r], h[r]);
+        } else {
+            swiglu_rows(h + r0, g + r0, h + r0, r1 - r0, m->limit, m->path != &PATH_PORTABLE);
         }
     }
 }

@@ -23,6 +23,38 @@ static float dot16(const float *a, const float *b, int n) {
     return L[0] + L[1];
 }
 
+// ----------------------------------------------------------------------------
+// coli_expf (kernels_impl.h says why): the scalar steps here, exp8_avx2 below the same in 8 lanes.
+
+#define EXP_HI 88.72283935546875f  // above: +inf (e^x > FLT_MAX)
+#define EXP_LO -104.0f             // below: 0 (e^x < half the smallest subnormal)
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_ROUND 12582912.0f      // 1.5 · 2^23: (t + it) − it rounds t to an integer, ties to even
+#define EXP_LN2_HI 0.693359375f    // ln 2 = EXP_LN2_HI + EXP_LN2_LO; n · EXP_LN2_HI is exact
+#define EXP_LN2_LO -2.12194440e-4f
+static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+static inline float pow2i(int e) {  // 2^e, e in -126 .. 127
+    uint32_t bits = (uint32_t)(e + 127) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+float coli_expf(float x) {
+    if (x != x) return x;
+    if (x > EXP_HI) return INFINITY;
+    if (x < EXP_LO) return 0.0f;
+    float n = (x * EXP_LOG2E + EXP_ROUND) - EXP_ROUND;  // -150 .. 128
+    float r = (x - n * EXP_LN2_HI) - n * EXP_LN2_LO;    // |r| <= ln2 / 2
+    float p = EXP_POLY[0];
+    for (int i = 1; i < 6; i++) p = p * r + EXP_POLY[i];
+    float y = (p * (r * r) + r) + 1.0f;                 // e^r
+    int k = (int)n, k1 = k >> 1;                         // 2^k = 2^k1 · 2^(k − k1), both normal
+    return (y * pow2i(k1)) * pow2i(k - k1);
+}
+
 int rms_norm(float *out, const float *x, const float *weight, int n, int dim, float eps) {
     if (n < 0 || dim < 1) return COLI_EINVAL;
     for (size_t t = 0; t < (size_t)n; t++) {
@@ -105,6 +137,14 @@ typedef struct {
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2")))
 
+// dot16's tree over 16 lanes held in two registers: lane l + l+8, then l+4, l+2, l+1.
+AVX2 static inline float tree16_avx2(__m256 A, __m256 B) {
+    __m256 s8 = _mm256_add_ps(A, B);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
 // dot16 with the 16 lanes in two 8-float registers: the same operations, the same bits.
 AVX2 static float dot16_avx2(const float *a, const float *b, int n) {
     __m256 A = _mm256_setzero_ps(), B = _mm256_setzero_ps();
@@ -113,12 +153,7 @@ AVX2 static float dot16_avx2(const float *a, const float *b, int n) {
         A = _mm256_add_ps(A, _mm256_mul_ps(_mm256_loadu_ps(a + j0), _mm256_loadu_ps(b + j0)));
         B = _mm256_add_ps(B, _mm256_mul_ps(_mm256_loadu_ps(a + j0 + 8), _mm256_loadu_ps(b + j0 + 8)));
     }
-    if (j0 == n) {  // no tail: the tree in registers (lane l + l+8, then l+4, l+2, l+1)
-        __m256 s8 = _mm256_add_ps(A, B);
-        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-        __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-    }
+    if (j0 == n) return tree16_avx2(A, B);  // no tail: the tree in registers
     float L[16];
     _mm256_storeu_ps(L, A);
     _mm256_storeu_ps(L + 8, B);
@@ -142,12 +177,22 @@ AVX2 static void dot16x4_avx2(const float *q, const float *const *k, int D, floa
             B[m] = _mm256_add_ps(B[m], _mm256_mul_ps(_mm256_loadu_ps(a + 8), _mm256_loadu_ps(b + 8)));
         }
     }
-    for (int m = 0; m < 4; m++) {
-        __m256 s8 = _mm256_add_ps(A[m], B[m]);
-        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-        __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        out[m] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    for (int m = 0; m < 4; m++) out[m] = tree16_avx2(A[m], B[m]);
+}
+
+// dot16x4_avx2 for 4 heads of one kv head (GQA): each key vector loaded once for the 4 of them.
+AVX2 static void dot16x4_shared_avx2(const float *q, const float *k, int D, float *out) {
+    __m256 A[4], B[4];
+    for (int m = 0; m < 4; m++) A[m] = B[m] = _mm256_setzero_ps();
+    for (int j0 = 0; j0 < D; j0 += 16) {
+        __m256 k0 = _mm256_loadu_ps(k + j0), k1 = _mm256_loadu_ps(k + j0 + 8);
+        for (int m = 0; m < 4; m++) {
+            const float *a = q + (size_t)m * D + j0;
+            A[m] = _mm256_add_ps(A[m], _mm256_mul_ps(_mm256_loadu_ps(a), k0));
+            B[m] = _mm256_add_ps(B[m], _mm256_mul_ps(_mm256_loadu_ps(a + 8), k1));
+        }
     }
+    for (int m = 0; m < 4; m++) out[m] = tree16_avx2(A[m], B[m]);
 }
 
 // out[0..64) += p[s] * v_s[0..64) for s = s0 .. s1-1 in turn (v_s = v + s * row), in registers:
@@ -172,7 +217,85 @@ AVX2 static void axpy_avx2(float *out, float p, const float *v, int D) {
     }
     for (; d < D; d++) out[d] += p * v[d];
 }
+
+// coli_expf in 8 lanes: the same operations on x clamped to [EXP_LO, EXP_HI] (in range, x itself),
+// then the scalar version's results outside it.
+AVX2 static inline __m256 exp8_avx2(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(EXP_HI), lo = _mm256_set1_ps(EXP_LO), round = _mm256_set1_ps(EXP_ROUND);
+    __m256 xc = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(EXP_LOG2E)), round), round);
+    __m256 r = _mm256_sub_ps(_mm256_sub_ps(xc, _mm256_mul_ps(n, _mm256_set1_ps(EXP_LN2_HI))),
+                             _mm256_mul_ps(n, _mm256_set1_ps(EXP_LN2_LO)));
+    __m256 p = _mm256_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 6; i++) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(EXP_POLY[i]));
+    __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    const __m256i bias = _mm256_set1_epi32(127);
+    __m256i k = _mm256_cvtps_epi32(n), k1 = _mm256_srai_epi32(k, 1), k2 = _mm256_sub_epi32(k, k1);
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23));
+    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23));
+    __m256 e = _mm256_mul_ps(_mm256_mul_ps(y, s1), s2);
+    e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
+    e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+    return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+AVX2 static int exp_shifted_avx2(float *p, int n, float m) {
+    __m256 mv = _mm256_set1_ps(m);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, exp8_avx2(_mm256_sub_ps(_mm256_loadu_ps(p + i), mv)));
+    return i;
+}
+
+// swiglu_rows in 8 lanes: a compare and a blend where the scalar code compares and assigns, so NaN
+// stays NaN as there.
+AVX2 static int swiglu_rows_avx2(float *h, const float *g, const float *u, int n, float limit) {
+    const __m256 L = _mm256_set1_ps(limit), nL = _mm256_set1_ps(-limit), one = _mm256_set1_ps(1.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i), uv = _mm256_loadu_ps(u + i);
+        gv = _mm256_blendv_ps(gv, L, _mm256_cmp_ps(gv, L, _CMP_GT_OQ));
+        uv = _mm256_blendv_ps(uv, L, _mm256_cmp_ps(uv, L, _CMP_GT_OQ));
+        uv = _mm256_blendv_ps(uv, nL, _mm256_cmp_ps(uv, nL, _CMP_LT_OQ));
+        __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, exp8_avx2(_mm256_xor_ps(gv, sign))));
+        _mm256_storeu_ps(h + i, _mm256_mul_ps(silu, uv));
+    }
+    return i;
+}
 #endif
+
+void exp_shifted(float *p, int n, float m, int simd) {
+    int i = 0;
+#if COLI_X86
+    if (simd) i = exp_shifted_avx2(p, n, m);
+#else
+    (void)simd;
+#endif
+    for (; i < n; i++) p[i] = coli_expf(p[i] - m);
+}
+
+int exp_f32(float *out, const float *x, int n) {
+    if (n < 0) return COLI_EINVAL;
+    memcpy(out, x, (size_t)n * sizeof(float));
+    exp_shifted(out, n, 0.0f, path_current() != &PATH_PORTABLE);  // x − 0 = x, −0 included
+    return COLI_OK;
+}
+
+void swiglu_rows(float *h, const float *g, const float *u, int n, float limit, int simd) {
+    int i = 0;
+#if COLI_X86
+    if (simd) i = swiglu_rows_avx2(h, g, u, n, limit);
+#else
+    (void)simd;
+#endif
+    for (; i < n; i++) {
+        float gi = g[i], ui = u[i];
+        if (gi > limit) gi = limit;
+        if (ui > limit) ui = limit;
+        if (ui < -limit) ui = -limit;
+        h[i] = gi / (1.0f + coli_expf(-gi)) * ui;
+    }
+}
 
 // Ask for n floats at p ahead of their use (tokens AHEAD rows on: the cache is read row by row).
 enum { AHEAD = 4 };
@@ -212,7 +335,8 @@ static void attn_task(void *ctx, int task) {
                 const float *kh[4];
                 float dots[4];
                 for (int m = 0; m < 4; m++) kh[m] = ks + (size_t)((h0 + i + m) / group) * D;
-                dot16x4_avx2(q + (size_t)i * D, kh, D, dots);
+                if (kh[0] == kh[3]) dot16x4_shared_avx2(q + (size_t)i * D, kh[0], D, dots);
+                else dot16x4_avx2(q + (size_t)i * D, kh, D, dots);
                 for (int m = 0; m < 4; m++) p[(size_t)(i + m) * len + s] = dots[m] * j->scale;
             }
         }
@@ -230,10 +354,8 @@ static void attn_task(void *ctx, int task) {
     for (int i = 0; i < nh; i++) {  // softmax over the tokens, per head
         float *ph = p + (size_t)i * len, m = -INFINITY, sum = 0.0f;
         for (int s = 0; s < len; s++) m = ph[s] > m ? ph[s] : m;
-        for (int s = 0; s < len; s++) {
-            ph[s] = expf(ph[s] - m);
-            sum += ph[s];
-        }
+        exp_shifted(ph, len, m, j->avx2);
+        for (int s = 0; s < len; s++) sum += ph[s];
         for (int s = 0; s < len; s++) ph[s] = ph[s] / sum;
     }
     for (size_t i = 0; i < (size_t)nh * (size_t)D; i++) out[i] = 0.0f;

@@ -451,6 +451,45 @@ def test_environment_rejects_a_path_this_cpu_lacks_or_bad_threads():
 # Per-token layers: RMSNorm, RoPE, attention
 
 
+def exp_inputs() -> np.ndarray:
+    """A dense sweep over the whole range e^x is finite and non-zero in, every float around its
+    ends, random bit patterns, and the special values."""
+    rng = np.random.default_rng(41)
+    ends = [np.float32(v) for v in (88.72283935546875, -104.0, 0.0, -87.33654, -103.27893)]
+    near = [np.nextafter(e, np.float32(s * np.inf), dtype=np.float32) for e in ends for s in (1, -1)]
+    nudged = np.array([v for e in ends for v in (e, *near)], np.float32)
+    nudged = np.concatenate([nudged + np.float32(0)] + [np.array([np.nextafter(v, np.float32(d), dtype=np.float32)
+                                                                 for v in nudged], np.float32) for d in (np.inf, -np.inf)])
+    special = np.array([np.inf, -np.inf, np.nan, -0.0, 1e-45, -1e-45, 1e-38, 3.4e38, -3.4e38], np.float32)
+    return np.concatenate([np.linspace(-106, 90, 2_000_003, dtype=np.float32), nudged, special,
+                           rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)])
+
+
+def test_exp_is_the_same_bits_on_every_path_and_within_1_ulp():
+    """The kernels' own e^x (attention's softmax, the experts' SiLU): identical on every path, within
+    1 ulp of e^x (a subnormal step below 2^-126), inf / 0 / NaN where e^x is."""
+    x = exp_inputs()
+    got = {}
+    for path in supported_paths():
+        kernels.set_simd(path)
+        got[path] = kernels.exp(x)
+    kernels.set_simd("auto")
+    base = got["portable"]
+    for path, y in got.items():
+        assert_same_bits(y, base, f"exp on {path}")
+    nan = np.isnan(x)
+    assert np.isnan(base[nan]).all()
+    with np.errstate(over="ignore", invalid="ignore"):
+        exact = np.exp(x.astype(np.float64))
+        want = exact[~nan].astype(np.float32)  # inf where it overflows, 0 where it underflows
+    y = base[~nan]
+    big = np.isinf(want) | (want == 0)
+    assert np.array_equal(y[big], want[big]), "inf / 0 where e^x overflows / underflows"
+    ulp = np.spacing(np.maximum(np.abs(want[~big]), np.float32(2.0 ** -126))).astype(np.float64)
+    err = np.abs(y[~big].astype(np.float64) - exact[~nan][~big]) / ulp
+    assert err.max() <= 1.0, f"{err.max():.2f} ulp at x = {x[~nan][~big][err.argmax()]!r}"
+
+
 def test_rms_norm_matches_reference():
     rng = np.random.default_rng(20)
     for shape in [(1, 1), (3, 63), (5, 2048), (2, 3, 130)]:

@@ -123,6 +123,20 @@ void quantize64_avx2(const float *x, int int4_order, int8_t *q, float *scale, in
 #endif
 
 const Path *path_current(void);
+
+// ----------------------------------------------------------------------------
+// exp in float32 by colibri's own steps (layers.c), for the softmax of attention and the experts'
+// SiLU: the same operations on every path, 8 lanes at a time where the path has AVX2, so every path
+// and thread count gets the same bits (libm's expf is one value at a time, and not the same code on
+// every machine). n = round(x log2 e), r = (x − n ln2_hi) − n ln2_lo, e^r by Cephes' expf
+// polynomial, times 2^n in two steps (exact, then rounded once). Within 1 ulp of e^x (the kernel
+// tests check it); +inf above 88.72284, 0 below −104, NaN stays NaN.
+float coli_expf(float x);
+// p[i] = coli_expf(p[i] − m) for i < n: a softmax's numerators. `simd`: 8 lanes at a time (AVX2).
+void exp_shifted(float *p, int n, float m, int simd);
+// h[i] = silu(min(g[i], L)) · clamp(u[i], −L, L), silu(a) = a / (1 + coli_expf(−a)), for i < n
+// (L = INFINITY: no clamp; NaN stays NaN); h may be u.
+void swiglu_rows(float *h, const float *g, const float *u, int n, float limit, int simd);
 dot_fn path_dot(const Path *p, int kind, int act);
 rows_fn path_rows(const Path *p, int kind, int act);
 
