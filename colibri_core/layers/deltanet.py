@@ -15,6 +15,7 @@ a [dk, dv] matrix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -91,6 +92,11 @@ class GatedDeltaNet:
     out_proj: Any  # (H, Hv * dv)
     eps: float
 
+    @cached_property
+    def neg_A(self) -> np.ndarray:
+        """−exp(A_log) (Hv,): the decay's rate, the same every token."""
+        return -np.exp(self.A_log)
+
     def __call__(self, x: np.ndarray, state: DeltaNetState) -> np.ndarray:
         """x (T, H) normalised hidden states → (T, H); `state` advances by T tokens."""
         d, T = self.dims, x.shape[0]
@@ -101,7 +107,7 @@ class GatedDeltaNet:
         k = qkv[:, nk : 2 * nk].reshape(T, d.key_heads, d.key_dim)
         v = qkv[:, 2 * nk :].reshape(T, d.value_heads, d.value_dim)
         beta = sigmoid(b)  # (T, Hv)
-        g = -np.exp(self.A_log) * softplus(a + self.dt_bias)  # (T, Hv)
+        g = self.neg_A * softplus(a + self.dt_bias)  # (T, Hv)
         o = kernels.gated_delta_rule(q, k, v, g.astype(np.float32), beta, state.recurrent)  # (T, Hv, dv)
         o = rms_norm_gated(o, z.reshape(T, d.value_heads, d.value_dim), self.norm, self.eps)  # (T, Hv, dv)
         return linear(o.reshape(T, d.value_heads * d.value_dim), self.out_proj)
