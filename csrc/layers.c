@@ -180,14 +180,15 @@ AVX2 static void dot16x4_avx2(const float *q, const float *const *k, int D, floa
     for (int m = 0; m < 4; m++) out[m] = tree16_avx2(A[m], B[m]);
 }
 
-// dot16x4_avx2 for 4 heads of one kv head (GQA): each key vector loaded once for the 4 of them.
-AVX2 static void dot16x4_shared_avx2(const float *q, const float *k, int D, float *out) {
+// dot16x4_avx2 for 4 queries against one key (4 heads of one kv head, GQA, q_stride D; or one
+// head of 4 new tokens, q_stride H·D): each key vector loaded once for the 4 of them.
+AVX2 static void dot16x4_shared_avx2(const float *q, size_t q_stride, const float *k, int D, float *out) {
     __m256 A[4], B[4];
     for (int m = 0; m < 4; m++) A[m] = B[m] = _mm256_setzero_ps();
     for (int j0 = 0; j0 < D; j0 += 16) {
         __m256 k0 = _mm256_loadu_ps(k + j0), k1 = _mm256_loadu_ps(k + j0 + 8);
         for (int m = 0; m < 4; m++) {
-            const float *a = q + (size_t)m * D + j0;
+            const float *a = q + (size_t)m * q_stride + j0;
             A[m] = _mm256_add_ps(A[m], _mm256_mul_ps(_mm256_loadu_ps(a), k0));
             B[m] = _mm256_add_ps(B[m], _mm256_mul_ps(_mm256_loadu_ps(a + 8), k1));
         }
@@ -307,6 +308,57 @@ static void axpy(float *out, float p, const float *v, int D) {
     for (int d = 0; d < D; d++) out[d] += p * v[d];
 }
 
+// Softmax over the len scores of each of heads h0 .. h0+nh-1 (rows of p, in place), then their
+// outputs out [nh, D] = Σ_s p_s v_s in token order.
+static void attn_values(const AttnJob *j, float *p, int len, int h0, int nh, float *out) {
+    int group = j->H / j->Hkv, D = j->D;
+    size_t row = (size_t)j->Hkv * (size_t)D;  // floats per cached token
+    int kv0 = h0 / group;
+    size_t span = (size_t)((h0 + nh - 1) / group - kv0 + 1) * (size_t)D;  // floats of a token these heads read
+    for (int i = 0; i < nh; i++) {  // softmax over the tokens, per head
+        float *ph = p + (size_t)i * len, m = -INFINITY, sum = 0.0f;
+        for (int s = 0; s < len; s++) m = ph[s] > m ? ph[s] : m;
+        exp_shifted(ph, len, m, j->avx2);
+        for (int s = 0; s < len; s++) sum += ph[s];
+        for (int s = 0; s < len; s++) ph[s] = ph[s] / sum;
+    }
+    for (size_t i = 0; i < (size_t)nh * (size_t)D; i++) out[i] = 0.0f;
+#if COLI_X86
+    // Blocks of tokens, each head's output held in registers over a block (not stored and loaded
+    // back per token), with the scores 4 heads at a time above: decode attention alternated call by
+    // call with the previous loops (BENCHMARKS.md) 12.5 -> 13.7 GB/s at 100 cached tokens and 14.5
+    // -> 16.1 at 2000 for OLMoE's 16 heads, 6.9 -> 8.1 at 8000 for Qwen3's 32 over 4 kv heads.
+    if (j->avx2 && D % 64 == 0) {
+        enum { BLOCK = 16 };
+        for (int s0 = 0; s0 < len; s0 += BLOCK) {
+            int s1 = s0 + BLOCK < len ? s0 + BLOCK : len;
+            for (int s = s1; s < s1 + BLOCK && s < len; s++) prefetch(j->v + (size_t)s * row + (size_t)kv0 * D, span);
+            for (int i = 0; i < nh; i++) {
+                const float *vh = j->v + (size_t)((h0 + i) / group) * D;
+                for (int d0 = 0; d0 < D; d0 += 64)
+                    axpy64_tokens_avx2(out + (size_t)i * D + d0, p + (size_t)i * len, vh + d0, row, s0, s1);
+            }
+        }
+        return;
+    }
+#endif
+    for (int s = 0; s < len; s++) {
+        const float *vs = j->v + (size_t)s * row;
+        if (s + AHEAD < len) prefetch(vs + AHEAD * row + (size_t)kv0 * D, span);
+        for (int i = 0; i < nh; i++) {
+            const float *vh = vs + (size_t)((h0 + i) / group) * D;
+#if COLI_X86
+            if (j->avx2) {
+                axpy_avx2(out + (size_t)i * D, p[(size_t)i * len + s], vh, D);
+                continue;
+            }
+#endif
+            axpy(out + (size_t)i * D, p[(size_t)i * len + s], vh, D);
+        }
+    }
+}
+
+// One task per (new token, block of heads): its scores, then attn_values.
 static void attn_task(void *ctx, int task) {
     const AttnJob *j = ctx;
     int blocks = (j->H + j->heads - 1) / j->heads;
@@ -335,7 +387,7 @@ static void attn_task(void *ctx, int task) {
                 const float *kh[4];
                 float dots[4];
                 for (int m = 0; m < 4; m++) kh[m] = ks + (size_t)((h0 + i + m) / group) * D;
-                if (kh[0] == kh[3]) dot16x4_shared_avx2(q + (size_t)i * D, kh[0], D, dots);
+                if (kh[0] == kh[3]) dot16x4_shared_avx2(q + (size_t)i * D, (size_t)D, kh[0], D, dots);
                 else dot16x4_avx2(q + (size_t)i * D, kh, D, dots);
                 for (int m = 0; m < 4; m++) p[(size_t)(i + m) * len + s] = dots[m] * j->scale;
             }
@@ -351,50 +403,55 @@ static void attn_task(void *ctx, int task) {
             p[(size_t)i * len + s] = dot * j->scale;
         }
     }
-    for (int i = 0; i < nh; i++) {  // softmax over the tokens, per head
-        float *ph = p + (size_t)i * len, m = -INFINITY, sum = 0.0f;
-        for (int s = 0; s < len; s++) m = ph[s] > m ? ph[s] : m;
-        exp_shifted(ph, len, m, j->avx2);
-        for (int s = 0; s < len; s++) sum += ph[s];
-        for (int s = 0; s < len; s++) ph[s] = ph[s] / sum;
-    }
-    for (size_t i = 0; i < (size_t)nh * (size_t)D; i++) out[i] = 0.0f;
-#if COLI_X86
-    // Blocks of tokens, each head's output held in registers over a block (not stored and loaded
-    // back per token), with the scores 4 heads at a time above: decode attention alternated call by
-    // call with the previous loops (BENCHMARKS.md) 12.5 -> 13.7 GB/s at 100 cached tokens and 14.5
-    // -> 16.1 at 2000 for OLMoE's 16 heads, 6.9 -> 8.1 at 8000 for Qwen3's 32 over 4 kv heads.
-    if (j->avx2 && D % 64 == 0) {
-        enum { BLOCK = 16 };
-        for (int s0 = 0; s0 < len; s0 += BLOCK) {
-            int s1 = s0 + BLOCK < len ? s0 + BLOCK : len;
-            for (int s = s1; s < s1 + BLOCK && s < len; s++) prefetch(j->v + (size_t)s * row + (size_t)kv0 * D, span);
-            for (int i = 0; i < nh; i++) {
-                const float *vh = j->v + (size_t)((h0 + i) / group) * D;
-                for (int d0 = 0; d0 < D; d0 += 64)
-                    axpy64_tokens_avx2(out + (size_t)i * D + d0, p + (size_t)i * len, vh + d0, row, s0, s1);
-            }
-        }
-    } else
-#endif
-    {
-        for (int s = 0; s < len; s++) {
-            const float *vs = j->v + (size_t)s * row;
-            if (s + AHEAD < len) prefetch(vs + AHEAD * row + (size_t)kv0 * D, span);
-            for (int i = 0; i < nh; i++) {
-                const float *vh = vs + (size_t)((h0 + i) / group) * D;
-#if COLI_X86
-                if (j->avx2) {
-                    axpy_avx2(out + (size_t)i * D, p[(size_t)i * len + s], vh, D);
-                    continue;
-                }
-#endif
-                axpy(out + (size_t)i * D, p[(size_t)i * len + s], vh, D);
-            }
-        }
-    }
+    attn_values(j, p, len, h0, nh, out);
     if (p != stack) free(p);
 }
+
+#if COLI_X86
+// Several new tokens (prefill, verification): a task per (4 new tokens, block of heads), so each
+// cached key a head reads is loaded once for the 4 queries (dot16x4_shared_avx2); then each token's
+// softmax and values as attn_task. The same operations per score and output, so the same bits.
+// OLMoE's 16 heads, alternated call by call with one task per token: a 2048-token prompt 916 ->
+// 608 ms per layer, 64 tokens after 1024 cached 22.6 -> 16.7 ms (Qwen3's grouped heads already
+// shared each key over 4 heads: unchanged).
+static void attn_task4(void *ctx, int task) {
+    const AttnJob *j = ctx;
+    int blocks = (j->H + j->heads - 1) / j->heads;
+    int t0 = (task / blocks) * 4, h0 = (task % blocks) * j->heads;
+    int nt = j->T - t0 < 4 ? j->T - t0 : 4, nh = j->H - h0 < j->heads ? j->H - h0 : j->heads;
+    int group = j->H / j->Hkv, D = j->D, len0 = j->start + t0 + 1;  // keys every one of them sees
+    size_t row = (size_t)j->Hkv * (size_t)D, qs = (size_t)j->H * (size_t)D;
+    int len[4];
+    float *p[4];  // [nh, len[m]] scores of token t0 + m
+    size_t need = 0;
+    for (int m = 0; m < nt; m++) need += (size_t)nh * (size_t)(len[m] = len0 + m);
+    float *buf = malloc(need * sizeof(float));
+    if (buf == NULL) {  // no memory for the scores: the rows are NaN rather than wrong
+        for (int m = 0; m < nt; m++)
+            for (size_t i = 0; i < (size_t)nh * (size_t)D; i++) j->out[((size_t)(t0 + m) * j->H + h0) * D + i] = NAN;
+        return;
+    }
+    for (int m = 0, at = 0; m < nt; at += nh * len[m], m++) p[m] = buf + at;
+    const float *q = j->q + ((size_t)t0 * j->H + h0) * (size_t)D;  // token t0, head h0
+    for (int s = 0; s < len0 + nt - 1; s++) {
+        const float *ks = j->k + (size_t)s * row;
+        for (int i = 0; i < nh; i++) {
+            const float *kh = ks + (size_t)((h0 + i) / group) * D, *qi = q + (size_t)i * D;
+            if (nt == 4 && s < len0) {
+                float dots[4];
+                dot16x4_shared_avx2(qi, qs, kh, D, dots);
+                for (int m = 0; m < 4; m++) p[m][(size_t)i * len[m] + s] = dots[m] * j->scale;
+                continue;
+            }
+            for (int m = 0; m < nt; m++) {
+                if (s < len[m]) p[m][(size_t)i * len[m] + s] = dot16_avx2(qi + (size_t)m * qs, kh, D) * j->scale;
+            }
+        }
+    }
+    for (int m = 0; m < nt; m++) attn_values(j, p[m], len[m], h0, nh, j->out + ((size_t)(t0 + m) * j->H + h0) * D);
+    free(buf);
+}
+#endif
 
 int attention(float *out, const float *q, int T, int H, int D, const float *k, const float *v, int S, int Hkv,
               int start, float scale) {
@@ -403,10 +460,17 @@ int attention(float *out, const float *q, int T, int H, int D, const float *k, c
     AttnJob j = {out, q, k, v, T, H, D, S, Hkv, start, scale, (H + blocks - 1) / blocks,
                  path_current() != &PATH_PORTABLE};
     int tasks = T * ((H + j.heads - 1) / j.heads);
+    void (*task)(void *, int) = attn_task;
+#if COLI_X86
+    if (T > 1 && j.avx2 && D % 16 == 0) {
+        task = attn_task4;
+        tasks = (T + 3) / 4 * ((H + j.heads - 1) / j.heads);
+    }
+#endif
     if ((double)T * H * (start + T) * D < POOL_MIN_WORK || threads <= 1) {
-        for (int i = 0; i < tasks; i++) attn_task(&j, i);
+        for (int i = 0; i < tasks; i++) task(&j, i);
     } else {
-        pool_run(attn_task, &j, tasks);
+        pool_run(task, &j, tasks);
     }
     return COLI_OK;
 }
