@@ -35,13 +35,6 @@ static float dot16(const float *a, const float *b, int n) {
 static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                                   4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
-static inline float pow2i(int e) {  // 2^e, e in -126 .. 127
-    uint32_t bits = (uint32_t)(e + 127) << 23;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 float coli_expf(float x) {
     if (x != x) return x;
     if (x > EXP_HI) return INFINITY;
@@ -51,8 +44,8 @@ float coli_expf(float x) {
     float p = EXP_POLY[0];
     for (int i = 1; i < 6; i++) p = p * r + EXP_POLY[i];
     float y = (p * (r * r) + r) + 1.0f;                 // e^r
-    int k = (int)n, k1 = k >> 1;                         // 2^k = 2^k1 · 2^(k − k1), both normal
-    return (y * pow2i(k1)) * pow2i(k - k1);
+    int k = (int)n, k1 = k >> 1;  // 2^k = 2^k1 · 2^(k − k1), both normal (e8m0_pow2(e + 127, 0) = 2^e)
+    return (y * e8m0_pow2((uint8_t)(k1 + 127), 0)) * e8m0_pow2((uint8_t)(k - k1 + 127), 0);
 }
 
 int rms_norm(float *out, const float *x, const float *weight, int n, int dim, float eps) {
