@@ -4,7 +4,8 @@
 // runs on any x86-64 and this file's code runs only after matmul.c saw AVX2 and F16C in cpuid.
 // ACT_F32: two 8-float accumulators are lanes 0-7 and 8-15 of matmul.c's 16 lanes.
 // ACT_Q8: integer dot products per group/block with maddubs (u8 x s8) and madd; the int4 nibbles
-// are used unsigned (q + 8) and 8 * Σxq is subtracted after — exact in int32 either way.
+// are used unsigned (q + 8) and 8 * Σxq is subtracted after — exact in int32 either way. Also the
+// AVX-512 path's several-token int4 rows (rows_int4_q8_vnni), which share this file's chunk layout.
 #include "impl/kernels_impl.h"
 
 #if COLI_X86
@@ -322,6 +323,66 @@ AVX2 void rows_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_
                 __m256i isum = chunk_isum_t(wt, (const __m256i *)(a->xt + t * a->stride + (size_t)g0 * 64));
                 size_t at = t * (size_t)a->nb8 + (size_t)g0;
                 L[i] = _mm256_add_ps(L[i], chunk_term(isum, ws, a->xsum + at, a->xs + at));
+            }
+        }
+        for (int i = 0; i < nt; i++) yrow[i0 + i][r] = tree8_avx2(L[i]);
+    }
+}
+
+// The AVX-512 path's version of rows_int4_q8_avx2 (here for the chunk helpers above): vpdpbusd
+// (AVX-512 VNNI on 256-bit vectors: u8 x s8, four products into each int32 lane, no saturation)
+// for maddubs + madd + add — the same integer sums, so the same bits — 4 tokens per weight load in
+// 2 chains each, and blocks of 16 tokens, whose activations a chunk at a time stay in L1. OLMoE-size
+// shapes alternated call by call with rows_int4_q8_avx2: 1.19–1.27× for 256 and 1024 tokens
+// (BENCHMARKS.md).
+#define VNNI __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512vnni")))
+
+VNNI static inline void chunk_isum_t4_vnni(const __m256i *wt, const __m256i *const *x, __m256i *s) {
+    __m256i acc[4][2];
+    for (int m = 0; m < 4; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+    for (int w = 0; w < 16; w += 2) {
+        for (int m = 0; m < 4; m++) {
+            acc[m][0] = _mm256_dpbusd_epi32(acc[m][0], wt[w], _mm256_loadu_si256(x[m] + w));
+            acc[m][1] = _mm256_dpbusd_epi32(acc[m][1], wt[w + 1], _mm256_loadu_si256(x[m] + w + 1));
+        }
+    }
+    for (int m = 0; m < 4; m++) s[m] = _mm256_add_epi32(acc[m][0], acc[m][1]);
+}
+
+VNNI void rows_int4_q8_vnni(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n,
+                            float *const *yrow) {
+    int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
+    size_t row_bytes = ((size_t)w->cols + 1) / 2;
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+    const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
+    _Alignas(32) uint8_t lohi[512];
+    __m256i wt[16];
+    enum { BLOCK = 16 };  // tokens per pass over the row
+    __m256 L[BLOCK];
+    for (int i0 = 0; i0 < n; i0 += BLOCK) {
+        int nt = n - i0 < BLOCK ? n - i0 : BLOCK;
+        for (int i = 0; i < nt; i++) L[i] = _mm256_setzero_ps();
+        for (int g0 = 0; g0 < a->nb8; g0 += 8) {
+            chunk_unpack(lohi, wr, row_bytes, g0, ngroups);
+            for (int h = 0; h < 2; h++) {  // as rows_int4_q8_avx2
+                for (int b = 0; b < 8; b++) wt[8 * h + b] = _mm256_load_si256((const __m256i *)(lohi + 64 * b + 32 * h));
+                transpose8_epi32(wt + 8 * h);
+            }
+            __m256 ws = chunk_scales(sr, g0, ngroups);
+            for (int i = 0; i < nt; i += 4) {
+                int nm = nt - i < 4 ? nt - i : 4;  // a last group of fewer tokens repeats its first
+                size_t t[4];
+                const __m256i *x[4];
+                __m256i s[4];
+                for (int m = 0; m < 4; m++) {
+                    t[m] = (size_t)(tok != NULL ? tok[i0 + i + (m < nm ? m : 0)] : i0 + i + (m < nm ? m : 0));
+                    x[m] = (const __m256i *)(a->xt + t[m] * a->stride + (size_t)g0 * 64);
+                }
+                chunk_isum_t4_vnni(wt, x, s);
+                for (int m = 0; m < nm; m++) {
+                    size_t at = t[m] * (size_t)a->nb8 + (size_t)g0;
+                    L[i + m] = _mm256_add_ps(L[i + m], chunk_term(s[m], ws, a->xsum + at, a->xs + at));
+                }
             }
         }
         for (int i = 0; i < nt; i++) yrow[i0 + i][r] = tree8_avx2(L[i]);

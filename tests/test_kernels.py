@@ -136,7 +136,7 @@ def test_matmul_matches_reference_bit_for_bit(simd_path, kind, act):
 @pytest.mark.parametrize("kind,act", MODES)
 def test_matmul_model_sizes_bit_for_bit(simd_path, kind, act):
     """Widths of real models (2048, 768, 1024) and a wide odd one, where the SIMD main loops run;
-    1 token (the matrix-vector loop), 3 and 37 (the several-token loop, past its block of 32)."""
+    1 token (the matrix-vector loop), 3 and 37 (the several-token loops, past their blocks of 16 and 32)."""
     rng = np.random.default_rng(5)
     for (rows, cols), n in itertools.product([(70, 2048), (33, 768), (9, 1024), (5, 4097)], (1, 3, 37)):
         w = random_weights(rng, rows, cols, kind)

@@ -107,13 +107,14 @@ extern const Path PATH_AVX2;    // matmul_avx2.c
 extern const Path PATH_AVX512;  // matmul_avx512.c
 // matmul_avx2.c's kernels that the AVX-512 path uses too (it needs AVX2), where they are as fast or
 // faster (`colibri bench kernels --simd all`): int8 weights with f32 activations, int4 with int8
-// activations (one token: the AVX-512 version's decode was 6 % slower per token, alternated token by
-// token in one process, for want of AVX2's software prefetch; several tokens: prefill, batched
-// verification), the fp8 dot products, fp4 with int8 activations, the several-token fp8 and fp4
-// rows, and the int8 activation quantiser.
+// activations for one token (the AVX-512 version's decode was 6 % slower per token, alternated token
+// by token in one process, for want of AVX2's software prefetch), the fp8 dot products, fp4 with int8
+// activations, the several-token fp8 and fp4 rows, and the int8 activation quantiser; and the
+// AVX-512 VNNI several-token int4 rows, which live beside AVX2's for their shared chunk layout.
 float dot_int8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
 float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t);
 void rows_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow);
+void rows_int4_q8_vnni(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow);
 float dot_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
 float dot_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
 float dot_fp4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t);
