@@ -301,6 +301,15 @@ static void axpy(float *out, float p, const float *v, int D) {
     for (int d = 0; d < D; d++) out[d] += p * v[d];
 }
 
+// p[0..len) = softmax(p), in place.
+static void softmax_row(float *p, int len, int avx2) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int s = 0; s < len; s++) m = p[s] > m ? p[s] : m;
+    exp_shifted(p, len, m, avx2);
+    for (int s = 0; s < len; s++) sum += p[s];
+    for (int s = 0; s < len; s++) p[s] = p[s] / sum;
+}
+
 // Softmax over the len scores of each of heads h0 .. h0+nh-1 (rows of p, in place), then their
 // outputs out [nh, D] = Σ_s p_s v_s in token order.
 static void attn_values(const AttnJob *j, float *p, int len, int h0, int nh, float *out) {
@@ -308,13 +317,7 @@ static void attn_values(const AttnJob *j, float *p, int len, int h0, int nh, flo
     size_t row = (size_t)j->Hkv * (size_t)D;  // floats per cached token
     int kv0 = h0 / group;
     size_t span = (size_t)((h0 + nh - 1) / group - kv0 + 1) * (size_t)D;  // floats of a token these heads read
-    for (int i = 0; i < nh; i++) {  // softmax over the tokens, per head
-        float *ph = p + (size_t)i * len, m = -INFINITY, sum = 0.0f;
-        for (int s = 0; s < len; s++) m = ph[s] > m ? ph[s] : m;
-        exp_shifted(ph, len, m, j->avx2);
-        for (int s = 0; s < len; s++) sum += ph[s];
-        for (int s = 0; s < len; s++) ph[s] = ph[s] / sum;
-    }
+    for (int i = 0; i < nh; i++) softmax_row(p + (size_t)i * len, len, j->avx2);  // per head
     for (size_t i = 0; i < (size_t)nh * (size_t)D; i++) out[i] = 0.0f;
 #if COLI_X86
     // Blocks of tokens, each head's output held in registers over a block (not stored and loaded
@@ -401,47 +404,115 @@ static void attn_task(void *ctx, int task) {
 }
 
 #if COLI_X86
-// Several new tokens (prefill, verification): a task per (4 new tokens, block of heads), so each
-// cached key a head reads is loaded once for the 4 queries (dot16x4_shared_avx2); then each token's
-// softmax and values as attn_task. The same operations per score and output, so the same bits.
-// OLMoE's 16 heads, alternated call by call with one task per token: a 2048-token prompt 916 ->
-// 608 ms per layer, 64 tokens after 1024 cached 22.6 -> 16.7 ms (Qwen3's grouped heads already
-// shared each key over 4 heads: unchanged).
-static void attn_task4(void *ctx, int task) {
+// out_i[0..16) += p_i[s] * v_s[0..16) for s = s0 .. s1-1 in turn, for 4 queries i at once (each v
+// loaded once for the 4): per element the additions of axpy64_tokens_avx2, token after token.
+AVX2 static void axpy16x4_tokens_avx2(float *const *out, const float *const *p, const float *v, size_t row, int s0,
+                                      int s1) {
+    __m256 acc[4][2];
+    for (int i = 0; i < 4; i++) acc[i][0] = _mm256_loadu_ps(out[i]), acc[i][1] = _mm256_loadu_ps(out[i] + 8);
+    for (int s = s0; s < s1; s++) {
+        const float *vs = v + (size_t)s * row;
+        __m256 v0 = _mm256_loadu_ps(vs), v1 = _mm256_loadu_ps(vs + 8);
+        for (int i = 0; i < 4; i++) {
+            __m256 ps = _mm256_set1_ps(p[i][s]);
+            acc[i][0] = _mm256_add_ps(acc[i][0], _mm256_mul_ps(ps, v0));
+            acc[i][1] = _mm256_add_ps(acc[i][1], _mm256_mul_ps(ps, v1));
+        }
+    }
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(out[i], acc[i][0]), _mm256_storeu_ps(out[i] + 8, acc[i][1]);
+}
+
+// One query of axpy16x4_tokens_avx2.
+AVX2 static void axpy16_tokens_avx2(float *out, const float *p, const float *v, size_t row, int s0, int s1) {
+    __m256 a0 = _mm256_loadu_ps(out), a1 = _mm256_loadu_ps(out + 8);
+    for (int s = s0; s < s1; s++) {
+        __m256 ps = _mm256_set1_ps(p[s]);
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(ps, _mm256_loadu_ps(v + (size_t)s * row)));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(ps, _mm256_loadu_ps(v + (size_t)s * row + 8)));
+    }
+    _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + 8, a1);
+}
+
+// Several new tokens (prefill, verification): a task per (block of QBLOCK new tokens, head), a
+// head's blocks one after the other (its keys and values stay in L2/L3 between them). Per tile of
+// KTILE cached tokens, the head's keys are copied side by side (as cached, a head's rows lie a whole
+// token's row apart: 32 of them fall in one set of L1) and scored against 4 new tokens at a time
+// (dot16x4_shared_avx2), each key loaded from memory once for the block; each token's softmax is
+// attn_values'; then per tile the values, copied alike, go into 4 tokens' outputs at a time, 16
+// columns per register pair (each value loaded once for the 4). The same operations per score,
+// softmax and output element, in the same order, so the same bits as one task per token.
+// Alternated call by call with 4 tokens per task and no copies (BENCHMARKS.md): OLMoE's 16 heads,
+// a 2048-token prompt 720 -> 287 ms per layer, 8 tokens verified after 2000 7.3 -> 4.6 ms; Qwen3's
+// 32 heads over 4 kv heads 678 -> 525 ms.
+enum { QBLOCK = 16, KTILE = 32 };
+
+static void attn_task_block(void *ctx, int task) {
     const AttnJob *j = ctx;
-    int blocks = (j->H + j->heads - 1) / j->heads;
-    int t0 = (task / blocks) * 4, h0 = (task % blocks) * j->heads;
-    int nt = j->T - t0 < 4 ? j->T - t0 : 4, nh = j->H - h0 < j->heads ? j->H - h0 : j->heads;
-    int group = j->H / j->Hkv, D = j->D, len0 = j->start + t0 + 1;  // keys every one of them sees
+    int nqb = (j->T + QBLOCK - 1) / QBLOCK;  // head-major: a head's blocks of tokens run one after the other
+    int t0 = (task % nqb) * QBLOCK, h0 = (task / nqb) * j->heads;
+    int nt = j->T - t0 < QBLOCK ? j->T - t0 : QBLOCK, nh = j->H - h0 < j->heads ? j->H - h0 : j->heads;
+    int group = j->H / j->Hkv, D = j->D, len[QBLOCK];  // token t0 + m sees keys 0 .. len[m] - 1
     size_t row = (size_t)j->Hkv * (size_t)D, qs = (size_t)j->H * (size_t)D;
-    int len[4];
-    float *p[4];  // [nh, len[m]] scores of token t0 + m
-    size_t need = 0;
-    for (int m = 0; m < nt; m++) need += (size_t)nh * (size_t)(len[m] = len0 + m);
-    float *buf = malloc(need * sizeof(float));
+    for (int m = 0; m < nt; m++) len[m] = j->start + t0 + m + 1;
+    int lmax = j->start + t0 + nt;  // len[nt - 1]
+    float *buf = malloc(((size_t)nt * (size_t)lmax + (size_t)KTILE * D) * sizeof(float)), *p[QBLOCK];
     if (buf == NULL) {  // no memory for the scores: the rows are NaN rather than wrong
         for (int m = 0; m < nt; m++)
             for (size_t i = 0; i < (size_t)nh * (size_t)D; i++) j->out[((size_t)(t0 + m) * j->H + h0) * D + i] = NAN;
         return;
     }
-    for (int m = 0, at = 0; m < nt; at += nh * len[m], m++) p[m] = buf + at;
-    const float *q = j->q + ((size_t)t0 * j->H + h0) * (size_t)D;  // token t0, head h0
-    for (int s = 0; s < len0 + nt - 1; s++) {
-        const float *ks = j->k + (size_t)s * row;
-        for (int i = 0; i < nh; i++) {
-            const float *kh = ks + (size_t)((h0 + i) / group) * D, *qi = q + (size_t)i * D;
-            if (nt == 4 && s < len0) {
-                float dots[4];
-                dot16x4_shared_avx2(qi, qs, kh, D, dots);
-                for (int m = 0; m < 4; m++) p[m][(size_t)i * len[m] + s] = dots[m] * j->scale;
-                continue;
+    for (int m = 0; m < nt; m++) p[m] = buf + (size_t)m * (size_t)lmax;
+    float *tile = buf + (size_t)nt * (size_t)lmax;  // KTILE keys or values of one head, side by side
+    for (int h = h0; h < h0 + nh; h++) {
+        const float *q = j->q + ((size_t)t0 * j->H + h) * (size_t)D;  // token t0 + m: q + m * qs
+        const float *k = j->k + (size_t)(h / group) * D, *v = j->v + (size_t)(h / group) * D;
+        for (int s0 = 0; s0 < lmax; s0 += KTILE) {
+            int s1 = s0 + KTILE < lmax ? s0 + KTILE : lmax;
+            for (int s = s0; s < s1; s++) memcpy(tile + (size_t)(s - s0) * D, k + (size_t)s * row, (size_t)D * sizeof(float));
+            for (int m0 = 0; m0 < nt; m0 += 4) {
+                for (int s = s0; s < s1; s++) {
+                    const float *ks = tile + (size_t)(s - s0) * D;
+                    if (m0 + 4 <= nt && s < len[m0]) {
+                        float dots[4];
+                        dot16x4_shared_avx2(q + (size_t)m0 * qs, qs, ks, D, dots);
+                        for (int m = 0; m < 4; m++) p[m0 + m][s] = dots[m] * j->scale;
+                        continue;
+                    }
+                    for (int m = m0; m < nt && m < m0 + 4; m++) {
+                        if (s < len[m]) p[m][s] = dot16_avx2(q + (size_t)m * qs, ks, D) * j->scale;
+                    }
+                }
             }
-            for (int m = 0; m < nt; m++) {
-                if (s < len[m]) p[m][(size_t)i * len[m] + s] = dot16_avx2(qi + (size_t)m * qs, kh, D) * j->scale;
+        }
+        for (int m = 0; m < nt; m++) softmax_row(p[m], len[m], j->avx2);
+        float *out[QBLOCK];
+        for (int m = 0; m < nt; m++) {
+            out[m] = j->out + ((size_t)(t0 + m) * j->H + h) * (size_t)D;
+            memset(out[m], 0, (size_t)D * sizeof(float));
+        }
+        for (int s0 = 0; s0 < lmax; s0 += KTILE) {  // a tile of values, in L1 for every token and column
+            int s1 = s0 + KTILE < lmax ? s0 + KTILE : lmax;
+            for (int s = s0; s < s1; s++) memcpy(tile + (size_t)(s - s0) * D, v + (size_t)s * row, (size_t)D * sizeof(float));
+            for (int m0 = 0; m0 < nt; m0 += 4) {  // token s of the tile: p[m][s], tile + (s - s0) * D
+                for (int d0 = 0; d0 < D; d0 += 16) {
+                    if (m0 + 4 <= nt) {  // the 4 tokens' common keys together, then each one's own in order
+                        float *o4[4] = {out[m0] + d0, out[m0 + 1] + d0, out[m0 + 2] + d0, out[m0 + 3] + d0};
+                        const float *p4[4] = {p[m0] + s0, p[m0 + 1] + s0, p[m0 + 2] + s0, p[m0 + 3] + s0};
+                        int common = (len[m0] < s1 ? len[m0] : s1) - s0;
+                        axpy16x4_tokens_avx2(o4, p4, tile + d0, (size_t)D, 0, common);
+                        for (int m = m0 + 1; m < m0 + 4; m++) {
+                            int a = common > 0 ? common : 0, b = (len[m] < s1 ? len[m] : s1) - s0;
+                            axpy16_tokens_avx2(out[m] + d0, p[m] + s0, tile + d0, (size_t)D, a, b);
+                        }
+                        continue;
+                    }
+                    for (int m = m0; m < nt; m++) {
+                        axpy16_tokens_avx2(out[m] + d0, p[m] + s0, tile + d0, (size_t)D, 0, (len[m] < s1 ? len[m] : s1) - s0);
+                    }
+                }
             }
         }
     }
-    for (int m = 0; m < nt; m++) attn_values(j, p[m], len[m], h0, nh, j->out + ((size_t)(t0 + m) * j->H + h0) * D);
     free(buf);
 }
 #endif
@@ -456,8 +527,10 @@ int attention(float *out, const float *q, int T, int H, int D, const float *k, c
     void (*task)(void *, int) = attn_task;
 #if COLI_X86
     if (T > 1 && j.avx2 && D % 16 == 0) {
-        task = attn_task4;
-        tasks = (T + 3) / 4 * ((H + j.heads - 1) / j.heads);
+        int nqb = (T + QBLOCK - 1) / QBLOCK;
+        j.heads = 1 + (H * nqb - 1) / 65535;  // one head a task (a pool run takes up to 65535)
+        task = attn_task_block;
+        tasks = nqb * ((H + j.heads - 1) / j.heads);
     }
 #endif
     if ((double)T * H * (start + T) * D < POOL_MIN_WORK || threads <= 1) {

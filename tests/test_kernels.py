@@ -509,8 +509,11 @@ def test_rope_matches_reference_bit_for_bit():
 
 
 @pytest.mark.parametrize("T,H,Hkv,D,start", [(1, 1, 1, 1, 0), (1, 16, 16, 128, 37), (5, 8, 2, 64, 0),
-                                             (3, 32, 4, 128, 1500), (7, 6, 3, 20, 9)])
+                                             (3, 32, 4, 128, 1500), (7, 6, 3, 20, 9),
+                                             (37, 4, 4, 128, 45), (22, 8, 2, 64, 70)])
 def test_attention_matches_reference_on_every_thread_count(thread_counts, T, H, Hkv, D, start):
+    """Several new tokens (blocks of 16, tiles of 32 cached ones, 4 tokens at a time, past each) give
+    every token the bits it gets fed alone, on every path and thread count."""
     rng = np.random.default_rng([T, H, D, start])
     S = start + T
     q = rng.standard_normal((T, H, D)).astype(np.float32)
@@ -521,7 +524,9 @@ def test_attention_matches_reference_on_every_thread_count(thread_counts, T, H, 
     for n in thread_counts:
         kernels.set_threads(n)
         assert_same_bits(kernels.attention(q, k, v, start, D ** -0.5), got, f"{n} threads")
-    assert_same_bits(kernels.attention(q[-1:], k, v, S - 1, D ** -0.5), got[-1:], "one token alone")
+    for t in range(T):
+        alone = kernels.attention(q[t:t + 1], k[:start + t + 1], v[:start + t + 1], start + t, D ** -0.5)
+        assert_same_bits(alone, got[t:t + 1], f"token {t} alone")
     for path in supported_paths():  # the SIMD loops keep the portable lane order: the same bits
         kernels.set_simd(path)
         assert_same_bits(kernels.attention(q, k, v, start, D ** -0.5), got, f"path {path}")
