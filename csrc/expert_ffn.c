@@ -66,10 +66,8 @@ static void gate_up_task(void *ctx, int task) {
     rows_fn rg = path_rows(m->path, e->gate->kind, a->act), ru = path_rows(m->path, e->up->kind, a->act);
     // gate x into grow, up x into hrow, then the gated unit in place over the task's rows
     if (rg != NULL && ru != NULL && e->n > 1) {  // each weight row unpacked once for every token
-        for (int r = r0; r < r1; r++) {
-            rg(e->gate, r, a, e->tok, e->n, e->grow);
-            ru(e->up, r, a, e->tok, e->n, e->hrow);
-        }
+        rg(e->gate, r0, r1, a, e->tok, e->n, e->grow);
+        ru(e->up, r0, r1, a, e->tok, e->n, e->hrow);
     } else {
         for (int r = r0; r < r1; r++) {
             for (int i = 0; i < e->n; i++) {

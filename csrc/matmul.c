@@ -554,7 +554,7 @@ void rows_run(const RowsJob *j, int r0, int r1) {
     // Row outer, token inner: a weight row is read from memory once and reused from cache by
     // every token.
     if (j->rows != NULL && j->n > 1) {
-        for (int r = r0; r < r1; r++) j->rows(j->w, r, j->a, j->tok, j->n, j->yrow);
+        j->rows(j->w, r0, r1, j->a, j->tok, j->n, j->yrow);
         return;
     }
     for (int r = r0; r < r1; r++) {

@@ -285,8 +285,7 @@ AVX2 static inline void chunk_isum_t2(const __m256i *wt, const __m256i *x0, cons
 // Row r for tokens tok[0..n) (NULL: 0..n), n > 1: each chunk of the row is unpacked and transposed
 // once into wt (L1), then every token's group sums run from it — the same integer sums, hence the
 // same operations per (row, token) as the one-token dot, whatever n.
-AVX2 void rows_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n,
-                            float *const *yrow) {
+AVX2 static void row_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
     int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)w->cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
@@ -329,12 +328,18 @@ AVX2 void rows_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_
     }
 }
 
+AVX2 void rows_int4_q8_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
+    for (int r = r0; r < r1; r++) row_int4_q8_avx2(w, r, a, tok, n, yrow);
+}
+
 // The AVX-512 path's version of rows_int4_q8_avx2 (here for the chunk helpers above): vpdpbusd
 // (AVX-512 VNNI on 256-bit vectors: u8 x s8, four products into each int32 lane, no saturation)
 // for maddubs + madd + add — the same integer sums, so the same bits — 4 tokens per weight load in
-// 2 chains each, and blocks of 16 tokens, whose activations a chunk at a time stay in L1. OLMoE-size
-// shapes alternated call by call with rows_int4_q8_avx2: 1.19–1.27× for 256 and 1024 tokens
-// (BENCHMARKS.md).
+// 2 chains each; and chunk by chunk over blocks of 16 tokens x 8 rows, so a chunk of the block's
+// activations (8 KB) stays in L1 for the 8 rows (row by row over the whole width, each row read
+// them from L2, or from L3 past a few hundred tokens). Alternated call by call with
+// rows_int4_q8_avx2 at OLMoE's sizes (BENCHMARKS.md): 2048 x 1024 for 256 tokens 1.19–1.27x (VNNI),
+// 1.10–1.15x more (rows); 2048 x 2048 for 2048 tokens 1.5x more.
 #define VNNI __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512vnni")))
 
 VNNI static inline void chunk_isum_t4_vnni(const __m256i *wt, const __m256i *const *x, __m256i *s) {
@@ -349,43 +354,49 @@ VNNI static inline void chunk_isum_t4_vnni(const __m256i *wt, const __m256i *con
     for (int m = 0; m < 4; m++) s[m] = _mm256_add_epi32(acc[m][0], acc[m][1]);
 }
 
-VNNI void rows_int4_q8_vnni(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n,
+VNNI void rows_int4_q8_vnni(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
                             float *const *yrow) {
     int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)w->cols + 1) / 2;
-    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
-    const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
     _Alignas(32) uint8_t lohi[512];
     __m256i wt[16];
-    enum { BLOCK = 16 };  // tokens per pass over the row
-    __m256 L[BLOCK];
+    enum { BLOCK = 16, RB = 8 };  // tokens, rows per pass: a chunk of the block's activations (8 KB) stays in L1
+    __m256 L[RB][BLOCK];         // for RB rows
     for (int i0 = 0; i0 < n; i0 += BLOCK) {
         int nt = n - i0 < BLOCK ? n - i0 : BLOCK;
-        for (int i = 0; i < nt; i++) L[i] = _mm256_setzero_ps();
-        for (int g0 = 0; g0 < a->nb8; g0 += 8) {
-            chunk_unpack(lohi, wr, row_bytes, g0, ngroups);
-            for (int h = 0; h < 2; h++) {  // as rows_int4_q8_avx2
-                for (int b = 0; b < 8; b++) wt[8 * h + b] = _mm256_load_si256((const __m256i *)(lohi + 64 * b + 32 * h));
-                transpose8_epi32(wt + 8 * h);
-            }
-            __m256 ws = chunk_scales(sr, g0, ngroups);
-            for (int i = 0; i < nt; i += 4) {
-                int nm = nt - i < 4 ? nt - i : 4;  // a last group of fewer tokens repeats its first
-                size_t t[4];
-                const __m256i *x[4];
-                __m256i s[4];
-                for (int m = 0; m < 4; m++) {
-                    t[m] = (size_t)(tok != NULL ? tok[i0 + i + (m < nm ? m : 0)] : i0 + i + (m < nm ? m : 0));
-                    x[m] = (const __m256i *)(a->xt + t[m] * a->stride + (size_t)g0 * 64);
-                }
-                chunk_isum_t4_vnni(wt, x, s);
-                for (int m = 0; m < nm; m++) {
-                    size_t at = t[m] * (size_t)a->nb8 + (size_t)g0;
-                    L[i + m] = _mm256_add_ps(L[i + m], chunk_term(s[m], ws, a->xsum + at, a->xs + at));
-                }
-            }
+        size_t t[BLOCK];  // the block's tokens; past nt its first again (4 at a time: the extra ones unused)
+        for (int i = 0; i < BLOCK; i++) {
+            int ii = i0 + (i < nt ? i : 0);
+            t[i] = (size_t)(tok != NULL ? tok[ii] : ii);
         }
-        for (int i = 0; i < nt; i++) yrow[i0 + i][r] = tree8_avx2(L[i]);
+        for (int rb = r0; rb < r1; rb += RB) {
+            int nr = r1 - rb < RB ? r1 - rb : RB;
+            for (int r = 0; r < nr; r++) for (int i = 0; i < nt; i++) L[r][i] = _mm256_setzero_ps();
+            for (int g0 = 0; g0 < a->nb8; g0 += 8) {
+                for (int r = 0; r < nr; r++) {  // as rows_int4_q8_avx2
+                    const uint8_t *wr = (const uint8_t *)w->data + (size_t)(rb + r) * row_bytes;
+                    const uint16_t *sr = (const uint16_t *)w->scales + (size_t)(rb + r) * (size_t)ngroups;
+                    chunk_unpack(lohi, wr, row_bytes, g0, ngroups);
+                    for (int h = 0; h < 2; h++) {
+                        for (int b = 0; b < 8; b++) wt[8 * h + b] = _mm256_load_si256((const __m256i *)(lohi + 64 * b + 32 * h));
+                        transpose8_epi32(wt + 8 * h);
+                    }
+                    __m256 ws = chunk_scales(sr, g0, ngroups);
+                    for (int i = 0; i < nt; i += 4) {
+                        int nm = nt - i < 4 ? nt - i : 4;  // tokens of these 4 in the block
+                        const __m256i *x[4];
+                        __m256i sm[4];
+                        for (int m = 0; m < 4; m++) x[m] = (const __m256i *)(a->xt + t[i + m] * a->stride + (size_t)g0 * 64);
+                        chunk_isum_t4_vnni(wt, x, sm);
+                        for (int m = 0; m < nm; m++) {
+                            size_t at = t[i + m] * (size_t)a->nb8 + (size_t)g0;
+                            L[r][i + m] = _mm256_add_ps(L[r][i + m], chunk_term(sm[m], ws, a->xsum + at, a->xs + at));
+                        }
+                    }
+                }
+            }
+            for (int r = 0; r < nr; r++) for (int i = 0; i < nt; i++) yrow[i0 + i][rb + r] = tree8_avx2(L[r][i]);
+        }
     }
 }
 
@@ -649,7 +660,7 @@ AVX2 float dot_fp4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
 // as the one-token dot products above, whatever n.
 enum { ROWS_TOKENS = 16 };  // tokens per pass over the row
 
-AVX2 void rows_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
+AVX2 static void row_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
     int cols = w->cols, nblocks = (cols + FP8_BLOCK - 1) / FP8_BLOCK;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * (size_t)cols;
     const uint8_t *sr = (const uint8_t *)w->scales + (size_t)(r / FP8_BLOCK) * (size_t)nblocks;
@@ -685,7 +696,11 @@ AVX2 void rows_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_
     }
 }
 
-AVX2 void rows_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
+AVX2 void rows_fp8_f32_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
+    for (int r = r0; r < r1; r++) row_fp8_f32_avx2(w, r, a, tok, n, yrow);
+}
+
+AVX2 static void row_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
     int cols = w->cols, ngroups = (cols + FP4_GROUP - 1) / FP4_GROUP;
     size_t row_bytes = ((size_t)cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
@@ -738,6 +753,10 @@ AVX2 void rows_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_
         }
         for (int k = 0; k < nt; k++) yrow[i0 + k][r] = tree16_avx2(SA[k], SB[k]);
     }
+}
+
+AVX2 void rows_fp4_f32_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
+    for (int r = r0; r < r1; r++) row_fp4_f32_avx2(w, r, a, tok, n, yrow);
 }
 
 // ----------------------------------------------------------------------------

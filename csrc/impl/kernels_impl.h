@@ -58,9 +58,11 @@ void acts_free(Acts *a);
 
 typedef float (*dot_fn)(const QMatrix *w, int r, const Acts *a, int t);
 
-// Row r of w for n tokens at once (token i is row tok[i] of a, NULL: row i; it writes yrow[i][r]):
-// the weights are unpacked once for several tokens. Bit for bit what the dot_fn of its kind gives.
-typedef void (*rows_fn)(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow);
+// Rows r0 .. r1-1 of w for n tokens at once (token i is row tok[i] of a, NULL: row i; row r writes
+// yrow[i][r]): the weights are unpacked once for several tokens, in whatever order of rows and
+// tokens the kernel likes. Bit for bit what the dot_fn of its kind gives.
+typedef void (*rows_fn)(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
+                        float *const *yrow);
 
 // One whole block of 64 activations quantised to int8, bit for bit as matmul.c's quantize_block:
 // q[j] (int4_order: the 32 even columns, then the 32 odd ones) = rint(x[j] * (127 / absmax)),
@@ -113,13 +115,13 @@ extern const Path PATH_AVX512;  // matmul_avx512.c
 // AVX-512 VNNI several-token int4 rows, which live beside AVX2's for their shared chunk layout.
 float dot_int8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
 float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t);
-void rows_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow);
-void rows_int4_q8_vnni(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow);
+void rows_int4_q8_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow);
+void rows_int4_q8_vnni(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow);
 float dot_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
 float dot_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
 float dot_fp4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t);
-void rows_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow);
-void rows_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow);
+void rows_fp8_f32_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow);
+void rows_fp4_f32_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow);
 void quantize64_avx2(const float *x, int int4_order, int8_t *q, float *scale, int32_t *sum);
 #endif
 
