@@ -136,9 +136,10 @@ def test_matmul_matches_reference_bit_for_bit(simd_path, kind, act):
 @pytest.mark.parametrize("kind,act", MODES)
 def test_matmul_model_sizes_bit_for_bit(simd_path, kind, act):
     """Widths of real models (2048, 768, 1024) and a wide odd one, where the SIMD main loops run;
-    1 token (the matrix-vector loop), 3 and 37 (the several-token loops, past their blocks of 16 and 32)."""
+    1 token (the matrix-vector loop), 3, 37 and 70 (the several-token loops, past their blocks of 16
+    and 32; from 64 tokens the AVX-512 path's VNNI rows)."""
     rng = np.random.default_rng(5)
-    for (rows, cols), n in itertools.product([(70, 2048), (33, 768), (9, 1024), (5, 4097)], (1, 3, 37)):
+    for (rows, cols), n in itertools.product([(70, 2048), (33, 768), (9, 1024), (5, 4097)], (1, 3, 37, 70)):
         w = random_weights(rng, rows, cols, kind)
         x = random_x(rng, n, cols, scale=4.0)
         assert_same_bits(kernels.matmul(w, x, act), reference.matmul(w, x, act),
@@ -312,11 +313,13 @@ def expert_set(rng, n_experts, hidden, inter, kind):
 
 
 @pytest.mark.parametrize("kind,act", MODES)
-def test_moe_experts_is_expert_ffn_per_slot_on_every_path_and_thread_count(kind, act, thread_counts):
+@pytest.mark.parametrize("T", [5, 150])
+def test_moe_experts_is_expert_ffn_per_slot_on_every_path_and_thread_count(kind, act, thread_counts, T):
     """One batched call fills exactly the slots of its experts, each bit for bit what expert_ffn
-    gives for that token alone — on every code path and thread count."""
+    gives for that token alone — on every code path and thread count; with 150 tokens each expert
+    has ≈ 75, past the several-token kernels' blocks and the VNNI rows' threshold."""
     rng = np.random.default_rng(14)
-    T, k, E, hidden, inter = 5, 3, 6, 130, 200
+    k, E, hidden, inter = 3, 6, 130, 200
     experts = expert_set(rng, E, hidden, inter, kind)
     ids = np.stack([rng.permutation(E)[:k] for _ in range(T)])  # (T, k), distinct per token
     x = random_x(rng, T, hidden)
