@@ -435,15 +435,15 @@ AVX2 static void axpy16_tokens_avx2(float *out, const float *p, const float *v, 
 
 // Several new tokens (prefill, verification): a task per (block of QBLOCK new tokens, head), a
 // head's blocks one after the other (its keys and values stay in L2/L3 between them). Per tile of
-// KTILE cached tokens, the head's keys are copied side by side (as cached, a head's rows lie a whole
-// token's row apart: 32 of them fall in one set of L1) and scored against 4 new tokens at a time
-// (dot16x4_shared_avx2), each key loaded from memory once for the block; each token's softmax is
-// attn_values'; then per tile the values, copied alike, go into 4 tokens' outputs at a time, 16
-// columns per register pair (each value loaded once for the 4). The same operations per score,
-// softmax and output element, in the same order, so the same bits as one task per token.
-// Alternated call by call with 4 tokens per task and no copies (BENCHMARKS.md): OLMoE's 16 heads,
-// a 2048-token prompt 720 -> 287 ms per layer, 8 tokens verified after 2000 7.3 -> 4.6 ms; Qwen3's
-// 32 heads over 4 kv heads 678 -> 525 ms.
+// KTILE cached tokens, the head's keys are copied side by side (as cached, a head's rows lie a
+// whole token's row apart: 32 of them fall in one set of L1) and scored against 4 new tokens at a
+// time (dot16x4_shared_avx2), each key loaded from memory once for the block; each token's softmax
+// is softmax_row, as in decode; then per tile the values, copied alike, go into 4 tokens' outputs
+// at a time, 16 columns per register pair (each value loaded once for the 4). The same operations
+// per score, softmax and output element, in the same order, so the same bits as one task per token.
+// Alternated call by call with 4 tokens per task and no copies (BENCHMARKS.md): OLMoE's 16 heads, a
+// 2048-token prompt 720 -> 287 ms per layer, 8 tokens verified after 2000 7.3 -> 4.6 ms; Qwen3's 32
+// heads over 4 kv heads 678 -> 525 ms.
 enum { QBLOCK = 16, KTILE = 32 };
 
 static void attn_task_block(void *ctx, int task) {
@@ -468,7 +468,9 @@ static void attn_task_block(void *ctx, int task) {
         const float *k = j->k + (size_t)(h / group) * D, *v = j->v + (size_t)(h / group) * D;
         for (int s0 = 0; s0 < lmax; s0 += KTILE) {
             int s1 = s0 + KTILE < lmax ? s0 + KTILE : lmax;
-            for (int s = s0; s < s1; s++) memcpy(tile + (size_t)(s - s0) * D, k + (size_t)s * row, (size_t)D * sizeof(float));
+            for (int s = s0; s < s1; s++) {
+                memcpy(tile + (size_t)(s - s0) * D, k + (size_t)s * row, (size_t)D * sizeof(float));
+            }
             for (int m0 = 0; m0 < nt; m0 += 4) {
                 for (int s = s0; s < s1; s++) {
                     const float *ks = tile + (size_t)(s - s0) * D;
@@ -492,7 +494,9 @@ static void attn_task_block(void *ctx, int task) {
         }
         for (int s0 = 0; s0 < lmax; s0 += KTILE) {  // a tile of values, in L1 for every token and column
             int s1 = s0 + KTILE < lmax ? s0 + KTILE : lmax;
-            for (int s = s0; s < s1; s++) memcpy(tile + (size_t)(s - s0) * D, v + (size_t)s * row, (size_t)D * sizeof(float));
+            for (int s = s0; s < s1; s++) {
+                memcpy(tile + (size_t)(s - s0) * D, v + (size_t)s * row, (size_t)D * sizeof(float));
+            }
             for (int m0 = 0; m0 < nt; m0 += 4) {  // token s of the tile: p[m][s], tile + (s - s0) * D
                 for (int d0 = 0; d0 < D; d0 += 16) {
                     if (m0 + 4 <= nt) {  // the 4 tokens' common keys together, then each one's own in order
@@ -507,7 +511,8 @@ static void attn_task_block(void *ctx, int task) {
                         continue;
                     }
                     for (int m = m0; m < nt; m++) {
-                        axpy16_tokens_avx2(out[m] + d0, p[m] + s0, tile + d0, (size_t)D, 0, (len[m] < s1 ? len[m] : s1) - s0);
+                        int b = (len[m] < s1 ? len[m] : s1) - s0;
+                        axpy16_tokens_avx2(out[m] + d0, p[m] + s0, tile + d0, (size_t)D, 0, b);
                     }
                 }
             }

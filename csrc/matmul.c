@@ -551,8 +551,8 @@ int qmatrix_check(const QMatrix *w) {
 }
 
 void rows_run(const RowsJob *j, int r0, int r1) {
-    // Row outer, token inner: a weight row is read from memory once and reused from cache by
-    // every token.
+    // Several tokens: the rows kernel takes the whole range, each weight read from memory once and
+    // reused from cache by every token (in its own order of rows and tokens).
     if (j->rows != NULL && j->n > 1) {
         j->rows(j->w, r0, r1, j->a, j->tok, j->n, j->yrow);
         return;

@@ -285,7 +285,8 @@ AVX2 static inline void chunk_isum_t2(const __m256i *wt, const __m256i *x0, cons
 // Row r for tokens tok[0..n) (NULL: 0..n), n > 1: each chunk of the row is unpacked and transposed
 // once into wt (L1), then every token's group sums run from it — the same integer sums, hence the
 // same operations per (row, token) as the one-token dot, whatever n.
-AVX2 static void row_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
+AVX2 static void row_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n,
+                                  float *const *yrow) {
     int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)w->cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
@@ -328,7 +329,8 @@ AVX2 static void row_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const 
     }
 }
 
-AVX2 void rows_int4_q8_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
+AVX2 void rows_int4_q8_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
+                            float *const *yrow) {
     for (int r = r0; r < r1; r++) row_int4_q8_avx2(w, r, a, tok, n, yrow);
 }
 
@@ -370,8 +372,8 @@ VNNI void rows_int4_q8_vnni(const QMatrix *w, int r0, int r1, const Acts *a, con
     size_t row_bytes = ((size_t)w->cols + 1) / 2;
     _Alignas(32) uint8_t lohi[512];
     __m256i wt[16];
-    enum { BLOCK = 16, RB = 8 };  // tokens, rows per pass: a chunk of the block's activations (8 KB) stays in L1
-    __m256 L[RB][BLOCK];         // for RB rows
+    enum { BLOCK = 16, RB = 8 };  // tokens, rows per pass: a chunk of the block's activations stays in L1
+    __m256 L[RB][BLOCK];
     for (int i0 = 0; i0 < n; i0 += BLOCK) {
         int nt = n - i0 < BLOCK ? n - i0 : BLOCK;
         size_t t[BLOCK];  // the block's tokens; past nt its first again (4 at a time: the extra ones unused)
@@ -388,7 +390,9 @@ VNNI void rows_int4_q8_vnni(const QMatrix *w, int r0, int r1, const Acts *a, con
                     const uint16_t *sr = (const uint16_t *)w->scales + (size_t)(rb + r) * (size_t)ngroups;
                     chunk_unpack(lohi, wr, row_bytes, g0, ngroups);
                     for (int h = 0; h < 2; h++) {
-                        for (int b = 0; b < 8; b++) wt[8 * h + b] = _mm256_load_si256((const __m256i *)(lohi + 64 * b + 32 * h));
+                        for (int b = 0; b < 8; b++) {
+                            wt[8 * h + b] = _mm256_load_si256((const __m256i *)(lohi + 64 * b + 32 * h));
+                        }
                         transpose8_epi32(wt + 8 * h);
                     }
                     __m256 ws = chunk_scales(sr, g0, ngroups);
@@ -396,7 +400,9 @@ VNNI void rows_int4_q8_vnni(const QMatrix *w, int r0, int r1, const Acts *a, con
                         int nm = nt - i < 4 ? nt - i : 4;  // tokens of these 4 in the block
                         const __m256i *x[4];
                         __m256i sm[4];
-                        for (int m = 0; m < 4; m++) x[m] = (const __m256i *)(a->xt + t[i + m] * a->stride + (size_t)g0 * 64);
+                        for (int m = 0; m < 4; m++) {
+                            x[m] = (const __m256i *)(a->xt + t[i + m] * a->stride + (size_t)g0 * 64);
+                        }
                         chunk_isum_t4_vnni(wt, x, sm);
                         for (int m = 0; m < nm; m++) {
                             size_t at = t[i + m] * (size_t)a->nb8 + (size_t)g0;
@@ -670,7 +676,8 @@ AVX2 float dot_fp4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
 // as the one-token dot products above, whatever n.
 enum { ROWS_TOKENS = 16 };  // tokens per pass over the row
 
-AVX2 static void row_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
+AVX2 static void row_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n,
+                                  float *const *yrow) {
     int cols = w->cols, nblocks = (cols + FP8_BLOCK - 1) / FP8_BLOCK;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * (size_t)cols;
     const uint8_t *sr = (const uint8_t *)w->scales + (size_t)(r / FP8_BLOCK) * (size_t)nblocks;
@@ -706,11 +713,13 @@ AVX2 static void row_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, const 
     }
 }
 
-AVX2 void rows_fp8_f32_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
+AVX2 void rows_fp8_f32_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
+                            float *const *yrow) {
     for (int r = r0; r < r1; r++) row_fp8_f32_avx2(w, r, a, tok, n, yrow);
 }
 
-AVX2 static void row_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
+AVX2 static void row_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n,
+                                  float *const *yrow) {
     int cols = w->cols, ngroups = (cols + FP4_GROUP - 1) / FP4_GROUP;
     size_t row_bytes = ((size_t)cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
@@ -765,7 +774,8 @@ AVX2 static void row_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, const 
     }
 }
 
-AVX2 void rows_fp4_f32_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow) {
+AVX2 void rows_fp4_f32_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
+                            float *const *yrow) {
     for (int r = r0; r < r1; r++) row_fp4_f32_avx2(w, r, a, tok, n, yrow);
 }
 
