@@ -433,6 +433,11 @@ AVX2 static void axpy16_tokens_avx2(float *out, const float *p, const float *v, 
     _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + 8, a1);
 }
 
+// Cached rows s0 .. s1-1 of one head (src: its row 0, `row` floats apart) side by side into tile.
+static void copy_tile(float *tile, const float *src, size_t row, int s0, int s1, int D) {
+    for (int s = s0; s < s1; s++) memcpy(tile + (size_t)(s - s0) * D, src + (size_t)s * row, (size_t)D * sizeof(float));
+}
+
 // Several new tokens (prefill, verification): a task per (block of QBLOCK new tokens, head), a
 // head's blocks one after the other (its keys and values stay in L2/L3 between them). Per tile of
 // KTILE cached tokens, the head's keys are copied side by side (as cached, a head's rows lie a
@@ -468,9 +473,7 @@ static void attn_task_block(void *ctx, int task) {
         const float *k = j->k + (size_t)(h / group) * D, *v = j->v + (size_t)(h / group) * D;
         for (int s0 = 0; s0 < lmax; s0 += KTILE) {
             int s1 = s0 + KTILE < lmax ? s0 + KTILE : lmax;
-            for (int s = s0; s < s1; s++) {
-                memcpy(tile + (size_t)(s - s0) * D, k + (size_t)s * row, (size_t)D * sizeof(float));
-            }
+            copy_tile(tile, k, row, s0, s1, D);
             for (int m0 = 0; m0 < nt; m0 += 4) {
                 for (int s = s0; s < s1; s++) {
                     const float *ks = tile + (size_t)(s - s0) * D;
@@ -494,9 +497,7 @@ static void attn_task_block(void *ctx, int task) {
         }
         for (int s0 = 0; s0 < lmax; s0 += KTILE) {  // a tile of values, in L1 for every token and column
             int s1 = s0 + KTILE < lmax ? s0 + KTILE : lmax;
-            for (int s = s0; s < s1; s++) {
-                memcpy(tile + (size_t)(s - s0) * D, v + (size_t)s * row, (size_t)D * sizeof(float));
-            }
+            copy_tile(tile, v, row, s0, s1, D);
             for (int m0 = 0; m0 < nt; m0 += 4) {  // token s of the tile: p[m][s], tile + (s - s0) * D
                 for (int d0 = 0; d0 < D; d0 += 16) {
                     if (m0 + 4 <= nt) {  // the 4 tokens' common keys together, then each one's own in order

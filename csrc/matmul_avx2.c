@@ -282,6 +282,17 @@ AVX2 static inline void chunk_isum_t2(const __m256i *wt, const __m256i *x0, cons
     *s1 = a1;
 }
 
+// The chunk of 8 groups at g0 of row wr, unpacked and transposed for the several-token rows:
+// wt[w] lane b = word w of group b (words 0-7: the low nibbles, 8-15: the high ones).
+AVX2 static inline void chunk_transposed(__m256i *wt, const uint8_t *wr, size_t row_bytes, int g0, int ngroups) {
+    _Alignas(32) uint8_t lohi[512];
+    chunk_unpack(lohi, wr, row_bytes, g0, ngroups);
+    for (int h = 0; h < 2; h++) {
+        for (int b = 0; b < 8; b++) wt[8 * h + b] = _mm256_load_si256((const __m256i *)(lohi + 64 * b + 32 * h));
+        transpose8_epi32(wt + 8 * h);
+    }
+}
+
 // Row r for tokens tok[0..n) (NULL: 0..n), n > 1: each chunk of the row is unpacked and transposed
 // once into wt (L1), then every token's group sums run from it — the same integer sums, hence the
 // same operations per (row, token) as the one-token dot, whatever n.
@@ -291,7 +302,6 @@ AVX2 static void row_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const 
     size_t row_bytes = ((size_t)w->cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
     const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
-    _Alignas(32) uint8_t lohi[512];
     __m256i wt[16];
     enum { BLOCK = 32 };  // tokens per pass over the row
     __m256 L[BLOCK];
@@ -299,13 +309,7 @@ AVX2 static void row_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const 
         int nt = n - i0 < BLOCK ? n - i0 : BLOCK;
         for (int i = 0; i < nt; i++) L[i] = _mm256_setzero_ps();
         for (int g0 = 0; g0 < a->nb8; g0 += 8) {
-            chunk_unpack(lohi, wr, row_bytes, g0, ngroups);
-            for (int h = 0; h < 2; h++) {  // words 0-7 of each group (low nibbles), then 8-15 (high)
-                for (int b = 0; b < 8; b++) {
-                    wt[8 * h + b] = _mm256_load_si256((const __m256i *)(lohi + 64 * b + 32 * h));
-                }
-                transpose8_epi32(wt + 8 * h);
-            }
+            chunk_transposed(wt, wr, row_bytes, g0, ngroups);
             __m256 ws = chunk_scales(sr, g0, ngroups);
             int i = 0;
             for (; i + 2 <= nt; i += 2) {
@@ -370,7 +374,6 @@ VNNI void rows_int4_q8_vnni(const QMatrix *w, int r0, int r1, const Acts *a, con
     }
     int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)w->cols + 1) / 2;
-    _Alignas(32) uint8_t lohi[512];
     __m256i wt[16];
     enum { BLOCK = 16, RB = 8 };  // tokens, rows per pass: a chunk of the block's activations stays in L1
     __m256 L[RB][BLOCK];
@@ -385,16 +388,10 @@ VNNI void rows_int4_q8_vnni(const QMatrix *w, int r0, int r1, const Acts *a, con
             int nr = r1 - rb < RB ? r1 - rb : RB;
             for (int r = 0; r < nr; r++) for (int i = 0; i < nt; i++) L[r][i] = _mm256_setzero_ps();
             for (int g0 = 0; g0 < a->nb8; g0 += 8) {
-                for (int r = 0; r < nr; r++) {  // as rows_int4_q8_avx2
+                for (int r = 0; r < nr; r++) {
                     const uint8_t *wr = (const uint8_t *)w->data + (size_t)(rb + r) * row_bytes;
                     const uint16_t *sr = (const uint16_t *)w->scales + (size_t)(rb + r) * (size_t)ngroups;
-                    chunk_unpack(lohi, wr, row_bytes, g0, ngroups);
-                    for (int h = 0; h < 2; h++) {
-                        for (int b = 0; b < 8; b++) {
-                            wt[8 * h + b] = _mm256_load_si256((const __m256i *)(lohi + 64 * b + 32 * h));
-                        }
-                        transpose8_epi32(wt + 8 * h);
-                    }
+                    chunk_transposed(wt, wr, row_bytes, g0, ngroups);
                     __m256 ws = chunk_scales(sr, g0, ngroups);
                     for (int i = 0; i < nt; i += 4) {
                         int nm = nt - i < 4 ? nt - i : 4;  // tokens of these 4 in the block
