@@ -25,6 +25,7 @@ from .errors import ColibriError
 from .drafting import AUTO_MIN_ACCEPTANCE, AUTO_RETRY, DRAFT_MODES, DraftCounters
 from .generate import sample, verify_draft
 from .kernels.deltanet import EXACT_BATCH
+from .kv.cache import cache_type, check_cache_type
 from .kv.session import PersistentSession, SessionWarning
 from .model import MoEModel, Weights
 from .probe import Probe
@@ -47,7 +48,8 @@ class Engine:
                  prefetch: bool = True, direct: bool = False, mirror: str | Path | None = None,
                  pin_gb: float | None = None, policy: str = "lru", io_threads: int = 4,
                  usage: bool | str | Path = True,
-                 activations: str | None = None, ray: str | None = None, ray_options: dict | None = None):
+                 activations: str | None = None, kv_cache: str | None = None, ray: str | None = None,
+                 ray_options: dict | None = None):
         self.model_dir = Path(model_dir)
         if ray is not None:  # without Ray installed: one line, before anything loads
             from .remote import require_ray
@@ -56,6 +58,9 @@ class Engine:
         # "f32": exact (the oracle's arithmetic, the default); "int8": activations quantised per block
         # of 64 for integer dot products, faster, an explicit choice (kernels module docstring)
         self.activations = kernels._act_name(activations or os.environ.get("COLIBRI_ACTIVATIONS") or "f32")
+        # "f32": keys and values as computed (the default); "f16": rounded to float16 when cached, half
+        # the memory and the bytes each decoded token's attention reads (kv/cache.py)
+        self.kv_cache = check_cache_type(kv_cache or os.environ.get("COLIBRI_KV_CACHE") or "f32")
         registry = plugins.registry()
         self.arch = registry.resolve(read_config(model_dir), where=str(model_dir))  # a missing plugin first
         policy_info = registry.cache_policy(policy)  # an unknown policy before anything is read
@@ -137,7 +142,7 @@ class Engine:
 
     # ---- the model -------------------------------------------------------------------------
     def new_session(self) -> Session:
-        return Session(self.model.new_state())
+        return Session(self.new_state())
 
     def open_session(self, name: str) -> PersistentSession:
         """The persistent session `name` (MODEL/.sessions/NAME.coli_session), resumed if saved before.
@@ -152,17 +157,22 @@ class Engine:
             c = self.container
             identity = {"architecture": c.architecture, "fingerprint": c.manifest["source"]["fingerprint"],
                         "quant": c.quant}
-            session = PersistentSession(self.model, self.model_dir, identity, name)
+            session = PersistentSession(self, self.model_dir, identity, name)
             if session.notice:
                 warnings.warn(session.notice, SessionWarning, stacklevel=2)
             self._sessions[name] = session
         return self._sessions[name]
 
+    def new_state(self):
+        """A fresh per-sequence state of the model (its `new_state`), KV caches of this engine's type."""
+        with cache_type(self.kv_cache):
+            return self.model.new_state()
+
     def logits(self, ids) -> np.ndarray:
         """Teacher-forced logits, float32 (len(ids), vocab)."""
         ids = np.asarray(ids, np.int64)
         with kernels.activations(self.activations):
-            out = self.model.forward(ids, self.model.new_state())
+            out = self.model.forward(ids, self.new_state())
         self.store.end_turn()
         return out
 
@@ -172,7 +182,7 @@ class Engine:
         that fails leaves the state half-fed: `stream` puts the session back."""
         n = len(session.ids)
         if not (n < len(ids) and ids[:n] == session.ids):
-            session.state, session.ids, n = self.model.new_state(), [], 0
+            session.state, session.ids, n = self.new_state(), [], 0
         with kernels.activations(self.activations), self.probe.listening():
             logits = self.model.forward(np.asarray(ids[n:], np.int64), session.state, last_only=last_only)
         session.ids = list(ids)
@@ -257,7 +267,7 @@ class Engine:
                 hidden = getattr(self.model, "last_hidden", None)  # what it said of the rejected positions is void
                 self._tell_drafters(session, start, None if hidden is None else hidden[:keep - start])
             else:  # roll back: the state before the forward, then ids[-1] + accepted again
-                state = self.model.new_state()
+                state = self.new_state()
                 state.load_arrays(kept)
                 self._drafters[session] = (state, self._drafters[session][1])  # the same sequence: its drafters stay
                 session.state, session.ids = state, kept_ids
@@ -330,9 +340,9 @@ class Engine:
             self.store.end_turn()
             raise
         except BaseException:  # e.g. a forward failed midway (a read error, Ctrl-C): its state is half-fed
-            session.state, session.ids = self.model.new_state(), []  # never reused, even if what follows fails
+            session.state, session.ids = self.new_state(), []  # never reused, even if what follows fails
             if kept is not None:
-                state = self.model.new_state()
+                state = self.new_state()
                 state.load_arrays(kept)
                 session.state, session.ids = state, kept_ids
             raise
@@ -379,7 +389,8 @@ class Engine:
 def load(model_dir: str | Path, *, ram: int | str | None = None, cache_slots: int | None = None,
          prefetch: bool = True, direct: bool = False, mirror: str | Path | None = None, pin_gb: float | None = None,
          policy: str = "lru", io_threads: int = 4, usage: bool | str | Path = True,
-         activations: str | None = None, ray: str | None = None, ray_options: dict | None = None) -> Engine:
+         activations: str | None = None, kv_cache: str | None = None, ray: str | None = None,
+         ray_options: dict | None = None) -> Engine:
     """Open a converted model directory.
 
     `ram`: budget in bytes or "2GB" (default 80% of available); `cache_slots`: experts cached per
@@ -389,7 +400,9 @@ def load(model_dir: str | Path, *, ram: int | str | None = None, cache_slots: in
     plugin's); `io_threads`: I/O pool threads; `usage`: record routing history in .coli_usage
     beside the model (True), in another file (a path), or not at all (False).
     None of these changes an output, only speed. `activations`: "f32" (exact, the default) or
-    "int8" (faster, changes the arithmetic; default from COLIBRI_ACTIVATIONS).
+    "int8" (faster, changes the arithmetic; default from COLIBRI_ACTIVATIONS). `kv_cache`: "f32"
+    (the default) or "f16" (attention keys and values rounded to float16 when cached: half the
+    memory, faster decode at long contexts, a different arithmetic; default from COLIBRI_KV_CACHE).
     `ray`: the address of a Ray cluster ("auto", HOST:PORT) whose other nodes hold the routed experts
     in RAM (colibri_core/remote; needs `colibri[ray]`), the local store a cache in front of them;
     `ray_options`: `remote.client.RemoteConfig`'s fields (split, model_paths, default_path, timeout,
@@ -397,4 +410,4 @@ def load(model_dir: str | Path, *, ram: int | str | None = None, cache_slots: in
     """
     return Engine(model_dir, ram=ram, cache_slots=cache_slots, prefetch=prefetch, direct=direct, mirror=mirror,
                   pin_gb=pin_gb, policy=policy, io_threads=io_threads, usage=usage,
-                  activations=activations, ray=ray, ray_options=ray_options)
+                  activations=activations, kv_cache=kv_cache, ray=ray, ray_options=ray_options)

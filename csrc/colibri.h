@@ -199,10 +199,16 @@ int rms_norm(float *out, const float *x, const float *weight, int n, int dim, fl
 int rope_rotate_half(float *out, const float *x, const float *cos, const float *sin, int T, int heads, int dim);
 
 // Causal grouped-query attention of T new tokens (positions start .. start+T-1) over S cached ones.
-// out: f32 [T, H, D] (written); q: f32 [T, H, D]; k, v: f32 [S, Hkv, D] with S >= start + T, the new
-// tokens' keys and values already in place; H a multiple of Hkv; scale usually D^-0.5.
-int attention(float *out, const float *q, int T, int H, int D, const float *k, const float *v, int S, int Hkv,
-              int start, float scale);
+// out: f32 [T, H, D] (written); q: f32 [T, H, D]; k, v: [S, Hkv, D] with S >= start + T, the new
+// tokens' keys and values already in place, float32 (kv = KV_F32) or float16 (KV_F16: each element
+// widened exactly, then the float32 cache's operations); H a multiple of Hkv; scale usually D^-0.5.
+enum { KV_F32 = 0, KV_F16 = 1 };
+int attention(float *out, const float *q, int T, int H, int D, const void *k, const void *v, int S, int Hkv,
+              int start, float scale, int kv);
+
+// out[i] = x[i] rounded to float16 (nearest, ties to even; NaN stays NaN, quiet): how a float16 KV
+// cache stores a row. Returns COLI_OK.
+int f16_from_f32(uint16_t *out, const float *x, size_t n);
 
 // The pre-norm attention sub-block of a decoder layer (OLMoE, Qwen3-MoE and the like), for T new
 // tokens at positions start .. start+T-1, in one call, exactly the sequence of the calls above:
@@ -210,10 +216,11 @@ int attention(float *out, const float *q, int T, int H, int D, const float *k, c
 //   q, k = rms_norm over each whole projection (QK_NORM_WHOLE: OLMoE) or each head (QK_NORM_HEAD:
 //   Qwen3), or neither (0);
 //   q, k, v clamped to ±clip (INFINITY: none); q, k = rope_rotate_half(·, cos, sin);
-//   k, v written to rows start .. start+T-1 of k_cache, v_cache; a = attention(q, the cache rows
-//   0 .. start+T-1, scale); out = h + a wo^T.
-// out, h: f32 [T, hidden] (out may not alias h); cos, sin: f32 [T, head_dim]; k_cache, v_cache: f32
-// [start + T (at least), kv_heads, head_dim]. COLI_OK, COLI_EINVAL (shapes) or COLI_ENOMEM.
+//   k, v written to rows start .. start+T-1 of k_cache, v_cache (rounded by f16_from_f32 for
+//   KV_F16); a = attention(q, the cache rows 0 .. start+T-1, scale, kv); out = h + a wo^T.
+// out, h: f32 [T, hidden] (out may not alias h); cos, sin: f32 [T, head_dim]; k_cache, v_cache:
+// [start + T (at least), kv_heads, head_dim], float32 (kv = KV_F32) or float16 (KV_F16).
+// COLI_OK, COLI_EINVAL (shapes) or COLI_ENOMEM.
 enum { QK_NORM_WHOLE = 1, QK_NORM_HEAD = 2 };
 typedef struct {
     const float *norm;             // [hidden] the input RMSNorm's weight
@@ -226,7 +233,7 @@ typedef struct {
     float eps, scale;
 } AttnBlock;
 int attn_block(float *out, const float *h, int T, const AttnBlock *b, const float *cos, const float *sin,
-               float *k_cache, float *v_cache, int start, int act);
+               void *k_cache, void *v_cache, int start, int act, int kv);
 
 // ----------------------------------------------------------------------------
 // membench.c

@@ -1,8 +1,10 @@
 // layers.c — the small per-token layers in C, so a decode step does not pay NumPy's per-call
-// overhead many times per layer: RMSNorm, rotate-half RoPE and causal GQA attention over a KV cache.
-// Each has a NumPy reference in colibri_core/kernels/reference.py; results agree within float32
-// rounding (RoPE exactly), and none depends on the thread count (each output row is one task) or on
-// the SIMD path (attention's AVX2 loops keep the portable lane order).
+// overhead many times per layer: RMSNorm, rotate-half RoPE and causal GQA attention over a KV cache
+// (float32, or float16: each element widened exactly as it is read, so attention over a float16
+// cache gives the bits of the float32 code over the same values). Each has a NumPy reference in
+// colibri_core/kernels/reference.py; results agree within float32 rounding (RoPE exactly), and none
+// depends on the thread count (each output row is one task) or on the SIMD path (attention's AVX2
+// loops keep the portable lane order).
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -119,16 +121,39 @@ int rope_rotate_half(float *out, const float *x, const float *cos, const float *
 // the block size and the thread count never change a bit.
 typedef struct {
     float *out;
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v;  // [S, Hkv, D]: float32, or float16 (kv16)
     int T, H, D, S, Hkv, start;
     float scale;
     int heads;  // heads per task (a block)
-    int avx2;   // the SIMD path in use has AVX2 (any path but the portable one)
+    int avx2;   // the SIMD path in use has AVX2 and F16C (any path but the portable one)
+    int kv16;   // the cache holds float16 (KV_F16): rows are widened to float32 (exactly) as they are read
 } AttnJob;
+
+static void f16_rows_to_f32(float *out, const uint16_t *h, size_t n, int simd);
+
+// Element `at` of the cache `base` (float32 or float16).
+static inline const void *kv_at(const AttnJob *j, const void *base, size_t at) {
+    return (const char *)base + at * (j->kv16 ? 2 : 4);
+}
+
+// n elements of the cache `base` from element `at` as float32: a pointer into it, or (float16) `buf`
+// filled with them widened (exact, so every later operation is the float32 cache's).
+static const float *kv_floats(const AttnJob *j, const void *base, size_t at, size_t n, float *buf) {
+    if (!j->kv16) return (const float *)base + at;
+    f16_rows_to_f32(buf, (const uint16_t *)base + at, n, j->avx2);
+    return buf;
+}
+
+// Ask for the cache's n elements from element `at` ahead of their use.
+static inline void prefetch_kv(const AttnJob *j, const void *base, size_t at, size_t n) {
+    const char *p = kv_at(j, base, at);
+    for (size_t i = 0; i < n * (j->kv16 ? 2 : 4); i += 64) __builtin_prefetch(p + i);
+}
 
 #if COLI_X86
 #include <immintrin.h>
-#define AVX2 __attribute__((target("avx2")))
+#define AVX2 __attribute__((target("avx2,f16c")))
 
 // dot16's tree over 16 lanes held in two registers: lane l + l+8, then l+4, l+2, l+1.
 AVX2 static inline float tree16_avx2(__m256 A, __m256 B) {
@@ -157,17 +182,23 @@ AVX2 static float dot16_avx2(const float *a, const float *b, int n) {
     return L[0] + L[1];
 }
 
-// dot16_avx2 of 4 heads' queries (q: 4 rows of D floats) with their keys k[0..3], D a multiple of
-// 16: each head's operations as there, the 4 heads' chains side by side (one head's chain alone
-// waits on the adder's latency).
-AVX2 static void dot16x4_avx2(const float *q, const float *const *k, int D, float *out) {
+// 8 cached elements from element i of row p as float32: loaded, or float16 widened (exactly).
+AVX2 static inline __m256 kv8(const void *p, size_t i, int f16) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+               : _mm256_loadu_ps((const float *)p + i);
+}
+
+// dot16_avx2 of 4 heads' queries (q: 4 rows of D floats) with their keys k[0..3] (float32, or
+// float16 when f16), D a multiple of 16: each head's operations as there, the 4 heads' chains side
+// by side (one head's chain alone waits on the adder's latency).
+AVX2 static void dot16x4_avx2(const float *q, const void *const *k, int D, float *out, int f16) {
     __m256 A[4], B[4];
     for (int m = 0; m < 4; m++) A[m] = B[m] = _mm256_setzero_ps();
     for (int j0 = 0; j0 < D; j0 += 16) {
         for (int m = 0; m < 4; m++) {
-            const float *a = q + (size_t)m * D + j0, *b = k[m] + j0;
-            A[m] = _mm256_add_ps(A[m], _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b)));
-            B[m] = _mm256_add_ps(B[m], _mm256_mul_ps(_mm256_loadu_ps(a + 8), _mm256_loadu_ps(b + 8)));
+            const float *a = q + (size_t)m * D + j0;
+            A[m] = _mm256_add_ps(A[m], _mm256_mul_ps(_mm256_loadu_ps(a), kv8(k[m], (size_t)j0, f16)));
+            B[m] = _mm256_add_ps(B[m], _mm256_mul_ps(_mm256_loadu_ps(a + 8), kv8(k[m], (size_t)j0 + 8, f16)));
         }
     }
     for (int m = 0; m < 4; m++) out[m] = tree16_avx2(A[m], B[m]);
@@ -175,11 +206,11 @@ AVX2 static void dot16x4_avx2(const float *q, const float *const *k, int D, floa
 
 // dot16x4_avx2 for 4 queries against one key (4 heads of one kv head, GQA, q_stride D; or one
 // head of 4 new tokens, q_stride H·D): each key vector loaded once for the 4 of them.
-AVX2 static void dot16x4_shared_avx2(const float *q, size_t q_stride, const float *k, int D, float *out) {
+AVX2 static void dot16x4_shared_avx2(const float *q, size_t q_stride, const void *k, int D, float *out, int f16) {
     __m256 A[4], B[4];
     for (int m = 0; m < 4; m++) A[m] = B[m] = _mm256_setzero_ps();
     for (int j0 = 0; j0 < D; j0 += 16) {
-        __m256 k0 = _mm256_loadu_ps(k + j0), k1 = _mm256_loadu_ps(k + j0 + 8);
+        __m256 k0 = kv8(k, (size_t)j0, f16), k1 = kv8(k, (size_t)j0 + 8, f16);
         for (int m = 0; m < 4; m++) {
             const float *a = q + (size_t)m * q_stride + j0;
             A[m] = _mm256_add_ps(A[m], _mm256_mul_ps(_mm256_loadu_ps(a), k0));
@@ -189,15 +220,15 @@ AVX2 static void dot16x4_shared_avx2(const float *q, size_t q_stride, const floa
     for (int m = 0; m < 4; m++) out[m] = tree16_avx2(A[m], B[m]);
 }
 
-// out[0..64) += p[s] * v_s[0..64) for s = s0 .. s1-1 in turn (v_s = v + s * row), in registers:
-// per element the additions of axpy_avx2, token after token, without a store and a load between.
-AVX2 static void axpy64_tokens_avx2(float *out, const float *p, const float *v, size_t row, int s0, int s1) {
+// out[0..64) += p[s] * v_s[0..64) for s = s0 .. s1-1 in turn (v_s: element s * row of v, float32 or
+// float16), in registers: per element the additions of axpy_avx2, token after token, without a
+// store and a load between.
+AVX2 static void axpy64_tokens_avx2(float *out, const float *p, const void *v, size_t row, int s0, int s1, int f16) {
     __m256 acc[8];
     for (int c = 0; c < 8; c++) acc[c] = _mm256_loadu_ps(out + 8 * c);
     for (int s = s0; s < s1; s++) {
         __m256 ps = _mm256_set1_ps(p[s]);
-        const float *vs = v + (size_t)s * row;
-        for (int c = 0; c < 8; c++) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(ps, _mm256_loadu_ps(vs + 8 * c)));
+        for (int c = 0; c < 8; c++) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(ps, kv8(v, (size_t)s * row + 8 * c, f16)));
     }
     for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
 }
@@ -258,6 +289,59 @@ AVX2 static int swiglu_rows_avx2(float *h, const float *g, const float *u, int n
 }
 #endif
 
+#if COLI_X86
+AVX2 static size_t f16_to_f32_avx2(float *out, const uint16_t *h, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    return i;
+}
+
+AVX2 static size_t f32_to_f16_avx2(uint16_t *out, const float *x, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    return i;
+}
+#endif
+
+// float16 -> float32, exactly (F16C's vcvtph2ps, or f16_to_f32).
+static void f16_rows_to_f32(float *out, const uint16_t *h, size_t n, int simd) {
+    size_t i = 0;
+#if COLI_X86
+    if (simd) i = f16_to_f32_avx2(out, h, n);
+#else
+    (void)simd;
+#endif
+    for (; i < n; i++) out[i] = f16_to_f32(h[i]);
+}
+
+// float32 -> float16, rounded to nearest, ties to even (as vcvtps2ph with imm 0, and NumPy's astype):
+// beyond 65504 rounds to infinity, below 2^-14 to a subnormal or zero; a NaN stays a NaN, quiet.
+static uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u | (uint16_t)((a >> 13) & 0x3ffu);  // NaN
+    if (a >= 0x477ff000u) return sign | 0x7c00u;  // inf, or rounds to it (>= 65520)
+    if (a >= 0x38800000u) return sign | (uint16_t)((a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u) >> 13);
+    int e = (int)(a >> 23);  // a subnormal float16 (or zero): round(f * 2^24)
+    if (e < 102) return sign;  // below 2^-25: rounds to zero
+    uint32_t m = (a & 0x7fffffu) | 0x800000u, shift = (uint32_t)(126 - e), q = m >> shift;
+    uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1u))) q++;
+    return sign | (uint16_t)q;
+}
+
+int f16_from_f32(uint16_t *out, const float *x, size_t n) {
+    size_t i = 0;
+#if COLI_X86
+    if (path_current() != &PATH_PORTABLE) i = f32_to_f16_avx2(out, x, n);
+#endif
+    for (; i < n; i++) out[i] = f32_to_f16(x[i]);
+    return COLI_OK;
+}
+
 void exp_shifted(float *p, int n, float m, int simd) {
     int i = 0;
 #if COLI_X86
@@ -291,11 +375,9 @@ void swiglu_rows(float *h, const float *g, const float *u, int n, float limit, i
     }
 }
 
-// Ask for n floats at p ahead of their use (tokens AHEAD rows on: the cache is read row by row).
-enum { AHEAD = 4 };
-static inline void prefetch(const float *p, size_t n) {
-    for (size_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
-}
+// Cached rows are asked for AHEAD tokens before their use (the cache is read row by row); decode
+// takes the values VBLOCK tokens at a time.
+enum { AHEAD = 4, VBLOCK = 16 };
 
 static void axpy(float *out, float p, const float *v, int D) {
     for (int d = 0; d < D; d++) out[d] += p * v[d];
@@ -312,11 +394,11 @@ static void softmax_row(float *p, int len, int avx2) {
 
 // Softmax over the len scores of each of heads h0 .. h0+nh-1 (rows of p, in place), then their
 // outputs out [nh, D] = Σ_s p_s v_s in token order.
-static void attn_values(const AttnJob *j, float *p, int len, int h0, int nh, float *out) {
+static void attn_values(const AttnJob *j, float *p, int len, int h0, int nh, float *out, float *conv) {
     int group = j->H / j->Hkv, D = j->D;
-    size_t row = (size_t)j->Hkv * (size_t)D;  // floats per cached token
+    size_t row = (size_t)j->Hkv * (size_t)D;  // elements per cached token
     int kv0 = h0 / group;
-    size_t span = (size_t)((h0 + nh - 1) / group - kv0 + 1) * (size_t)D;  // floats of a token these heads read
+    size_t span = (size_t)((h0 + nh - 1) / group - kv0 + 1) * (size_t)D;  // elements of a token these heads read
     for (int i = 0; i < nh; i++) softmax_row(p + (size_t)i * len, len, j->avx2);  // per head
     for (size_t i = 0; i < (size_t)nh * (size_t)D; i++) out[i] = 0.0f;
 #if COLI_X86
@@ -325,24 +407,24 @@ static void attn_values(const AttnJob *j, float *p, int len, int h0, int nh, flo
     // call with the previous loops (BENCHMARKS.md) 12.5 -> 13.7 GB/s at 100 cached tokens and 14.5
     // -> 16.1 at 2000 for OLMoE's 16 heads, 6.9 -> 8.1 at 8000 for Qwen3's 32 over 4 kv heads.
     if (j->avx2 && D % 64 == 0) {
-        enum { BLOCK = 16 };
-        for (int s0 = 0; s0 < len; s0 += BLOCK) {
-            int s1 = s0 + BLOCK < len ? s0 + BLOCK : len;
-            for (int s = s1; s < s1 + BLOCK && s < len; s++) prefetch(j->v + (size_t)s * row + (size_t)kv0 * D, span);
+        for (int s0 = 0; s0 < len; s0 += VBLOCK) {
+            int s1 = s0 + VBLOCK < len ? s0 + VBLOCK : len;
+            for (int s = s1; s < s1 + VBLOCK && s < len; s++) prefetch_kv(j, j->v, (size_t)s * row + (size_t)kv0 * D, span);
             for (int i = 0; i < nh; i++) {
-                const float *vh = j->v + (size_t)((h0 + i) / group) * D;
+                size_t at = (size_t)s0 * row + (size_t)((h0 + i) / group) * D;  // token s0, head i's kv head
                 for (int d0 = 0; d0 < D; d0 += 64)
-                    axpy64_tokens_avx2(out + (size_t)i * D + d0, p + (size_t)i * len, vh + d0, row, s0, s1);
+                    axpy64_tokens_avx2(out + (size_t)i * D + d0, p + (size_t)i * len + s0, kv_at(j, j->v, at + d0), row, 0,
+                                       s1 - s0, j->kv16);
             }
         }
         return;
     }
 #endif
     for (int s = 0; s < len; s++) {
-        const float *vs = j->v + (size_t)s * row;
-        if (s + AHEAD < len) prefetch(vs + AHEAD * row + (size_t)kv0 * D, span);
+        const float *vs = kv_floats(j, j->v, (size_t)s * row + (size_t)kv0 * D, span, conv);  // heads kv0 ..
+        if (s + AHEAD < len) prefetch_kv(j, j->v, (size_t)(s + AHEAD) * row + (size_t)kv0 * D, span);
         for (int i = 0; i < nh; i++) {
-            const float *vh = vs + (size_t)((h0 + i) / group) * D;
+            const float *vh = vs + (size_t)((h0 + i) / group - kv0) * D;
 #if COLI_X86
             if (j->avx2) {
                 axpy_avx2(out + (size_t)i * D, p[(size_t)i * len + s], vh, D);
@@ -370,27 +452,34 @@ static void attn_task(void *ctx, int task) {
         for (size_t i = 0; i < (size_t)nh * (size_t)D; i++) out[i] = NAN;
         return;
     }
-    size_t row = (size_t)j->Hkv * (size_t)D;  // floats per cached token
+    size_t row = (size_t)j->Hkv * (size_t)D;  // elements per cached token
     int kv0 = h0 / group;
-    size_t span = (size_t)((h0 + nh - 1) / group - kv0 + 1) * (size_t)D;  // floats of a token this block reads
+    size_t span = (size_t)((h0 + nh - 1) / group - kv0 + 1) * (size_t)D;  // elements of a token this block reads
+    float *conv = NULL;  // a float16 cache's span of a token widened, where the loops below read floats
+    if (j->kv16 && (conv = malloc(span * sizeof(float))) == NULL) {
+        for (size_t i = 0; i < (size_t)nh * (size_t)D; i++) out[i] = NAN;
+        if (p != stack) free(p);
+        return;
+    }
     for (int s = 0; s < len; s++) {
-        const float *ks = j->k + (size_t)s * row;
-        if (s + AHEAD < len) prefetch(ks + AHEAD * row + (size_t)kv0 * D, span);
+        size_t at = (size_t)s * row + (size_t)kv0 * D;  // token s, kv head kv0
+        if (s + AHEAD < len) prefetch_kv(j, j->k, at + AHEAD * row, span);
         int i = 0;
 #if COLI_X86
         if (j->avx2 && D % 16 == 0) {
-            for (; i + 4 <= nh; i += 4) {  // 4 heads at a time
-                const float *kh[4];
+            for (; i + 4 <= nh; i += 4) {  // 4 heads at a time, straight from the cache
+                const void *kh[4];
                 float dots[4];
-                for (int m = 0; m < 4; m++) kh[m] = ks + (size_t)((h0 + i + m) / group) * D;
-                if (kh[0] == kh[3]) dot16x4_shared_avx2(q + (size_t)i * D, (size_t)D, kh[0], D, dots);
-                else dot16x4_avx2(q + (size_t)i * D, kh, D, dots);
+                for (int m = 0; m < 4; m++) kh[m] = kv_at(j, j->k, at + (size_t)((h0 + i + m) / group - kv0) * D);
+                if (kh[0] == kh[3]) dot16x4_shared_avx2(q + (size_t)i * D, (size_t)D, kh[0], D, dots, j->kv16);
+                else dot16x4_avx2(q + (size_t)i * D, kh, D, dots, j->kv16);
                 for (int m = 0; m < 4; m++) p[(size_t)(i + m) * len + s] = dots[m] * j->scale;
             }
         }
 #endif
+        const float *ks = i < nh ? kv_floats(j, j->k, at, span, conv) : NULL;  // the other heads: as floats
         for (; i < nh; i++) {
-            const float *kh = ks + (size_t)((h0 + i) / group) * D;
+            const float *kh = ks + (size_t)((h0 + i) / group - kv0) * D;
 #if COLI_X86
             float dot = j->avx2 ? dot16_avx2(q + (size_t)i * D, kh, D) : dot16(q + (size_t)i * D, kh, D);
 #else
@@ -399,7 +488,8 @@ static void attn_task(void *ctx, int task) {
             p[(size_t)i * len + s] = dot * j->scale;
         }
     }
-    attn_values(j, p, len, h0, nh, out);
+    attn_values(j, p, len, h0, nh, out, conv);
+    free(conv);
     if (p != stack) free(p);
 }
 
@@ -433,9 +523,14 @@ AVX2 static void axpy16_tokens_avx2(float *out, const float *p, const float *v, 
     _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + 8, a1);
 }
 
-// Cached rows s0 .. s1-1 of one head (src: its row 0, `row` floats apart) side by side into tile.
-static void copy_tile(float *tile, const float *src, size_t row, int s0, int s1, int D) {
-    for (int s = s0; s < s1; s++) memcpy(tile + (size_t)(s - s0) * D, src + (size_t)s * row, (size_t)D * sizeof(float));
+// Cached rows s0 .. s1-1 of kv head `kvh` (`row` elements apart) side by side into tile, as float32.
+static void copy_tile(const AttnJob *j, float *tile, const void *base, int kvh, size_t row, int s0, int s1) {
+    int D = j->D;
+    for (int s = s0; s < s1; s++) {
+        float *dst = tile + (size_t)(s - s0) * D;
+        const float *src = kv_floats(j, base, (size_t)s * row + (size_t)kvh * D, (size_t)D, dst);
+        if (src != dst) memcpy(dst, src, (size_t)D * sizeof(float));
+    }
 }
 
 // Several new tokens (prefill, verification): a task per (block of QBLOCK new tokens, head), a
@@ -470,16 +565,15 @@ static void attn_task_block(void *ctx, int task) {
     float *tile = buf + (size_t)nt * (size_t)lmax;  // KTILE keys or values of one head, side by side
     for (int h = h0; h < h0 + nh; h++) {
         const float *q = j->q + ((size_t)t0 * j->H + h) * (size_t)D;  // token t0 + m: q + m * qs
-        const float *k = j->k + (size_t)(h / group) * D, *v = j->v + (size_t)(h / group) * D;
         for (int s0 = 0; s0 < lmax; s0 += KTILE) {
             int s1 = s0 + KTILE < lmax ? s0 + KTILE : lmax;
-            copy_tile(tile, k, row, s0, s1, D);
+            copy_tile(j, tile, j->k, h / group, row, s0, s1);
             for (int m0 = 0; m0 < nt; m0 += 4) {
                 for (int s = s0; s < s1; s++) {
                     const float *ks = tile + (size_t)(s - s0) * D;
                     if (m0 + 4 <= nt && s < len[m0]) {
                         float dots[4];
-                        dot16x4_shared_avx2(q + (size_t)m0 * qs, qs, ks, D, dots);
+                        dot16x4_shared_avx2(q + (size_t)m0 * qs, qs, ks, D, dots, 0);
                         for (int m = 0; m < 4; m++) p[m0 + m][s] = dots[m] * j->scale;
                         continue;
                     }
@@ -497,7 +591,7 @@ static void attn_task_block(void *ctx, int task) {
         }
         for (int s0 = 0; s0 < lmax; s0 += KTILE) {  // a tile of values, in L1 for every token and column
             int s1 = s0 + KTILE < lmax ? s0 + KTILE : lmax;
-            copy_tile(tile, v, row, s0, s1, D);
+            copy_tile(j, tile, j->v, h / group, row, s0, s1);
             for (int m0 = 0; m0 < nt; m0 += 4) {  // token s of the tile: p[m][s], tile + (s - s0) * D
                 for (int d0 = 0; d0 < D; d0 += 16) {
                     if (m0 + 4 <= nt) {  // the 4 tokens' common keys together, then each one's own in order
@@ -523,12 +617,14 @@ static void attn_task_block(void *ctx, int task) {
 }
 #endif
 
-int attention(float *out, const float *q, int T, int H, int D, const float *k, const float *v, int S, int Hkv,
-              int start, float scale) {
-    if (T < 0 || H < 1 || D < 1 || Hkv < 1 || H % Hkv || start < 0 || start + T > S) return COLI_EINVAL;
+int attention(float *out, const float *q, int T, int H, int D, const void *k, const void *v, int S, int Hkv,
+              int start, float scale, int kv) {
+    if (T < 0 || H < 1 || D < 1 || Hkv < 1 || H % Hkv || start < 0 || start + T > S || (kv != KV_F32 && kv != KV_F16)) {
+        return COLI_EINVAL;
+    }
     int threads = threads_get(), blocks = threads < H ? threads : H;  // one block of heads per thread
     AttnJob j = {out, q, k, v, T, H, D, S, Hkv, start, scale, (H + blocks - 1) / blocks,
-                 path_current() != &PATH_PORTABLE};
+                 path_current() != &PATH_PORTABLE, kv == KV_F16};
     int tasks = T * ((H + j.heads - 1) / j.heads);
     void (*task)(void *, int) = attn_task;
 #if COLI_X86
@@ -553,10 +649,11 @@ int attention(float *out, const float *q, int T, int H, int D, const float *k, c
 // by-layer path calls, in the same order, so the results are the same bits.
 
 int attn_block(float *out, const float *h, int T, const AttnBlock *b, const float *cos, const float *sin,
-               float *k_cache, float *v_cache, int start, int act) {
+               void *k_cache, void *v_cache, int start, int act, int kv) {
     int H = b->heads, Hkv = b->kv_heads, D = b->head_dim, hidden = b->wq->cols;
     int nq = H * D, nkv = Hkv * D;
-    if (T < 0 || H < 1 || Hkv < 1 || D < 1 || D % 2 || H % Hkv || start < 0 || b->wq->rows != nq ||
+    if (T < 0 || H < 1 || Hkv < 1 || D < 1 || D % 2 || H % Hkv || start < 0 || (kv != KV_F32 && kv != KV_F16) ||
+        b->wq->rows != nq ||
         b->wk->rows != nkv || b->wv->rows != nkv || b->wk->cols != hidden || b->wv->cols != hidden ||
         b->wo->rows != hidden || b->wo->cols != nq || b->qk_norm < 0 ||
         b->qk_norm > QK_NORM_HEAD) {
@@ -564,11 +661,11 @@ int attn_block(float *out, const float *h, int T, const AttnBlock *b, const floa
     }
     if (T == 0) return COLI_OK;
     size_t t = (size_t)T;
-    float *x = malloc(t * ((size_t)hidden * 2 + (size_t)nq * 3 + (size_t)nkv * 2) * sizeof(float));
+    float *x = malloc(t * ((size_t)hidden * 2 + (size_t)nq * 3 + (size_t)nkv * 3) * sizeof(float));
     if (x == NULL) return COLI_ENOMEM;
     float *q = x + t * hidden, *k = q + t * nq, *v = k + t * nkv, *qr = v + t * nkv, *attn = qr + t * nq;
-    float *o = attn + t * nq;
-    float *kr = k_cache + (size_t)start * nkv, *vr = v_cache + (size_t)start * nkv;  // this call's cache rows
+    float *o = attn + t * nq, *kr = o + t * hidden;  // kr: the rotated keys, before a float16 cache rounds them
+    size_t at = (size_t)start * nkv;  // this call's rows of the cache
     int status = rms_norm(x, h, b->norm, T, hidden, b->eps);
     float *qkv[3] = {q, k, v};
     const QMatrix *w[3] = {b->wq, b->wk, b->wv};
@@ -584,8 +681,14 @@ int attn_block(float *out, const float *h, int T, const AttnBlock *b, const floa
     if (status == COLI_OK) {
         rope_rotate_half(qr, q, cos, sin, T, H, D);
         rope_rotate_half(kr, k, cos, sin, T, Hkv, D);
-        memcpy(vr, v, t * (size_t)nkv * sizeof(float));
-        status = attention(attn, qr, T, H, D, k_cache, v_cache, start + T, Hkv, start, b->scale);
+        if (kv == KV_F16) {
+            f16_from_f32((uint16_t *)k_cache + at, kr, t * (size_t)nkv);
+            f16_from_f32((uint16_t *)v_cache + at, v, t * (size_t)nkv);
+        } else {
+            memcpy((float *)k_cache + at, kr, t * (size_t)nkv * sizeof(float));
+            memcpy((float *)v_cache + at, v, t * (size_t)nkv * sizeof(float));
+        }
+        status = attention(attn, qr, T, H, D, k_cache, v_cache, start + T, Hkv, start, b->scale, kv);
     }
     if (status == COLI_OK) status = matmul_multi(&o, &b->wo, 1, attn, T, act);
     if (status == COLI_OK) {

@@ -41,17 +41,19 @@ def step_by_step(W, qk_norm, clip, h, cache, cos, sin):
     return h + linear(gqa_attention(q, k, v.reshape(T, KV_HEADS, D), cache, D ** -0.5), W["wo"])
 
 
+@pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("act", ["f32", "int8"])
 @pytest.mark.parametrize("kind", ["int4", "f32"])
 @pytest.mark.parametrize("qk_norm,clip", [("whole", None), ("head", None), (None, None), ("whole", 0.5)])
-def test_fused_block_is_bit_identical_to_its_steps(kind, qk_norm, clip, act):
+def test_fused_block_is_bit_identical_to_its_steps(kind, qk_norm, clip, act, cache):
     W = weights(kind, qk_norm)
     block = AttnBlock(W["norm"], W["wq"], W["wk"], W["wv"], W["wo"], heads=HEADS, kv_heads=KV_HEADS, head_dim=D,
                       eps=EPS, scale=D ** -0.5, qk_norm=qk_norm, q_norm=W["q_norm"] if qk_norm else None,
                       k_norm=W["k_norm"] if qk_norm else None, clip=clip)
     rope = Rope(D, 10000.0)
     rng = np.random.default_rng(1)
-    fused, steps = KVCache(KV_HEADS, D, capacity=4), KVCache(KV_HEADS, D, capacity=4)  # grows on the way
+    dtype = {"f32": np.float32, "f16": np.float16}[cache]  # float16: the block rounds its rows as NumPy does
+    fused, steps = (KVCache(KV_HEADS, D, capacity=4, dtype=dtype) for _ in range(2))  # grows on the way
     with kernels.activations(act):
         for T in (7, 1, 1, 3, 1):  # a prompt, then decode steps and a short chunk over the filled cache
             h = rng.standard_normal((T, H)).astype(np.float32)
@@ -60,7 +62,7 @@ def test_fused_block_is_bit_identical_to_its_steps(kind, qk_norm, clip, act):
             b = step_by_step(W, qk_norm, clip, h, steps, cos, sin)
             assert a.tobytes() == b.tobytes()
             assert fused.length == steps.length
-            assert all(x.tobytes() == y.tobytes() for x, y in zip(fused.view(), steps.view()))
+            assert all(x.dtype == dtype and x.tobytes() == y.tobytes() for x, y in zip(fused.view(), steps.view()))
 
 
 def test_bad_shapes_are_one_clear_error():

@@ -536,6 +536,51 @@ def test_attention_matches_reference_on_every_thread_count(thread_counts, T, H, 
     kernels.set_simd("auto")
 
 
+@pytest.mark.parametrize("T,H,Hkv,D,start", [(1, 1, 1, 1, 0), (1, 16, 16, 128, 37), (1, 32, 4, 128, 300),
+                                             (1, 6, 3, 20, 9), (1, 5, 5, 64, 40), (5, 8, 2, 64, 0),
+                                             (37, 4, 4, 128, 45), (7, 6, 3, 20, 9)])
+def test_attention_over_a_float16_cache_is_the_float32_attention_over_it_widened(thread_counts, T, H, Hkv, D, start):
+    """A float16 KV cache is read as it is (decode: converted inside the dot products; several
+    tokens: as tiles are copied; other shapes: a widened copy of the row), each element widened
+    exactly: the bits of the float32 kernel over the same values, on every path and thread count."""
+    rng = np.random.default_rng([T, H, D, start, 16])
+    S = start + T
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    k16, v16 = (rng.standard_normal((S, Hkv, D)).astype(np.float16) for _ in range(2))
+    want = kernels.attention(q, k16.astype(np.float32), v16.astype(np.float32), start, D ** -0.5)
+    for path in supported_paths():
+        kernels.set_simd(path)
+        for n in thread_counts:
+            kernels.set_threads(n)
+            assert_same_bits(kernels.attention(q, k16, v16, start, D ** -0.5), want, f"path {path}, {n} threads")
+    kernels.set_simd("auto")
+
+
+def test_f16_from_f32_rounds_as_numpy_on_every_path():
+    """The float16 cache's rounding (nearest, ties to even; overflow to inf; subnormals; NaN stays
+    NaN) is NumPy's astype on every path, and the same bits on every path (NaN payloads too)."""
+    rng = np.random.default_rng(22)
+    x = np.concatenate([rng.standard_normal(20000).astype(np.float32) * np.float32(scale)
+                        for scale in (1e-8, 1e-6, 1e-5, 1e-3, 1, 1e3, 6e4, 1e5)])
+    edges = [0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.99, 65520, -65520, 2 ** -25, -(2 ** -25), 2 ** -24,
+             3 * 2 ** -26, 2 ** -14, 2 ** -14 * (1 - 2 ** -11), 1 + 2 ** -11, 1 + 3 * 2 ** -11]
+    raw = rng.integers(0, 2 ** 32, 50000, dtype=np.uint64).astype(np.uint32).view(np.float32)  # every kind of float
+    x = np.concatenate([x, np.array(edges, np.float32), raw])
+    nan = np.isnan(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x.astype(np.float16)
+    first = None
+    for path in supported_paths():
+        kernels.set_simd(path)
+        got = kernels.f16_from_f32(x)
+        diff = got[~nan].view(np.uint16) != want[~nan].view(np.uint16)
+        assert not diff.any(), f"path {path}: {diff.sum()} differ, first {x[~nan][diff][0]!r}"
+        assert np.isnan(got[nan]).all()
+        first = got if first is None else first
+        assert (got.view(np.uint16) == first.view(np.uint16)).all(), f"path {path} differs from {supported_paths()[0]}"
+    kernels.set_simd("auto")
+
+
 def test_layers_reject_bad_shapes():
     with pytest.raises(ValueError, match="rms_norm: weight must be"):
         kernels.rms_norm(np.ones((2, 4), np.float32), np.ones(3, np.float32), 1e-5)

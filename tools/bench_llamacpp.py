@@ -19,8 +19,9 @@ Models (`--model`):
 Quantisation (`--quant`): colibri int4 (groups of 64, f16 scales) against llama.cpp Q4_0 (groups of
 32, f16 scales), or colibri int8 (a f32 scale per row) against Q8_0 (groups of 32, f16 scales), for
 every matrix; colibri's router stays f32 as its converter keeps it; norms f32 in both. colibri runs
-with `--activations int8` (llama.cpp also quantises activations to int8 for Q4_0/Q8_0);
-`--activations f32` measures the exact mode.
+with `--activations int8` (llama.cpp also quantises activations to int8 for Q4_0/Q8_0) and
+`--kv-cache f16` (llama.cpp's KV cache is float16 by default); `--activations f32 --kv-cache f32`
+measures the exact mode.
 
 Larger than RAM (`--memory SIZE`): the model's weights exceed the memory each engine gets, and the
 experts are read from disk as the tokens need them. Each engine runs in a memory cgroup of SIZE
@@ -342,12 +343,12 @@ def prompt_ids(d: Dims, n: int) -> list[int]:
     return [int(i) for i in np.random.default_rng(7).integers(2, d.vocab, n)]
 
 
-def run_colibri(model: Path, d: Dims, prompt: int, gen: int, threads: int, activations: str) -> dict:
+def run_colibri(model: Path, d: Dims, prompt: int, gen: int, threads: int, activations: str, kv_cache: str) -> dict:
     import colibri_core
     from colibri_core import kernels
 
     kernels.set_threads(threads)
-    engine = colibri_core.load(model, cache_slots=d.experts, activations=activations)
+    engine = colibri_core.load(model, cache_slots=d.experts, activations=activations, kv_cache=kv_cache)
     ids = prompt_ids(d, prompt)
     engine.generate(ids[:8], 4, stop_ids=())  # warm-up: every expert of the short run read in
     for layer in range(d.layers):  # everything resident: read every expert once before timing
@@ -367,7 +368,7 @@ def run_colibri(model: Path, d: Dims, prompt: int, gen: int, threads: int, activ
     decode = time.perf_counter() - t1
     assert logits is not None and np.isfinite(logits).all()
     return {"prefill_tok_s": prompt / prefill, "decode_tok_s": gen / decode, "simd": kernels.simd(),
-            "threads": kernels.threads(), "activations": activations}
+            "threads": kernels.threads(), "activations": activations, "kv_cache": kv_cache}
 
 
 def run_llama(gguf_path: Path, d: Dims, prompt: int, gen: int, threads: int) -> dict:
@@ -427,14 +428,15 @@ def parse_size(text: str) -> int:
     return parse(text)
 
 
-def run_colibri_streamed(model: Path, d: Dims, gen: int, threads: int, activations: str, memory: int) -> dict:
+def run_colibri_streamed(model: Path, d: Dims, gen: int, threads: int, activations: str, kv_cache: str,
+                         memory: int) -> dict:
     import colibri_core
     from colibri_core import kernels
 
     kernels.set_threads(threads)
     t0 = time.perf_counter()
     ram = memory - min(MARGIN, memory // 8)
-    engine = colibri_core.load(model, ram=ram, direct=True, usage=False, activations=activations)
+    engine = colibri_core.load(model, ram=ram, direct=True, usage=False, activations=activations, kv_cache=kv_cache)
     load = time.perf_counter() - t0
     session, ids = engine.new_session(), []
 
@@ -444,7 +446,7 @@ def run_colibri_streamed(model: Path, d: Dims, gen: int, threads: int, activatio
 
     r = decode_phases(step, gen)
     return {**r, "load_s": load, "simd": kernels.simd(), "threads": kernels.threads(), "activations": activations,
-            "ram": ram, "cache_slots_per_layer": engine.split.cache_slots,
+            "kv_cache": kv_cache, "ram": ram, "cache_slots_per_layer": engine.split.cache_slots,
             "direct": engine.store.stats()["direct_io"]}
 
 
@@ -514,8 +516,9 @@ def child(args) -> None:
         d = Dims(**{**asdict(d), "layers": args.layers})
     memory = parse_size(args.memory) if args.memory else 0
     if args.child == "colibri":
-        r = (run_colibri_streamed(Path(args.path), d, args.gen, args.threads, args.activations, memory) if memory
-             else run_colibri(Path(args.path), d, args.prompt, args.gen, args.threads, args.activations))
+        r = (run_colibri_streamed(Path(args.path), d, args.gen, args.threads, args.activations, args.kv_cache, memory)
+             if memory else run_colibri(Path(args.path), d, args.prompt, args.gen, args.threads, args.activations,
+                                        args.kv_cache))
     elif args.child == "llama":
         r = (run_llama_streamed(Path(args.path), d, args.gen, args.threads) if memory
              else run_llama(Path(args.path), d, args.prompt, args.gen, args.threads))
@@ -528,7 +531,8 @@ def child(args) -> None:
 def in_child(kind: str, path: Path, args, limit: MemoryLimit | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", kind, "--path", str(path), "--model", args.model,
            "--prompt", str(args.prompt), "--gen", str(args.gen), "--threads", str(args.threads),
-           "--activations", args.activations, "--layers", str(args.layers or 0), "--memory", args.memory or ""]
+           "--activations", args.activations, "--kv-cache", args.kv_cache, "--layers", str(args.layers or 0),
+           "--memory", args.memory or ""]
     out = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=limit.enter if limit else None)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
@@ -604,6 +608,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (prefill)")
     ap.add_argument("--gen", type=int, default=32, help="decoded tokens")
     ap.add_argument("--activations", choices=("int8", "f32"), default="int8")
+    ap.add_argument("--kv-cache", choices=("f16", "f32"), default="f16", help="colibri's KV cache (llama.cpp's is f16)")
     ap.add_argument("--quant", choices=sorted(GGUF_QUANTS), default="int4", help="int4 vs Q4_0, or int8 vs Q8_0")
     ap.add_argument("--memory", default="", help="larger than RAM: each engine gets this much memory (e.g. 12GB)")
     ap.add_argument("--routing", choices=sorted(ROUTINGS), default="weights",
@@ -660,7 +665,8 @@ def main() -> None:
     print(f"{tag}: median of {args.rounds} rounds: decode colibri {med('decode_tok_s', 'colibri'):.1f} tok/s vs "
           f"llama.cpp {med('decode_tok_s', 'llama_cpp'):.1f} ({result['decode_ratio']:.2f}x); prefill "
           f"{med('prefill_tok_s', 'colibri'):.1f} vs {med('prefill_tok_s', 'llama_cpp'):.1f} "
-          f"({result['prefill_ratio']:.2f}x); read {read:.1f} GB/s, {args.threads} threads")
+          f"({result['prefill_ratio']:.2f}x); read {read:.1f} GB/s, {args.threads} threads; colibri with "
+          f"{args.activations} activations and a {args.kv_cache} KV cache")
     if not args.keep:
         shutil.rmtree(cdir, ignore_errors=True)
         gpath.unlink(missing_ok=True)

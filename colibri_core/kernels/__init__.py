@@ -372,18 +372,32 @@ def rope_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndar
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float) -> np.ndarray:
     """Causal GQA attention: q (T, H, D) for positions start..start+T-1 over k, v (S, Hkv, D), the
-    new tokens' keys and values included (S >= start + T). Returns float32 (T, H * D)."""
+    new tokens' keys and values included (S >= start + T). k and v float16 (a float16 KV cache) are
+    read as they are, each element widened exactly: the bits of passing them as float32. Returns
+    float32 (T, H * D)."""
     q = np.ascontiguousarray(q, np.float32)
     T, H, D = q.shape
     S, Hkv, Dk = k.shape
     if v.shape != k.shape or Dk != D or H % Hkv or not 0 <= start <= S - T:
         raise ValueError(f"attention: q (T, H, D), k and v (S, Hkv, D) with H a multiple of Hkv and "
                          f"start + T <= S; got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, start {start}")
-    k, v = (np.ascontiguousarray(a, np.float32) for a in (k, v))
+    kv = lib.KV_F16 if k.dtype == v.dtype == np.float16 else lib.KV_F32
+    k, v = (np.ascontiguousarray(a, np.float16 if kv == lib.KV_F16 else np.float32) for a in (k, v))
     out = np.empty((T, H * D), np.float32)
     if T:
-        _check(lib.attention(_floats(out, writable=True), _floats(q), T, H, D, _floats(k), _floats(v), S, Hkv,
-                             start, scale), "attention")
+        _check(lib.attention(_floats(out, writable=True), _floats(q), T, H, D, _cache(k), _cache(v), S, Hkv,
+                             start, scale, kv), "attention")
+    return out
+
+
+def f16_from_f32(x: np.ndarray) -> np.ndarray:
+    """x rounded to float16 as the kernels store a float16 KV cache's rows (nearest, ties to even:
+    NumPy's ``astype(np.float16)``). float32 array -> float16 array of its shape."""
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty(x.shape, np.float16)
+    if x.size:
+        _check(lib.f16_from_f32(ffi.from_buffer("uint16_t[]", out, require_writable=True), _floats(x), x.size),
+               "f16_from_f32")
     return out
 
 
@@ -430,23 +444,26 @@ class AttnBlock:
     def __call__(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                  start: int, act: str | None = None) -> np.ndarray:
         """h (T, H) → h + attention (T, H) for positions start .. start+T-1; cos, sin (T, head_dim);
-        k_cache, v_cache (capacity, kv_heads, head_dim) float32, capacity >= start + T: rows
-        start .. start+T-1 are written, rows 0 .. start-1 are the cached tokens."""
+        k_cache, v_cache (capacity, kv_heads, head_dim), both float32 or both float16 (rows stored
+        rounded to nearest, `f16_from_f32`), capacity >= start + T: rows start .. start+T-1 are
+        written, rows 0 .. start-1 are the cached tokens."""
         h = _activations(h, self.hidden, "attn_block: h")
         T = h.shape[0]
         cos, sin = (np.ascontiguousarray(a, np.float32) for a in (cos, sin))
         shape = (self.kv_heads, self.head_dim)
         for a in (k_cache, v_cache):
-            if a.dtype != np.float32 or a.shape[1:] != shape or not a.flags.c_contiguous or a.shape[0] < start + T:
-                raise ValueError(f"attn_block: caches must be C-contiguous float32 (>= {start + T}, {shape[0]}, "
-                                 f"{shape[1]}), got {a.dtype} {list(a.shape)}")
+            if (a.dtype != k_cache.dtype or a.dtype not in (np.float32, np.float16) or a.shape[1:] != shape
+                    or not a.flags.c_contiguous or a.shape[0] < start + T):
+                raise ValueError(f"attn_block: caches must be C-contiguous, both float32 or both float16, (>= {start + T}, "
+                                 f"{shape[0]}, {shape[1]}); got {a.dtype} {list(a.shape)}")
         if cos.shape != (T, self.head_dim) or sin.shape != cos.shape:
             raise ValueError(f"attn_block: cos, sin must be ({T}, {self.head_dim}), got {list(cos.shape)}, {list(sin.shape)}")
         out = np.empty_like(h)
         if T:
+            kv = lib.KV_F16 if k_cache.dtype == np.float16 else lib.KV_F32
             _check(lib.attn_block(_floats(out, writable=True), _floats(h), T, self._c, _floats(cos), _floats(sin),
-                                  _floats(k_cache, writable=True), _floats(v_cache, writable=True), start, _act_code(act)),
-                   "attn_block")
+                                  _cache(k_cache, writable=True), _cache(v_cache, writable=True), start, _act_code(act),
+                                  kv), "attn_block")
         return out
 
 
@@ -537,6 +554,11 @@ def _floats(a: np.ndarray, writable: bool = False):
     if a.size == 0:
         return ffi.NULL
     return ffi.from_buffer("float[]", a, require_writable=writable)
+
+
+def _cache(a: np.ndarray, writable: bool = False):
+    """A KV cache array (float32 or float16) for C."""
+    return ffi.from_buffer("float[]" if a.dtype == np.float32 else "uint16_t[]", a, require_writable=writable)
 
 
 def _check(status: int, kernel: str) -> None:

@@ -1,35 +1,67 @@
 """The key/value cache of one attention layer, and per-token rows of other attention states."""
+import contextlib
+import contextvars
+
 import numpy as np
 
 from ..arena import HUGE_PAGE, huge_pages
+from ..errors import ColibriError
 
 __all__ = ["KVCache", "Rows"]
 
+# The KV caches' element type: "f32" keeps keys and values as computed (the oracle's arithmetic, the
+# default); "f16" rounds each to float16 when it is stored (half the memory and the bytes decode
+# attention reads per token; an explicit choice, as llama.cpp's default cache type), and attention
+# widens them back exactly.
+KV_CACHES = {"f32": np.float32, "f16": np.float16}
+_kv_cache = contextvars.ContextVar("colibri_kv_cache", default="f32")
 
-def _empty(capacity: int, shape: tuple[int, ...]) -> np.ndarray:
-    """An uninitialised float32 (capacity', *shape) array, capacity' >= capacity.
+
+def check_cache_type(name: str) -> str:
+    """`name` if it is a KV cache type, else one clear error."""
+    if name not in KV_CACHES:
+        raise ColibriError(f"unknown KV cache type {name!r} (expected one of {', '.join(KV_CACHES)})")
+    return name
+
+
+@contextlib.contextmanager
+def cache_type(name: str):
+    """KV caches created inside (`KVCache()` without a dtype: every plugin's `new_state`) hold `name`
+    ("f32" or "f16") elements."""
+    token = _kv_cache.set(check_cache_type(name))
+    try:
+        yield
+    finally:
+        _kv_cache.reset(token)
+
+
+def _empty(capacity: int, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """An uninitialised (capacity', *shape) array of `dtype`, capacity' >= capacity.
 
     From one huge page up it gets its own transparent-huge-page mapping, capacity' rounded up to fill
     its pages: decode attention reads every cached row each token, and in 4 KB pages it stalled on
     the TLB (OLMoE-1B-7B size, 150 cached tokens, alternated token by token: 25.84 → 25.09 ms per
     token; BENCHMARKS.md). Smaller arrays stay NumPy's."""
-    row = 4 * int(np.prod(shape, dtype=np.int64))
+    row = np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
     if capacity * row < HUGE_PAGE or row == 0:
-        return np.empty((capacity, *shape), np.float32)
+        return np.empty((capacity, *shape), dtype)
     nbytes = -(-capacity * row // HUGE_PAGE) * HUGE_PAGE
-    return huge_pages(nbytes)[: nbytes // row * row].view(np.float32).reshape(-1, *shape)
+    return huge_pages(nbytes)[: nbytes // row * row].view(dtype).reshape(-1, *shape)
 
 
 class KVCache:
-    """Keys and values of every token seen so far, grown by doubling."""
+    """Keys and values of every token seen so far, grown by doubling; float32, or float16 under
+    `cache_type("f16")` (or given `dtype`)."""
 
-    def __init__(self, kv_heads: int, head_dim: int, capacity: int = 64):
-        self.k = _empty(capacity, (kv_heads, head_dim))  # (capacity, Hkv, D)
-        self.v = _empty(capacity, (kv_heads, head_dim))  # (capacity, Hkv, D)
+    def __init__(self, kv_heads: int, head_dim: int, capacity: int = 64, dtype=None):
+        dtype = KV_CACHES[_kv_cache.get()] if dtype is None else np.dtype(dtype)
+        self.k = _empty(capacity, (kv_heads, head_dim), dtype)  # (capacity, Hkv, D)
+        self.v = _empty(capacity, (kv_heads, head_dim), dtype)  # (capacity, Hkv, D)
         self.length = 0
 
     def append(self, k: np.ndarray, v: np.ndarray) -> None:
-        """Add k, v (T, Hkv, D) for T new tokens."""
+        """Add k, v (T, Hkv, D) for T new tokens (rounded to nearest when the cache is float16, as
+        the kernels store them: `kernels.f16_from_f32`)."""
         need = self.reserve(k.shape[0])
         self.k[self.length : need] = k
         self.v[self.length : need] = v
@@ -42,7 +74,7 @@ class KVCache:
         if need > self.k.shape[0]:
             cap = max(need, 2 * self.k.shape[0])
             for name in ("k", "v"):
-                grown = _empty(cap, self.k.shape[1:])
+                grown = _empty(cap, self.k.shape[1:], self.k.dtype)
                 grown[: self.length] = getattr(self, name)[: self.length]
                 setattr(self, name, grown)
         return need

@@ -285,7 +285,8 @@ class PersistentSession:
     """An engine session (`state`, `ids`: the tokens whose state is held) that is saved to its file
     after every turn (`save`) and resumed from it when opened. `meta` (JSON-able, e.g. the chat's
     messages) is saved with each turn, in the same record as the state. `notice`: one line when the
-    saved file was not wholly used. `turns`: whole turns saved since the conversation began."""
+    saved file was not wholly used. `turns`: whole turns saved since the conversation began.
+    `model` makes the fresh states (its `new_state()`: the engine's, so its KV cache type holds)."""
 
     def __init__(self, model, model_dir: str | os.PathLike, identity: dict, name: str):
         self.name = name
