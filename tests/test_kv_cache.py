@@ -17,7 +17,7 @@ def test_growth_keeps_every_row_and_moves_to_huge_pages():
     cache = KVCache(2, 64, capacity=4)  # a row is 512 bytes: 4096 rows fill a huge page
     rng = np.random.default_rng(0)
     ks, vs = [], []
-    for T in (3, 1, 60, 1000, 3000, 1):  # capacity 4 → 64 → 1064 → 4064 asked: two huge pages, 8192 rows
+    for T in (3, 1, 60, 1000, 3000, 1):  # capacity 4 → 128 → 2128 → 8128 asked: two huge pages, 8192 rows
         k, v = rng.standard_normal((2, T, 2, 64), dtype=np.float32)
         cache.append(k, v)
         ks.append(k), vs.append(v)
@@ -26,6 +26,22 @@ def test_growth_keeps_every_row_and_moves_to_huge_pages():
     assert cache.length == 4065 and cache.k.shape == cache.v.shape == (8192, 2, 64)
     for a in (cache.k, cache.v):
         assert a.ctypes.data % HUGE_PAGE == 0 and a.dtype == np.float32 and a.flags.c_contiguous
+
+
+def test_a_prompt_that_fills_the_cache_leaves_room_to_decode():
+    """Growing, the cache takes twice what is needed: the first decoded token after a long prompt
+    does not copy the whole cache into new pages."""
+    for cache in (KVCache(2, 64, capacity=4), KVCache(2, 64, capacity=4, dtype=np.float16)):
+        cache.append(*np.ones((2, 3000, 2, 64), np.float32))
+        k, v = cache.k, cache.v
+        for _ in range(10):
+            cache.append(*np.ones((2, 1, 2, 64), np.float32))
+        assert cache.k is k and cache.v is v and cache.length == 3010
+    rows = Rows(8, capacity=4)
+    rows.append(np.ones((100, 8), np.float32))
+    data = rows.data
+    rows.append(np.ones((1, 8), np.float32))
+    assert rows.data is data
 
 
 def test_a_huge_array_fills_its_pages_and_a_small_one_stays_as_asked():

@@ -49,6 +49,13 @@ def _empty(capacity: int, shape: tuple[int, ...], dtype=np.float32) -> np.ndarra
     return huge_pages(nbytes)[: nbytes // row * row].view(dtype).reshape(-1, *shape)
 
 
+def _grown(need: int, capacity: int) -> int:
+    """The capacity a full array grows to: twice what is needed, so a prompt that fills it exactly
+    is not followed by a copy of the whole cache at the first decoded token (OLMoE-1B-7B size, a
+    2048-token prompt: 256 MB of new pages and a copy of half of them in that one step)."""
+    return 2 * max(need, capacity)
+
+
 class KVCache:
     """Keys and values of every token seen so far, grown by doubling; float32, or float16 under
     `cache_type("f16")` (or given `dtype`)."""
@@ -72,7 +79,7 @@ class KVCache:
         before the caller sets `length`); returns length + T."""
         need = self.length + T
         if need > self.k.shape[0]:
-            cap = max(need, 2 * self.k.shape[0])
+            cap = _grown(need, self.k.shape[0])
             for name in ("k", "v"):
                 grown = _empty(cap, self.k.shape[1:], self.k.dtype)
                 grown[: self.length] = getattr(self, name)[: self.length]
@@ -105,7 +112,7 @@ class Rows:
         """Add rows (T, *shape) for T new tokens."""
         need = self.length + rows.shape[0]
         if need > self.data.shape[0]:
-            grown = _empty(max(need, 2 * self.data.shape[0]), self.data.shape[1:])
+            grown = _empty(_grown(need, self.data.shape[0]), self.data.shape[1:])
             grown[: self.length] = self.data[: self.length]
             self.data = grown
         self.data[self.length : need] = rows
