@@ -41,12 +41,17 @@ def _empty(capacity: int, shape: tuple[int, ...], dtype=np.float32) -> np.ndarra
     From one huge page up it gets its own transparent-huge-page mapping, capacity' rounded up to fill
     its pages: decode attention reads every cached row each token, and in 4 KB pages it stalled on
     the TLB (OLMoE-1B-7B size, 150 cached tokens, alternated token by token: 25.84 → 25.09 ms per
-    token; BENCHMARKS.md). Smaller arrays stay NumPy's."""
+    token; BENCHMARKS.md). Its pages are taken when it is made, not by the decode step whose row
+    first reaches one: in a VM a fresh page can take milliseconds, and the first token after a
+    2048-token prompt (one new page per layer's keys and values) took 250-280 ms instead of 60-75.
+    Smaller arrays stay NumPy's."""
     row = np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
     if capacity * row < HUGE_PAGE or row == 0:
         return np.empty((capacity, *shape), dtype)
     nbytes = -(-capacity * row // HUGE_PAGE) * HUGE_PAGE
-    return huge_pages(nbytes)[: nbytes // row * row].view(dtype).reshape(-1, *shape)
+    buf = huge_pages(nbytes)
+    buf[::HUGE_PAGE] = 0  # one byte of each page: the kernel gives the whole page now
+    return buf[: nbytes // row * row].view(dtype).reshape(-1, *shape)
 
 
 def _grown(need: int, capacity: int) -> int:
