@@ -44,13 +44,16 @@ def _empty(capacity: int, shape: tuple[int, ...], dtype=np.float32) -> np.ndarra
     token; BENCHMARKS.md). Its pages are taken when it is made, not by the decode step whose row
     first reaches one: in a VM a fresh page can take milliseconds, and the first token after a
     2048-token prompt (one new page per layer's keys and values) took 250-280 ms instead of 60-75.
-    Smaller arrays stay NumPy's."""
+    Smaller arrays are NumPy's, their 4 KB pages taken alike (else each decoded token's row, 4-8 KB
+    at OLMoE size, would fault a page in each of them)."""
     row = np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64))
     if capacity * row < HUGE_PAGE or row == 0:
-        return np.empty((capacity, *shape), dtype)
+        a = np.empty((capacity, *shape), dtype)
+        a.reshape(-1).view(np.uint8)[::4096] = 0  # one byte of each 4 KB page: the kernel gives it now
+        return a
     nbytes = -(-capacity * row // HUGE_PAGE) * HUGE_PAGE
     buf = huge_pages(nbytes)
-    buf[::HUGE_PAGE] = 0  # one byte of each page: the kernel gives the whole page now
+    buf[::HUGE_PAGE] = 0  # one byte of each huge page
     return buf[: nbytes // row * row].view(dtype).reshape(-1, *shape)
 
 
