@@ -60,7 +60,7 @@ def _empty(capacity: int, shape: tuple[int, ...], dtype=np.float32) -> np.ndarra
 def _grown(need: int, capacity: int) -> int:
     """The capacity a full array grows to: twice what is needed, so a prompt that fills it exactly
     is not followed by a copy of the whole cache at the first decoded token (OLMoE-1B-7B size, a
-    2048-token prompt: 256 MB of new pages and a copy of half of them in that one step)."""
+    2048-token prompt, float16: 512 MB of new pages and a copy of the 256 MB held, in that step)."""
     return 2 * max(need, capacity)
 
 
