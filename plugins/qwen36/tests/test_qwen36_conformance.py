@@ -170,6 +170,26 @@ class TestTinyQwen36(Qwen36Checks, ConformanceSuite):
         assert err <= tol, f"1,000-token logits differ from transformers by {err:.3g} > {tol:.3g}"
 
 
+    def test_float16_kv_cache(self, oracle):
+        """kv_cache="f16" reaches the full-attention layers' caches (the linear-attention states stay
+        float32): the logits do not depend on placement, differ from the float32 cache's, and stay
+        close to transformers'."""
+        ids = np.asarray(oracle.prompt)
+        got = {}
+        for slots in (1, 10**6):
+            with load(oracle.container("f32"), kv_cache="f16", cache_slots=slots) as engine:
+                state = engine.new_state()
+                got[slots] = engine.model.forward(ids, state)
+                dtypes = {name: a.dtype for name, a in state.arrays().items()}
+        assert {d for name, d in dtypes.items() if name.endswith((".k", ".v"))} == {np.dtype(np.float16)}
+        assert {d for name, d in dtypes.items() if name.endswith((".conv", ".recurrent"))} == {np.dtype(np.float32)}
+        assert np.array_equal(got[1].view(np.uint32), got[10**6].view(np.uint32))
+        with load(oracle.container("f32")) as engine:
+            assert not np.array_equal(engine.model.forward(ids, engine.new_state()), got[1])
+        ref = oracle.hf_logits("f32", oracle.prompt)
+        err, tol = np.abs(got[1] - ref).max(), 0.01 * np.abs(ref).max()
+        assert err <= tol, f"float16-cache logits differ from transformers by {err:.3g} > {tol:.3g}"
+
     def test_saved_session_continues_token_identically(self, oracle):
         """A conversation saved to disk (KV caches, conv and recurrent states) and reloaded by a fresh
         engine — as after a restart — continues with exactly the tokens of an uninterrupted run."""
