@@ -174,6 +174,15 @@ int moe_block(float *out, const float *x, int T, int k, int hidden, const QMatri
               const int64_t *ids, const float *weights, const QMatrix *const *shared, const float *shared_scale,
               int act, float limit);
 
+// moe_block with the layer's softmax router in the same call (OLMoE's, Qwen's, Mixtral's MoE layer):
+// logits = matmul(router, x), then softmax_topk(logits, k, renormalize) into ids and weights, then
+// moe_block over them — the bits of those three calls, and one crossing from Python instead of three.
+// router: QMatrix [n_table, hidden]; ids: int64 [T, k] and weights: f32 [T, k] (written: the routing,
+// for the caller's bookkeeping); the other arguments as moe_block's.
+int moe_block_softmax(float *out, int64_t *ids, float *weights, const float *x, int T, int k, int hidden,
+                      const QMatrix *router, int renormalize, const QMatrix *const *table, int n_table,
+                      const QMatrix *const *shared, const float *shared_scale, int act, float limit);
+
 // out[t] = Σ_r weights[t, r] · outs[t, r], summed in rank order (out = o0 w0; out += o_r w_r).
 // out: f32 [T, hidden]; outs: f32 [T, k, hidden]; weights: f32 [T, k].
 int moe_combine(float *out, const float *outs, const float *weights, int T, int k, int hidden);

@@ -326,6 +326,21 @@ int moe_block(float *out, const float *x, int T, int k, int hidden, const QMatri
     return status;
 }
 
+int moe_block_softmax(float *out, int64_t *ids, float *weights, const float *x, int T, int k, int hidden,
+                      const QMatrix *router, int renormalize, const QMatrix *const *table, int n_table,
+                      const QMatrix *const *shared, const float *shared_scale, int act, float limit) {
+    if (T < 0 || k < 1 || k > n_table || hidden < 0 || router == NULL || router->rows != n_table || router->cols != hidden) {
+        return COLI_EINVAL;
+    }
+    float *logits = malloc(((size_t)T * (size_t)n_table + 1) * sizeof *logits);  // [T, n_table]
+    if (logits == NULL) return COLI_ENOMEM;
+    int status = matmul(logits, router, x, T, act & ~GLU_SITU);
+    if (status == COLI_OK) status = softmax_topk(weights, ids, logits, T, n_table, k, renormalize);
+    free(logits);
+    if (status != COLI_OK) return status;
+    return moe_block(out, x, T, k, hidden, table, n_table, ids, weights, shared, shared_scale, act, limit);
+}
+
 int moe_combine(float *out, const float *outs, const float *weights, int T, int k, int hidden) {
     if (T < 0 || k < 1 || hidden < 0) return COLI_EINVAL;
     for (size_t t = 0; t < (size_t)T; t++) {

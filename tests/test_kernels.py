@@ -635,6 +635,30 @@ def test_moe_block_runs_a_shared_expert_as_one_more_rank(kind, act, glu, limit):
         kernels.moe_block(x, ids, w, block, shared=block)
 
 
+@pytest.mark.parametrize("kind,act", MODES)
+@pytest.mark.parametrize("router_kind", ["f32", "int8"])
+def test_moe_block_softmax_is_the_router_then_moe_block(kind, act, router_kind):
+    """The one-call MoE layer with its softmax router inside (the f32 router of OLMoE and Qwen, or a
+    quantised one) gives the bits of matmul, softmax_topk and moe_block called one by one, and that
+    routing — renormalised or not, with a shared expert or not, for any number of tokens."""
+    rng = np.random.default_rng(31)
+    E, hidden, inter = 6, 130, 200
+    table = expert_set(rng, E, hidden, inter, kind)
+    block = kernels.ExpertTable([table[e] for e in range(E)])
+    one = kernels.ExpertTable([expert_set(rng, 1, hidden, 72, kind)[0]])
+    router = random_weights(rng, E, hidden, router_kind)
+    for T, k, renormalize, shared in [(1, 2, False, None), (1, 6, True, one), (5, 3, True, None), (4, 1, False, one), (0, 2, True, None)]:
+        x = random_x(rng, T, hidden)
+        w, ids = kernels.softmax_topk(kernels.matmul(router, x, act), k, renormalize)
+        want = kernels.moe_block(x, ids, w, block, act, shared=shared)
+        out, got_w, got_ids = kernels.moe_block_softmax(x, router, k, renormalize, block, act, shared=shared)
+        assert_same_bits(out, want, f"T={T}")
+        assert_same_bits(got_w, w, "weights")
+        assert np.array_equal(got_ids, ids) and got_ids.dtype == np.int64
+    with pytest.raises(ValueError, match="router must be"):
+        kernels.moe_block_softmax(x, random_weights(rng, E - 1, hidden, "f32"), 2, True, block)
+
+
 def test_moe_combine_matches_reference_bit_for_bit():
     rng = np.random.default_rng(22)
     for T, k, H in [(1, 1, 1), (1, 8, 2048), (5, 3, 65)]:

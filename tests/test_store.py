@@ -96,11 +96,13 @@ def test_placement_invariance(model, baseline, name):
 
 
 def test_a_layer_holding_all_its_experts_runs_in_one_call(model, baseline, monkeypatch):
-    """Every expert read: each MoE layer is one kernels.moe_block call (the store's resident_table),
-    with the same bits as the per-group path a 1-slot cache takes, and every lookup a hit."""
+    """Every expert read: each MoE layer is one C call (the store's resident_table; OLMoE's softmax
+    router inside it, kernels.moe_block_softmax), with the same bits as the per-group path a 1-slot
+    cache takes, and every lookup a hit."""
     calls = []
-    real = kernels.moe_block
-    monkeypatch.setattr(kernels, "moe_block", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for name in ("moe_block", "moe_block_softmax"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, real=real, **kw: calls.append(1) or real(*a, **kw))
     with load(model, cache_slots=16, usage=False) as e:
         c = e.container
         for layer in c.moe_layers:
@@ -114,7 +116,7 @@ def test_a_layer_holding_all_its_experts_runs_in_one_call(model, baseline, monke
     calls.clear()
     with load(model, cache_slots=1, usage=False) as e:
         check_same(e, baseline)
-        assert e.store.resident_table(c.moe_layers[0], np.zeros((1, 1), np.int64)) is None
+        assert e.store.resident_table(c.moe_layers[0]) is None
     assert not calls
 
 

@@ -53,7 +53,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         "install the package (`pip install -e .` in a checkout) to compile csrc/"
     ) from e
 
-__all__ = ["AttnBlock", "matmul", "matmul_multi", "matmul_t", "dequantize", "expert_ffn", "moe_experts", "moe_combine", "moe_block", "ExpertTable", "softmax_topk", "exp", "rms_norm", "rope_rotate_half", "attention",
+__all__ = ["AttnBlock", "matmul", "matmul_multi", "matmul_t", "dequantize", "expert_ffn", "moe_experts", "moe_combine", "moe_block", "moe_block_softmax", "ExpertTable", "softmax_topk", "exp", "rms_norm", "rope_rotate_half", "attention",
            "activations", "ACTIVATIONS",
            "simd", "set_simd", "simd_supported", "SIMD_PATHS", "threads", "set_threads", "reference"]
 
@@ -285,23 +285,50 @@ def moe_block(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, table: Expert
     T = x.shape[0]
     if ids.ndim != 2 or ids.shape[0] != T or weights.shape != ids.shape:
         raise ValueError(f"moe_block: ids and weights must be ({T}, k), got {list(ids.shape)}, {list(weights.shape)}")
-    shared_c, scale_c = ffi.NULL, ffi.NULL
-    if shared is not None:
-        if shared.n != 1 or shared.hidden != table.hidden:
-            raise ValueError(f"moe_block: shared must be a table of one expert of width {table.hidden}, "
-                             f"got {shared.n} of {shared.hidden}")
-        shared_c = shared._c
-        if shared_scale is not None:
-            shared_scale = np.ascontiguousarray(shared_scale, np.float32)
-            if shared_scale.shape != (T,):
-                raise ValueError(f"moe_block: shared_scale must be ({T},), got {list(shared_scale.shape)}")
-            scale_c = _floats(shared_scale)
+    shared_c, scale_c = _shared_expert(shared, shared_scale, table, T)
     out = np.empty((T, table.hidden), np.float32)
     if T and table.hidden:
         _check(lib.moe_block(_floats(out, writable=True), _floats(x), T, ids.shape[1], table.hidden, table._c, table.n,
                              ffi.from_buffer("int64_t[]", ids), _floats(weights), shared_c, scale_c,
                              _act_code(act) | _glu_code(glu), _limit(limit)), "moe_block")
     return out
+
+
+def moe_block_softmax(x: np.ndarray, router: QTensor, k: int, renormalize: bool, table: ExpertTable,
+                      act: str | None = None, limit: float | None = None, glu: str = "swiglu",
+                      shared: ExpertTable | None = None, shared_scale: np.ndarray | None = None):
+    """`moe_block` with the layer's softmax router in the same C call: logits = `matmul(router, x)`,
+    `softmax_topk(logits, k, renormalize)`, then `moe_block` over that routing — the bits of the
+    three calls. router (E, H) with E = table.n. Returns out (T, H), weights float32 (T, k) and ids
+    int64 (T, k), each token's best expert first."""
+    x = _activations(x, table.hidden, "moe_block_softmax: x")
+    T = x.shape[0]
+    if (router.rows, router.cols) != (table.n, table.hidden) or not 1 <= k <= table.n:
+        raise ValueError(f"moe_block_softmax: router must be [{table.n}, {table.hidden}] with 1 <= k <= {table.n}, "
+                         f"got [{router.rows}, {router.cols}], k {k}")
+    shared_c, scale_c = _shared_expert(shared, shared_scale, table, T)
+    out, weights, ids = np.empty((T, table.hidden), np.float32), np.empty((T, k), np.float32), np.empty((T, k), np.int64)
+    if T:
+        _check(lib.moe_block_softmax(_floats(out, writable=True), ffi.from_buffer("int64_t[]", ids, require_writable=True),
+                                     _floats(weights, writable=True), _floats(x), T, k, table.hidden,
+                                     _qmatrix(router, "router"), int(renormalize), table._c, table.n, shared_c, scale_c,
+                                     _act_code(act) | _glu_code(glu), _limit(limit)), "moe_block_softmax")
+    return out, weights, ids
+
+
+def _shared_expert(shared: ExpertTable | None, scale: np.ndarray | None, table: ExpertTable, T: int):
+    """C arguments (table, scales) for a shared expert run inside `moe_block` (NULL, NULL: none)."""
+    if shared is None:
+        return ffi.NULL, ffi.NULL
+    if shared.n != 1 or shared.hidden != table.hidden:
+        raise ValueError(f"moe_block: shared must be a table of one expert of width {table.hidden}, "
+                         f"got {shared.n} of {shared.hidden}")
+    if scale is None:
+        return shared._c, ffi.NULL
+    scale = np.ascontiguousarray(scale, np.float32)
+    if scale.shape != (T,):
+        raise ValueError(f"moe_block: shared_scale must be ({T},), got {list(scale.shape)}")
+    return shared._c, _floats(scale)
 
 
 def moe_combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:

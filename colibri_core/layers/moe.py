@@ -14,7 +14,8 @@ import numpy as np
 from .. import kernels
 from ..errors import ColibriError
 from ..probe import listening, record, route, timed
-from .router import Router
+from ..quant import QTensor
+from .router import Router, SoftmaxTopK
 from .shared_expert import SharedExpert
 
 
@@ -74,27 +75,35 @@ class MoE:
         reads are queued, the next MoE layer's router guesses its experts from `residual` and the
         store starts reading those too. A layer that holds all its experts (the store's
         `resident_table`) runs its experts and their weighted sum as one C call (`kernels.moe_block`),
-        the same bits. The shared expert runs in that call too, as one more rank (when it has the
+        the same bits, and a `SoftmaxTopK` router in that call too (`kernels.moe_block_softmax`:
+        the Python between them was ~5 % of an OLMoE-size decode step). The shared expert runs in that call too, as one more rank (when it has the
         routed experts' gated unit and clamp, and no probe listens for the routed sum alone), or
         else while the first reads are in flight.
         """
         router = self.routers.get(layer)
         if router is None:
             raise ColibriError(f"MoE layer {layer} has no declared router (declared: {list(self.routers)})")
-        weights, ids = router.route(x, token_ids)  # (T, k) each, best first
-        route(layer, ids)
-        record(layer, ffn_inp=residual, ffn_norm=x, ffn_moe_ids=ids, ffn_moe_weights=weights, ffn_moe_tokens=token_ids)
         xe = x if expert_input is None else expert_input  # (T, H)
         nxt = self.lookahead.get(layer)
         predict = None if nxt is None else (nxt, lambda: self.routers[nxt].predict(residual, token_ids))
         remote = getattr(self.store, "remote", None)  # remote shards behind the store (colibri_core/remote)
-        table = self.store.resident_table(layer, ids, predict) if remote is None else None
+        table = self.store.resident_table(layer, predict) if remote is None else None
         if table is not None:  # the layer holds all its experts: the experts and their weighted sum, one C call
-            if shared is not None and self._fuses(shared, expert_input):
-                return kernels.moe_block(xe, ids, weights, table, limit=self.swiglu_limit, glu=self.activation,
-                                         shared=shared.table, shared_scale=shared.scale(x))
-            out = kernels.moe_block(xe, ids, weights, table, limit=self.swiglu_limit, glu=self.activation)
-            return self._add_shared(layer, out, x, shared)
+            fused = shared is not None and self._fuses(shared, expert_input)
+            kw = dict(limit=self.swiglu_limit, glu=self.activation)
+            if fused:
+                kw.update(shared=shared.table, shared_scale=shared.scale(x))
+            if expert_input is None and type(router) is SoftmaxTopK and isinstance(router.weight, QTensor):
+                # the core's softmax router runs in the same call (a subclass may route otherwise)
+                out, weights, ids = kernels.moe_block_softmax(x, router.weight, router.k, router.renormalize, table, **kw)
+            else:
+                weights, ids = router.route(x, token_ids)  # (T, k) each, best first
+                out = kernels.moe_block(xe, ids, weights, table, **kw)
+            self._routed(layer, x, residual, token_ids, weights, ids)
+            self.store.count_resident(layer, ids)
+            return out if fused else self._add_shared(layer, out, x, shared)
+        weights, ids = router.route(x, token_ids)  # (T, k) each, best first
+        self._routed(layer, x, residual, token_ids, weights, ids)
         T, k = ids.shape
         outs = np.zeros((T, k, xe.shape[1]), np.float32)  # (T, k, H): one slot per (token, rank)
         sent = None
@@ -115,6 +124,13 @@ class MoE:
                     self.run(outs, xe, ids, ready, self.swiglu_limit)
         out = combine(outs, weights)  # (T, H)
         return self._add_shared(layer, out, x, shared, shared_out)
+
+    @staticmethod
+    def _routed(layer: int, x: np.ndarray, residual: np.ndarray, token_ids: np.ndarray, weights: np.ndarray,
+                ids: np.ndarray) -> None:
+        """Tell the probe and the recorder (if either listens) the layer's routing."""
+        route(layer, ids)
+        record(layer, ffn_inp=residual, ffn_norm=x, ffn_moe_ids=ids, ffn_moe_weights=weights, ffn_moe_tokens=token_ids)
 
     def _fuses(self, shared: SharedExpert, expert_input: np.ndarray | None) -> bool:
         """Whether `shared` can run in the routed experts' C call: quantised weights of one kind, the

@@ -224,10 +224,11 @@ class ExpertStore:
             yield group
             protected.difference_update(group)
 
-    def resident_table(self, layer: int, ids: np.ndarray, predict: tuple[int, Callable[[], np.ndarray | None]] | None = None):
+    def resident_table(self, layer: int, predict: tuple[int, Callable[[], np.ndarray | None]] | None = None):
         """The C table (kernels.ExpertTable) of every expert of `layer` when the layer holds all of
-        them, read, none a prefetch not yet used, with the lookups of `ids` (T, k) counted and the
-        lookahead `predict` started as `experts` does; else None (call `experts`, which does both).
+        them, read, none a prefetch not yet used, with the lookahead `predict` started as `experts`
+        does; else None (call `experts`, which does both). The caller then counts the routing it
+        ran over the table (`count_resident`).
 
         A layer that holds all its experts never evicts one (nothing new can come in), so the table
         stays valid until the layer changes (`_changed`); the MoE block runs such a layer in one C
@@ -244,14 +245,18 @@ class ExpertStore:
                 return None
             table = self._tables[layer] = kernels.ExpertTable(
                 [self._tensors(layer, e, entry, stall=False) for e, entry in enumerate(entries)])
-        if self.usage is not None:
-            self.usage.record(self.layer_index[layer], ids)
-        self.counters.lookup(layer, True, len(set(ids.ravel().tolist())))  # the batch union, every one a hit
         if predict is not None and self.config.prefetch:
             self._lookahead(*predict)
         if self._pin_queue:
             self._read_pinned()
         return table
+
+    def count_resident(self, layer: int, ids: np.ndarray) -> None:
+        """Count the lookups of `ids` (T, k), routed over `resident_table(layer)`: the batch union,
+        every one a hit, and the routing into the usage history, as `experts` counts its own."""
+        if self.usage is not None:
+            self.usage.record(self.layer_index[layer], ids)
+        self.counters.lookup(layer, True, len(set(ids.ravel().tolist())))
 
     def _changed(self, layer: int) -> None:
         """Layer `layer`'s experts changed (an insert, an eviction, a failed read, re-pinning)."""
