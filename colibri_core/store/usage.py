@@ -31,6 +31,7 @@ VERSION = 1
 MIN_HISTORY_TOKENS = 32  # tokens of history before the hot-store pins experts by itself
 HYSTERESIS = 1.5  # a newcomer replaces a pinned expert only when routed this many times more often
 MARGIN = 2  # … and at least this many more times
+PENDING = 4096  # recorded batches kept aside at most before they are summed (`record`)
 MAX_COUNT = 2**53  # a count beyond this is damage, not history (and int64 sums of such counts cannot overflow)
 
 
@@ -71,6 +72,7 @@ class UsageHistory:
         self.session = np.zeros_like(self.past)  # this session's counts, not yet saved
         self.session_tokens = 0  # tokens routed through the first MoE layer this session
         self.session_turns = 0
+        self._pending: list[tuple[int, np.ndarray]] = []  # recorded batches not yet in `session` (`record`)
         self._save_failed = False
         self.load()
 
@@ -129,18 +131,29 @@ class UsageHistory:
     # -- recording
 
     def record(self, layer_index: int, ids: np.ndarray) -> None:
-        """Count one batch's routing (ids (T, k)) in the MoE layer at `layer_index`."""
-        self.session[layer_index] += np.bincount(ids.ravel(), minlength=self.n_experts)[: self.n_experts]
-        if layer_index == 0:
-            self.session_tokens += ids.shape[0]
+        """Count one batch's routing (ids (T, k)) in the MoE layer at `layer_index`: kept aside and
+        summed when the counts are next read (or PENDING batches are waiting), so the decode step's
+        MoE layers add a list entry each, not a NumPy call between their kernels."""
+        self._pending.append((layer_index, ids))
+        if len(self._pending) >= PENDING:
+            self._add_pending()
+
+    def _add_pending(self) -> None:
+        for layer_index, ids in self._pending:
+            self.session[layer_index] += np.bincount(ids.ravel(), minlength=self.n_experts)[: self.n_experts]
+            if layer_index == 0:
+                self.session_tokens += ids.shape[0]
+        self._pending.clear()
 
     @property
     def counts(self) -> np.ndarray:
         """All counts known: the file's and this session's, (MoE layers, experts) int64."""
+        self._add_pending()
         return self.past + self.session
 
     @property
     def tokens(self) -> int:
+        self._add_pending()
         return self.past_tokens + self.session_tokens
 
     def end_turn(self) -> None:
