@@ -191,8 +191,8 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
         }
         h_at += (size_t)E->n * (size_t)inter;
         int bytes_per_row = kind == QKIND_F32 ? 4 * hidden : kind == QKIND_INT8 || kind == QKIND_FP8 ? hidden : hidden / 2;
-        E->per_up = rows_per_task(inter, n_experts * (2.0 * E->n * hidden + 2 * bytes_per_row));
-        E->per_down = rows_per_task(hidden, n_experts * ((double)E->n * inter + bytes_per_row * inter / (double)hidden));
+        E->per_up = rows_per_task(inter, n_experts * (2.0 * E->n * hidden + 2 * bytes_per_row), E->n);
+        E->per_down = rows_per_task(hidden, n_experts * ((double)E->n * inter + bytes_per_row * inter / (double)hidden), E->n);
     }
     m.e = ex;
     m.x_acts = x_acts;

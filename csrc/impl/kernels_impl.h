@@ -158,9 +158,9 @@ typedef struct {
 
 void rows_run(const RowsJob *j, int r0, int r1);
 
-// Rows per task so that a product of `rows` rows x `work_per_row` multiply-adds splits well over
-// the pool (whole rows only; the split never changes a result).
-int rows_per_task(int rows, double work_per_row);
+// Rows per task so that a product of `rows` rows x `work_per_row` multiply-adds, each row used by
+// `tokens` tokens, splits well over the pool (whole rows only; the split never changes a result).
+int rows_per_task(int rows, double work_per_row, int tokens);
 
 // ----------------------------------------------------------------------------
 // threads.c
