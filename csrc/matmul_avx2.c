@@ -5,7 +5,8 @@
 // ACT_F32: two 8-float accumulators are lanes 0-7 and 8-15 of matmul.c's 16 lanes.
 // ACT_Q8: integer dot products per group/block with maddubs (u8 x s8) and madd; the int4 nibbles
 // are used unsigned (q + 8) and 8 * Σxq is subtracted after — exact in int32 either way. Also the
-// AVX-512 path's several-token int4 rows (rows_int4_q8_vnni), which share this file's chunk layout.
+// AVX-512 path's int4 x int8 kernels (dot_int4_q8_vnni, rows_int4_q8_vnni), which share this
+// file's chunk layout.
 #include "impl/kernels_impl.h"
 
 #if COLI_X86
@@ -450,10 +451,17 @@ AVX2 static inline __m256i chunk_isum_direct4(const uint8_t *wp, const int8_t *x
     return _mm256_inserti128_si256(_mm256_setzero_si256(), s, 0);
 }
 
+// Σ (q + 8)·xq of a chunk's 8 whole groups (chunk_isum_direct's lanes).
+typedef __m256i (*chunk_isum_fn)(const uint8_t *wp, const int8_t *xq);
+
+AVX2 static inline __m256i chunk_isum_direct8(const uint8_t *wp, const int8_t *xq) { return chunk_isum_direct(wp, xq, 8); }
+
 // One token: chunks straight from the weights (no unpacked copy), the row's last partial chunk too
 // when its groups are whole (cols a multiple of 64: Qwen3-30B-A3B's expert down rows of 768 are
-// 1.5 chunks); only a row ending inside a group goes through the copy.
-AVX2 float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
+// 1.5 chunks); only a row ending inside a group goes through the copy. `whole` sums the chunks of
+// 8 whole groups (inlined: each caller passes its own).
+AVX2 static inline __attribute__((always_inline)) float dot_int4_q8_chunks(const QMatrix *w, int r, const Acts *a,
+                                                                            int t, chunk_isum_fn whole) {
     int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)w->cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
@@ -467,8 +475,9 @@ AVX2 float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
         __m256i isum;
         if (!short_end || g0 + 8 < ngroups) {  // every group of the chunk whole
             int n = ngroups - g0 < 8 ? ngroups - g0 : 8;
-            isum = n <= 4 ? chunk_isum_direct4(wr + (size_t)g0 * 32, xq + (size_t)g0 * 64, n)
-                          : chunk_isum_direct(wr + (size_t)g0 * 32, xq + (size_t)g0 * 64, n);
+            isum = n == 8  ? whole(wr + (size_t)g0 * 32, xq + (size_t)g0 * 64)
+                 : n <= 4 ? chunk_isum_direct4(wr + (size_t)g0 * 32, xq + (size_t)g0 * 64, n)
+                           : chunk_isum_direct(wr + (size_t)g0 * 32, xq + (size_t)g0 * 64, n);
         } else {
             _Alignas(32) uint8_t lohi[512];
             chunk_unpack(lohi, wr, row_bytes, g0, ngroups);
@@ -477,6 +486,33 @@ AVX2 float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
         L = _mm256_add_ps(L, chunk_term(isum, chunk_scales(sr, g0, ngroups), xsum + g0, xs + g0));
     }
     return tree8_avx2(L);
+}
+
+AVX2 float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t) {
+    return dot_int4_q8_chunks(w, r, a, t, chunk_isum_direct8);
+}
+
+// chunk_isum_direct for a chunk's 8 whole groups with VNNI (256-bit): vpdpbusd, four u8 x s8
+// products into each int32 lane, for maddubs + madd + add — the same integers, two vector
+// instructions fewer per group.
+VNNI static inline __m256i chunk_isum_vnni(const uint8_t *wp, const int8_t *xq) {
+    for (int c = 0; c < 256; c += 64) _mm_prefetch((const char *)wp + 4096 + c, _MM_HINT_T0);
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256i acc[8];
+    for (int i = 0; i < 8; i++) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(wp + 32 * i));
+        __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+        const __m256i *x = (const __m256i *)(xq + 64 * i);
+        acc[i] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_loadu_si256(x)), hi,
+                                     _mm256_loadu_si256(x + 1));
+    }
+    return hsum8_epi32(acc);
+}
+
+// The AVX-512 path's one-token dot: dot_int4_q8_avx2 with the whole chunks' sums from
+// chunk_isum_vnni — the same integers and float steps, so the same bits.
+VNNI float dot_int4_q8_vnni(const QMatrix *w, int r, const Acts *a, int t) {
+    return dot_int4_q8_chunks(w, r, a, t, chunk_isum_vnni);
 }
 
 // ----------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 // 16-float accumulator is matmul.c's 16 lanes. ACT_Q8 (int8 weights): vpdpbusd (u8 x s8, 4-way sums
 // into int32, no saturation) per 64 bytes, the weights as w + 128 (w ^ 0x80) minus 128 Σxq — exact in
 // int32, then the float part exactly as the other paths. int4 weights with int8 activations take
-// the AVX2 path's one-token dot and matmul_avx2.c's VNNI several-token rows (kernels_impl.h says why).
+// matmul_avx2.c's VNNI one-token dot and several-token rows (kernels_impl.h says why).
 #include "impl/kernels_impl.h"
 
 #if COLI_X86
@@ -155,7 +155,7 @@ AVX512 static float dot_int8_q8_avx512(const QMatrix *w, int r, const Acts *a, i
 }
 
 const Path PATH_AVX512 = {"avx512", dot_f32_avx512, dot_int8_f32_avx2, dot_int8_q8_avx512,
-                          dot_int4_f32_avx512, dot_int4_q8_avx2, rows_int4_q8_vnni, dot_fp8_f32_avx2, dot_fp4_f32_avx512,
+                          dot_int4_f32_avx512, dot_int4_q8_vnni, rows_int4_q8_vnni, dot_fp8_f32_avx2, dot_fp4_f32_avx512,
                           dot_fp4_q8_avx2, rows_fp8_f32_avx2, rows_fp4_f32_avx2, quantize64_avx2};
 
 #endif  // COLI_X86

@@ -108,13 +108,14 @@ extern const Path PATH_PORTABLE;
 extern const Path PATH_AVX2;    // matmul_avx2.c
 extern const Path PATH_AVX512;  // matmul_avx512.c
 // matmul_avx2.c's kernels that the AVX-512 path uses too (it needs AVX2), where they are as fast or
-// faster (`colibri bench kernels --simd all`): int8 weights with f32 activations, int4 with int8
-// activations for one token (the AVX-512 version's decode was 6 % slower per token, alternated token
-// by token in one process, for want of AVX2's software prefetch), the fp8 dot products, fp4 with int8
-// activations, the several-token fp8 and fp4 rows, and the int8 activation quantiser; and the
-// AVX-512 VNNI several-token int4 rows, which live beside AVX2's for their shared chunk layout.
+// faster (`colibri bench kernels --simd all`): int8 weights with f32 activations, the fp8 dot
+// products, fp4 with int8 activations, the several-token fp8 and fp4 rows, and the int8 activation
+// quantiser; and the AVX-512 VNNI int4 x int8 kernels, which live beside AVX2's for their shared
+// chunk layout: the one-token dot (256-bit vpdpbusd: on Zen 4, whose 512-bit operations take two
+// cycles, a 512-bit version read no faster) and the several-token rows.
 float dot_int8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
 float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t);
+float dot_int4_q8_vnni(const QMatrix *w, int r, const Acts *a, int t);
 void rows_int4_q8_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow);
 void rows_int4_q8_vnni(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow);
 float dot_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
