@@ -92,13 +92,16 @@ AVX2 float dot_int8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t) {
 // 8 signed bytes (the low 8 of v) -> 8 floats
 AVX2 static inline __m256 cvt8_lo(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
+// 8 weight bytes -> 8 int32 lanes (zero-extended, straight from memory: one shuffle, no extracts)
+AVX2 static inline __m256i widen8_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+
 AVX2 static float dot_int4_f32_avx2(const QMatrix *w, int r, const Acts *a, int t) {
     int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
     const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
     const float *x = a->xf + (size_t)t * a->stride;  // per group: 32 even, then 32 odd columns
-    const __m256i low4 = _mm256_set1_epi8(0x0f), eight = _mm256_set1_epi8(8);
+    const __m256i low4 = _mm256_set1_epi32(0x0f), eight = _mm256_set1_epi32(8);
     __m256 SA = _mm256_setzero_ps(), SB = _mm256_setzero_ps();
     uint8_t tmp[32];
     for (int g = 0; g < ngroups; g++) {
@@ -108,21 +111,22 @@ AVX2 static float dot_int4_f32_avx2(const QMatrix *w, int r, const Acts *a, int 
             memcpy(tmp, bp, row_bytes - (size_t)g * 32);
             bp = tmp;
         }
-        __m256i b = _mm256_loadu_si256((const __m256i *)bp);
-        __m256i lo = _mm256_sub_epi8(_mm256_and_si256(b, low4), eight);                      // lo[0..31]
-        __m256i hi = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4), eight);  // hi[0..31]
-        __m128i lo0 = _mm256_castsi256_si128(lo), lo1 = _mm256_extracti128_si256(lo, 1);
-        __m128i hi0 = _mm256_castsi256_si128(hi), hi1 = _mm256_extracti128_si256(hi, 1);
+        // bytes 8i..8i+7 widened once serve both nibbles: lo = b & 15, hi = b >> 4 (each q + 8)
+        __m256i b0 = widen8_u8(bp), b1 = widen8_u8(bp + 8), b2 = widen8_u8(bp + 16), b3 = widen8_u8(bp + 24);
+#define LO(b) _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, low4), eight))
+#define HI(b) _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight))
         const float *xe = x + (size_t)g * 64, *xo = xe + 32;
         // lane l: lo[l], lo[l+16], hi[l], hi[l+16] (A: l < 8, B: l >= 8)
-        __m256 A = _mm256_mul_ps(cvt8_lo(lo0), _mm256_loadu_ps(xe));
-        __m256 B = _mm256_mul_ps(cvt8_lo(_mm_srli_si128(lo0, 8)), _mm256_loadu_ps(xe + 8));
-        A = _mm256_add_ps(A, _mm256_mul_ps(cvt8_lo(lo1), _mm256_loadu_ps(xe + 16)));
-        B = _mm256_add_ps(B, _mm256_mul_ps(cvt8_lo(_mm_srli_si128(lo1, 8)), _mm256_loadu_ps(xe + 24)));
-        A = _mm256_add_ps(A, _mm256_mul_ps(cvt8_lo(hi0), _mm256_loadu_ps(xo)));
-        B = _mm256_add_ps(B, _mm256_mul_ps(cvt8_lo(_mm_srli_si128(hi0, 8)), _mm256_loadu_ps(xo + 8)));
-        A = _mm256_add_ps(A, _mm256_mul_ps(cvt8_lo(hi1), _mm256_loadu_ps(xo + 16)));
-        B = _mm256_add_ps(B, _mm256_mul_ps(cvt8_lo(_mm_srli_si128(hi1, 8)), _mm256_loadu_ps(xo + 24)));
+        __m256 A = _mm256_mul_ps(LO(b0), _mm256_loadu_ps(xe));
+        __m256 B = _mm256_mul_ps(LO(b1), _mm256_loadu_ps(xe + 8));
+        A = _mm256_add_ps(A, _mm256_mul_ps(LO(b2), _mm256_loadu_ps(xe + 16)));
+        B = _mm256_add_ps(B, _mm256_mul_ps(LO(b3), _mm256_loadu_ps(xe + 24)));
+        A = _mm256_add_ps(A, _mm256_mul_ps(HI(b0), _mm256_loadu_ps(xo)));
+        B = _mm256_add_ps(B, _mm256_mul_ps(HI(b1), _mm256_loadu_ps(xo + 8)));
+        A = _mm256_add_ps(A, _mm256_mul_ps(HI(b2), _mm256_loadu_ps(xo + 16)));
+        B = _mm256_add_ps(B, _mm256_mul_ps(HI(b3), _mm256_loadu_ps(xo + 24)));
+#undef LO
+#undef HI
         __m256 sc = _mm256_set1_ps(half_to_float(sr[g]));
         SA = _mm256_add_ps(SA, _mm256_mul_ps(A, sc));
         SB = _mm256_add_ps(SB, _mm256_mul_ps(B, sc));
