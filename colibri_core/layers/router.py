@@ -96,7 +96,9 @@ class Router:
     input: Callable[[np.ndarray], np.ndarray]
 
     def route(self, x: np.ndarray, token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """x (T, H), token_ids (T,) → weights (T, k) float32, ids (T, k) int64, best first."""
+        """x (T, H), token_ids (T,) → weights (T, k) float32, ids (T, k) int64, best first: arrays
+        of their own, not a reused buffer (the probe and the usage history keep the ids until the
+        forward pass ends or the counts are read)."""
         raise NotImplementedError
 
     def predict(self, residual: np.ndarray, token_ids: np.ndarray) -> np.ndarray | None:
