@@ -27,6 +27,12 @@ int main(void) {
         int cols = sizes[si], rows = 5, n = 3;
         for (int m = 0; m < 5; m++) {
             int kind = kinds[m], act = acts[m];
+            // int4 x int8 for one token is matmul_avx2.c's VNNI dot (native code, not SIMDe): it
+            // runs only where the CPU has AVX-512 VNNI (the kernel tests check it there)
+            if (kind == QKIND_INT4 && act == ACT_Q8 && !__builtin_cpu_supports("avx512vnni")) {
+                if (si == 0) printf("skipped: int4 x int8 (matmul_avx2.c's native VNNI dot; this CPU lacks AVX-512 VNNI)\n");
+                continue;
+            }
             size_t row_bytes = kind == QKIND_F32 ? 4 * (size_t)cols : kind == QKIND_INT8 ? (size_t)cols : ((size_t)cols + 1) / 2;
             size_t ngroups = ((size_t)cols + 63) / 64;
             uint8_t *data = malloc(rows * row_bytes + 256);  // padded: the shims' masked loads read plain memory
@@ -50,16 +56,6 @@ int main(void) {
             Acts a;
             acts_prepare(&a, x, n, cols, kind, act);
             dot_fn ref = path_dot(&PATH_PORTABLE, kind, a.act), got = path_dot(&PATH_AVX512_SIMDE, kind, a.act);
-            // int4 x int8 for one token is matmul_avx2.c's VNNI dot (native code, not SIMDe): it
-            // runs only where the CPU has AVX-512 VNNI (the kernel tests check it there)
-            if (kind == QKIND_INT4 && a.act == ACT_Q8 && !__builtin_cpu_supports("avx512vnni")) {
-                if (si == 0) printf("skipped: int4 x int8 (matmul_avx2.c's native VNNI dot; this CPU lacks AVX-512 VNNI)\n");
-                acts_free(&a);
-                free(x);
-                free(data);
-                free(scales);
-                continue;
-            }
             for (int r = 0; r < rows; r++) {
                 for (int t = 0; t < n; t++) {
                     float y0 = ref(&w, r, &a, t), y1 = got(&w, r, &a, t);
