@@ -41,6 +41,11 @@ DirectOpt = typer.Option(False, "--direct", help="Read experts with O_DIRECT (by
 MirrorOpt = typer.Option(None, "--mirror", help="A byte-identical copy of the model on another disk to read experts from too.")
 PinOpt = typer.Option(None, "--pin-gb", help="Hot-store size in GB for the most-routed experts (default: 3/4 of the expert budget once there is routing history; 0: off).")
 PolicyOpt = typer.Option("lru", "--policy", help="Expert cache eviction policy: lru, lfu, or one a plugin registers.")
+ActivationsOpt = typer.Option(None, "--activations", envvar="COLIBRI_ACTIVATIONS", help="The matrix products' arithmetic: f32 "
+                              "(exact, the oracle's; default) or int8 (activations quantised per block of 64: faster, a "
+                              "different arithmetic).")
+KvCacheOpt = typer.Option(None, "--kv-cache", envvar="COLIBRI_KV_CACHE", help="Attention's cached keys and values: f32 "
+                          "(default) or f16 (half the memory, faster decode at long contexts, a different arithmetic).")
 StatsOpt = typer.Option(False, "--stats", help="After the stats line, print every expert-store counter.")
 GrammarOpt = typer.Option(None, "--grammar", help="A grammar file the answer follows: Lark (llguidance's dialect) or GBNF (llama.cpp's), by extension (.lark, .gbnf) or content.")
 JsonSchemaOpt = typer.Option(None, "--json-schema", help="A JSON schema file: the answer is JSON valid against it.")
@@ -130,7 +135,8 @@ def store_report(engine) -> str:
             f"io_stall_seconds {s['io_stall_seconds']:.3f}\n"
             f"cache {s['cache_slots_per_layer']} slots/layer ({s['policy']}) · pinned {s['pinned_experts']} experts "
             f"({format_bytes(s['pinned_bytes'])}) · direct I/O {'on' if s['direct_io'] else 'off'} · mirror "
-            f"{s['mirror'] if s['mirror_in_use'] else 'off'} · history {s['history_tokens']} tokens\n"
+            f"{s['mirror'] if s['mirror_in_use'] else 'off'} · history {s['history_tokens']} tokens · activations "
+            f"{s['activations']} · KV cache {s['kv_cache']}\n"
             f"per-layer hit rate {layers}\n"
             f"per-layer I/O stall (ms) {stalls}\n"
             f"drafts {s['draft_drafted']} · accepted {s['draft_accepted']} ({100 * s['draft_acceptance']:.0f}%) · "
@@ -183,6 +189,8 @@ def run(
     mirror: Optional[Path] = MirrorOpt,
     pin_gb: Optional[float] = PinOpt,
     policy: str = PolicyOpt,
+    activations: Optional[str] = ActivationsOpt,
+    kv_cache: Optional[str] = KvCacheOpt,
     stats: bool = StatsOpt,
     draft: str = DraftOpt,
     grammar: Optional[Path] = GrammarOpt,
@@ -198,7 +206,8 @@ def run(
 
     t0 = time.perf_counter()
     engine = _open(model, ram, cache_slots, prefetch=prefetch, direct=direct, mirror=mirror, pin_gb=pin_gb,
-                   policy=policy, **_ray_options(ray, ray_split, ray_model, ray_timeout))
+                   policy=policy, activations=activations, kv_cache=kv_cache,
+                   **_ray_options(ray, ray_split, ray_model, ray_timeout))
     text = prompt
     if chat:
         template = ChatTemplate.from_dir(engine.model_dir)
@@ -257,6 +266,8 @@ def chat(
     mirror: Optional[Path] = MirrorOpt,
     pin_gb: Optional[float] = PinOpt,
     policy: str = PolicyOpt,
+    activations: Optional[str] = ActivationsOpt,
+    kv_cache: Optional[str] = KvCacheOpt,
     ray: Optional[str] = RayOpt,
     ray_split: str = RaySplitOpt,
     ray_model: Optional[list[str]] = RayModelOpt,
@@ -275,7 +286,8 @@ def chat(
     from .tokenizer import StreamDecoder
 
     engine = _open(model, ram, cache_slots, prefetch=prefetch, direct=direct, mirror=mirror, pin_gb=pin_gb,
-                   policy=policy, **_ray_options(ray, ray_split, ray_model, ray_timeout))
+                   policy=policy, activations=activations, kv_cache=kv_cache,
+                   **_ray_options(ray, ray_split, ray_model, ray_timeout))
     template = ChatTemplate.from_dir(engine.model_dir)
     make = _structure(engine, grammar, json_schema)  # each answer follows it
     if template is not None:  # special tokens typed in a message stay text, as the server keeps them
@@ -361,7 +373,7 @@ MaxTokensOpt = typer.Option(None, "--max-tokens", min=1, help="Most tokens one r
 
 
 def _serve(dashboard, model, host, port, api_key, queue, model_name, ram, cache_slots, allow_origin, max_tokens,
-           ray=None, ray_split="expert", ray_model=None, ray_timeout=10.0):
+           activations=None, kv_cache=None, ray=None, ray_split="expert", ray_model=None, ray_timeout=10.0):
     import os
 
     from .server import ServerConfig, serve
@@ -370,7 +382,8 @@ def _serve(dashboard, model, host, port, api_key, queue, model_name, ram, cache_
         api_key = os.environ["COLIBRI_API_KEY"]
     serve(ServerConfig(_model_dir(model), model_name=model_name, ram=ram, cache_slots=cache_slots, max_queue=queue,
                        api_key=api_key, dashboard=dashboard, allow_origins=tuple(allow_origin or ()),
-                       max_tokens=max_tokens, **_ray_options(ray, ray_split, ray_model, ray_timeout)),
+                       max_tokens=max_tokens, activations=activations, kv_cache=kv_cache,
+                       **_ray_options(ray, ray_split, ray_model, ray_timeout)),
           host=host, port=port)
 
 
@@ -378,25 +391,27 @@ def _serve(dashboard, model, host, port, api_key, queue, model_name, ram, cache_
 def serve(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
           queue: int = QueueOpt, model_name: Optional[str] = NameOpt, ram: Optional[str] = RamOpt,
           cache_slots: Optional[int] = SlotsOpt, allow_origin: Optional[list[str]] = OriginOpt,
-          max_tokens: Optional[int] = MaxTokensOpt, ray: Optional[str] = RayOpt, ray_split: str = RaySplitOpt,
+          max_tokens: Optional[int] = MaxTokensOpt, activations: Optional[str] = ActivationsOpt,
+          kv_cache: Optional[str] = KvCacheOpt, ray: Optional[str] = RayOpt, ray_split: str = RaySplitOpt,
           ray_model: Optional[list[str]] = RayModelOpt, ray_timeout: float = RayTimeoutOpt):
     """Serve the model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
     /v1/models, /health, /tokenize, /detokenize, /metrics (Prometheus), /openapi.json."""
     _serve(False, model, host, port, api_key, queue, model_name, ram, cache_slots, allow_origin, max_tokens,
-           ray, ray_split, ray_model, ray_timeout)
+           activations, kv_cache, ray, ray_split, ray_model, ray_timeout)
 
 
 @app.command()
 def web(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
         queue: int = QueueOpt, model_name: Optional[str] = NameOpt, ram: Optional[str] = RamOpt,
         cache_slots: Optional[int] = SlotsOpt, allow_origin: Optional[list[str]] = OriginOpt,
-        max_tokens: Optional[int] = MaxTokensOpt, ray: Optional[str] = RayOpt, ray_split: str = RaySplitOpt,
+        max_tokens: Optional[int] = MaxTokensOpt, activations: Optional[str] = ActivationsOpt,
+        kv_cache: Optional[str] = KvCacheOpt, ray: Optional[str] = RayOpt, ray_split: str = RaySplitOpt,
         ray_model: Optional[list[str]] = RayModelOpt, ray_timeout: float = RayTimeoutOpt):
     """Serve the API and a live dashboard at / : chat, tok/s, time to first token, where the time
     goes, the RAM budget, hit rate over time, the Brain map of every expert (and, with --ray, the
     cluster's shards)."""
     _serve(True, model, host, port, api_key, queue, model_name, ram, cache_slots, allow_origin, max_tokens,
-           ray, ray_split, ray_model, ray_timeout)
+           activations, kv_cache, ray, ray_split, ray_model, ray_timeout)
 
 
 @app.command()
@@ -511,6 +526,7 @@ def plan(
     ram: Optional[str] = RamOpt,
     pin_gb: Optional[float] = PinOpt,
     context: int = typer.Option(4096, "--context", help="Tokens of state (KV cache) to reserve."),
+    kv_cache: Optional[str] = KvCacheOpt,
     disk_bw: Optional[str] = typer.Option(None, "--disk-bw", help="Disk bandwidth per second (e.g. 2GB) instead of measuring it."),
     mem_bw: Optional[str] = typer.Option(None, "--mem-bw", help="Memory bandwidth per second (e.g. 20GB) instead of measuring it."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
@@ -533,9 +549,12 @@ def plan(
 
     if model is not None and is_checkpoint(model) and not (model / MANIFEST).exists():
         config, quant, model = model / "config.json", "native", None  # a checkpoint run as it is
+    from .kv.cache import check_cache_type
+
+    kv_cache = check_cache_type(kv_cache or "f32")
     given_disk = None if disk_bw is None else float(parse_size(disk_bw))
     if model is not None:
-        sizes, report = sizes_from_container(model), planning.measured(model)
+        sizes, report = sizes_from_container(model, kv_cache), planning.measured(model)
         from .container import Container
         from .store.usage import UsageHistory
 
@@ -543,7 +562,7 @@ def plan(
         disk_bw, direct = (given_disk, None) if given_disk else bw.disk_bandwidth([c.expert_location(layer, 0)[0] for layer in c.moe_layers])
         history, where = UsageHistory.enough(c), str(model)
     else:
-        sizes, report = sizes_from_config(config, quant)
+        sizes, report = sizes_from_config(config, quant, kv_cache)
         disk_bw, direct = (given_disk, None) if given_disk else bw.disk_bandwidth_at(config.resolve().parent)
         history, where = False, str(config)
     mem_bw = float(parse_size(mem_bw)) if mem_bw is not None else bw.memory_bandwidth()
@@ -563,7 +582,7 @@ def plan(
     print(f"  bytes per expert           {fb(m['expert_nbytes'])}")
     print(f"  experts in all             {p['experts_total']} ({m['moe_layers']} MoE layers × {m['n_experts']}, "
           f"top-{m['top_k']}) = {fb(p['experts_bytes_total'])}")
-    print(f"  state per token            {fb(m['state_bytes_per_token'])}")
+    print(f"  state per token            {fb(m['state_bytes_per_token'])} (KV cache {m['kv_cache']})")
     print(f"budget {fb(budget)}:")
     print(f"  dense                      {fb(sp['dense'])}")
     print(f"  {f'state ({context} tokens)':27}{fb(sp['state'])}")

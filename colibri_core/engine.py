@@ -368,6 +368,8 @@ class Engine:
             **{f"{name}_seconds": s for name, s in list(self.probe.seconds.items())},  # attention, moe, disk
             "resident_bytes": self.resident_bytes,
             "ram_budget": self.split.budget,
+            "activations": self.activations,  # the kernels' arithmetic: "f32" (exact) or "int8"
+            "kv_cache": self.kv_cache,  # the KV caches' element type: "f32" or "f16"
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
 

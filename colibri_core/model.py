@@ -82,6 +82,7 @@ class MoEModel:
       resident_shapes(cfg)            every resident tensor's shape, by checkpoint name
       state_floats_per_token(cfg)     per layer, the state floats each token adds
       kept_apart_floats_per_token(cfg)  optional: growing state kept beside the layers' (DSA indexer keys)
+      kv_cache_floats_per_token(cfg)  optional: the part of the layers' state held in `KVCache`s
       fixed_state_floats(cfg)         optional: state that does not grow (recurrent + conv states)
     With the weights (the engine builds the model once per load):
       __init__(cfg, weights, store)   take every resident tensor from `weights`; keep `store` for `moe`
@@ -121,6 +122,13 @@ class MoEModel:
         """Growing state kept beside the layers' own, by name, per layer in floats per token (GLM-5.2:
         {"indexer_keys": [128, 0, …]}). Default: none."""
         return {}
+
+    @classmethod
+    def kv_cache_floats_per_token(cls, cfg) -> list[int]:
+        """Per layer, the part of `state_floats_per_token` held in `kv.cache.KVCache`s, which store
+        the engine's KV cache type (`load(kv_cache="f16")`: 2 bytes a float); the rest stays float32.
+        Default: none (a model whose caches are `Rows` or states of its own)."""
+        return [0] * len(cls.state_floats_per_token(cfg))
 
     @classmethod
     def fixed_state_floats(cls, cfg) -> int:

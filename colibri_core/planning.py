@@ -3,17 +3,21 @@
 `resident_shapes`, stored as the container would store it at --quant: the layout's f32 rules,
 then `quant.layout`), the bytes of one routed expert and of all of them (the on-disk extents,
 `container.reader.expert_extent` over `quant.packed_size`, with the layout's per-layer precision
-floors), and the state: per token (`state_floats_per_token` plus `kept_apart_floats_per_token`) and
-fixed (`fixed_state_floats`). Everything comes from declared fields of the plugin's model class
+floors), and the state: per token (`state_floats_per_token` plus `kept_apart_floats_per_token`,
+at 4 bytes a float but `kv_cache_floats_per_token` at the KV cache type's size) and fixed
+(`fixed_state_floats`). Everything comes from declared fields of the plugin's model class
 and layout, never from guessing config.json names."""
 from __future__ import annotations
 
 import math
 import re
 
+import numpy as np
+
 from . import plugins, quant
 from .container.reader import expert_extent
 from .errors import ColibriError
+from .kv.cache import KV_CACHES, check_cache_type
 
 
 NATIVE = "native"  # the official release's own formats, run without conversion (container/native.py)
@@ -42,9 +46,9 @@ def expert_bytes(layout, layer: int, kind: str) -> int:
     return expert_extent(layout.expert_kind(layer, kind), layout.hidden, layout.intermediate)[1]
 
 
-def plan(model_cls, cfg, kind: str) -> dict:
+def plan(model_cls, cfg, kind: str, kv_cache: str = "f32") -> dict:
     """The sizes of a model (its plugin's model class and parsed config) converted at `kind`, or run
-    as released ("native")."""
+    as released ("native"), its KV caches of type `kv_cache` (`load(kv_cache=...)`)."""
     if kind not in (*quant.KINDS, NATIVE):
         raise ColibriError(f"unknown quantisation {kind!r}: choose one of {', '.join(quant.KINDS)} or {NATIVE}")
     layout = model_cls.layout(cfg)
@@ -67,7 +71,8 @@ def plan(model_cls, cfg, kind: str) -> dict:
         "experts_per_layer": layout.n_experts,
         "top_k": layout.top_k,
         "kv_floats_per_token_per_layer": state[0] if len(set(state)) == 1 else state,
-        "state_bytes_per_token": state_bytes_per_token(model_cls, cfg),
+        "kv_cache": kv_cache,
+        "state_bytes_per_token": state_bytes_per_token(model_cls, cfg, kv_cache),
         "fixed_state_bytes": 4 * model_cls.fixed_state_floats(cfg),
     }
     for name, floats in model_cls.kept_apart_floats_per_token(cfg).items():
@@ -75,19 +80,22 @@ def plan(model_cls, cfg, kind: str) -> dict:
     return out
 
 
-def state_bytes_per_token(model_cls, cfg) -> int:
-    """float32 bytes of per-sequence state each token adds: every layer's growing state
-    (`state_floats_per_token`) plus any kept apart, such as DSA indexer keys."""
+def state_bytes_per_token(model_cls, cfg, kv_cache: str = "f32") -> int:
+    """Bytes of per-sequence state each token adds: every layer's growing state
+    (`state_floats_per_token`) plus any kept apart, such as DSA indexer keys, at 4 bytes a float —
+    but the part in KV caches (`kv_cache_floats_per_token`) at the size of a `kv_cache` element."""
     kept_apart = model_cls.kept_apart_floats_per_token(cfg).values()
-    return 4 * (sum(model_cls.state_floats_per_token(cfg)) + sum(sum(f) for f in kept_apart))
+    floats = sum(model_cls.state_floats_per_token(cfg)) + sum(sum(f) for f in kept_apart)
+    cached = sum(model_cls.kv_cache_floats_per_token(cfg))
+    return 4 * (floats - cached) + np.dtype(KV_CACHES[check_cache_type(kv_cache)]).itemsize * cached
 
 
-def plan_config(config: dict, kind: str, where: str = "config.json") -> dict:
+def plan_config(config: dict, kind: str, where: str = "config.json", kv_cache: str = "f32") -> dict:
     """`plan` for a config.json dict, served by whichever installed plugin serves it."""
     registry = plugins.registry()
     arch = registry.resolve(config, where=where)
     model_cls = registry.model_class(arch)
-    return {"architecture": arch.name, **plan(model_cls, model_cls.parse_config(config), kind)}
+    return {"architecture": arch.name, **plan(model_cls, model_cls.parse_config(config), kind, kv_cache)}
 
 
 def measured(model_dir) -> dict:

@@ -46,6 +46,23 @@ def test_small_budget_streams_experts_and_gives_the_same_tokens(tiny_model):
     assert s["expert_misses"] > full.stats()["expert_misses"]
 
 
+def test_arithmetic_options_reach_the_engine(tiny_model):
+    """--activations and --kv-cache (or their environment variables) choose the engine's arithmetic,
+    which --stats reports; an unknown one is one line."""
+    r = colibri("run", "--model", tiny_model, "--max-tokens", "3", "--stats", "--activations", "int8", "--kv-cache",
+                "f16", "fox")
+    assert r.returncode == 0 and "activations int8 · KV cache f16" in r.stderr, r.stderr
+    r = colibri("run", "--model", tiny_model, "--max-tokens", "3", "--stats", "fox",
+                env={**os.environ, "COLIBRI_ACTIVATIONS": "int8", "COLIBRI_KV_CACHE": "f16"})
+    assert r.returncode == 0 and "activations int8 · KV cache f16" in r.stderr, r.stderr
+    assert "activations f32 · KV cache f32" in colibri("run", "--model", tiny_model, "--max-tokens", "2", "--stats",
+                                                      "fox").stderr
+    one_line_error(colibri("run", "--model", tiny_model, "--activations", "int3", "fox"),
+                   "unknown activation arithmetic 'int3'")
+    one_line_error(colibri("chat", "--model", tiny_model, "--kv-cache", "bf16"), "unknown KV cache type 'bf16'")
+    one_line_error(colibri("serve", "--model", tiny_model, "--activations", "int3"), "unknown activation arithmetic")
+
+
 def test_cli_small_budget_shows_misses(tiny_model):
     a = colibri("run", "--model", tiny_model, "--max-tokens", "10", "--temperature", "0", "lazy dog")
     b = colibri("run", "--model", tiny_model, "--max-tokens", "10", "--cache-slots", "1", "lazy dog")

@@ -31,7 +31,8 @@ class BrokenOlmoe(Olmoe):
     - "router": layer 2 routes with its gate's rows reversed (the wrong experts);
     - "weights": layer 2 renormalises its top-k weights (the right experts, the wrong weights);
     - "predict": layer 1's declared router predicts from the raw residual stream (no norm);
-    - "lookahead": layer 2's lookahead predicts layer 0, which runs before it.
+    - "lookahead": layer 2's lookahead predicts layer 0, which runs before it;
+    - "kv_cache": declares none of its state in KV caches (`kv_cache_floats_per_token`).
     """
 
     fault: str | None = None
@@ -47,6 +48,10 @@ class BrokenOlmoe(Olmoe):
         elif self.fault == "predict":
             out[1] = SoftmaxTopK(out[1].weight, out[1].k, out[1].renormalize)  # input: the identity
         return out
+
+    @classmethod
+    def kv_cache_floats_per_token(cls, cfg):
+        return [0] * cfg.num_hidden_layers if cls.fault == "kv_cache" else super().kv_cache_floats_per_token(cfg)
 
     def lookahead(self):
         return {0: 1, 1: 2, 2: 0} if self.fault == "lookahead" else None
@@ -131,6 +136,7 @@ def test_unbroken_passes(oracle, fault):
     checks.check_logits(oracle, "int4", oracle.logits_ids, tol)
     checks.check_lookahead_predicts_routing(oracle, oracle.logits_ids)
     checks.check_moe_layers(oracle, oracle.logits_ids)
+    checks.check_kv_cache_floats(oracle)
 
 
 def test_skipped_q_norm_fails_greedy_at_a_position_and_logits_at_layer_1_attention(oracle, fault):
@@ -167,6 +173,13 @@ def test_a_lookahead_to_an_earlier_layer_fails_moe_layers(oracle, fault):
     fault("lookahead")
     message = failure(checks.check_moe_layers, oracle, oracle.logits_ids)
     assert message == ("moe_layers: layer 2's lookahead predicts layer 0, which the forward pass runs before it")
+
+
+def test_an_undeclared_kv_cache_fails_kv_cache_floats(oracle, fault):
+    fault("kv_cache")
+    message = failure(checks.check_kv_cache_floats, oracle)
+    assert message.startswith("kv_cache_floats: after a 8-token prompt the state holds 3072 bytes fewer under "
+                              "kv_cache='f16' than under 'f32', but kv_cache_floats_per_token [0, 0, 0] says 0")
 
 
 def test_a_tie_is_accepted_only_below_the_tolerance_and_the_comparison_goes_on(oracle, fault, monkeypatch):

@@ -1,8 +1,10 @@
 """`colibri_core.planning` sizes a model from config.json alone: it must agree exactly with what
 the converter writes (resident tensors, expert files) for the same config and quantisation."""
 import json
+import os
 
 import pytest
+from conftest import colibri
 
 from colibri_core.container import Container
 from colibri_core.convert import convert_checkpoint
@@ -30,3 +32,21 @@ def test_plan_of_olmoe_matches_its_container(tiny_checkpoint, tmp_path, quant):
 def test_plan_refuses_unknown_quant(tiny_checkpoint):
     with pytest.raises(ColibriError, match="unknown quantisation"):
         plan_config(json.loads((tiny_checkpoint / "config.json").read_text()), "int3")
+
+
+def test_plan_sizes_the_state_at_the_kv_cache_type(tiny_checkpoint, tmp_path):
+    """A float16 KV cache halves the part of the state a model declares in KV caches (all of OLMoE's:
+    `kv_cache_floats_per_token`); `colibri plan --kv-cache` says so, and refuses an unknown type."""
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    f32, f16 = plan_config(config, "int4"), plan_config(config, "int4", kv_cache="f16")
+    assert (f32["kv_cache"], f16["kv_cache"]) == ("f32", "f16")
+    assert f16["state_bytes_per_token"] * 2 == f32["state_bytes_per_token"] == 4 * 2 * config["hidden_size"] * config["num_hidden_layers"]
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(config))
+    args = ("plan", "--config", cfg, "--ram", "1GB", "--disk-bw", "1GB", "--mem-bw", "1GB", "--json")
+    r = colibri(*args, "--kv-cache", "f16")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["model"]["state_bytes_per_token"] == f16["state_bytes_per_token"]
+    assert json.loads(colibri(*args, env={**os.environ, "COLIBRI_KV_CACHE": "f16"}).stdout)["model"]["kv_cache"] == "f16"
+    r = colibri(*args, "--kv-cache", "bf16")
+    assert r.returncode == 1 and r.stderr.strip() == "colibri: error: unknown KV cache type 'bf16' (expected one of f32, f16)"

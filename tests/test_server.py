@@ -343,6 +343,7 @@ def test_dashboard_json(server, tiny_model):
     assert set(last["split"]) == {"attention", "experts", "disk", "other"}
     assert all(v >= 0 for v in last["split"].values())
     assert stats["memory"]["experts"]["total"] == 2 * 8
+    assert (stats["engine"]["activations"], stats["engine"]["kv_cache"]) == ("f32", "f32")  # the defaults
     b = server.json("/api/brain")
     assert b["layers"] == [0, 1] and b["n_experts"] == 8
     assert [len(t) for t in b["tiers"]] == [8, 8] and sum(map(sum, b["heat"])) > 0

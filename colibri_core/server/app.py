@@ -76,6 +76,8 @@ class ServerConfig:
     body_timeout: float = 30.0  # seconds for a request body to arrive whole (408 after)
     header_timeout: float = 10.0  # seconds for a request's headers to arrive whole (the connection closed after)
     tokenize_threads: int = 2  # chat templates and tokenizers run at most this many at once, off the event loop
+    activations: str | None = None  # the kernels' arithmetic, as `colibri run --activations` (None: COLIBRI_ACTIVATIONS or f32)
+    kv_cache: str | None = None  # the KV caches' type, as `colibri run --kv-cache` (None: COLIBRI_KV_CACHE or f32)
     ray: str | None = None  # a Ray cluster holding the experts (`--ray`; colibri_core/remote)
     ray_options: dict | None = None  # remote.client.RemoteConfig's fields
 
@@ -85,6 +87,14 @@ class ServerConfig:
                                "without one")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ColibriError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+        if self.activations is not None:  # an unknown arithmetic or cache type: one line before the server starts
+            from ..kernels import _act_name
+
+            _act_name(self.activations)
+        if self.kv_cache is not None:
+            from ..kv.cache import check_cache_type
+
+            check_cache_type(self.kv_cache)
         for origin in self.allow_origins:
             if origin != "*":
                 try:
@@ -125,8 +135,8 @@ class Server:
 
         cfg = self.cfg
         try:
-            engine = load(cfg.model_dir, ram=cfg.ram, cache_slots=cfg.cache_slots, ray=cfg.ray,
-                          ray_options=cfg.ray_options)
+            engine = load(cfg.model_dir, ram=cfg.ram, cache_slots=cfg.cache_slots, activations=cfg.activations,
+                          kv_cache=cfg.kv_cache, ray=cfg.ray, ray_options=cfg.ray_options)
             engine.tokenizer  # noqa: B018 — read tokenizer.json now, not on the first request
             self.template = ChatTemplate.from_dir(engine.model_dir)
             self.chat_text = ChatText(engine.tokenizer)

@@ -26,14 +26,15 @@ class ModelSizes:
     moe_layers: int
     n_experts: int  # per MoE layer
     top_k: int  # experts per token per layer
-    state_bytes_per_token: int
+    state_bytes_per_token: int  # at the KV cache type below
+    kv_cache: str = "f32"  # the KV caches' element type the state is sized for (`load(kv_cache=...)`)
 
     @property
     def experts_total(self) -> int:
         return self.moe_layers * self.n_experts
 
 
-def sizes_from_container(model_dir: str | Path) -> ModelSizes:
+def sizes_from_container(model_dir: str | Path, kv_cache: str = "f32") -> ModelSizes:
     from ..container import Container
 
     c = Container(model_dir)
@@ -43,10 +44,11 @@ def sizes_from_container(model_dir: str | Path) -> ModelSizes:
     cfg = model_cls.parse_config(c.config)
     measured = planning.measured(model_dir)
     return ModelSizes(arch.name, c.quant, measured["resident_bytes"], c.expert_nbytes, len(c.moe_layers),
-                      c.n_experts, model_cls.layout(cfg).top_k, planning.state_bytes_per_token(model_cls, cfg))
+                      c.n_experts, model_cls.layout(cfg).top_k, planning.state_bytes_per_token(model_cls, cfg, kv_cache),
+                      kv_cache)
 
 
-def sizes_from_config(config_path: str | Path, quant_kind: str) -> tuple[ModelSizes, dict]:
+def sizes_from_config(config_path: str | Path, quant_kind: str, kv_cache: str = "f32") -> tuple[ModelSizes, dict]:
     """The sizes `make_plan` needs, and `planning.plan`'s full report, from config.json alone."""
     config = read_json(config_path)
     if not isinstance(config, dict):
@@ -59,12 +61,12 @@ def sizes_from_config(config_path: str | Path, quant_kind: str) -> tuple[ModelSi
     except (KeyError, TypeError, ValueError) as e:
         raise ColibriError(f"{config_path}: {arch.name} cannot parse it ({type(e).__name__}: {e})") from None
     try:
-        report = planning.plan(model_cls, cfg, quant_kind)
+        report = planning.plan(model_cls, cfg, quant_kind, kv_cache)
     except NotImplementedError:
         raise ColibriError(f"plugin {arch.plugin} cannot plan {arch.name} from config.json alone; "
                            f"convert the model and use --model") from None
     sizes = ModelSizes(arch.name, quant_kind, report["resident_bytes"], report["expert_bytes"], report["moe_layers"],
-                       report["experts_per_layer"], report["top_k"], report["state_bytes_per_token"])
+                       report["experts_per_layer"], report["top_k"], report["state_bytes_per_token"], kv_cache)
     return sizes, report
 
 

@@ -39,7 +39,8 @@ the test would prove nothing about it), saves it, converts it at f32, int8 and i
   only the new tokens; another model's or a damaged file is refused; a failed forward leaves the
   session intact;
 - planning: `colibri_core.planning` from config.json alone predicts the container's bytes exactly
-  (the model class implements ``resident_shapes`` and ``state_floats_per_token``).
+  (the model class implements ``resident_shapes`` and ``state_floats_per_token``), and
+  ``kv_cache_floats_per_token`` is exactly what a float16 KV cache halves, measured on a session.
 
 Every failure message starts with the check's name and says the quantisation, the layer and the
 position where they apply. The checks are plain functions in `colibri_core.testing.checks` (a test

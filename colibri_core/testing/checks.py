@@ -202,6 +202,32 @@ def check_state_round_trip(oracle: Oracle, q: str = "int4", follow: int = 8) -> 
                     f"gives {got[i:i + 1]}, the original {want[i:i + 1]}")
 
 
+def check_kv_cache_floats(oracle: Oracle, q: str = "int4") -> None:
+    """`kv_cache_floats_per_token` declares the state the KV cache type applies to (`colibri plan
+    --kv-cache f16` sizes it by it): each layer's part of `state_floats_per_token`, and after the same
+    prompt a session's state under kv_cache="f16" holds exactly 2 bytes × tokens × Σ declared floats
+    fewer than under "f32"."""
+    from ..convert import read_config
+
+    check = "kv_cache_floats"
+    cls = oracle.model_class
+    cfg = cls.parse_config(read_config(oracle.checkpoint))
+    declared, grows = list(cls.kv_cache_floats_per_token(cfg)), list(cls.state_floats_per_token(cfg))
+    if len(declared) != len(grows) or any(not 0 <= d <= g for d, g in zip(declared, grows)):
+        fail(check, f"kv_cache_floats_per_token {declared} is not a part of state_floats_per_token {grows}, layer by layer")
+    held = {}
+    for kv in ("f32", "f16"):
+        with load(oracle.container(q), kv_cache=kv) as engine:
+            session = engine.new_session()
+            engine.generate(oracle.prompt, 1, stop_ids=(), session=session)  # the prompt's state, and one token
+            held[kv] = sum(a.nbytes for a in session.state.arrays().values())
+    saved, want = held["f32"] - held["f16"], 2 * len(oracle.prompt) * sum(declared)
+    if saved != want:
+        fail(check, f"after a {len(oracle.prompt)}-token prompt the state holds {saved} bytes fewer under kv_cache='f16' "
+                    f"than under 'f32', but kv_cache_floats_per_token {declared} says {want}: declare the floats a "
+                    f"token adds to your KVCaches")
+
+
 def check_short_forward_is_decode_exact(oracle: Oracle, q: str = "int4", n: int = 6) -> None:
     """A forward of n ≤ EXACT_BATCH new tokens gives, bit for bit, the logits of those tokens fed one
     at a time (drafted tokens are verified in one forward: drafting must never change a token). A

@@ -166,6 +166,12 @@ class ConformanceSuite:
         got = measured(oracle.container(q))
         assert {k: p[k] for k in got} == got
 
+    def test_kv_cache_floats(self, oracle: Oracle):
+        """`kv_cache_floats_per_token` is the part of the state a float16 KV cache halves: measured on
+        a session's state after the prompt, under both cache types."""
+        self._check("kv_cache_floats")
+        checks.check_kv_cache_floats(oracle)
+
     # ---- the container -----------------------------------------------------------------------
     @pytest.mark.parametrize("q", QUANTS)
     def test_container_round_trip(self, oracle: Oracle, q: str, tmp_path):

@@ -162,6 +162,10 @@ class Qwen3Moe(MoEModel):
     def state_floats_per_token(cls, cfg: Qwen3MoeConfig) -> list[int]:
         return [2 * cfg.num_key_value_heads * cfg.head_dim] * cfg.num_hidden_layers  # K and V
 
+    @classmethod
+    def kv_cache_floats_per_token(cls, cfg: Qwen3MoeConfig) -> list[int]:
+        return cls.state_floats_per_token(cfg)  # all of it in KVCaches (the engine's cache type)
+
     # ---- with the weights ------------------------------------------------------------------------
     def __init__(self, cfg: Qwen3MoeConfig, weights, store):
         super().__init__(cfg, weights, store)

@@ -124,6 +124,10 @@ class Olmoe(MoEModel):
     def state_floats_per_token(cls, cfg: OlmoeConfig) -> list[int]:
         return [2 * cfg.num_key_value_heads * cfg.head_dim] * cfg.num_hidden_layers  # K and V
 
+    @classmethod
+    def kv_cache_floats_per_token(cls, cfg: OlmoeConfig) -> list[int]:
+        return cls.state_floats_per_token(cfg)  # all of it in KVCaches (the engine's cache type)
+
     def __init__(self, cfg: OlmoeConfig, weights, store):
         super().__init__(cfg, weights, store)
         self.embed_tokens = weights("model.embed_tokens.weight")  # (V, H)

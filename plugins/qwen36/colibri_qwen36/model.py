@@ -266,6 +266,11 @@ class Qwen36(MoEModel):
         return [kv_floats if kind == FULL else 0 for kind in cfg.layer_types]
 
     @classmethod
+    def kv_cache_floats_per_token(cls, cfg: Qwen36Config) -> list[int]:
+        """All of it: the gated-attention layers' keys and values are `KVCache`s."""
+        return cls.state_floats_per_token(cfg)
+
+    @classmethod
     def fixed_state_floats(cls, cfg: Qwen36Config) -> int:
         """State floats that do not grow with the context: conv + recurrent state of every DeltaNet layer."""
         return cfg.layer_types.count(LINEAR) * cfg.deltanet.state_floats
