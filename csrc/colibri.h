@@ -108,11 +108,21 @@ int matmul(float *y, const QMatrix *w, const float *x, int n, int act);
 // Each y[i] is exactly what matmul(y[i], w[i], x, n, act) writes.
 int matmul_multi(float *const *y, const QMatrix *const *w, int count, const float *x, int n, int act);
 
+// Several products, each of its own input (MLA's per-head value projections): y[i] = x[i] @
+// dequant(w[i]).T. y: count pointers to f32 [n, w[i]->rows]; x: count pointers to f32 [n, w[i]->cols].
+// Each y[i] is exactly what matmul(y[i], w[i], x[i], n, act) writes.
+int matmul_each(float *const *y, const QMatrix *const *w, int count, const float *const *x, int n, int act);
+
 // y = x @ dequant(w) (no transpose): y[t, j] = sum over r = 0, 1, ... of x[t, r] * w[r, j], each
 // weight dequantised to float32 first (q * scale). MLA absorbs kv_b_proj's key rows this way.
 // y: f32 [n, w->cols] (written); w: QMatrix [rows, cols]; x: f32 [n, w->rows].
 // Returns COLI_OK, COLI_EINVAL when qmatrix_check(w) fails, or COLI_ENOMEM.
 int matmul_t(float *y, const QMatrix *w, const float *x, int n);
+
+// Several transposed products in one call, one task each (MLA's per-head key absorption):
+// y[i] = x[i] @ dequant(w[i]). y: count pointers to f32 [n, w[i]->cols]; x: count pointers to f32
+// [n, w[i]->rows]. Each y[i] is exactly what matmul_t(y[i], w[i], x[i], n) writes.
+int matmul_t_each(float *const *y, const QMatrix *const *w, int count, const float *const *x, int n);
 
 // The code path in use: "portable", "avx2" or "avx512".
 const char *simd_name(void);

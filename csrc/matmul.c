@@ -429,7 +429,7 @@ static float dot_fp4_q8_portable(const QMatrix *w, int r, const Acts *a, int t) 
 
 const Path PATH_PORTABLE = {"portable", dot_f32_portable, dot_int8_f32_portable, dot_int8_q8_portable,
                             dot_int4_f32_portable, dot_int4_q8_portable, NULL, dot_fp8_f32_portable,
-                            dot_fp4_f32_portable, dot_fp4_q8_portable, NULL, NULL, NULL};
+                            dot_fp4_f32_portable, dot_fp4_q8_portable, NULL, NULL, NULL, NULL};
 
 // ----------------------------------------------------------------------------
 // Code paths: chosen once from COLIBRI_SIMD / the CPU, changeable with simd_select.
@@ -581,7 +581,7 @@ int rows_per_task(int rows, double work_per_row, int tokens) {
     return per;
 }
 
-// A list of (matrix, row range) tasks over one or more products of the same prepared input.
+// A list of (matrix, row range) tasks over one or more products of prepared inputs.
 typedef struct {
     int count;
     RowsJob *jobs;  // [count]
@@ -598,54 +598,69 @@ static void multi_task(void *ctx, int task) {
     rows_run(&m->jobs[i], r0, r1);
 }
 
-int matmul_multi(float *const *y, const QMatrix *const *w, int count, const float *x, int n, int act) {
+// The products y[i] = x_i @ dequant(w[i]).T in one pool run: x_i = x[0] for every i (`shared`: its
+// layout prepared once per weight kind), or x[i] (prepared once per product).
+static int products(float *const *y, const QMatrix *const *w, int count, const float *const *x, int shared, int n,
+                    int act) {
     if (count < 1 || n < 0 || (act != ACT_F32 && act != ACT_Q8)) return COLI_EINVAL;
     int cols = w[0] != NULL ? w[0]->cols : -1;
     for (int i = 0; i < count; i++) {
-        if (qmatrix_check(w[i]) != COLI_OK || w[i]->cols != cols) return COLI_EINVAL;
+        if (qmatrix_check(w[i]) != COLI_OK || (shared && w[i]->cols != cols)) return COLI_EINVAL;
     }
     if (n == 0) return COLI_OK;
     const Path *p = path_current();
-    Acts acts[QKIND_COUNT];  // one layout per weight kind present
-    int have[QKIND_COUNT] = {0};
-    int status = COLI_OK;
+    int nacts = shared ? QKIND_COUNT : count;
+    Acts *acts = calloc((size_t)nacts, sizeof *acts);  // shared: one layout per weight kind present
+    int *have = calloc((size_t)nacts, sizeof *have);
+    int status = COLI_OK, ntasks = 0;
     RowsJob *jobs = calloc((size_t)count, sizeof *jobs);
     int *first = calloc((size_t)count + 1, sizeof *first);
     int *per = calloc((size_t)count, sizeof *per);
     float **yrow = calloc((size_t)count * (size_t)n, sizeof *yrow);
-    if (jobs == NULL || first == NULL || per == NULL || yrow == NULL) status = COLI_ENOMEM;
+    if (acts == NULL || have == NULL || jobs == NULL || first == NULL || per == NULL || yrow == NULL) status = COLI_ENOMEM;
     for (int i = 0; i < count && status == COLI_OK; i++) {
-        int kind = w[i]->kind;
-        if (!have[kind]) {
-            status = acts_prepare(&acts[kind], x, n, cols, kind, act);
+        int kind = w[i]->kind, c = w[i]->cols, a = shared ? kind : i;
+        if (!have[a]) {
+            status = acts_prepare(&acts[a], x[shared ? 0 : i], n, c, kind, act);
             if (status != COLI_OK) break;
-            have[kind] = 1;
+            have[a] = 1;
         }
         for (int t = 0; t < n; t++) yrow[(size_t)i * n + t] = y[i] + (size_t)t * (size_t)w[i]->rows;
-        jobs[i] = (RowsJob){path_dot(p, kind, acts[kind].act), path_rows(p, kind, acts[kind].act), w[i], &acts[kind],
-                            n, NULL, yrow + (size_t)i * n};
-        int bytes_per_row = kind == QKIND_F32 ? 4 * cols : kind == QKIND_INT8 || kind == QKIND_FP8 ? cols : cols / 2;
-        per[i] = rows_per_task(w[i]->rows, (double)n * cols + bytes_per_row, n);
-        first[i + 1] = first[i] + (w[i]->rows + per[i] - 1) / per[i];
+        jobs[i] = (RowsJob){path_dot(p, kind, acts[a].act), path_rows(p, kind, acts[a].act), w[i], &acts[a], n, NULL,
+                            yrow + (size_t)i * n};
+        int bytes_per_row = kind == QKIND_F32 ? 4 * c : kind == QKIND_INT8 || kind == QKIND_FP8 ? c : c / 2;
+        per[i] = rows_per_task(w[i]->rows, (double)n * c + bytes_per_row, n);
+        // a product without columns (or rows) writes zeros here and takes no task
+        first[i + 1] = first[i] + (c == 0 ? 0 : (w[i]->rows + per[i] - 1) / per[i]);
+        if (c == 0) memset(y[i], 0, (size_t)n * (size_t)w[i]->rows * sizeof(float));
     }
     if (status == COLI_OK) {
         MultiJob m = {count, jobs, first, per};
-        if (cols == 0) {
-            for (int i = 0; i < count; i++) memset(y[i], 0, (size_t)n * (size_t)w[i]->rows * sizeof(float));
-        } else if (first[count] <= 1) {
-            for (int task = 0; task < first[count]; task++) multi_task(&m, task);
+        ntasks = first[count];
+        if (ntasks <= 1) {
+            for (int task = 0; task < ntasks; task++) multi_task(&m, task);
         } else {
-            pool_run(multi_task, &m, first[count]);
+            pool_run(multi_task, &m, ntasks);
         }
     }
-    for (int k = 0; k < QKIND_COUNT; k++) {
+    for (int k = 0; k < nacts && have != NULL; k++) {
         if (have[k]) acts_free(&acts[k]);
     }
+    free(acts);
+    free(have);
     free(jobs);
     free(first);
     free(per);
     free(yrow);
     return status;
+}
+
+int matmul_multi(float *const *y, const QMatrix *const *w, int count, const float *x, int n, int act) {
+    return products(y, w, count, &x, 1, n, act);
+}
+
+int matmul_each(float *const *y, const QMatrix *const *w, int count, const float *const *x, int n, int act) {
+    return products(y, w, count, x, 0, n, act);
 }
 
 int matmul(float *y, const QMatrix *w, const float *x, int n, int act) {
@@ -713,13 +728,17 @@ int qmatrix_dequantize(float *out, const QMatrix *w) {
     return COLI_OK;
 }
 
-int matmul_t(float *y, const QMatrix *w, const float *x, int n) {
-    if (qmatrix_check(w) != COLI_OK || n < 0) return COLI_EINVAL;
+// y = x @ dequant(w) (all of y written); `scratch`: n * (w->cols rounded up to 64) floats, at least
+// w->cols. The path's int4 loop where it has one (the same bits), else this one.
+static void product_t(float *y, const QMatrix *w, const float *x, int n, float *scratch) {
     size_t rows = (size_t)w->rows, cols = (size_t)w->cols;
+    const Path *p = path_current();
+    if (w->kind == QKIND_INT4 && p->int4_t != NULL && n > 0) {
+        p->int4_t(y, w, x, n, scratch);
+        return;
+    }
+    float *row = scratch;  // one dequantised weight row, reused by every token
     memset(y, 0, (size_t)n * cols * sizeof(float));
-    if (rows == 0 || cols == 0 || n == 0) return COLI_OK;
-    float *row = malloc(cols * sizeof(float));  // one dequantised weight row, reused by every token
-    if (row == NULL) return COLI_ENOMEM;
     for (size_t r = 0; r < rows; r++) {  // rows in order: each output element sums r = 0, 1, ...
         dequant_row(w, (int)r, row);
         for (size_t t = 0; t < (size_t)n; t++) {
@@ -728,6 +747,41 @@ int matmul_t(float *y, const QMatrix *w, const float *x, int n) {
             for (size_t j = 0; j < cols; j++) yt[j] += xr * row[j];
         }
     }
-    free(row);
-    return COLI_OK;
 }
+
+typedef struct {
+    float *const *y;
+    const QMatrix *const *w;
+    const float *const *x;
+    int n;
+    int failed;  // a task found no memory for its scratch
+} EachT;
+
+static void each_t_task(void *ctx, int i) {
+    EachT *e = ctx;
+    const QMatrix *w = e->w[i];
+    size_t floats = (size_t)(e->n > 1 ? e->n : 1) * (((size_t)w->cols + 63) / 64 * 64);
+    float *scratch = malloc(floats * sizeof(float) + 1);  // while this product runs: at most one per thread
+    if (scratch == NULL) {
+        e->failed = 1;
+        return;
+    }
+    product_t(e->y[i], w, e->x[i], e->n, scratch);
+    free(scratch);
+}
+
+int matmul_t_each(float *const *y, const QMatrix *const *w, int count, const float *const *x, int n) {
+    if (count < 0 || n < 0) return COLI_EINVAL;
+    for (int i = 0; i < count; i++) {
+        if (qmatrix_check(w[i]) != COLI_OK) return COLI_EINVAL;
+    }
+    EachT e = {y, w, x, n, 0};
+    if (count == 1) {
+        each_t_task(&e, 0);
+    } else if (count > 1) {
+        pool_run(each_t_task, &e, count);  // one product per task: each output element summed by one thread
+    }
+    return e.failed ? COLI_ENOMEM : COLI_OK;
+}
+
+int matmul_t(float *y, const QMatrix *w, const float *x, int n) { return matmul_t_each(&y, &w, 1, &x, n); }

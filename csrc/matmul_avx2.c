@@ -872,8 +872,55 @@ AVX2 void quantize64_avx2(const float *x, int int4_order, int8_t *q, float *scal
     *sum = _mm_cvtsi128_si32(s4);
 }
 
+// ----------------------------------------------------------------------------
+// matmul_t of int4 weights (MLA's key absorption)
+
+// Rows in order, as matmul.c's product_t; each group's 64 weights dequantised once (float(q - 8) *
+// scale, 8 lanes at a time) in the order the dot products read them — the 32 even columns, then
+// the 32 odd ones, widened straight from memory — and added to every token's sums kept in that
+// order in `scratch` [n, groups * 64], put back in column order at the end. The same operations on
+// every element as the portable loop, so the same bits.
+AVX2 void product_t_int4_avx2(float *y, const QMatrix *w, const float *x, int n, float *scratch) {
+    int rows = w->rows, cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
+    size_t row_bytes = ((size_t)cols + 1) / 2, width = (size_t)ngroups * 64;
+    const __m256i low4 = _mm256_set1_epi32(0x0f), eight = _mm256_set1_epi32(8);
+    memset(scratch, 0, (size_t)n * width * sizeof(float));
+    uint8_t tmp[32];
+    for (int r = 0; r < rows; r++) {
+        const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+        const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
+        for (int g = 0; g < ngroups; g++) {
+            const uint8_t *bp = wr + (size_t)g * 32;
+            if ((size_t)g * 32 + 32 > row_bytes) {  // the row's last, short group: q = 0 past it (dropped below)
+                memset(tmp, 0x88, 32);
+                memcpy(tmp, bp, row_bytes - (size_t)g * 32);
+                bp = tmp;
+            }
+            __m256 sc = _mm256_set1_ps(half_to_float(sr[g])), v[8];  // v: columns 0, 2, …, 62, then 1, 3, …, 63
+            for (int i = 0; i < 4; i++) {
+                __m256i b = widen8_u8(bp + 8 * i);
+                v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, low4), eight)), sc);
+                v[4 + i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight)), sc);
+            }
+            for (int t = 0; t < n; t++) {
+                __m256 xr = _mm256_set1_ps(x[(size_t)t * (size_t)rows + (size_t)r]);
+                float *acc = scratch + (size_t)t * width + (size_t)g * 64;
+                for (int i = 0; i < 8; i++) {
+                    _mm256_storeu_ps(acc + 8 * i, _mm256_add_ps(_mm256_loadu_ps(acc + 8 * i), _mm256_mul_ps(xr, v[i])));
+                }
+            }
+        }
+    }
+    for (int t = 0; t < n; t++) {  // back in column order
+        const float *acc = scratch + (size_t)t * width;
+        float *yt = y + (size_t)t * (size_t)cols;
+        for (int j = 0; j < cols; j++) yt[j] = acc[(size_t)(j / 64) * 64 + (j % 2) * 32 + (j % 64) / 2];
+    }
+}
+
 const Path PATH_AVX2 = {"avx2", dot_f32_avx2, dot_int8_f32_avx2, dot_int8_q8_avx2, dot_int4_f32_avx2,
                         dot_int4_q8_avx2, rows_int4_q8_avx2, dot_fp8_f32_avx2, dot_fp4_f32_avx2,
-                        dot_fp4_q8_avx2, rows_fp8_f32_avx2, rows_fp4_f32_avx2, quantize64_avx2};
+                        dot_fp4_q8_avx2, rows_fp8_f32_avx2, rows_fp4_f32_avx2, quantize64_avx2,
+                        product_t_int4_avx2};
 
 #endif  // COLI_X86

@@ -256,6 +256,29 @@ def test_matmul_multi_is_each_matmul():
             assert_same_bits(y, kernels.matmul(w, x, act))
 
 
+def test_matmul_each_is_each_matmul():
+    """Products of their own inputs in one call (MLA's per-head values): every kind and shape, rows
+    of one matrix as views, a matrix without rows; the bits of separate calls, in both arithmetics."""
+    rng = np.random.default_rng(14)
+    big = random_weights(rng, 96, 130, "int4")
+    views = [quant.QTensor("int4", 32, 130, big.data[i:i + 32], big.scales[i:i + 32]) for i in (0, 32, 64)]
+    ws = [*views, random_weights(rng, 64, 200, "int8"), random_weights(rng, 3, 7, "f32"),
+          random_weights(rng, 0, 65, "int4"), random_weights(rng, 130, 63, "int4")]
+    for n in (1, 3):
+        xs = [random_x(rng, n, w.cols) for w in ws]
+        xs[0] = np.asfortranarray(xs[0])  # copied contiguous
+        for act in kernels.ACTIVATIONS:
+            for y, w, x in zip(kernels.matmul_each(ws, xs, act), ws, xs):
+                assert_same_bits(y, kernels.matmul(w, x, act))
+    assert [y.shape for y in kernels.matmul_each(ws[:2], [np.zeros((0, 130), np.float32)] * 2)] == [(0, 32)] * 2
+    with pytest.raises(ValueError, match="every x needs 1 rows"):
+        kernels.matmul_each(ws[:2], [random_x(rng, 1, 130), random_x(rng, 2, 130)])
+    with pytest.raises(ValueError, match="one input per weight"):
+        kernels.matmul_each(ws[:2], [random_x(rng, 1, 130)])
+    with pytest.raises(ValueError, match=r"matmul_each: x must be \[n, 200\]"):
+        kernels.matmul_each([ws[3]], [random_x(rng, 1, 130)])
+
+
 def test_activations_context_selects_the_arithmetic():
     rng = np.random.default_rng(13)
     w = random_weights(rng, 65, 200, "int4")
@@ -711,7 +734,7 @@ def test_bench_kernels_measures_every_code_path_side_by_side():
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,cols", [(1, 1), (3, 65), (63, 130), (130, 63), (200, 127), (64, 3)])
-def test_matmul_t_matches_reference_bit_for_bit(kind, rows, cols):
+def test_matmul_t_matches_reference_bit_for_bit(simd_path, kind, rows, cols):
     rng = np.random.default_rng(rows * 1000 + cols)
     w = read_only_copy(random_weights(rng, rows, cols, kind))
     for n in TOKENS:
@@ -723,6 +746,23 @@ def test_matmul_t_matches_reference_bit_for_bit(kind, rows, cols):
     assert kernels.matmul_t(w, np.zeros((0, rows), np.float32)).shape == (0, cols)
     with pytest.raises(ValueError, match=r"matmul_t: x must be \[n, "):
         kernels.matmul_t(w, np.zeros((1, rows + 1), np.float32))
+
+
+def test_matmul_t_each_is_each_matmul_t(simd_path, thread_counts):
+    """Transposed products of their own inputs in one call, one thread each (MLA's key absorption):
+    the bits of separate calls, for every kind, on any thread count."""
+    rng = np.random.default_rng(15)
+    ws = [random_weights(rng, rows, cols, kind) for kind in KINDS for rows, cols in ((192, 64), (3, 65), (0, 5))]
+    for n in TOKENS:
+        xs = [rng.standard_normal((n, w.rows)).astype(np.float32) for w in ws]
+        want = [reference.matmul_t(w, x) for w, x in zip(ws, xs)]
+        for threads in thread_counts:
+            kernels.set_threads(threads)
+            for y, w_ in zip(kernels.matmul_t_each(ws, xs), want):
+                assert_same_bits(y, w_)
+    assert kernels.matmul_t_each([], []) == []
+    with pytest.raises(ValueError, match="every x needs 1 rows"):
+        kernels.matmul_t_each(ws[:2], [np.zeros((1, 192), np.float32), np.zeros((2, 3), np.float32)])
 
 
 @pytest.mark.parametrize("T,E,k", [(1, 1, 1), (1, 64, 8), (5, 128, 8), (3, 7, 7), (2, 600, 9), (0, 4, 2)])

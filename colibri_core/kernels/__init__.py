@@ -53,7 +53,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         "install the package (`pip install -e .` in a checkout) to compile csrc/"
     ) from e
 
-__all__ = ["AttnBlock", "matmul", "matmul_multi", "matmul_t", "dequantize", "expert_ffn", "moe_experts", "moe_combine", "moe_block", "moe_block_softmax", "ExpertTable", "softmax_topk", "exp", "rms_norm", "rope_rotate_half", "attention",
+__all__ = ["AttnBlock", "matmul", "matmul_multi", "matmul_each", "matmul_t", "matmul_t_each", "dequantize", "expert_ffn", "moe_experts", "moe_combine", "moe_block", "moe_block_softmax", "ExpertTable", "softmax_topk", "exp", "rms_norm", "rope_rotate_half", "attention",
            "activations", "ACTIVATIONS",
            "simd", "set_simd", "simd_supported", "SIMD_PATHS", "threads", "set_threads", "reference"]
 
@@ -175,17 +175,48 @@ def matmul_multi(ws: list[QTensor], x: np.ndarray, act: str | None = None) -> li
     return ys
 
 
+def matmul_each(ws: list[QTensor], xs: list[np.ndarray], act: str | None = None) -> list[np.ndarray]:
+    """``[x @ dequant(w).T for w, x in zip(ws, xs)]`` in one C call, each x ``[n, w.cols]`` with one
+    n (MLA's per-head value projections); each result is bit for bit what `matmul` gives."""
+    if len(ws) != len(xs) or not ws:
+        raise ValueError(f"matmul_each: one input per weight, got {len(ws)} weights and {len(xs)} inputs")
+    mats = [_qmatrix(w, "w") for w in ws]
+    xs = [_activations(x, w.cols, "matmul_each: x") for w, x in zip(ws, xs)]
+    n = xs[0].shape[0]
+    if any(x.shape[0] != n for x in xs):
+        raise ValueError(f"matmul_each: every x needs {n} rows, got {[x.shape[0] for x in xs]}")
+    ys = [np.empty((n, w.rows), np.float32) for w in ws]
+    if n:
+        status = lib.matmul_each(ffi.new("float *[]", [_floats(y, writable=True) for y in ys]), ffi.new("QMatrix *[]", mats),
+                                 len(mats), ffi.new("float *[]", [_floats(x) for x in xs]), n, _act_code(act))
+        _check(status, "matmul_each")
+    return ys
+
+
+def matmul_t_each(ws: list[QTensor], xs: list[np.ndarray]) -> list[np.ndarray]:
+    """``[matmul_t(w, x) for w, x in zip(ws, xs)]`` in one C call, one thread per product (MLA's
+    per-head key absorption); the same bits."""
+    if len(ws) != len(xs):
+        raise ValueError(f"matmul_t_each: one input per weight, got {len(ws)} weights and {len(xs)} inputs")
+    mats = [_qmatrix(w, "w") for w in ws]
+    xs = [_activations(x, w.rows, "matmul_t: x") for w, x in zip(ws, xs)]
+    ys = [np.empty((x.shape[0], w.cols), np.float32) for w, x in zip(ws, xs)]
+    n = xs[0].shape[0] if xs else 0
+    if any(x.shape[0] != n for x in xs):
+        raise ValueError(f"matmul_t_each: every x needs {n} rows, got {[x.shape[0] for x in xs]}")
+    if ws:
+        status = lib.matmul_t_each(ffi.new("float *[]", [_floats(y, writable=True) for y in ys]),
+                                   ffi.new("QMatrix *[]", mats), len(mats), ffi.new("float *[]", [_floats(x) for x in xs]), n)
+        _check(status, "matmul_t")
+    return ys
+
+
 def matmul_t(w: QTensor, x: np.ndarray) -> np.ndarray:
     """``y = x @ dequant(w)`` (no transpose): x float32 ``[n, w.rows]`` -> y float32 ``[n, w.cols]``.
 
     Sums over the rows in order, each weight dequantised first, so `reference.matmul_t` gives the
     same bits."""
-    wm = _qmatrix(w, "w")
-    x = _activations(x, w.rows, "matmul_t: x")
-    n = x.shape[0]
-    y = np.empty((n, w.cols), np.float32)
-    _check(lib.matmul_t(_floats(y, writable=True), wm, _floats(x), n), "matmul_t")
-    return y
+    return matmul_t_each([w], [x])[0]
 
 
 def dequantize(w: QTensor) -> np.ndarray:

@@ -69,6 +69,11 @@ typedef void (*rows_fn)(const QMatrix *w, int r0, int r1, const Acts *a, const i
 // *scale = absmax / 127, *sum = Σ q; a block holding inf or NaN: q = 0, scale NaN, sum 0.
 typedef void (*quant_fn)(const float *x, int int4_order, int8_t *q, float *scale, int32_t *sum);
 
+// y = x @ dequant(w) (matmul_t) for n tokens, bit for bit matmul.c's portable product_t: y[t, j] =
+// Σ over r = 0, 1, … in order of x[t, r] * (w[r, j] dequantised to float32 first), no FMA. y: f32
+// [n, w->cols] (written); scratch: n * (w->cols rounded up to 64) floats.
+typedef void (*tprod_fn)(float *y, const QMatrix *w, const float *x, int n, float *scratch);
+
 typedef struct {
     const char *name;
     dot_fn f32;       // f32 weights
@@ -83,6 +88,7 @@ typedef struct {
     rows_fn fp8_f32_rows;  // optional (NULL): fp8 weights, several tokens per row pass
     rows_fn fp4_f32_rows;  // optional (NULL): fp4 weights, ACT_F32, several tokens per row pass
     quant_fn quantize64;   // optional (NULL: matmul.c's scalar loop): one whole block of 64
+    tprod_fn int4_t;       // optional (NULL: matmul.c's portable loop): matmul_t of int4 weights
 } Path;
 
 // 2 * e2m1(nibble): the fp4 values as the integers 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12 (matmul.c).
@@ -124,6 +130,7 @@ float dot_fp4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t);
 void rows_fp8_f32_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow);
 void rows_fp4_f32_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow);
 void quantize64_avx2(const float *x, int int4_order, int8_t *q, float *scale, int32_t *sum);
+void product_t_int4_avx2(float *y, const QMatrix *w, const float *x, int n, float *scratch);
 #endif
 
 const Path *path_current(void);
