@@ -429,7 +429,7 @@ static float dot_fp4_q8_portable(const QMatrix *w, int r, const Acts *a, int t) 
 
 const Path PATH_PORTABLE = {"portable", dot_f32_portable, dot_int8_f32_portable, dot_int8_q8_portable,
                             dot_int4_f32_portable, dot_int4_q8_portable, NULL, dot_fp8_f32_portable,
-                            dot_fp4_f32_portable, dot_fp4_q8_portable, NULL, NULL, NULL, NULL};
+                            dot_fp4_f32_portable, dot_fp4_q8_portable, NULL, NULL, NULL, NULL, NULL};
 
 // ----------------------------------------------------------------------------
 // Code paths: chosen once from COLIBRI_SIMD / the CPU, changeable with simd_select.
@@ -529,7 +529,8 @@ dot_fn path_dot(const Path *p, int kind, int act) {
 rows_fn path_rows(const Path *p, int kind, int act) {
     if (kind == QKIND_FP8) return p->fp8_f32_rows;
     if (kind == QKIND_FP4) return act == ACT_Q8 ? NULL : p->fp4_f32_rows;
-    return kind == QKIND_INT4 && act == ACT_Q8 ? p->int4_q8_rows : NULL;
+    if (kind == QKIND_INT4) return act == ACT_Q8 ? p->int4_q8_rows : p->int4_f32_rows;
+    return NULL;
 }
 
 // ----------------------------------------------------------------------------

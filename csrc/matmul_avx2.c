@@ -134,6 +134,60 @@ AVX2 static float dot_int4_f32_avx2(const QMatrix *w, int r, const Acts *a, int 
     return tree16_avx2(SA, SB);
 }
 
+// Several tokens (prefill, drafts verified together): dot_int4_f32_avx2 for INT4_ROWS_TOKENS tokens
+// at a time, each group's weights converted to floats once for all of them instead of once a token:
+// the same products and sums per token, so the same bits. Token blocks outermost: a block's
+// activations stay in L2 while the task's rows stream past. One thread, 64 tokens, 2048 and 16384
+// columns: 1.6-1.7x the multiply-adds a second of a dot per token (3 and 6 tokens a block: no faster).
+enum { INT4_ROWS_TOKENS = 4 };
+AVX2 static void rows_int4_f32_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
+                                    float *const *yrow) {
+    int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
+    size_t row_bytes = ((size_t)cols + 1) / 2;
+    const __m256i low4 = _mm256_set1_epi32(0x0f), eight = _mm256_set1_epi32(8);
+    uint8_t tmp[32];
+    for (int i0 = 0; i0 < n; i0 += INT4_ROWS_TOKENS) {
+        int nt = n - i0 < INT4_ROWS_TOKENS ? n - i0 : INT4_ROWS_TOKENS;
+        const float *xs[INT4_ROWS_TOKENS];
+        for (int i = 0; i < nt; i++) xs[i] = a->xf + (size_t)(tok != NULL ? tok[i0 + i] : i0 + i) * a->stride;
+        for (int r = r0; r < r1; r++) {
+            const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+            const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
+            __m256 S[INT4_ROWS_TOKENS][2];  // token i's lanes 0-7 and 8-15
+            for (int i = 0; i < nt; i++) S[i][0] = S[i][1] = _mm256_setzero_ps();
+            for (int g = 0; g < ngroups; g++) {
+                const uint8_t *bp = wr + (size_t)g * 32;
+                if ((size_t)g * 32 + 32 > row_bytes) {
+                    memset(tmp, 0x88, 32);
+                    memcpy(tmp, bp, row_bytes - (size_t)g * 32);
+                    bp = tmp;
+                }
+                __m256i b0 = widen8_u8(bp), b1 = widen8_u8(bp + 8), b2 = widen8_u8(bp + 16), b3 = widen8_u8(bp + 24);
+#define LO(b) _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, low4), eight))
+#define HI(b) _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight))
+                const __m256 q[8] = {LO(b0), LO(b1), LO(b2), LO(b3), HI(b0), HI(b1), HI(b2), HI(b3)};
+#undef LO
+#undef HI
+                __m256 sc = _mm256_set1_ps(half_to_float(sr[g]));
+                for (int i = 0; i < nt; i++) {  // dot_int4_f32_avx2's steps for token i
+                    const float *xe = xs[i] + (size_t)g * 64, *xo = xe + 32;
+                    __m256 A = _mm256_mul_ps(q[0], _mm256_loadu_ps(xe));
+                    __m256 B = _mm256_mul_ps(q[1], _mm256_loadu_ps(xe + 8));
+                    A = _mm256_add_ps(A, _mm256_mul_ps(q[2], _mm256_loadu_ps(xe + 16)));
+                    B = _mm256_add_ps(B, _mm256_mul_ps(q[3], _mm256_loadu_ps(xe + 24)));
+                    A = _mm256_add_ps(A, _mm256_mul_ps(q[4], _mm256_loadu_ps(xo)));
+                    B = _mm256_add_ps(B, _mm256_mul_ps(q[5], _mm256_loadu_ps(xo + 8)));
+                    A = _mm256_add_ps(A, _mm256_mul_ps(q[6], _mm256_loadu_ps(xo + 16)));
+                    B = _mm256_add_ps(B, _mm256_mul_ps(q[7], _mm256_loadu_ps(xo + 24)));
+                    S[i][0] = _mm256_add_ps(S[i][0], _mm256_mul_ps(A, sc));
+                    S[i][1] = _mm256_add_ps(S[i][1], _mm256_mul_ps(B, sc));
+                }
+            }
+            for (int i = 0; i < nt; i++) yrow[i0 + i][r] = tree16_avx2(S[i][0], S[i][1]);
+        }
+    }
+}
+
 // ----------------------------------------------------------------------------
 // ACT_Q8
 
@@ -921,6 +975,6 @@ AVX2 void product_t_int4_avx2(float *y, const QMatrix *w, const float *x, int n,
 const Path PATH_AVX2 = {"avx2", dot_f32_avx2, dot_int8_f32_avx2, dot_int8_q8_avx2, dot_int4_f32_avx2,
                         dot_int4_q8_avx2, rows_int4_q8_avx2, dot_fp8_f32_avx2, dot_fp4_f32_avx2,
                         dot_fp4_q8_avx2, rows_fp8_f32_avx2, rows_fp4_f32_avx2, quantize64_avx2,
-                        product_t_int4_avx2};
+                        product_t_int4_avx2, rows_int4_f32_avx2};
 
 #endif  // COLI_X86

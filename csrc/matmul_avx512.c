@@ -157,6 +157,6 @@ AVX512 static float dot_int8_q8_avx512(const QMatrix *w, int r, const Acts *a, i
 const Path PATH_AVX512 = {"avx512", dot_f32_avx512, dot_int8_f32_avx2, dot_int8_q8_avx512,
                           dot_int4_f32_avx512, dot_int4_q8_vnni, rows_int4_q8_vnni, dot_fp8_f32_avx2, dot_fp4_f32_avx512,
                           dot_fp4_q8_avx2, rows_fp8_f32_avx2, rows_fp4_f32_avx2, quantize64_avx2,
-                          product_t_int4_avx2};
+                          product_t_int4_avx2, NULL};
 
 #endif  // COLI_X86

@@ -89,6 +89,7 @@ typedef struct {
     rows_fn fp4_f32_rows;  // optional (NULL): fp4 weights, ACT_F32, several tokens per row pass
     quant_fn quantize64;   // optional (NULL: matmul.c's scalar loop): one whole block of 64
     tprod_fn int4_t;       // optional (NULL: matmul.c's portable loop): matmul_t of int4 weights
+    rows_fn int4_f32_rows; // optional (NULL): int4 weights, ACT_F32, several tokens per row pass
 } Path;
 
 // 2 * e2m1(nibble): the fp4 values as the integers 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12 (matmul.c).
