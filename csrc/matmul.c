@@ -613,7 +613,7 @@ static int products(float *const *y, const QMatrix *const *w, int count, const f
     int nacts = shared ? QKIND_COUNT : count;
     Acts *acts = calloc((size_t)nacts, sizeof *acts);  // shared: one layout per weight kind present
     int *have = calloc((size_t)nacts, sizeof *have);
-    int status = COLI_OK, ntasks = 0;
+    int status = COLI_OK;
     RowsJob *jobs = calloc((size_t)count, sizeof *jobs);
     int *first = calloc((size_t)count + 1, sizeof *first);
     int *per = calloc((size_t)count, sizeof *per);
@@ -637,7 +637,7 @@ static int products(float *const *y, const QMatrix *const *w, int count, const f
     }
     if (status == COLI_OK) {
         MultiJob m = {count, jobs, first, per};
-        ntasks = first[count];
+        int ntasks = first[count];
         if (ntasks <= 1) {
             for (int task = 0; task < ntasks; task++) multi_task(&m, task);
         } else {
@@ -762,7 +762,7 @@ static void each_t_task(void *ctx, int i) {
     EachT *e = ctx;
     const QMatrix *w = e->w[i];
     size_t floats = (size_t)(e->n > 1 ? e->n : 1) * (((size_t)w->cols + 63) / 64 * 64);
-    float *scratch = malloc(floats * sizeof(float) + 1);  // while this product runs: at most one per thread
+    float *scratch = malloc(floats * sizeof(float) + 1);  // (+1: never malloc(0)) one per running task
     if (scratch == NULL) {
         e->failed = 1;
         return;
@@ -776,6 +776,7 @@ int matmul_t_each(float *const *y, const QMatrix *const *w, int count, const flo
     for (int i = 0; i < count; i++) {
         if (qmatrix_check(w[i]) != COLI_OK) return COLI_EINVAL;
     }
+    if (n == 0) return COLI_OK;
     EachT e = {y, w, x, n, 0};
     if (count == 1) {
         each_t_task(&e, 0);

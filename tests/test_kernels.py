@@ -271,6 +271,7 @@ def test_matmul_each_is_each_matmul():
             for y, w, x in zip(kernels.matmul_each(ws, xs, act), ws, xs):
                 assert_same_bits(y, kernels.matmul(w, x, act))
     assert [y.shape for y in kernels.matmul_each(ws[:2], [np.zeros((0, 130), np.float32)] * 2)] == [(0, 32)] * 2
+    assert kernels.matmul_each([], []) == []
     with pytest.raises(ValueError, match="every x needs 1 rows"):
         kernels.matmul_each(ws[:2], [random_x(rng, 1, 130), random_x(rng, 2, 130)])
     with pytest.raises(ValueError, match="one input per weight"):

@@ -178,11 +178,11 @@ def matmul_multi(ws: list[QTensor], x: np.ndarray, act: str | None = None) -> li
 def matmul_each(ws: list[QTensor], xs: list[np.ndarray], act: str | None = None) -> list[np.ndarray]:
     """``[x @ dequant(w).T for w, x in zip(ws, xs)]`` in one C call, each x ``[n, w.cols]`` with one
     n (MLA's per-head value projections); each result is bit for bit what `matmul` gives."""
-    if len(ws) != len(xs) or not ws:
+    if len(ws) != len(xs):
         raise ValueError(f"matmul_each: one input per weight, got {len(ws)} weights and {len(xs)} inputs")
     mats = [_qmatrix(w, "w") for w in ws]
     xs = [_activations(x, w.cols, "matmul_each: x") for w, x in zip(ws, xs)]
-    n = xs[0].shape[0]
+    n = xs[0].shape[0] if xs else 0
     if any(x.shape[0] != n for x in xs):
         raise ValueError(f"matmul_each: every x needs {n} rows, got {[x.shape[0] for x in xs]}")
     ys = [np.empty((n, w.rows), np.float32) for w in ws]
