@@ -195,8 +195,10 @@ function showSpeed(tps, note) {
 
 function renderStats(s) {
   state.model = s.model;
+  const e = s.engine;  // the arithmetic (--activations, --kv-cache): what the tokens depend on besides the model
   $("model-name").textContent = s.model + (s.architecture ? " · " + s.architecture : "") +
-    (s.context_length ? " · context " + s.context_length : "");
+    (s.context_length ? " · context " + s.context_length : "") +
+    (e ? " · " + (e.activations === "f32" ? "exact" : e.activations + " activations") + " · KV cache " + e.kv_cache : "");
   const st = $("status");
   st.className = "pill " + (s.loaded ? "ok" : s.load_error ? "error" : "loading");
   st.textContent = s.loaded ? "ready" : s.load_error ? "failed: " + s.load_error : "loading";
