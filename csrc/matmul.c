@@ -308,15 +308,6 @@ static float dot_int8_q8_portable(const QMatrix *w, int r, const Acts *a, int t)
     return tree8(L) * ((const float *)w->scales)[r];
 }
 
-// The 32 bytes of int4 group g of a row, 0x88 (q = 0, 0) past the row's end.
-static const uint8_t *int4_group_bytes(const uint8_t *wr, int g, size_t row_bytes, uint8_t *tmp) {
-    size_t at = (size_t)g * 32;
-    if (at + 32 <= row_bytes) return wr + at;
-    memset(tmp, 0x88, 32);
-    memcpy(tmp, wr + at, row_bytes - at);
-    return tmp;
-}
-
 static float dot_int4_f32_portable(const QMatrix *w, int r, const Acts *a, int t) {
     int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)cols + 1) / 2;

@@ -95,41 +95,45 @@ AVX2 static inline __m256 cvt8_lo(__m128i v) { return _mm256_cvtepi32_ps(_mm256_
 // 8 weight bytes -> 8 int32 lanes (zero-extended, straight from memory: one shuffle, no extracts)
 AVX2 static inline __m256i widen8_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 
+// A group's 64 int4 weights as the floats q = nibble - 8, in the order the ACT_F32 dot reads them:
+// q[0..3] the 32 even columns, q[4..7] the 32 odd ones. Each 8 bytes widened once (straight from
+// memory) serve both nibbles: lo = b & 15, hi = b >> 4.
+AVX2 static inline void int4_group_floats(const uint8_t *bp, __m256 q[8]) {
+    const __m256i low4 = _mm256_set1_epi32(0x0f), eight = _mm256_set1_epi32(8);
+    for (int i = 0; i < 4; i++) {
+        __m256i b = widen8_u8(bp + 8 * i);
+        q[i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, low4), eight));
+        q[4 + i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
+    }
+}
+
+// matmul.c's ACT_F32 int4 steps for one group: lane l: A[l] = lo[l]*xe[l] + lo[l+16]*xe[l+16] +
+// hi[l]*xo[l] + hi[l+16]*xo[l+16] (SA: l < 8, SB: l >= 8), then S += A * scale.
+AVX2 static inline void int4_group_dot(const __m256 q[8], const float *xe, __m256 sc, __m256 *SA, __m256 *SB) {
+    const float *xo = xe + 32;
+    __m256 A = _mm256_mul_ps(q[0], _mm256_loadu_ps(xe));
+    __m256 B = _mm256_mul_ps(q[1], _mm256_loadu_ps(xe + 8));
+    A = _mm256_add_ps(A, _mm256_mul_ps(q[2], _mm256_loadu_ps(xe + 16)));
+    B = _mm256_add_ps(B, _mm256_mul_ps(q[3], _mm256_loadu_ps(xe + 24)));
+    A = _mm256_add_ps(A, _mm256_mul_ps(q[4], _mm256_loadu_ps(xo)));
+    B = _mm256_add_ps(B, _mm256_mul_ps(q[5], _mm256_loadu_ps(xo + 8)));
+    A = _mm256_add_ps(A, _mm256_mul_ps(q[6], _mm256_loadu_ps(xo + 16)));
+    B = _mm256_add_ps(B, _mm256_mul_ps(q[7], _mm256_loadu_ps(xo + 24)));
+    *SA = _mm256_add_ps(*SA, _mm256_mul_ps(A, sc));
+    *SB = _mm256_add_ps(*SB, _mm256_mul_ps(B, sc));
+}
+
 AVX2 static float dot_int4_f32_avx2(const QMatrix *w, int r, const Acts *a, int t) {
     int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
     const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
     const float *x = a->xf + (size_t)t * a->stride;  // per group: 32 even, then 32 odd columns
-    const __m256i low4 = _mm256_set1_epi32(0x0f), eight = _mm256_set1_epi32(8);
-    __m256 SA = _mm256_setzero_ps(), SB = _mm256_setzero_ps();
+    __m256 SA = _mm256_setzero_ps(), SB = _mm256_setzero_ps(), q[8];
     uint8_t tmp[32];
     for (int g = 0; g < ngroups; g++) {
-        const uint8_t *bp = wr + (size_t)g * 32;
-        if ((size_t)g * 32 + 32 > row_bytes) {
-            memset(tmp, 0x88, 32);
-            memcpy(tmp, bp, row_bytes - (size_t)g * 32);
-            bp = tmp;
-        }
-        // bytes 8i..8i+7 widened once serve both nibbles: lo = b & 15, hi = b >> 4 (each q + 8)
-        __m256i b0 = widen8_u8(bp), b1 = widen8_u8(bp + 8), b2 = widen8_u8(bp + 16), b3 = widen8_u8(bp + 24);
-#define LO(b) _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, low4), eight))
-#define HI(b) _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight))
-        const float *xe = x + (size_t)g * 64, *xo = xe + 32;
-        // lane l: lo[l], lo[l+16], hi[l], hi[l+16] (A: l < 8, B: l >= 8)
-        __m256 A = _mm256_mul_ps(LO(b0), _mm256_loadu_ps(xe));
-        __m256 B = _mm256_mul_ps(LO(b1), _mm256_loadu_ps(xe + 8));
-        A = _mm256_add_ps(A, _mm256_mul_ps(LO(b2), _mm256_loadu_ps(xe + 16)));
-        B = _mm256_add_ps(B, _mm256_mul_ps(LO(b3), _mm256_loadu_ps(xe + 24)));
-        A = _mm256_add_ps(A, _mm256_mul_ps(HI(b0), _mm256_loadu_ps(xo)));
-        B = _mm256_add_ps(B, _mm256_mul_ps(HI(b1), _mm256_loadu_ps(xo + 8)));
-        A = _mm256_add_ps(A, _mm256_mul_ps(HI(b2), _mm256_loadu_ps(xo + 16)));
-        B = _mm256_add_ps(B, _mm256_mul_ps(HI(b3), _mm256_loadu_ps(xo + 24)));
-#undef LO
-#undef HI
-        __m256 sc = _mm256_set1_ps(half_to_float(sr[g]));
-        SA = _mm256_add_ps(SA, _mm256_mul_ps(A, sc));
-        SB = _mm256_add_ps(SB, _mm256_mul_ps(B, sc));
+        int4_group_floats(int4_group_bytes(wr, g, row_bytes, tmp), q);
+        int4_group_dot(q, x + (size_t)g * 64, _mm256_set1_ps(half_to_float(sr[g])), &SA, &SB);
     }
     return tree16_avx2(SA, SB);
 }
@@ -144,7 +148,6 @@ AVX2 static void rows_int4_f32_avx2(const QMatrix *w, int r0, int r1, const Acts
                                     float *const *yrow) {
     int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)cols + 1) / 2;
-    const __m256i low4 = _mm256_set1_epi32(0x0f), eight = _mm256_set1_epi32(8);
     uint8_t tmp[32];
     for (int i0 = 0; i0 < n; i0 += INT4_ROWS_TOKENS) {
         int nt = n - i0 < INT4_ROWS_TOKENS ? n - i0 : INT4_ROWS_TOKENS;
@@ -153,35 +156,12 @@ AVX2 static void rows_int4_f32_avx2(const QMatrix *w, int r0, int r1, const Acts
         for (int r = r0; r < r1; r++) {
             const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
             const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
-            __m256 S[INT4_ROWS_TOKENS][2];  // token i's lanes 0-7 and 8-15
+            __m256 S[INT4_ROWS_TOKENS][2], q[8];  // S: token i's lanes 0-7 and 8-15
             for (int i = 0; i < nt; i++) S[i][0] = S[i][1] = _mm256_setzero_ps();
             for (int g = 0; g < ngroups; g++) {
-                const uint8_t *bp = wr + (size_t)g * 32;
-                if ((size_t)g * 32 + 32 > row_bytes) {
-                    memset(tmp, 0x88, 32);
-                    memcpy(tmp, bp, row_bytes - (size_t)g * 32);
-                    bp = tmp;
-                }
-                __m256i b0 = widen8_u8(bp), b1 = widen8_u8(bp + 8), b2 = widen8_u8(bp + 16), b3 = widen8_u8(bp + 24);
-#define LO(b) _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, low4), eight))
-#define HI(b) _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight))
-                const __m256 q[8] = {LO(b0), LO(b1), LO(b2), LO(b3), HI(b0), HI(b1), HI(b2), HI(b3)};
-#undef LO
-#undef HI
+                int4_group_floats(int4_group_bytes(wr, g, row_bytes, tmp), q);
                 __m256 sc = _mm256_set1_ps(half_to_float(sr[g]));
-                for (int i = 0; i < nt; i++) {  // dot_int4_f32_avx2's steps for token i
-                    const float *xe = xs[i] + (size_t)g * 64, *xo = xe + 32;
-                    __m256 A = _mm256_mul_ps(q[0], _mm256_loadu_ps(xe));
-                    __m256 B = _mm256_mul_ps(q[1], _mm256_loadu_ps(xe + 8));
-                    A = _mm256_add_ps(A, _mm256_mul_ps(q[2], _mm256_loadu_ps(xe + 16)));
-                    B = _mm256_add_ps(B, _mm256_mul_ps(q[3], _mm256_loadu_ps(xe + 24)));
-                    A = _mm256_add_ps(A, _mm256_mul_ps(q[4], _mm256_loadu_ps(xo)));
-                    B = _mm256_add_ps(B, _mm256_mul_ps(q[5], _mm256_loadu_ps(xo + 8)));
-                    A = _mm256_add_ps(A, _mm256_mul_ps(q[6], _mm256_loadu_ps(xo + 16)));
-                    B = _mm256_add_ps(B, _mm256_mul_ps(q[7], _mm256_loadu_ps(xo + 24)));
-                    S[i][0] = _mm256_add_ps(S[i][0], _mm256_mul_ps(A, sc));
-                    S[i][1] = _mm256_add_ps(S[i][1], _mm256_mul_ps(B, sc));
-                }
+                for (int i = 0; i < nt; i++) int4_group_dot(q, xs[i] + (size_t)g * 64, sc, &S[i][0], &S[i][1]);
             }
             for (int i = 0; i < nt; i++) yrow[i0 + i][r] = tree16_avx2(S[i][0], S[i][1]);
         }
@@ -255,19 +235,12 @@ AVX2 static inline void chunk_unpack(uint8_t *lohi, const uint8_t *wr, size_t ro
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     uint8_t tmp[32];
     for (int i = 0; i < 8; i++) {
-        size_t at = (size_t)(g0 + i) * 32;
-        const uint8_t *bp = wr + at;
         if (g0 + i >= ngroups) {  // past the row: its activations are zeros, any weight adds 0
             _mm256_store_si256((__m256i *)(lohi + 64 * i), _mm256_setzero_si256());
             _mm256_store_si256((__m256i *)(lohi + 64 * i + 32), _mm256_setzero_si256());
             continue;
         }
-        if (at + 32 > row_bytes) {  // the row's last, short group
-            memset(tmp, 0x88, 32);
-            memcpy(tmp, bp, row_bytes - at);
-            bp = tmp;
-        }
-        __m256i b = _mm256_loadu_si256((const __m256i *)bp);
+        __m256i b = _mm256_loadu_si256((const __m256i *)int4_group_bytes(wr, g0 + i, row_bytes, tmp));
         _mm256_store_si256((__m256i *)(lohi + 64 * i), _mm256_and_si256(b, low4));
         _mm256_store_si256((__m256i *)(lohi + 64 * i + 32), _mm256_and_si256(_mm256_srli_epi16(b, 4), low4));
     }
@@ -937,25 +910,15 @@ AVX2 void quantize64_avx2(const float *x, int int4_order, int8_t *q, float *scal
 AVX2 void product_t_int4_avx2(float *y, const QMatrix *w, const float *x, int n, float *scratch) {
     int rows = w->rows, cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)cols + 1) / 2, width = (size_t)ngroups * 64;
-    const __m256i low4 = _mm256_set1_epi32(0x0f), eight = _mm256_set1_epi32(8);
     memset(scratch, 0, (size_t)n * width * sizeof(float));
     uint8_t tmp[32];
     for (int r = 0; r < rows; r++) {
         const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
         const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
         for (int g = 0; g < ngroups; g++) {
-            const uint8_t *bp = wr + (size_t)g * 32;
-            if ((size_t)g * 32 + 32 > row_bytes) {  // the row's last, short group: q = 0 past it (dropped below)
-                memset(tmp, 0x88, 32);
-                memcpy(tmp, bp, row_bytes - (size_t)g * 32);
-                bp = tmp;
-            }
             __m256 sc = _mm256_set1_ps(half_to_float(sr[g])), v[8];  // v: columns 0, 2, …, 62, then 1, 3, …, 63
-            for (int i = 0; i < 4; i++) {
-                __m256i b = widen8_u8(bp + 8 * i);
-                v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, low4), eight)), sc);
-                v[4 + i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight)), sc);
-            }
+            int4_group_floats(int4_group_bytes(wr, g, row_bytes, tmp), v);  // q = 0 past the row (dropped below)
+            for (int i = 0; i < 8; i++) v[i] = _mm256_mul_ps(v[i], sc);
             for (int t = 0; t < n; t++) {
                 __m256 xr = _mm256_set1_ps(x[(size_t)t * (size_t)rows + (size_t)r]);
                 float *acc = scratch + (size_t)t * width + (size_t)g * 64;

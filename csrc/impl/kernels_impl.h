@@ -110,6 +110,15 @@ static inline float e8m0_pow2(uint8_t s, int shift) {
 static inline float fp8_scale(uint8_t s) { return e8m0_pow2(s, 0); }
 static inline float fp4_half_scale(uint8_t s) { return e8m0_pow2(s, 1); }
 
+// The 32 bytes of int4 group g of a row, 0x88 (q = 0, 0) past the row's end (copied into tmp).
+static inline const uint8_t *int4_group_bytes(const uint8_t *wr, int g, size_t row_bytes, uint8_t *tmp) {
+    size_t at = (size_t)g * 32;
+    if (at + 32 <= row_bytes) return wr + at;
+    memset(tmp, 0x88, 32);
+    memcpy(tmp, wr + at, row_bytes - at);
+    return tmp;
+}
+
 extern const Path PATH_PORTABLE;
 #if COLI_X86
 extern const Path PATH_AVX2;    // matmul_avx2.c
