@@ -79,6 +79,7 @@ AVX512 static float dot_int4_f32_avx512(const QMatrix *w, int r, const Acts *a, 
         size_t left = row_bytes - (size_t)g * 32;
         __m128i b0, b1;  // bytes 0-15, 16-31 of the group
         if (left >= 32) {
+            if (g & 1) _mm_prefetch((const char *)wr + (size_t)g * 32 + 4096, _MM_HINT_T0);  // as dot_int4_f32_avx2
             b0 = _mm_loadu_si128((const __m128i *)(wr + (size_t)g * 32));
             b1 = _mm_loadu_si128((const __m128i *)(wr + (size_t)g * 32 + 16));
         } else {
@@ -112,6 +113,7 @@ AVX512 static float dot_fp4_f32_avx512(const QMatrix *w, int r, const Acts *a, i
     __m512 S = _mm512_setzero_ps();
     for (int g = 0; g < ngroups; g++) {
         size_t left = row_bytes - (size_t)g * 16;  // past the row: byte 0, +0 against x = 0
+        if (g % 4 == 0) _mm_prefetch((const char *)wr + (size_t)g * 16 + 2048, _MM_HINT_T0);  // as dot_fp4_f32_avx2
         __m128i b = left >= 16 ? _mm_loadu_si128((const __m128i *)(wr + (size_t)g * 16))
                                : _mm_maskz_loadu_epi8((__mmask16)bytes_mask(left), wr + (size_t)g * 16);
         __m512i d = _mm512_cvtepu8_epi32(b);
