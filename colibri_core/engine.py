@@ -66,6 +66,8 @@ class Engine:
         policy_info = registry.cache_policy(policy)  # an unknown policy before anything is read
         if pin_gb is not None and pin_gb < 0:
             raise ColibriError(f"--pin-gb must be 0 or more, got {pin_gb}")
+        if not isinstance(usage, (bool, str, os.PathLike)):  # None would have become a file named "None"
+            raise ColibriError(f"usage must be True, False or a file path, got {usage!r}")
         model_cls = registry.model_class(self.arch)
         if is_checkpoint(model_dir) and not (Path(model_dir) / MANIFEST).exists():
             # a Hugging Face / official checkpoint run as it is (container/native.py)

@@ -279,6 +279,14 @@ def test_usage_file_is_written_atomically_with_a_fingerprint(model, tmp_path):
         assert e.stats()["history_tokens"] == d["tokens"]
 
 
+@pytest.mark.parametrize("usage", [None, 0, 1.0])
+def test_usage_other_than_a_switch_or_a_path_is_one_clear_error(model, tmp_path, monkeypatch, usage):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ColibriError, match="usage must be True, False or a file path"):
+        load(model, cache_slots=2, usage=usage)
+    assert list(tmp_path.iterdir()) == []  # nothing written (usage=None once wrote ./None)
+
+
 @pytest.mark.parametrize("damage", ["garbage", "flipped-count", "foreign", "version"])
 def test_bad_usage_file_is_ignored_with_one_warning(model, baseline, tmp_path, damage):
     m = copy_model(model, tmp_path / "m")
