@@ -89,9 +89,6 @@ AVX2 float dot_int8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t) {
     return tree16_avx2(A, B) * ((const float *)w->scales)[r];
 }
 
-// 8 signed bytes (the low 8 of v) -> 8 floats
-AVX2 static inline __m256 cvt8_lo(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
-
 // 8 weight bytes -> 8 int32 lanes (zero-extended, straight from memory: one shuffle, no extracts)
 AVX2 static inline __m256i widen8_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 
@@ -633,14 +630,32 @@ AVX2 float dot_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t) {
     return tree16_avx2(SA, SB);
 }
 
+// A group's 32 fp4 weights (16 bytes: even column low nibble) as the floats 2·e2m1 (FP4_TWICE):
+// f[0], f[1] the even columns 0-7, 8-15; f[2], f[3] the odd ones. Those values in float16 all have
+// a zero low byte, so one pshufb of a table of their high bytes, a byte interleave with zeros and
+// F16C's exact conversion make them (+0 for nibble 8, as FP4_TWICE's 0): no lane-crossing sign
+// extension (`vpmovsxbd` from a register held both of Zen 3's shuffle pipes), 1.11-1.15x the dot
+// in cache and from memory, one thread.
+AVX2 static inline void fp4_group_floats(const uint8_t *bp, __m256 f[4]) {
+    const __m128i low4 = _mm_set1_epi8(0x0f), zero = _mm_setzero_si128(),
+                  half_hi = _mm_setr_epi8(0x00, 0x3c, 0x40, 0x42, 0x44, 0x46, 0x48, 0x4a, 0x00, (char)0xbc, (char)0xc0,
+                                          (char)0xc2, (char)0xc4, (char)0xc6, (char)0xc8, (char)0xca);
+    __m128i b = _mm_loadu_si128((const __m128i *)bp);
+    __m128i lo = _mm_shuffle_epi8(half_hi, _mm_and_si128(b, low4));                      // even columns
+    __m128i hi = _mm_shuffle_epi8(half_hi, _mm_and_si128(_mm_srli_epi16(b, 4), low4));  // odd columns
+    f[0] = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, lo));
+    f[1] = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, lo));
+    f[2] = _mm256_cvtph_ps(_mm_unpacklo_epi8(zero, hi));
+    f[3] = _mm256_cvtph_ps(_mm_unpackhi_epi8(zero, hi));
+}
+
 AVX2 float dot_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, int t) {
     int cols = w->cols, ngroups = (cols + FP4_GROUP - 1) / FP4_GROUP;
     size_t row_bytes = ((size_t)cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
     const uint8_t *sr = (const uint8_t *)w->scales + (size_t)r * (size_t)ngroups;
     const float *x = a->xf + (size_t)t * a->stride;  // per group: 16 even, then 16 odd columns
-    const __m128i low4 = _mm_set1_epi8(0x0f), twice = _mm_loadu_si128((const __m128i *)FP4_TWICE);
-    __m256 SA = _mm256_setzero_ps(), SB = _mm256_setzero_ps();
+    __m256 SA = _mm256_setzero_ps(), SB = _mm256_setzero_ps(), f[4];
     uint8_t tmp[16];
     for (int g = 0; g < ngroups; g++) {
         const uint8_t *bp = wr + (size_t)g * 16;
@@ -651,14 +666,12 @@ AVX2 float dot_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, int t) {
         } else if (g % 4 == 0) {
             _mm_prefetch((const char *)bp + 2048, _MM_HINT_T0);
         }
-        __m128i b = _mm_loadu_si128((const __m128i *)bp);
-        __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(b, low4));                      // even columns
-        __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(b, 4), low4));  // odd columns
+        fp4_group_floats(bp, f);
         const float *xe = x + (size_t)g * 32, *xo = xe + 16;
-        __m256 A = _mm256_mul_ps(cvt8_lo(lo), _mm256_loadu_ps(xe));
-        __m256 B = _mm256_mul_ps(cvt8_lo(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(xe + 8));
-        A = _mm256_add_ps(A, _mm256_mul_ps(cvt8_lo(hi), _mm256_loadu_ps(xo)));
-        B = _mm256_add_ps(B, _mm256_mul_ps(cvt8_lo(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(xo + 8)));
+        __m256 A = _mm256_mul_ps(f[0], _mm256_loadu_ps(xe));
+        __m256 B = _mm256_mul_ps(f[1], _mm256_loadu_ps(xe + 8));
+        A = _mm256_add_ps(A, _mm256_mul_ps(f[2], _mm256_loadu_ps(xo)));
+        B = _mm256_add_ps(B, _mm256_mul_ps(f[3], _mm256_loadu_ps(xo + 8)));
         __m256 hs = _mm256_set1_ps(fp4_half_scale(sr[g]));
         SA = _mm256_add_ps(SA, _mm256_mul_ps(A, hs));
         SB = _mm256_add_ps(SB, _mm256_mul_ps(B, hs));
@@ -791,7 +804,6 @@ AVX2 static void row_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, const 
     size_t row_bytes = ((size_t)cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
     const uint8_t *sr = (const uint8_t *)w->scales + (size_t)r * (size_t)ngroups;
-    const __m128i low4 = _mm_set1_epi8(0x0f), twice = _mm_loadu_si128((const __m128i *)FP4_TWICE);
     enum { CHUNK = 8 };  // groups widened at once: 8 x 32 floats
     _Alignas(32) float wf[CHUNK * 32];  // per group: even columns 0-15, odd columns 0-15
     float hs[CHUNK];
@@ -810,13 +822,9 @@ AVX2 static void row_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, const 
                     memcpy(tmp, bp, row_bytes - (size_t)g * 16);
                     bp = tmp;
                 }
-                __m128i b = _mm_loadu_si128((const __m128i *)bp);
-                __m128i lo = _mm_shuffle_epi8(twice, _mm_and_si128(b, low4));
-                __m128i hi = _mm_shuffle_epi8(twice, _mm_and_si128(_mm_srli_epi16(b, 4), low4));
-                _mm256_store_ps(wf + 32 * i, cvt8_lo(lo));
-                _mm256_store_ps(wf + 32 * i + 8, cvt8_lo(_mm_srli_si128(lo, 8)));
-                _mm256_store_ps(wf + 32 * i + 16, cvt8_lo(hi));
-                _mm256_store_ps(wf + 32 * i + 24, cvt8_lo(_mm_srli_si128(hi, 8)));
+                __m256 f[4];
+                fp4_group_floats(bp, f);
+                for (int j = 0; j < 4; j++) _mm256_store_ps(wf + 32 * i + 8 * j, f[j]);
                 hs[i] = fp4_half_scale(sr[g]);
             }
             for (int k = 0; k < nt; k++) {
