@@ -175,16 +175,22 @@ def matmul_multi(ws: list[QTensor], x: np.ndarray, act: str | None = None) -> li
     return ys
 
 
+def _inputs_each(name: str, ws: list[QTensor], xs: list[np.ndarray], width, x_what: str):
+    """`ws`' C matrices, their inputs as float32 ``[n, width(w)]`` arrays (one n for all) and n."""
+    if len(ws) != len(xs):
+        raise ValueError(f"{name}: one input per weight, got {len(ws)} weights and {len(xs)} inputs")
+    mats = [_qmatrix(w, "w") for w in ws]
+    xs = [_activations(x, width(w), x_what) for w, x in zip(ws, xs)]
+    n = xs[0].shape[0] if xs else 0
+    if any(x.shape[0] != n for x in xs):
+        raise ValueError(f"{name}: every x needs {n} rows, got {[x.shape[0] for x in xs]}")
+    return mats, xs, n
+
+
 def matmul_each(ws: list[QTensor], xs: list[np.ndarray], act: str | None = None) -> list[np.ndarray]:
     """``[x @ dequant(w).T for w, x in zip(ws, xs)]`` in one C call, each x ``[n, w.cols]`` with one
     n (MLA's per-head value projections); each result is bit for bit what `matmul` gives."""
-    if len(ws) != len(xs):
-        raise ValueError(f"matmul_each: one input per weight, got {len(ws)} weights and {len(xs)} inputs")
-    mats = [_qmatrix(w, "w") for w in ws]
-    xs = [_activations(x, w.cols, "matmul_each: x") for w, x in zip(ws, xs)]
-    n = xs[0].shape[0] if xs else 0
-    if any(x.shape[0] != n for x in xs):
-        raise ValueError(f"matmul_each: every x needs {n} rows, got {[x.shape[0] for x in xs]}")
+    mats, xs, n = _inputs_each("matmul_each", ws, xs, lambda w: w.cols, "matmul_each: x")
     ys = [np.empty((n, w.rows), np.float32) for w in ws]
     if n:
         status = lib.matmul_each(ffi.new("float *[]", [_floats(y, writable=True) for y in ys]), ffi.new("QMatrix *[]", mats),
@@ -196,14 +202,8 @@ def matmul_each(ws: list[QTensor], xs: list[np.ndarray], act: str | None = None)
 def matmul_t_each(ws: list[QTensor], xs: list[np.ndarray]) -> list[np.ndarray]:
     """``[matmul_t(w, x) for w, x in zip(ws, xs)]`` in one C call, one thread per product (MLA's
     per-head key absorption); the same bits."""
-    if len(ws) != len(xs):
-        raise ValueError(f"matmul_t_each: one input per weight, got {len(ws)} weights and {len(xs)} inputs")
-    mats = [_qmatrix(w, "w") for w in ws]
-    xs = [_activations(x, w.rows, "matmul_t: x") for w, x in zip(ws, xs)]
-    ys = [np.empty((x.shape[0], w.cols), np.float32) for w, x in zip(ws, xs)]
-    n = xs[0].shape[0] if xs else 0
-    if any(x.shape[0] != n for x in xs):
-        raise ValueError(f"matmul_t_each: every x needs {n} rows, got {[x.shape[0] for x in xs]}")
+    mats, xs, n = _inputs_each("matmul_t_each", ws, xs, lambda w: w.rows, "matmul_t: x")
+    ys = [np.empty((n, w.cols), np.float32) for w in ws]
     if ws:
         status = lib.matmul_t_each(ffi.new("float *[]", [_floats(y, writable=True) for y in ys]),
                                    ffi.new("QMatrix *[]", mats), len(mats), ffi.new("float *[]", [_floats(x) for x in xs]), n)
