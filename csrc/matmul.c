@@ -725,7 +725,7 @@ int qmatrix_dequantize(float *out, const QMatrix *w) {
 static void product_t(float *y, const QMatrix *w, const float *x, int n, float *scratch) {
     size_t rows = (size_t)w->rows, cols = (size_t)w->cols;
     const Path *p = path_current();
-    if (w->kind == QKIND_INT4 && p->int4_t != NULL && n > 0) {
+    if (w->kind == QKIND_INT4 && p->int4_t != NULL) {
         p->int4_t(y, w, x, n, scratch);
         return;
     }
@@ -752,7 +752,7 @@ typedef struct {
 static void each_t_task(void *ctx, int i) {
     EachT *e = ctx;
     const QMatrix *w = e->w[i];
-    size_t floats = (size_t)(e->n > 1 ? e->n : 1) * (((size_t)w->cols + 63) / 64 * 64);
+    size_t floats = (size_t)e->n * (((size_t)w->cols + 63) / 64 * 64);  // n >= 1: matmul_t_each returns at 0
     float *scratch = malloc(floats * sizeof(float) + 1);  // (+1: never malloc(0)) one per running task
     if (scratch == NULL) {
         e->failed = 1;
