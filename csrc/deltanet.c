@@ -340,3 +340,55 @@ int kda_recurrent(float *out, float *state, const float *q, const float *k, cons
                   const float *beta, int n, int heads, int d) {
     return recurrent(out, state, q, k, v, g, beta, n, heads, heads, d, d, 1);
 }
+
+// ----------------------------------------------------------------------------
+// The whole token mixer (deltanet.h says what each step is)
+
+int deltanet_block(float *out, const float *x, int T, const DeltaNetBlock *b, float *conv_state, float *state,
+                   int act) {
+    if (T < 0 || b == NULL || b->hk < 1 || b->hv < 1 || b->hv % b->hk || b->exact_batch < 0 || b->chunk < 1) {
+        return COLI_EINVAL;
+    }
+    const int hk = b->hk, hv = b->hv, dk = b->dk, dv = b->dv;
+    const int nk = hk * dk, nv = hv * dv, channels = 2 * nk + nv, hidden = b->in_qkv->cols;
+    const QMatrix *ws[4] = {b->in_qkv, b->in_z, b->in_b, b->in_a};
+    const int rows[4] = {channels, nv, hv, hv};
+    for (int i = 0; i < 4; i++) {
+        if (ws[i]->rows != rows[i] || ws[i]->cols != hidden) return COLI_EINVAL;
+    }
+    if (b->out_proj->rows != hidden || b->out_proj->cols != nv) return COLI_EINVAL;
+    if (T == 0) return COLI_OK;
+    const size_t t = (size_t)T;
+    // scratch: mixed, qkv [T, channels]; z, o [T, nv]; b, a, beta, g [T, hv]; q, k [T, nk]; v [T, nv]
+    float *mixed = malloc(t * (2 * (size_t)channels + 3 * (size_t)nv + 4 * (size_t)hv + 2 * (size_t)nk) * sizeof(float));
+    if (mixed == NULL) return COLI_ENOMEM;
+    float *qkv = mixed + t * channels, *z = qkv + t * channels, *o = z + t * nv, *bb = o + t * nv, *aa = bb + t * hv;
+    float *beta = aa + t * hv, *g = beta + t * hv, *q = g + t * hv, *k = q + t * nk, *v = k + t * nk;
+    float *ys[4] = {mixed, z, bb, aa};
+    int status = matmul_multi(ys, ws, 4, x, T, act);
+    if (status == COLI_OK) status = causal_conv1d(qkv, conv_state, mixed, b->conv, T, channels, b->conv_kernel, 1);
+    if (status == COLI_OK) {
+        for (size_t i = 0; i < t; i++) {  // the rule's q, k, v: slices of each token's [q | k | v]
+            const float *row = qkv + i * channels;
+            memcpy(q + i * nk, row, (size_t)nk * sizeof(float));
+            memcpy(k + i * nk, row + nk, (size_t)nk * sizeof(float));
+            memcpy(v + i * nv, row + 2 * nk, (size_t)nv * sizeof(float));
+            for (int h = 0; h < hv; h++) {
+                size_t j = i * hv + h;
+                float y = aa[j] + b->dt_bias[h];
+                beta[j] = 1.0f / (1.0f + coli_expf(-bb[j]));
+                g[j] = b->neg_a[h] * (y > 20.0f ? y : log1pf(coli_expf(y)));
+            }
+        }
+        status = T <= b->exact_batch
+                     ? gated_delta_rule_recurrent(o, state, q, k, v, g, beta, T, hk, hv, dk, dv)
+                     : gated_delta_rule_chunked(o, state, q, k, v, g, beta, T, hk, hv, dk, dv, b->chunk);
+    }
+    if (status == COLI_OK) status = rms_norm(o, o, b->norm, T * hv, dv, b->eps);
+    if (status == COLI_OK) {
+        for (size_t i = 0; i < t * nv; i++) o[i] *= z[i] / (1.0f + coli_expf(-z[i]));
+        status = matmul(out, b->out_proj, o, T, act);
+    }
+    free(mixed);
+    return status;
+}

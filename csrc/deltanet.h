@@ -66,4 +66,29 @@ int gated_delta_rule_chunked(float *out, float *state, const float *q, const flo
 int kda_recurrent(float *out, float *state, const float *q, const float *k, const float *v, const float *g,
                   const float *beta, int n, int heads, int d);
 
+// A whole Gated DeltaNet token mixer (Qwen3-Next, Qwen3.5/3.6) in one call, for T new tokens:
+//   mixed, z, b, a = x in_qkvᵀ, x in_zᵀ, x in_bᵀ, x in_aᵀ       (one matmul_multi, arithmetic `act`)
+//   [q | k | v] = causal_conv1d(mixed, conv, conv_state, SiLU)
+//   β = 1 / (1 + exp(−b));  g = neg_a · softplus(a + dt_bias)     (softplus(y) = y above 20, else
+//                                                                   log1p(exp(y)); exp: coli_expf)
+//   o = the gated delta rule (recurrent for T <= exact_batch, else chunked by `chunk`)
+//   o = rms_norm(o per value head, norm) · silu(z),  silu(z) = z / (1 + exp(−z))
+//   out = o out_projᵀ                                            (matmul, arithmetic `act`)
+// out: f32 [T, hidden] (written); x: f32 [T, hidden]; conv_state: f32 [conv_kernel - 1, channels]
+// and state: f32 [hv, dk, dv] (read, updated), channels = 2 hk dk + hv dv. Each step is one
+// token's own (the matmuls' and the recurrent rule's bits do not depend on T up to exact_batch).
+// Returns COLI_OK, COLI_EINVAL (shapes) or COLI_ENOMEM.
+typedef struct {
+    const QMatrix *in_qkv, *in_z, *in_b, *in_a;  // [channels, hidden], [hv dv, hidden], [hv, hidden] (b, a)
+    const float *conv;                            // [channels, conv_kernel]
+    const float *neg_a, *dt_bias;                 // [hv]: −exp(A_log); the decay's bias
+    const float *norm;                            // [dv]: the gated RMSNorm's weight
+    const QMatrix *out_proj;                      // [hidden, hv dv]
+    int hk, hv, dk, dv, conv_kernel;
+    int exact_batch, chunk;                       // the rule's form: recurrent up to exact_batch tokens
+    float eps;
+} DeltaNetBlock;
+int deltanet_block(float *out, const float *x, int T, const DeltaNetBlock *b, float *conv_state, float *state,
+                   int act);
+
 #endif  // COLIBRI_DELTANET_H

@@ -7,7 +7,6 @@ from colibri_core import kernels
 from colibri_core.kernels import deltanet as dn
 from colibri_core.kernels import kda
 from colibri_core.kernels import reference_deltanet as ref
-from colibri_core.layers.deltanet import softplus
 from colibri_core.layers.gated_attention import apply_partial_rotate_half
 from colibri_core.layers.norm import rms_norm_gated, rms_norm_zero_centred
 from colibri_core.layers.rope import Rope
@@ -16,7 +15,7 @@ from colibri_core.layers.rope import Rope
 def delta_inputs(rng, n, hk, hv, dk, dv):
     """Inputs shaped like a real layer's: raw q/k (normalised inside), decays ≤ 0, β in (0, 1)."""
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    g = (-np.exp(f(hv) * 0.5) * softplus(f(n, hv))).astype(np.float32)
+    g = (-np.exp(f(hv) * 0.5) * np.log1p(np.exp(f(n, hv)))).astype(np.float32)  # −exp(A_log) · softplus
     beta = (1 / (1 + np.exp(-f(n, hv)))).astype(np.float32)
     return f(n, hk, dk), f(n, hk, dk), f(n, hv, dv), g, beta
 
@@ -158,6 +157,93 @@ def test_norms_match_the_oracle():
         gated.weight.copy_(torch.from_numpy(w))
         close(rms_norm_zero_centred(x, w, 1e-6), zc(torch.from_numpy(x)).numpy(), 1e-6)
         close(rms_norm_gated(x, z, w, 1e-6), gated(torch.from_numpy(x), torch.from_numpy(z)).numpy(), 1e-6)
+
+
+def block_inputs(rng, hidden=48, hk=2, hv=4, dk=8, dv=6, K=4):
+    """A DeltaNetBlock of random int4 projections (f32 for b and a, as the containers keep them) and
+    its float64 reference's arguments (the same weights dequantised)."""
+    from colibri_core.quant import dequantize, quantize  # noqa: PLC0415
+    channels = 2 * hk * dk + hv * dv
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    qkv, z, out = (quantize(f(r, c) * 0.3, "int4") for r, c in ((channels, hidden), (hv * dv, hidden), (hidden, hv * dv)))
+    b, a = f(hv, hidden) * 0.2, f(hv, hidden) * 0.2
+    conv, neg_a, dt_bias, norm = f(channels, K) * 0.5, -np.exp(f(hv) * 0.5), f(hv), 1 + f(dv) * 0.1
+    block = dn.DeltaNetBlock(qkv, z, b, a, conv, neg_a, dt_bias, norm, out, key_heads=hk, value_heads=hv,
+                             key_dim=dk, value_dim=dv, eps=1e-6)
+    dense = [dequantize(qkv), dequantize(z), b, a, conv, None, neg_a, dt_bias, norm, dequantize(out)]
+    states = (f(K - 1, channels) * 0.3, f(hv, dk, dv) * 0.3)
+    return block, dense, states, dict(key_heads=hk, key_dim=dk, eps=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 40])  # recurrent up to EXACT_BATCH (16), chunked above
+def test_deltanet_block_matches_float64_reference(n):
+    """The whole token mixer in one C call against its float64 definition, twice in a row (the
+    conv and recurrent states carried), exact arithmetic."""
+    rng = np.random.default_rng(n)
+    block, dense, (conv_state, state), kw = block_inputs(rng)
+    want_conv, want_state = conv_state.astype(np.float64), state.astype(np.float64)
+    for _ in range(2):
+        x = rng.standard_normal((n, block.hidden)).astype(np.float32)
+        dense[5] = want_conv
+        want, want_conv, want_state = ref.deltanet_block(x, *dense, state=want_state, **kw)
+        with kernels.activations("f32"):
+            got = block(x, conv_state, state)
+        close(got, want, 1e-4)
+        close(conv_state, want_conv)
+        close(state, want_state, 1e-4)
+
+
+def test_deltanet_block_tokens_together_give_the_bits_of_one_at_a_time():
+    """Up to EXACT_BATCH tokens (a verified speculative draft) give the bits of decoding them one by
+    one, in both arithmetics."""
+    for act in ("f32", "int8"):
+        rng = np.random.default_rng(7)
+        block, _, (conv_state, state), _ = block_inputs(rng)
+        x = rng.standard_normal((dn.EXACT_BATCH, block.hidden)).astype(np.float32)
+        c1, s1, c2, s2 = conv_state.copy(), state.copy(), conv_state.copy(), state.copy()
+        together = block(x, c1, s1, act)
+        one_by_one = np.concatenate([block(x[t : t + 1], c2, s2, act) for t in range(len(x))])
+        assert np.array_equal(together, one_by_one) and np.array_equal(s1, s2) and np.array_equal(c1, c2)
+
+
+def test_deltanet_block_matches_the_oracles_layer():
+    """The block against transformers' Qwen3_5MoeGatedDeltaNet (its pure-torch path) with the same
+    float32 weights, a 20-token prompt from a zero state."""
+    import torch
+    from transformers.models.qwen3_5_moe import configuration_qwen3_5_moe as hfc
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+
+    cfg = hfc.Qwen3_5MoeTextConfig(hidden_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
+                                   linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+                                   num_hidden_layers=1, layer_types=["linear_attention"], rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    layer = hf.Qwen3_5MoeGatedDeltaNet(cfg, layer_idx=0).eval()
+    with torch.no_grad():
+        for p in layer.parameters():  # constant-initialised parameters perturbed
+            p.add_(torch.randn_like(p) * 0.2)
+    w = {n: p.detach().numpy().astype(np.float32) for n, p in layer.named_parameters()}
+    block = dn.DeltaNetBlock(w["in_proj_qkv.weight"], w["in_proj_z.weight"], w["in_proj_b.weight"], w["in_proj_a.weight"],
+                             w["conv1d.weight"][:, 0, :], -np.exp(w["A_log"]), w["dt_bias"], w["norm.weight"],
+                             w["out_proj.weight"], key_heads=2, value_heads=4, key_dim=8, value_dim=6, eps=1e-6)
+    x = np.random.default_rng(0).standard_normal((20, 48)).astype(np.float32)
+    with torch.no_grad():
+        want = layer(torch.from_numpy(x)[None])[0].numpy()
+    with kernels.activations("f32"):
+        got = block(x, np.zeros(block.state_shapes[0], np.float32), np.zeros(block.state_shapes[1], np.float32))
+    close(got, want, 1e-4)
+
+
+def test_deltanet_block_rejects_wrong_shapes():
+    rng = np.random.default_rng(1)
+    block, _, (conv_state, state), _ = block_inputs(rng)
+    x = rng.standard_normal((2, block.hidden)).astype(np.float32)
+    with pytest.raises(ValueError, match="state"):
+        block(x, conv_state, state[:, :-1].copy())
+    with pytest.raises(ValueError, match="x must be"):
+        block(x[:, :-1].copy(), conv_state, state)
+    with pytest.raises(ValueError, match="projections"):
+        dn.DeltaNetBlock(*(block._keep[0][:4]), block._keep[1], *block._keep[2], block._keep[0][0], key_heads=2,
+                         value_heads=4, key_dim=8, value_dim=6, eps=1e-6)
 
 
 def test_partial_rope_rotates_only_the_leading_dims():

@@ -51,3 +51,25 @@ def gated_delta_rule(q, k, v, g, beta, state) -> tuple[np.ndarray, np.ndarray]:
         S += k[t][:, :, None] * delta[:, None, :]
         out[t] = np.einsum("hij,hi->hj", S, q[t])
     return out, S
+
+
+def deltanet_block(x, in_qkv, in_z, in_b, in_a, conv_weight, conv_state, neg_a, dt_bias, norm, out_proj, *,
+                   key_heads: int, key_dim: int, eps: float, state) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A whole Gated DeltaNet token mixer (csrc/deltanet.h's `deltanet_block`) in float64; matrices as
+    float arrays (dequantised). x (n, H); conv_state (K-1, C); state (Hv, dk, dv).
+
+    Returns (out (n, H), new conv_state, new state).
+    """
+    x = np.asarray(x, np.float64)
+    mixed, z, b, a = (x @ np.asarray(w, np.float64).T for w in (in_qkv, in_z, in_b, in_a))
+    qkv, conv_state = causal_conv1d(mixed, conv_weight, conv_state)
+    n, nk, hv = x.shape[0], key_heads * key_dim, b.shape[1]
+    q, k = qkv[:, :nk].reshape(n, key_heads, key_dim), qkv[:, nk : 2 * nk].reshape(n, key_heads, key_dim)
+    v = qkv[:, 2 * nk :].reshape(n, hv, -1)
+    beta = 1.0 / (1.0 + np.exp(-b))
+    y = a + np.asarray(dt_bias, np.float64)
+    g = np.asarray(neg_a, np.float64) * np.where(y > 20, y, np.log1p(np.exp(np.minimum(y, 20))))
+    o, state = gated_delta_rule(q, k, v, g, beta, state)  # (n, Hv, dv)
+    z = z.reshape(o.shape)
+    o = o / np.sqrt((o * o).mean(axis=-1, keepdims=True) + eps) * np.asarray(norm, np.float64) * (z / (1.0 + np.exp(-z)))
+    return o.reshape(n, -1) @ np.asarray(out_proj, np.float64).T, conv_state, state

@@ -1,7 +1,7 @@
 """Gated DeltaNet (linear attention with a fixed-size recurrent state), as in Qwen3-Next and
-Qwen3.5/3.6: the projections (matmuls), the decay and β, and the C kernels of
-colibri_core/kernels/deltanet.py (causal conv1d with its rolling state, l2-normalised q/k, the gated
-delta rule: chunked for a prompt, recurrent for one token).
+Qwen3.5/3.6. A layer runs as one C call (`kernels.deltanet.DeltaNetBlock`: the projections, causal
+conv1d with its rolling state, the decay and β, l2-normalised q/k, the gated delta rule — recurrent
+for a few tokens, chunked for a prompt — the gated norm and out_proj):
 
     [q | k | v] = SiLU(causal_conv1d(in_proj_qkv x))     q, k: (T, Hk, dk); v: (T, Hv, dv)
     β = sigmoid(in_proj_b x)                              (T, Hv)
@@ -21,17 +21,8 @@ from typing import Any
 import numpy as np
 
 from ..kernels import deltanet as kernels
-from ..model import linear, linears
-from .gated_attention import sigmoid
-from .norm import rms_norm_gated
 
 __all__ = ["DeltaNetDims", "DeltaNetState", "GatedDeltaNet"]
-
-
-def softplus(x: np.ndarray) -> np.ndarray:
-    """log(1 + exp(x)) in float32, and x itself above 20 (as torch.nn.functional.softplus)."""
-    x = x.astype(np.float32, copy=False)
-    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, np.float32(20))))).astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -93,21 +84,14 @@ class GatedDeltaNet:
     eps: float
 
     @cached_property
-    def neg_A(self) -> np.ndarray:
-        """−exp(A_log) (Hv,): the decay's rate, the same every token."""
-        return -np.exp(self.A_log)
+    def block(self) -> kernels.DeltaNetBlock:
+        """The layer as one C call, built on first use (its weights and −exp(A_log) kept there)."""
+        d = self.dims
+        return kernels.DeltaNetBlock(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a, self.conv_weight,
+                                     -np.exp(np.asarray(self.A_log, np.float32)), self.dt_bias, self.norm, self.out_proj,
+                                     key_heads=d.key_heads, value_heads=d.value_heads, key_dim=d.key_dim,
+                                     value_dim=d.value_dim, eps=self.eps)
 
     def __call__(self, x: np.ndarray, state: DeltaNetState) -> np.ndarray:
         """x (T, H) normalised hidden states → (T, H); `state` advances by T tokens."""
-        d, T = self.dims, x.shape[0]
-        mixed, z, b, a = linears(x, (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))  # one C call
-        qkv = kernels.causal_conv1d(mixed, self.conv_weight, state.conv)  # (T, channels)
-        nk = d.key_heads * d.key_dim
-        q = qkv[:, :nk].reshape(T, d.key_heads, d.key_dim)
-        k = qkv[:, nk : 2 * nk].reshape(T, d.key_heads, d.key_dim)
-        v = qkv[:, 2 * nk :].reshape(T, d.value_heads, d.value_dim)
-        beta = sigmoid(b)  # (T, Hv)
-        g = self.neg_A * softplus(a + self.dt_bias)  # (T, Hv)
-        o = kernels.gated_delta_rule(q, k, v, g.astype(np.float32), beta, state.recurrent)  # (T, Hv, dv)
-        o = rms_norm_gated(o, z.reshape(T, d.value_heads, d.value_dim), self.norm, self.eps)  # (T, Hv, dv)
-        return linear(o.reshape(T, d.value_heads * d.value_dim), self.out_proj)
+        return self.block(x, state.conv, state.recurrent)
