@@ -73,7 +73,6 @@ def gated_delta_rule(q, k, v, g, beta, state: np.ndarray, form: str = "auto", ch
     return out
 
 
-
 class DeltaNetBlock:
     """A whole Gated DeltaNet token mixer as one C call (csrc/deltanet.h's `deltanet_block`): the
     four input projections (one matmul_multi) → causal conv1d + SiLU → β = sigmoid(b), g = neg_a ·
@@ -110,7 +109,7 @@ class DeltaNetBlock:
         b.hk, b.hv, b.dk, b.dv, b.conv_kernel = key_heads, value_heads, key_dim, value_dim, conv_weight.shape[1]
         b.exact_batch, b.chunk, b.eps = EXACT_BATCH, CHUNK, eps
         self._c, self._keep = b, (mats, conv_weight, vectors)  # the struct points into these
-        self.hidden, self.channels = hidden, channels
+        self.hidden = hidden
         self.state_shapes = ((conv_weight.shape[1] - 1, channels), (value_heads, key_dim, value_dim))
 
     def __call__(self, x: np.ndarray, conv_state: np.ndarray, state: np.ndarray, act: str | None = None) -> np.ndarray:
