@@ -162,7 +162,7 @@ def test_norms_match_the_oracle():
 def block_inputs(rng, hidden=48, hk=2, hv=4, dk=8, dv=6, K=4):
     """A DeltaNetBlock of random int4 projections (f32 for b and a, as the containers keep them) and
     its float64 reference's arguments (the same weights dequantised)."""
-    from colibri_core.quant import dequantize, quantize  # noqa: PLC0415
+    from colibri_core.quant import dequantize, quantize
     channels = 2 * hk * dk + hv * dv
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     qkv, z, out = (quantize(f(r, c) * 0.3, "int4") for r, c in ((channels, hidden), (hv * dv, hidden), (hidden, hv * dv)))

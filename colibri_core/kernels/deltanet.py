@@ -15,7 +15,7 @@ import numpy as np
 
 from colibri_core.kernels import _act_code, _activations, _check, _floats, _qmatrix
 from colibri_core.kernels._colibri_kernels import ffi, lib
-from colibri_core.quant import QTensor
+from colibri_core.quant import QTensor, quantize
 
 CHUNK = 64  # tokens per chunk in the chunked form (as the reference implementations use)
 # A forward of at most this many tokens computes each exactly as if it came alone (the recurrent
@@ -87,7 +87,8 @@ class DeltaNetBlock:
     def __init__(self, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv_weight: np.ndarray, neg_a: np.ndarray,
                  dt_bias: np.ndarray, norm: np.ndarray, out_proj, *, key_heads: int, value_heads: int,
                  key_dim: int, value_dim: int, eps: float):
-        mats = [_as_qtensor(w) for w in (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj)]
+        mats = [w if isinstance(w, QTensor) else quantize(w, "f32")  # a float32 array: kind f32
+                for w in (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj)]
         channels, nv = 2 * key_heads * key_dim + value_heads * value_dim, value_heads * value_dim
         hidden = mats[0].cols
         want = [(channels, hidden), (nv, hidden), (value_heads, hidden), (value_heads, hidden), (hidden, nv)]
@@ -123,15 +124,6 @@ class DeltaNetBlock:
             _check(lib.deltanet_block(_floats(out, True), _floats(x), x.shape[0], self._c, _floats(conv_state, True),
                                       _floats(state, True), _act_code(act)), "deltanet_block")
         return out
-
-
-def _as_qtensor(w) -> QTensor:
-    """A QTensor as it is; a float32 matrix as a QTensor of kind f32 (the C kernel's products, as for
-    every matrix the engine keeps in float32)."""
-    if isinstance(w, QTensor):
-        return w
-    w = np.ascontiguousarray(w, np.float32)
-    return QTensor("f32", w.shape[0], w.shape[1], w)
 
 
 def _array(a, ndim: int, what: str) -> np.ndarray:
