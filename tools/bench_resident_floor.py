@@ -55,7 +55,7 @@ def main() -> None:
     args = ap.parse_args()
     engines = {}
     for act in args.activations:
-        engine = colibri_core.load(args.model, cache_slots=10**6, activations=act)
+        engine = colibri_core.load(args.model, cache_slots=10**6, usage=False, activations=act)  # no routing history written
         for layer in engine.container.moe_layers:  # every expert resident
             for e in range(engine.container.n_experts):
                 engine.store.get(layer, e)
