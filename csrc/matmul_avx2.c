@@ -144,26 +144,39 @@ AVX2 static float dot_int4_f32_avx2(const QMatrix *w, int r, const Acts *a, int 
 // activations stay in L2 while the task's rows stream past. One thread, 64 tokens, 2048 and 16384
 // columns: 1.6-1.7x the multiply-adds a second of a dot per token (3 and 6 tokens a block: no faster).
 enum { INT4_ROWS_TOKENS = 4 };
+// One block of nt tokens; nt is a constant in each copy (the switch below), so the accumulators
+// stay in registers.
+AVX2 static inline __attribute__((always_inline)) void int4_rows_block(const QMatrix *w, int r0, int r1,
+                                                                       const float *const *xs, int nt,
+                                                                       float *const *yrow) {
+    int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
+    size_t row_bytes = ((size_t)w->cols + 1) / 2;
+    uint8_t tmp[32];
+    for (int r = r0; r < r1; r++) {
+        const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+        const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
+        __m256 S[INT4_ROWS_TOKENS][2], q[8];  // S: token i's lanes 0-7 and 8-15
+        for (int i = 0; i < nt; i++) S[i][0] = S[i][1] = _mm256_setzero_ps();
+        for (int g = 0; g < ngroups; g++) {
+            int4_group_floats(int4_group_bytes(wr, g, row_bytes, tmp), q);
+            __m256 sc = _mm256_set1_ps(half_to_float(sr[g]));
+            for (int i = 0; i < nt; i++) int4_group_dot(q, xs[i] + (size_t)g * 64, sc, &S[i][0], &S[i][1]);
+        }
+        for (int i = 0; i < nt; i++) yrow[i][r] = tree16_avx2(S[i][0], S[i][1]);
+    }
+}
+
 AVX2 static void rows_int4_f32_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
                                     float *const *yrow) {
-    int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
-    size_t row_bytes = ((size_t)cols + 1) / 2;
-    uint8_t tmp[32];
     for (int i0 = 0; i0 < n; i0 += INT4_ROWS_TOKENS) {
         int nt = n - i0 < INT4_ROWS_TOKENS ? n - i0 : INT4_ROWS_TOKENS;
         const float *xs[INT4_ROWS_TOKENS];
         for (int i = 0; i < nt; i++) xs[i] = a->xf + (size_t)(tok != NULL ? tok[i0 + i] : i0 + i) * a->stride;
-        for (int r = r0; r < r1; r++) {
-            const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
-            const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
-            __m256 S[INT4_ROWS_TOKENS][2], q[8];  // S: token i's lanes 0-7 and 8-15
-            for (int i = 0; i < nt; i++) S[i][0] = S[i][1] = _mm256_setzero_ps();
-            for (int g = 0; g < ngroups; g++) {
-                int4_group_floats(int4_group_bytes(wr, g, row_bytes, tmp), q);
-                __m256 sc = _mm256_set1_ps(half_to_float(sr[g]));
-                for (int i = 0; i < nt; i++) int4_group_dot(q, xs[i] + (size_t)g * 64, sc, &S[i][0], &S[i][1]);
-            }
-            for (int i = 0; i < nt; i++) yrow[i0 + i][r] = tree16_avx2(S[i][0], S[i][1]);
+        switch (nt) {
+        case 1: int4_rows_block(w, r0, r1, xs, 1, yrow + i0); break;
+        case 2: int4_rows_block(w, r0, r1, xs, 2, yrow + i0); break;
+        case 3: int4_rows_block(w, r0, r1, xs, 3, yrow + i0); break;
+        default: int4_rows_block(w, r0, r1, xs, 4, yrow + i0); break;
         }
     }
 }

@@ -65,39 +65,98 @@ AVX512 static float dot_f32_avx512(const QMatrix *w, int r, const Acts *a, int t
 // zero-extended bytes index it by their low 4 bits (the low nibble), shifted right by 4 by the high
 // one. Conversions were half the instructions of this compute-bound loop: OLMoE-size decode in the
 // exact mode, alternated per token in one process, 55.3 -> 42.6 ms (BENCHMARKS.md); the same
-// products, sums and order, so the same bits.
+// products, sums and order, so the same bits. q[0], q[1]: the low nibbles of bytes 0-15, 16-31 (the
+// even columns); q[2], q[3]: their high nibbles (the odd columns); q = 0 past the row's end.
+AVX512 static inline void int4_group_floats_512(const uint8_t *wr, int g, size_t row_bytes, __m512 q[4]) {
+    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    size_t left = row_bytes - (size_t)g * 32;
+    __m128i b0, b1;  // bytes 0-15, 16-31 of the group
+    if (left >= 32) {
+        b0 = _mm_loadu_si128((const __m128i *)(wr + (size_t)g * 32));
+        b1 = _mm_loadu_si128((const __m128i *)(wr + (size_t)g * 32 + 16));
+    } else {
+        const __m256i pad = _mm256_set1_epi8((char)0x88);  // past the row: q = 0
+        __m256i b = _mm256_mask_loadu_epi8(pad, (__mmask32)bytes_mask(left), wr + (size_t)g * 32);
+        b0 = _mm256_castsi256_si128(b);
+        b1 = _mm256_extracti128_si256(b, 1);
+    }
+    __m512i d0 = _mm512_cvtepu8_epi32(b0), d1 = _mm512_cvtepu8_epi32(b1);
+    q[0] = _mm512_permutexvar_ps(d0, table);
+    q[1] = _mm512_permutexvar_ps(d1, table);
+    q[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(d0, 4), table);
+    q[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(d1, 4), table);
+}
+
+// matmul.c's ACT_F32 int4 steps for one group, lane l: A[l] = lo[l]*xe[l] + lo[l+16]*xe[l+16] +
+// hi[l]*xo[l] + hi[l+16]*xo[l+16], then S += A * scale.
+AVX512 static inline __m512 int4_group_dot_512(const __m512 q[4], const float *xe, __m512 sc, __m512 S) {
+    const float *xo = xe + 32;
+    __m512 A = _mm512_mul_ps(q[0], _mm512_loadu_ps(xe));
+    A = _mm512_add_ps(A, _mm512_mul_ps(q[1], _mm512_loadu_ps(xe + 16)));
+    A = _mm512_add_ps(A, _mm512_mul_ps(q[2], _mm512_loadu_ps(xo)));
+    A = _mm512_add_ps(A, _mm512_mul_ps(q[3], _mm512_loadu_ps(xo + 16)));
+    return _mm512_add_ps(S, _mm512_mul_ps(A, sc));
+}
+
+AVX512 static inline __m512 half_to_float16x(uint16_t h) { return _mm512_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)))); }
+
 AVX512 static float dot_int4_f32_avx512(const QMatrix *w, int r, const Acts *a, int t) {
     int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)cols + 1) / 2;
     const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
     const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
-    const float *x = a->xf + (size_t)t * a->stride;
-    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i pad = _mm256_set1_epi8((char)0x88);  // past the row: q = 0
-    __m512 S = _mm512_setzero_ps();
+    const float *x = a->xf + (size_t)t * a->stride;  // per group: 32 even, then 32 odd columns
+    __m512 S = _mm512_setzero_ps(), q[4];
     for (int g = 0; g < ngroups; g++) {
-        size_t left = row_bytes - (size_t)g * 32;
-        __m128i b0, b1;  // bytes 0-15, 16-31 of the group
-        if (left >= 32) {
-            if (g & 1) _mm_prefetch((const char *)wr + (size_t)g * 32 + 4096, _MM_HINT_T0);  // as dot_int4_f32_avx2
-            b0 = _mm_loadu_si128((const __m128i *)(wr + (size_t)g * 32));
-            b1 = _mm_loadu_si128((const __m128i *)(wr + (size_t)g * 32 + 16));
-        } else {
-            __m256i b = _mm256_mask_loadu_epi8(pad, (__mmask32)bytes_mask(left), wr + (size_t)g * 32);
-            b0 = _mm256_castsi256_si128(b);
-            b1 = _mm256_extracti128_si256(b, 1);
-        }
-        __m512i d0 = _mm512_cvtepu8_epi32(b0), d1 = _mm512_cvtepu8_epi32(b1);
-        const float *xe = x + (size_t)g * 64, *xo = xe + 32;
-        // lane l: lo[l], lo[l+16], hi[l], hi[l+16]
-        __m512 A = _mm512_mul_ps(_mm512_permutexvar_ps(d0, table), _mm512_loadu_ps(xe));
-        A = _mm512_add_ps(A, _mm512_mul_ps(_mm512_permutexvar_ps(d1, table), _mm512_loadu_ps(xe + 16)));
-        A = _mm512_add_ps(A, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d0, 4), table), _mm512_loadu_ps(xo)));
-        A = _mm512_add_ps(A, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d1, 4), table), _mm512_loadu_ps(xo + 16)));
-        __m512 sc = _mm512_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(sr[g]))));
-        S = _mm512_add_ps(S, _mm512_mul_ps(A, sc));
+        if (g & 1) _mm_prefetch((const char *)wr + (size_t)g * 32 + 4096, _MM_HINT_T0);  // as dot_int4_f32_avx2
+        int4_group_floats_512(wr, g, row_bytes, q);
+        S = int4_group_dot_512(q, x + (size_t)g * 64, half_to_float16x(sr[g]), S);
     }
     return tree16_512(S);
+}
+
+// Several tokens (prefill, drafts verified together, an expert's tokens): dot_int4_f32_avx512 for
+// up to INT4_ROWS_TOKENS_512 tokens at a time, each group's weights converted to floats once for all
+// of them instead of once a token: the same products and sums per token, so the same bits. Token
+// blocks outermost, as rows_int4_f32_avx2. The block's token count is a constant in each copy of
+// int4_rows_block_512 (the switch below), so its accumulators stay in registers.
+enum { INT4_ROWS_TOKENS_512 = 8 };
+AVX512 static inline __attribute__((always_inline)) void int4_rows_block_512(const QMatrix *w, int r0, int r1,
+                                                                             const float *const *xs, int nt,
+                                                                             float *const *yrow) {
+    int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
+    size_t row_bytes = ((size_t)w->cols + 1) / 2;
+    for (int r = r0; r < r1; r++) {
+        const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+        const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
+        __m512 S[INT4_ROWS_TOKENS_512], q[4];
+        for (int i = 0; i < nt; i++) S[i] = _mm512_setzero_ps();
+        for (int g = 0; g < ngroups; g++) {
+            int4_group_floats_512(wr, g, row_bytes, q);
+            __m512 sc = half_to_float16x(sr[g]);
+            for (int i = 0; i < nt; i++) S[i] = int4_group_dot_512(q, xs[i] + (size_t)g * 64, sc, S[i]);
+        }
+        for (int i = 0; i < nt; i++) yrow[i][r] = tree16_512(S[i]);
+    }
+}
+
+AVX512 static void rows_int4_f32_avx512(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
+                                        float *const *yrow) {
+    for (int i0 = 0; i0 < n; i0 += INT4_ROWS_TOKENS_512) {
+        int nt = n - i0 < INT4_ROWS_TOKENS_512 ? n - i0 : INT4_ROWS_TOKENS_512;
+        const float *xs[INT4_ROWS_TOKENS_512];
+        for (int i = 0; i < nt; i++) xs[i] = a->xf + (size_t)(tok != NULL ? tok[i0 + i] : i0 + i) * a->stride;
+        switch (nt) {
+        case 1: int4_rows_block_512(w, r0, r1, xs, 1, yrow + i0); break;
+        case 2: int4_rows_block_512(w, r0, r1, xs, 2, yrow + i0); break;
+        case 3: int4_rows_block_512(w, r0, r1, xs, 3, yrow + i0); break;
+        case 4: int4_rows_block_512(w, r0, r1, xs, 4, yrow + i0); break;
+        case 5: int4_rows_block_512(w, r0, r1, xs, 5, yrow + i0); break;
+        case 6: int4_rows_block_512(w, r0, r1, xs, 6, yrow + i0); break;
+        case 7: int4_rows_block_512(w, r0, r1, xs, 7, yrow + i0); break;
+        default: int4_rows_block_512(w, r0, r1, xs, 8, yrow + i0); break;
+        }
+    }
 }
 
 // fp4 (e2m1) weights the same way: 2 · value (FP4_TWICE) as a float by one permute per 16 columns.
@@ -159,6 +218,6 @@ AVX512 static float dot_int8_q8_avx512(const QMatrix *w, int r, const Acts *a, i
 const Path PATH_AVX512 = {"avx512", dot_f32_avx512, dot_int8_f32_avx2, dot_int8_q8_avx512,
                           dot_int4_f32_avx512, dot_int4_q8_vnni, rows_int4_q8_vnni, dot_fp8_f32_avx2, dot_fp4_f32_avx512,
                           dot_fp4_q8_avx2, rows_fp8_f32_avx2, rows_fp4_f32_avx2, quantize64_avx2,
-                          product_t_int4_avx2, NULL};
+                          product_t_int4_avx2, rows_int4_f32_avx512};
 
 #endif  // COLI_X86
