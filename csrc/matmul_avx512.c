@@ -98,7 +98,8 @@ AVX512 static inline __m512 int4_group_dot_512(const __m512 q[4], const float *x
     return _mm512_add_ps(S, _mm512_mul_ps(A, sc));
 }
 
-AVX512 static inline __m512 half_to_float16x(uint16_t h) { return _mm512_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)))); }
+// A float16 scale as 16 float lanes.
+AVX512 static inline __m512 broadcast_half_512(uint16_t h) { return _mm512_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)))); }
 
 AVX512 static float dot_int4_f32_avx512(const QMatrix *w, int r, const Acts *a, int t) {
     int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
@@ -110,7 +111,7 @@ AVX512 static float dot_int4_f32_avx512(const QMatrix *w, int r, const Acts *a, 
     for (int g = 0; g < ngroups; g++) {
         if (g & 1) _mm_prefetch((const char *)wr + (size_t)g * 32 + 4096, _MM_HINT_T0);  // as dot_int4_f32_avx2
         int4_group_floats_512(wr, g, row_bytes, q);
-        S = int4_group_dot_512(q, x + (size_t)g * 64, half_to_float16x(sr[g]), S);
+        S = int4_group_dot_512(q, x + (size_t)g * 64, broadcast_half_512(sr[g]), S);
     }
     return tree16_512(S);
 }
@@ -133,7 +134,7 @@ AVX512 static inline __attribute__((always_inline)) void int4_rows_block_512(con
         for (int i = 0; i < nt; i++) S[i] = _mm512_setzero_ps();
         for (int g = 0; g < ngroups; g++) {
             int4_group_floats_512(wr, g, row_bytes, q);
-            __m512 sc = half_to_float16x(sr[g]);
+            __m512 sc = broadcast_half_512(sr[g]);
             for (int i = 0; i < nt; i++) S[i] = int4_group_dot_512(q, xs[i] + (size_t)g * 64, sc, S[i]);
         }
         for (int i = 0; i < nt; i++) yrow[i][r] = tree16_512(S[i]);
