@@ -63,9 +63,9 @@ static void gate_up_task(void *ctx, int task) {
     int inter = e->gate->rows;
     int r0 = (task - m->first[ei]) * e->per_up;
     int r1 = r0 + e->per_up < inter ? r0 + e->per_up : inter;
-    rows_fn rg = path_rows(m->path, e->gate->kind, a->act), ru = path_rows(m->path, e->up->kind, a->act);
+    rows_fn rg = path_rows(m->path, e->gate->kind, a->act, e->n), ru = path_rows(m->path, e->up->kind, a->act, e->n);
     // gate x into grow, up x into hrow, then the gated unit in place over the task's rows
-    if (rg != NULL && ru != NULL && e->n > 1) {  // each weight row unpacked once for every token
+    if (rg != NULL && ru != NULL) {  // each weight row unpacked once for every token
         rg(e->gate, r0, r1, a, e->tok, e->n, e->grow);
         ru(e->up, r0, r1, a, e->tok, e->n, e->hrow);
     } else {
@@ -90,7 +90,7 @@ static void down_task(void *ctx, int task) {
     const MoeJob *m = ctx;
     int ei = find_expert(m, task);
     const Expert *e = &m->e[ei];
-    RowsJob j = {path_dot(m->path, e->down->kind, e->h_acts.act), path_rows(m->path, e->down->kind, e->h_acts.act),
+    RowsJob j = {path_dot(m->path, e->down->kind, e->h_acts.act), path_rows(m->path, e->down->kind, e->h_acts.act, e->n),
                  e->down, &e->h_acts, e->n, NULL, e->yrow};
     int hidden = e->down->rows;
     int r0 = (task - m->first[ei]) * e->per_down;

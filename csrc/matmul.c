@@ -420,7 +420,7 @@ static float dot_fp4_q8_portable(const QMatrix *w, int r, const Acts *a, int t) 
 
 const Path PATH_PORTABLE = {"portable", dot_f32_portable, dot_int8_f32_portable, dot_int8_q8_portable,
                             dot_int4_f32_portable, dot_int4_q8_portable, NULL, dot_fp8_f32_portable,
-                            dot_fp4_f32_portable, dot_fp4_q8_portable, NULL, NULL, NULL, NULL, NULL};
+                            dot_fp4_f32_portable, dot_fp4_q8_portable, NULL, NULL, NULL, NULL, NULL, NULL};
 
 // ----------------------------------------------------------------------------
 // Code paths: chosen once from COLIBRI_SIMD / the CPU, changeable with simd_select.
@@ -517,7 +517,9 @@ dot_fn path_dot(const Path *p, int kind, int act) {
     }
 }
 
-rows_fn path_rows(const Path *p, int kind, int act) {
+rows_fn path_rows(const Path *p, int kind, int act, int n) {
+    if (kind == QKIND_INT8) return act == ACT_Q8 ? NULL : p->int8_f32_rows;  // any n: its rows overlap
+    if (n <= 1) return NULL;
     if (kind == QKIND_FP8) return p->fp8_f32_rows;
     if (kind == QKIND_FP4) return act == ACT_Q8 ? NULL : p->fp4_f32_rows;
     if (kind == QKIND_INT4) return act == ACT_Q8 ? p->int4_q8_rows : p->int4_f32_rows;
@@ -543,9 +545,9 @@ int qmatrix_check(const QMatrix *w) {
 }
 
 void rows_run(const RowsJob *j, int r0, int r1) {
-    // Several tokens: the rows kernel takes the whole range, each weight read from memory once and
-    // reused from cache by every token (in its own order of rows and tokens).
-    if (j->rows != NULL && j->n > 1) {
+    // A rows kernel takes the whole range: several tokens reuse each weight from cache (in the
+    // kernel's own order of rows and tokens), and int8's interleaves rows even for one.
+    if (j->rows != NULL) {
         j->rows(j->w, r0, r1, j->a, j->tok, j->n, j->yrow);
         return;
     }
@@ -618,7 +620,7 @@ static int products(float *const *y, const QMatrix *const *w, int count, const f
             have[a] = 1;
         }
         for (int t = 0; t < n; t++) yrow[(size_t)i * n + t] = y[i] + (size_t)t * (size_t)w[i]->rows;
-        jobs[i] = (RowsJob){path_dot(p, kind, acts[a].act), path_rows(p, kind, acts[a].act), w[i], &acts[a], n, NULL,
+        jobs[i] = (RowsJob){path_dot(p, kind, acts[a].act), path_rows(p, kind, acts[a].act, n), w[i], &acts[a], n, NULL,
                             yrow + (size_t)i * n};
         int bytes_per_row = kind == QKIND_F32 ? 4 * c : kind == QKIND_INT8 || kind == QKIND_FP8 ? c : c / 2;
         per[i] = rows_per_task(w[i]->rows, (double)n * c + bytes_per_row, n);

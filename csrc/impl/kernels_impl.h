@@ -90,6 +90,7 @@ typedef struct {
     quant_fn quantize64;   // optional (NULL: matmul.c's scalar loop): one whole block of 64
     tprod_fn int4_t;       // optional (NULL: matmul.c's portable loop): matmul_t of int4 weights
     rows_fn int4_f32_rows; // optional (NULL): int4 weights, ACT_F32, several tokens per row pass
+    rows_fn int8_f32_rows; // optional (NULL): int8 weights, ACT_F32, one token or several: rows interleaved
 } Path;
 
 // 2 * e2m1(nibble): the fp4 values as the integers 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12 (matmul.c).
@@ -159,14 +160,15 @@ void exp_shifted(float *p, int n, float m, int simd);
 // (L = INFINITY: no clamp; NaN stays NaN); h may be u.
 void swiglu_rows(float *h, const float *g, const float *u, int n, float limit, int simd);
 dot_fn path_dot(const Path *p, int kind, int act);
-rows_fn path_rows(const Path *p, int kind, int act);
+// The rows kernel for n tokens of weights `kind` in `act`, or NULL: the dot per row and token.
+rows_fn path_rows(const Path *p, int kind, int act, int n);
 
 // ----------------------------------------------------------------------------
 // Rows jobs: the unit a task works on is a range of whole output rows, for every token.
 
 typedef struct {
     dot_fn dot;
-    rows_fn rows;           // NULL, or the several-token version of dot
+    rows_fn rows;           // NULL, or path_rows for these weights and n
     const QMatrix *w;
     const Acts *a;
     int n;                  // tokens

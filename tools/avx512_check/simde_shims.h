@@ -32,6 +32,16 @@ static inline __m512 coli_maskz_loadu_ps(__mmask16 k, const float *p) {
     for (int i = 0; i < 16; i++) if ((k >> i) & 1) v[i] = p[i];
     __m512 r; memcpy(&r, v, 64); return r;
 }
+static inline __m512i coli_cvtepi8_epi32(__m128i a) {
+    int8_t b[16]; int32_t v[16]; memcpy(b, &a, 16);
+    for (int i = 0; i < 16; i++) v[i] = b[i];
+    __m512i r; memcpy(&r, v, 64); return r;
+}
+static inline __m512 coli_cvtepi32_ps(__m512i a) {
+    int32_t b[16]; float v[16]; memcpy(b, &a, 64);
+    for (int i = 0; i < 16; i++) v[i] = (float)b[i];
+    __m512 r; memcpy(&r, v, 64); return r;
+}
 static inline __m512i coli_cvtepu8_epi32(__m128i a) {
     uint8_t b[16]; int32_t v[16]; memcpy(b, &a, 16);
     for (int i = 0; i < 16; i++) v[i] = b[i];
@@ -42,3 +52,5 @@ static inline __m512i coli_cvtepu8_epi32(__m128i a) {
 #define _mm_maskz_loadu_epi8 coli_maskz_loadu_epi8_128
 #define _mm512_maskz_loadu_ps coli_maskz_loadu_ps
 #define _mm512_cvtepu8_epi32 coli_cvtepu8_epi32
+#define _mm512_cvtepi8_epi32 coli_cvtepi8_epi32
+#define _mm512_cvtepi32_ps coli_cvtepi32_ps
