@@ -528,6 +528,14 @@ def child(args) -> None:
     print("RESULT " + json.dumps(r))
 
 
+# pip's llama-cpp-python is built for the CPU it compiles on; where that CPU has AMX (an Intel Xeon
+# VM, 2026-12-03) its AMX kernels crashed (SIGSEGV in the first decode), so build it without them.
+LLAMA_CRASH_HINT = (" — llama.cpp crashed; on a CPU with AMX rebuild it without: CMAKE_ARGS='-DGGML_NATIVE=OFF "
+                    "-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON "
+                    "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON' pip install --force-reinstall "
+                    "--no-deps --no-cache-dir llama-cpp-python")
+
+
 def in_child(kind: str, path: Path, args, limit: MemoryLimit | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", kind, "--path", str(path), "--model", args.model,
            "--prompt", str(args.prompt), "--gen", str(args.gen), "--threads", str(args.threads),
@@ -536,7 +544,8 @@ def in_child(kind: str, path: Path, args, limit: MemoryLimit | None = None) -> d
     out = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=limit.enter if limit else None)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
-        raise SystemExit(f"{kind} run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
+        hint = LLAMA_CRASH_HINT if kind == "llama" and out.returncode < 0 else ""
+        raise SystemExit(f"{kind} run failed (exit {out.returncode}){hint}:\n{out.stderr[-3000:]}")
     return json.loads(lines[-1][7:])
 
 
