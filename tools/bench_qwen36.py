@@ -171,7 +171,7 @@ def _timed(fn) -> float:
 
 
 def run(model: Path, ram: str | None, slots: int | None, prompt_len: int, tokens: int, keep_cache: bool,
-        warm: bool = False, routing: str = "model") -> dict:
+        warm: bool = False, routing: str = "model", prefetch: bool = True) -> dict:
     if routing == "uniform":  # every token picks k distinct experts uniformly at random: LRU's worst case
         import colibri_qwen36.model as qm
 
@@ -185,7 +185,7 @@ def run(model: Path, ram: str | None, slots: int | None, prompt_len: int, tokens
     paths = sorted(str(p) for p in (model / "experts").glob("*.bin"))
     if ram == "fit":  # the largest budget that leaves HEADROOM of the machine's available memory to others
         ram = str(int(available_memory() - HEADROOM))
-    engine = load(model, ram=ram, cache_slots=slots, direct=not keep_cache)  # O_DIRECT: every miss reads the disk
+    engine = load(model, ram=ram, cache_slots=slots, direct=not keep_cache, prefetch=prefetch)  # O_DIRECT: every miss reads the disk
     c = engine.container
     disk = disk_bandwidth(paths, c.expert_nbytes)
     mem = memory_bandwidth()
@@ -241,12 +241,14 @@ def main() -> None:
     r.add_argument("--cache-slots", type=int, default=None)
     r.add_argument("--prompt", type=int, default=4)
     r.add_argument("--tokens", type=int, default=8)
+    r.add_argument("--no-prefetch", action="store_true", help="no router lookahead (the store reads on demand only)")
     r.add_argument("--keep-page-cache", action="store_true", help="read through the page cache (no O_DIRECT)")
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.dst, a.layers)
     else:
-        print(json.dumps(run(a.model, a.ram, a.cache_slots, a.prompt, a.tokens, a.keep_page_cache, a.warm, a.routing), indent=1))
+        print(json.dumps(run(a.model, a.ram, a.cache_slots, a.prompt, a.tokens, a.keep_page_cache, a.warm, a.routing,
+                             not a.no_prefetch), indent=1))
 
 
 if __name__ == "__main__":
