@@ -4,7 +4,7 @@
         [--rounds 3] [--tokens 16] [--prompt 16]
 
 Loads one engine per arithmetic with every expert cached (all of them must fit in RAM together:
-Qwen3.6-size models take `tools/bench_qwen36.py run --ram fit` instead), then for each round decodes
+Qwen3.6-size models take `tools/bench_real_dims.py run --ram fit` instead), then for each round decodes
 `--tokens` tokens after a `--prompt`-token random prompt on each engine in turn, the machine's read
 bandwidth (`colibri bench kernels`' probe: the kernel threads streaming 512 MB) measured just before
 and after each. The floor is the bytes a token touches — every resident tensor but the embedding
