@@ -586,6 +586,9 @@ def plan(
     print(f"  {f'state ({context} tokens)':27}{fb(sp['state'])}")
     print(f"  expert cache               {fb(sp['cache_bytes'])} ({sp['cache_slots']} slots per layer)")
     print(f"  pinned (hot-store)         {fb(sp['pinned_bytes'])} ({sp['pinned_experts']} experts)")
+    if sp["transient_experts"]:
+        print(f"  reads past the slots       {fb(sp['transient_experts'] * m['expert_nbytes'])} ({sp['transient_experts']} "
+              f"experts a layer reads at once beyond its slots)")
     print(f"  experts resident           {100 * p['resident_expert_share']:.1f}%")
     print(f"per token: expected read {fb(p['expected_bytes_read_per_token'])} (uniform routing; skew and pinning "
           f"read less), touched in RAM {fb(p['bytes_touched_per_token'])}")

@@ -87,7 +87,8 @@ class Engine:
             weights = Weights(resident, str(model_dir))
             self.split = self._split(ram, cache_slots, pin_gb, usage, layout.top_k)
             self.store = ExpertStore(self.container, self.split.cache_slots, policy_info,
-                                     pinned=self.split.pinned_experts, prefetch=prefetch, direct=direct,
+                                     pinned=self.split.pinned_experts, transient=self.split.transient_experts,
+                                     prefetch=prefetch, direct=direct,
                                      mirror=None if mirror is None else str(mirror), io_threads=io_threads,
                                      record_usage=usage is not False,
                                      usage_path=None if isinstance(usage, bool) else str(usage))
@@ -129,7 +130,7 @@ class Engine:
             slots = min(cache_slots, c.n_experts)
             pinned = 0 if slots >= c.n_experts else int((pin_bytes or 0) // c.expert_nbytes)
             return Split(0, self.resident_bytes, 0, slots, slots * len(c.moe_layers) * c.expert_nbytes,
-                         pinned, pinned * c.expert_nbytes, slots >= c.n_experts)
+                         pinned, pinned * c.expert_nbytes, slots >= c.n_experts, max(0, top_k - slots))
         budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
         history = usage is not False and UsageHistory.enough(c, None if isinstance(usage, bool) else usage)
         return split_budget(budget, self.resident_bytes, 0, c.expert_nbytes, len(c.moe_layers), c.n_experts,

@@ -160,11 +160,31 @@ def test_a_read_in_flight_is_computed_before_a_deferred_read_needs_its_slot(mode
     lower id: the read in flight is yielded first, then its slot goes to the miss."""
     with load(model, cache_slots=1, usage=False, prefetch=False) as e:
         s = e.store
+        s.config.transient = 0  # no reads past the slots (as when a prefill's batch union exceeds them)
         layer = next(iter(s.layer_index))
         s._insert(layer, 7, prefetched=True)  # as the lookahead does
         monkeypatch.setattr(s.pool, "done", lambda read: False)  # not finished when the layer asks
         got = [sorted(group) for group in s.experts(layer, np.array([[0, 7]]))]
     assert got == [[7], [0]]
+
+
+def test_reads_past_the_slots_start_at_once(model, baseline, monkeypatch):
+    """A cache of fewer slots than top-k (1 of 2 here): the layer's other misses are read into buffers
+    of their own, every read started before the first is waited for — not one at a time as computed
+    experts free their slots — and dropped once computed; no output changes."""
+    with load(model, cache_slots=1, usage=False, prefetch=False) as e:
+        s = e.store
+        assert s.config.transient == 1
+        layer = next(iter(s.layer_index))
+        events = []
+        submit, wait = s.pool.submit, s.pool.wait
+        monkeypatch.setattr(s.pool, "submit", lambda *a, **kw: events.append("submit") or submit(*a, **kw))
+        monkeypatch.setattr(s.pool, "wait", lambda read: events.append("wait") or wait(read))
+        got = [sorted(group) for group in s.experts(layer, np.array([[0, 7]]))]
+        assert events[:3] == ["submit", "submit", "wait"] and sorted(sum(got, [])) == [0, 7]
+        assert list(s.cache[layer]) == [0]  # the transient read is not cached
+        monkeypatch.undo()
+        check_same(e, baseline)
 
 
 def test_everything_at_once(model, baseline, tmp_path):
@@ -345,9 +365,10 @@ def test_default_hot_store_leaves_the_cache_top_k_slots_per_layer():
     s = split_budget(2 * fit * nbytes, 0, 0, nbytes, layers, E, history=True, top_k=k)
     assert s.pinned_experts == int(2 * fit * PIN_SHARE) and s.cache_slots >= k  # the share binds
     s = split_budget(fit * nbytes, 0, 0, nbytes, layers, E, pin_bytes=192 * nbytes, history=True, top_k=k)
-    assert s.pinned_experts == 192 and s.cache_slots == 4
+    assert s.pinned_experts == 192 and s.cache_slots == 3 and s.transient_experts == 5  # 4 slots less the reads past them
     s = split_budget(layers * 4 * nbytes, 0, 0, nbytes, layers, E, history=True, top_k=k)
-    assert s.pinned_experts == 0 and s.cache_slots == 4  # too small for the floor: all cache
+    assert s.pinned_experts == 0 and s.cache_slots == 3  # too small for the floor: all cache, less
+    assert s.transient_experts == k - 3  # the reads past a layer's slots (test_reads_past_the_slots_…)
 
 
 def test_pin_value_pins_where_the_cache_cannot_hold_a_layers_routing():

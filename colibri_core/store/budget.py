@@ -7,7 +7,10 @@
 - the rest holds experts. If every expert fits, all are cached. Otherwise the hot-store pins
   ``pin_bytes`` worth of experts (default: PIN_SHARE of the expert budget once the routing history
   has enough tokens, none before, and never below top-k cache slots per layer where the budget
-  allows), and the cache gets the remainder, at least one slot per MoE layer.
+  allows), and the cache gets the remainder, at least one slot per MoE layer. A cache of fewer than
+  top-k slots a layer gives up a few of them (up to top-k − 1 experts' worth in all) to the reads a
+  layer has beyond its slots (`transient_experts`), so that a token's experts are read at once
+  instead of one at a time as slots free up.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ class Split:
     pinned_experts: int  # hot-store capacity (experts over all layers)
     pinned_bytes: int
     all_resident: bool  # every expert fits in the cache
+    transient_experts: int = 0  # reads a layer may have in flight beyond its cache slots
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,7 +51,9 @@ def split_budget(budget: int, dense: int, state: int, expert_nbytes: int, moe_la
     """Split `budget` bytes; a ColibriError if it cannot hold one expert per MoE layer.
 
     The default hot-store leaves the cache at least `top_k` slots per layer where the budget allows
-    it: with fewer, a token's unpinned experts are read and computed one at a time (each a stall)."""
+    it. With fewer, a layer's experts past its slots would be read one at a time, each once a computed
+    one frees its slot (each a stall): up to top_k − 1 experts' worth goes to reads of their own
+    instead (`transient_experts`, never below one slot a layer), all of a token's started at once."""
     fit = (budget - dense - state) // expert_nbytes  # experts the budget holds
     if fit < moe_layers:
         need = dense + state + moe_layers * expert_nbytes
@@ -55,6 +61,7 @@ def split_budget(budget: int, dense: int, state: int, expert_nbytes: int, moe_la
 
         what = "resident weights + state + one expert per layer" if state else "resident weights + one expert per layer"
         raise ColibriError(f"RAM budget {format_bytes(budget)} is below this model's minimum {format_bytes(need)} ({what})")
+    transient = 0
     if fit >= moe_layers * n_experts:
         pinned, slots = 0, n_experts
     else:
@@ -67,8 +74,12 @@ def split_budget(budget: int, dense: int, state: int, expert_nbytes: int, moe_la
                                    f"holds {fit} experts and the cache needs {moe_layers} (one per MoE layer)")
         pinned = min(pinned, fit - moe_layers)
         slots = min(n_experts, (fit - pinned) // moe_layers)
+        if slots < top_k:
+            transient = min(top_k - 1, fit - pinned - moe_layers)
+            slots = (fit - pinned - transient) // moe_layers
+            transient = min(transient, top_k - slots)
     return Split(budget, dense, state, slots, slots * moe_layers * expert_nbytes, pinned, pinned * expert_nbytes,
-                 slots >= n_experts)
+                 slots >= n_experts, transient)
 
 
 # ----------------------------------------------------------------------------- bandwidths

@@ -4,7 +4,9 @@ Per MoE layer: a cache of `slots` experts under an eviction policy, plus the exp
 hot-store (chosen from the routing history, revised at turn boundaries with hysteresis). A layer
 asks for the *batch union* of its experts (`experts`): each one is read at most once; the reads
 start at once on the C I/O pool, and the layer computes the experts already resident while they
-run, then the read ones in groups as they arrive. Before that it asks the caller for its guess of
+run, then the read ones in groups as they arrive; misses past the layer's free slots (a cache under
+top-k slots a layer) are read at once into buffers of their own (`transient`), dropped once computed,
+up to the budget's allowance. Before that it asks the caller for its guess of
 a later layer's experts (router lookahead: the core's MoE block runs that layer's declared router
 on the current residual stream) and queues reads for them, so the next layer's reads overlap this
 layer's compute; each guess is scored when that layer runs, and a rank whose guesses for that layer
@@ -84,6 +86,7 @@ class StoreConfig:
     direct: bool = False  # read with O_DIRECT (falls back, with a warning, where refused)
     mirror: str | None = None  # a byte-identical copy of the container on another disk
     io_threads: int = 4  # threads of the C I/O pool
+    transient: int = 0  # reads a layer may have beyond its cache slots (buffers of their own, dropped once computed)
     record_usage: bool = True  # count routing in .coli_usage beside the model
     usage_path: str | None = None  # … or in this file instead
 
@@ -193,9 +196,18 @@ class ExpertStore:
                 ready[e] = self._tensors(layer, e, entry, stall=False)
             else:
                 waiting.append(e)
-        for e in waiting:  # demand reads first, as many as the cache has room for now
-            if e not in cache and e not in pinned and self._make_room(layer, protected, block=False, demand=True):
+        # demand reads first, as many as the cache has room for now; past that, while the layer needs
+        # more experts than its cache holds (a budget under top-k slots a layer), up to `transient`
+        # more into buffers of their own, dropped once computed, so that all of them are read at once
+        transient: dict[int, _Entry] = {}
+        for e in waiting:
+            if e in cache or e in pinned:
+                continue
+            if self._make_room(layer, protected, block=False, demand=True):
                 self._insert(layer, e, prefetched=False)
+            elif len(transient) < self.config.transient:
+                transient[e] = _Entry(read=self._submit(layer, e))
+                self._layer_reads.append(transient[e].read)
         if predict is not None and self.config.prefetch:
             self._lookahead(*predict)  # queued behind this layer's reads
         self._read_pinned()  # … and the hot-store behind both
@@ -205,24 +217,30 @@ class ExpertStore:
         # experts being read first: a deferred one may need the slot of one of them once computed.
         # Wait for the first still waiting; every other one whose read has finished meanwhile
         # joins its group, so the kernels run once per batch of arrivals, not once per expert.
-        waiting.sort(key=lambda e: e not in pinned and e not in cache)
-        while waiting:
-            e, waiting = waiting[0], waiting[1:]
-            entry = pinned.get(e) or cache.get(e)
-            if entry is None:  # deferred: the cache was full of experts this layer still needed
-                self._make_room(layer, protected, block=True, demand=True)
-                entry = self._insert(layer, e, prefetched=False)
-            group = {e: self._tensors(layer, e, entry, stall=True)}
-            still = []
-            for other in waiting:
-                entry = pinned.get(other) or cache.get(other)
-                if entry is not None and self._settled(entry):
-                    group[other] = self._tensors(layer, other, entry, stall=False)
-                else:
-                    still.append(other)
-            waiting = still
-            yield group
-            protected.difference_update(group)
+        held = lambda e: pinned.get(e) or cache.get(e) or transient.get(e)  # noqa: E731
+        waiting.sort(key=lambda e: held(e) is None)
+        try:
+            while waiting:
+                e, waiting = waiting[0], waiting[1:]
+                entry = held(e)
+                if entry is None:  # deferred: the cache was full of experts this layer still needed
+                    self._make_room(layer, protected, block=True, demand=True)
+                    entry = self._insert(layer, e, prefetched=False)
+                group = {e: self._tensors(layer, e, entry, stall=True)}
+                still = []
+                for other in waiting:
+                    entry = held(other)
+                    if entry is not None and self._settled(entry):
+                        group[other] = self._tensors(layer, other, entry, stall=False)
+                    else:
+                        still.append(other)
+                waiting = still
+                yield group
+                protected.difference_update(group)
+                for e in group:
+                    transient.pop(e, None)
+        finally:  # a pass that stopped early: reads of its own still in flight end as orphans
+            self._orphans += [entry.read for entry in transient.values() if entry.read is not None]
 
     def resident_table(self, layer: int, predict: tuple[int, Callable[[], np.ndarray | None]] | None = None):
         """The C table (kernels.ExpertTable) of every expert of `layer` when the layer holds all of
@@ -546,6 +564,7 @@ class ExpertStore:
             "mirror": str(self.config.mirror) if self.config.mirror else None,
             "mirror_in_use": len(self.sources) > 1,
             "io_threads": self.config.io_threads,
+            "transient_reads": self.config.transient,
             "history_tokens": self.usage.tokens if self.usage is not None else 0,
         }
 
