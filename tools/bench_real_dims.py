@@ -5,7 +5,8 @@ and streamed from disk.
     python tools/bench_real_dims.py make bench-data/glm52-slice --arch glm52 --layers 6
     python tools/bench_real_dims.py run bench-data/qwen36-int4 --ram 8GB|fit [--cache-slots N] [--warm]
         [--prompt 4] [--tokens 8] [--no-prefetch]
-    python tools/bench_real_dims.py lookahead bench-data/qwen36-int4 --ram 8GB [--rounds 6] [--same-prompt]
+    python tools/bench_real_dims.py alternate bench-data/qwen36-int4 lookahead|transient --ram 8GB [--rounds 6]
+        [--same-prompt]
 
 Architectures (`--arch`): `qwen36`, Qwen3.6-35B-A3B (the released config; every one of its 40 layers
 fits this machine: 17.9 GB); `glm52`, GLM-5.2 (the config the plugin's plan test reconstructs,
@@ -30,8 +31,9 @@ time: decode time less the I/O stall) and the bandwidth floor (the bytes a token
 `--warm` reads the hot-store and fills every layer's cache first (a steady state, not a cold start;
 without it the hot-store is read in the background while the measured tokens decode).
 
-`lookahead` measures the router lookahead against none in one warm engine, decode segments with it
-on and off taking turns, so the machine's drift and the cache's state hit both alike.
+`alternate` measures a store option against its absence in one warm engine, decode segments with it
+on and off taking turns, so the machine's drift and the cache's state hit both alike: the router
+lookahead, or the reads past the slots of a budget under top-k slots a layer.
 
 For a slice, every decoder layer is timed (GLM-5.2's `_decoder_layer`), and the whole model's decode
 step is *extrapolated*: the slice's step, plus each missing dense or MoE layer at the median time of
@@ -315,39 +317,49 @@ def run(model: Path, ram: str | None, slots: int | None, prompt_len: int, tokens
     return out
 
 
-def lookahead(model: Path, ram: str | None, slots: int | None, rounds: int, tokens: int, same_prompt: bool) -> dict:
-    """The router lookahead on and off in one warm engine, decode segments alternated (on, off, then
-    off, on, …): ms a token of each, with the misses and reads a token. Each segment decodes after a
-    new random prompt (some misses), or with `same_prompt` the same one every time (nearly all hits)."""
+# store options `alternate` can switch in a running engine: (StoreConfig field, its value when off)
+SWITCHES = {"lookahead": ("prefetch", False), "transient": ("transient", 0)}
+
+
+def alternate(model: Path, switch: str, ram: str | None, slots: int | None, rounds: int, tokens: int,
+              same_prompt: bool) -> dict:
+    """A store option on and off in one warm engine, decode segments alternated (on, off, then off,
+    on, …): ms a token of each, with the misses and reads a token. `switch`: "lookahead" (the router
+    lookahead) or "transient" (reads past the slots: a budget under top-k slots a layer). Each segment
+    decodes after a new random prompt (some misses), or with `same_prompt` the same one every time."""
     if ram == "fit":
         ram = str(int(available_memory() - HEADROOM))
     engine = load(model, ram=ram, cache_slots=slots, direct=True)
+    field, off = SWITCHES[switch]
+    on = getattr(engine.store.config, field)
+    if on == off:
+        raise SystemExit(f"{switch} is off at this budget already ({engine.store.slots} slots a layer): nothing to compare")
     engine.store.warm_up()
     for layer in engine.container.moe_layers:
         for e in range(engine.store.slots):
             engine.store.get(layer, e)
     rng = np.random.default_rng(0)
     first = [int(i) for i in rng.integers(0, engine.model.cfg.vocab_size, 4)]
-    keys = ("expert_misses", "reads", "prefetch_issued", "prefetch_used")
-    seconds, counts = {True: [], False: []}, {True: [], False: []}
+    keys = ("expert_misses", "reads", "prefetch_issued", "prefetch_used", "io_stall_seconds")
+    seconds, counts = {on: [], off: []}, {on: [], off: []}
     for r in range(rounds):
-        for on in (True, False) if r % 2 == 0 else (False, True):
-            engine.store.config.prefetch = on
+        for value in (on, off) if r % 2 == 0 else (off, on):
+            setattr(engine.store.config, field, value)
             prompt = first if same_prompt else [int(i) for i in rng.integers(0, engine.model.cfg.vocab_size, 4)]
             stream = engine.stream(prompt, tokens + 1, stop_ids=())
             next(stream)  # prefill
             before = engine.store.stats()
             t = time.perf_counter()
             n = sum(1 for _ in stream)
-            seconds[on].append((time.perf_counter() - t) / n)
+            seconds[value].append((time.perf_counter() - t) / n)
             after = engine.store.stats()
-            counts[on].append([(after[k] - before[k]) / n for k in keys])
+            counts[value].append([(after[k] - before[k]) / n for k in keys])
     engine.close()
-    return {("on" if on else "off"): {"ms_per_token": [round(x * 1e3, 1) for x in seconds[on]],
-                                      "median_ms_per_token": round(float(np.median(seconds[on])) * 1e3, 1),
-                                      **{f"{k}_per_token": round(float(np.median([c[i] for c in counts[on]])), 2)
-                                         for i, k in enumerate(keys)}}
-            for on in (True, False)}
+    return {f"{switch} {'on' if value == on else 'off'} ({field}={value})": {
+                "ms_per_token": [round(x * 1e3, 1) for x in seconds[value]],
+                "median_ms_per_token": round(float(np.median(seconds[value])) * 1e3, 1),
+                **{f"{k}_per_token": round(float(np.median([c[i] for c in counts[value]])), 3) for i, k in enumerate(keys)}}
+            for value in (on, off)}
 
 
 def main() -> None:
@@ -366,16 +378,17 @@ def main() -> None:
     r.add_argument("--tokens", type=int, default=8)
     r.add_argument("--no-prefetch", action="store_true", help="no router lookahead (the store reads on demand only)")
     r.add_argument("--keep-page-cache", action="store_true", help="read through the page cache (no O_DIRECT)")
-    la = sub.add_parser("lookahead", help="the router lookahead on and off, alternated in one warm engine")
-    la.add_argument("model", type=Path)
-    la.add_argument("--ram", default=None, help='budget ("8GB"), or "fit"')
-    la.add_argument("--cache-slots", type=int, default=None)
-    la.add_argument("--rounds", type=int, default=6, help="pairs of segments")
-    la.add_argument("--tokens", type=int, default=16, help="tokens a segment")
-    la.add_argument("--same-prompt", action="store_true", help="every segment after the same prompt (nearly all hits)")
+    al = sub.add_parser("alternate", help="a store option on and off, alternated in one warm engine")
+    al.add_argument("model", type=Path)
+    al.add_argument("switch", choices=sorted(SWITCHES))
+    al.add_argument("--ram", default=None, help='budget ("8GB"), or "fit"')
+    al.add_argument("--cache-slots", type=int, default=None)
+    al.add_argument("--rounds", type=int, default=6, help="pairs of segments")
+    al.add_argument("--tokens", type=int, default=16, help="tokens a segment")
+    al.add_argument("--same-prompt", action="store_true", help="every segment after the same prompt (nearly all hits)")
     a = ap.parse_args()
-    if a.cmd == "lookahead":
-        print(json.dumps(lookahead(a.model, a.ram, a.cache_slots, a.rounds, a.tokens, a.same_prompt), indent=1))
+    if a.cmd == "alternate":
+        print(json.dumps(alternate(a.model, a.switch, a.ram, a.cache_slots, a.rounds, a.tokens, a.same_prompt), indent=1))
     elif a.cmd == "make":
         make(a.dst, a.arch, a.layers or ARCHS[a.arch].layers)
     else:
