@@ -257,20 +257,30 @@ def whole_model(engine, arch: Arch, clock: LayerClock, out: dict, steps: int, by
     }
 
 
+def budget(ram: str | None) -> str | None:
+    """`ram` as `load` takes it; "fit" is the largest budget that leaves HEADROOM of the machine's
+    available memory to others."""
+    return str(int(available_memory() - HEADROOM)) if ram == "fit" else ram
+
+
+def warm(engine) -> None:
+    """Read the hot-store and fill every layer's cache (a steady state, not a cold start)."""
+    engine.store.warm_up()
+    for layer in engine.container.moe_layers:
+        for e in range(engine.store.slots):
+            engine.store.get(layer, e)
+
+
 def run(model: Path, ram: str | None, slots: int | None, prompt_len: int, tokens: int, keep_cache: bool,
-        warm: bool = False, prefetch: bool = True) -> dict:
+        warm_start: bool = False, prefetch: bool = True) -> dict:
     paths = sorted(str(p) for p in (model / "experts").glob("*.bin"))
-    if ram == "fit":  # the largest budget that leaves HEADROOM of the machine's available memory to others
-        ram = str(int(available_memory() - HEADROOM))
+    ram = budget(ram)
     engine = load(model, ram=ram, cache_slots=slots, direct=not keep_cache, prefetch=prefetch)  # O_DIRECT: every miss reads the disk
     c = engine.container
     arch = ARCHS[c.architecture]
     disk = disk_bandwidth(c)
-    if warm:  # fill the hot-store and every layer's cache before measuring (steady state, not a cold start)
-        engine.store.warm_up()
-        for layer in c.moe_layers:
-            for e in range(engine.store.slots):
-                engine.store.get(layer, e)
+    if warm_start:
+        warm(engine)
     drop_file_pages(paths)
     sliced = engine.model.cfg.num_hidden_layers < arch.layers
     clock = LayerClock(engine.model) if sliced and hasattr(engine.model, "_decoder_layer") else None
@@ -298,7 +308,7 @@ def run(model: Path, ram: str | None, slots: int | None, prompt_len: int, tokens
     per_tok = decode / steps
     out = {
         "architecture": c.architecture, "layers": engine.model.cfg.num_hidden_layers,
-        "ram": ram, "warm_start": warm, "cache_slots_per_layer": s.slots, "experts_per_layer": c.n_experts,
+        "ram": ram, "warm_start": warm_start, "cache_slots_per_layer": s.slots, "experts_per_layer": c.n_experts,
         "resident_gb": engine.resident_bytes / 1e9, "cache_gb_full": s.slots * len(c.moe_layers) * c.expert_nbytes / 1e9,
         "disk_gbps": disk / 1e9, "mem_gbps": mem / 1e9,
         "prompt_tokens": prompt_len, "prefill_s": prefill, "decode_tokens": steps,
@@ -327,17 +337,12 @@ def alternate(model: Path, switch: str, ram: str | None, slots: int | None, roun
     on, …): ms a token of each, with the misses and reads a token. `switch`: "lookahead" (the router
     lookahead) or "transient" (reads past the slots: a budget under top-k slots a layer). Each segment
     decodes after a new random prompt (some misses), or with `same_prompt` the same one every time."""
-    if ram == "fit":
-        ram = str(int(available_memory() - HEADROOM))
-    engine = load(model, ram=ram, cache_slots=slots, direct=True)
+    engine = load(model, ram=budget(ram), cache_slots=slots, direct=True)
     field, off = SWITCHES[switch]
     on = getattr(engine.store.config, field)
     if on == off:
         raise SystemExit(f"{switch} is off at this budget already ({engine.store.slots} slots a layer): nothing to compare")
-    engine.store.warm_up()
-    for layer in engine.container.moe_layers:
-        for e in range(engine.store.slots):
-            engine.store.get(layer, e)
+    warm(engine)
     rng = np.random.default_rng(0)
     first = [int(i) for i in rng.integers(0, engine.model.cfg.vocab_size, 4)]
     keys = ("expert_misses", "reads", "prefetch_issued", "prefetch_used", "io_stall_seconds")

@@ -217,7 +217,9 @@ class ExpertStore:
         # experts being read first: a deferred one may need the slot of one of them once computed.
         # Wait for the first still waiting; every other one whose read has finished meanwhile
         # joins its group, so the kernels run once per batch of arrivals, not once per expert.
-        held = lambda e: pinned.get(e) or cache.get(e) or transient.get(e)  # noqa: E731
+        def held(e: int) -> _Entry | None:
+            return pinned.get(e) or cache.get(e) or transient.get(e)
+
         waiting.sort(key=lambda e: held(e) is None)
         try:
             while waiting:
@@ -237,8 +239,8 @@ class ExpertStore:
                 waiting = still
                 yield group
                 protected.difference_update(group)
-                for e in group:
-                    transient.pop(e, None)
+                for computed in group:
+                    transient.pop(computed, None)
         finally:  # a pass that stopped early: reads of its own still in flight end as orphans
             self._orphans += [entry.read for entry in transient.values() if entry.read is not None]
 
