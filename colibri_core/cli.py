@@ -133,7 +133,7 @@ def store_report(engine) -> str:
             f"prefetch_used {s['prefetch_used']} · prefetch_skipped {s['prefetch_skipped']} · "
             f"prefetch_recall {100 * s['prefetch_recall']:.1f}% · "
             f"io_stall_seconds {s['io_stall_seconds']:.3f}\n"
-            f"cache {s['cache_slots_per_layer']} slots/layer ({s['policy']}) · pinned {s['pinned_experts']} experts "
+            f"cache {s['cache_slots_per_layer']} slots/layer ({s['policy']}), {s['transient_reads']} reads past them · pinned {s['pinned_experts']} experts "
             f"({format_bytes(s['pinned_bytes'])}) · direct I/O {'on' if s['direct_io'] else 'off'} · mirror "
             f"{s['mirror'] if s['mirror_in_use'] else 'off'} · history {s['history_tokens']} tokens · activations "
             f"{s['activations']} · KV cache {s['kv_cache']}\n"
