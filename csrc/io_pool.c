@@ -69,21 +69,59 @@ uint32_t io_crc32_portable(uint32_t crc, const void *data, int64_t nbytes) {
 
 // ---- crc32 by carry-less multiplication (Gopal et al., "Fast CRC Computation for Generic
 // Polynomials Using PCLMULQDQ", Intel 2009): four 128-bit lanes folded forward 512 bits at a time,
-// folded into one lane, then 128 -> 64 -> 32 bits and a Barrett reduction. The constants are
-// x^k mod P(x) for the bit-reflected zlib polynomial. 6.8 GB/s against the tables' 1.5 GB/s here, so
-// the I/O threads' checksums take little of the cores the kernels compute on.
-// `c` is the inverted crc; nbytes >= 64 and a multiple of 16.
-CLMUL static uint32_t crc_clmul(uint32_t c, const unsigned char *p, int64_t nbytes) {
+// folded into one lane, then 128 -> 64 -> 32 bits and a Barrett reduction. A fold forward by D bits
+// multiplies by x^(D+32) and x^(D-32) mod P(x) (the low and high constant), for zlib's polynomial
+// bit-reflected and shifted left by one. 6.8 GB/s against the tables' 1.5 GB/s here, so the I/O
+// threads' checksums take little of the cores the kernels compute on.
+
+#define VPCLMUL __attribute__((target("vpclmulqdq,avx512f")))
+// crc_clmul's folds 4 x 512 bits at a time, by AVX-512's 512-bit carry-less multiply (a 512-bit
+// register is four 128-bit lanes): 256 bytes a step instead of 64. Reads the whole 256-byte blocks of
+// p[0, nbytes), nbytes >= 256, and leaves in x[0..3] the 4 lanes crc_clmul keeps, as if it had
+// read those bytes itself; returns how many it read. One Zen 4 core: 14 -> 55 GB/s in L2, and from
+// memory 14 -> 30, the speed one core reads at.
+VPCLMUL static int64_t crc_fold_2048(__m128i x[4], uint32_t c, const unsigned char *p, int64_t nbytes) {
+    const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x1322d1430, 0x11542778a));
+    const __m512i k512 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x1c6e41596, 0x154442bd4));
+    __m512i z[4];
+    for (int i = 0; i < 4; i++) z[i] = _mm512_loadu_si512(p + 64 * i);
+    z[0] = _mm512_xor_si512(z[0], _mm512_castsi128_si512(_mm_cvtsi32_si128((int)c)));
+    int64_t done = 256;
+    for (; nbytes - done >= 256; done += 256) {
+        for (int i = 0; i < 4; i++) {
+            __m512i lo = _mm512_clmulepi64_epi128(z[i], k2048, 0x00), hi = _mm512_clmulepi64_epi128(z[i], k2048, 0x11);
+            z[i] = _mm512_ternarylogic_epi64(lo, hi, _mm512_loadu_si512(p + done + 64 * i), 0x96);  // lo ^ hi ^ data
+        }
+    }
+    for (int i = 1; i < 4; i++) {  // the four 64-byte lanes into the last one, each 512 bits before the next
+        __m512i lo = _mm512_clmulepi64_epi128(z[i - 1], k512, 0x00), hi = _mm512_clmulepi64_epi128(z[i - 1], k512, 0x11);
+        z[i] = _mm512_ternarylogic_epi64(lo, hi, z[i], 0x96);
+    }
+    x[0] = _mm512_castsi512_si128(z[3]);
+    x[1] = _mm512_extracti32x4_epi32(z[3], 1);
+    x[2] = _mm512_extracti32x4_epi32(z[3], 2);
+    x[3] = _mm512_extracti32x4_epi32(z[3], 3);
+    return done;
+}
+
+// `c` is the inverted crc; nbytes >= 64 and a multiple of 16. `wide`: fold by crc_fold_2048 first.
+CLMUL static uint32_t crc_clmul(uint32_t c, const unsigned char *p, int64_t nbytes, int wide) {
     const __m128i k512 = _mm_set_epi64x(0x1c6e41596, 0x154442bd4);  // fold forward 512 bits
     const __m128i k128 = _mm_set_epi64x(0x0ccaa009e, 0x1751997d0);  // fold 128 bits
     const __m128i k64 = _mm_set_epi64x(0, 0x163cd6124);             // 64 -> 32 bits
     const __m128i barrett = _mm_set_epi64x(0x1f7011641, 0x1db710641);  // mu, P(x)
     const __m128i low32 = _mm_setr_epi32(~0, 0, ~0, 0);
     __m128i x[4];
-    for (int i = 0; i < 4; i++) x[i] = _mm_loadu_si128((const __m128i *)(p + 16 * i));
-    x[0] = _mm_xor_si128(x[0], _mm_cvtsi32_si128((int)c));
-    p += 64;
-    nbytes -= 64;
+    if (wide && nbytes >= 256) {
+        int64_t done = crc_fold_2048(x, c, p, nbytes);
+        p += done;
+        nbytes -= done;
+    } else {
+        for (int i = 0; i < 4; i++) x[i] = _mm_loadu_si128((const __m128i *)(p + 16 * i));
+        x[0] = _mm_xor_si128(x[0], _mm_cvtsi32_si128((int)c));
+        p += 64;
+        nbytes -= 64;
+    }
     for (; nbytes >= 64; p += 64, nbytes -= 64) {
         for (int i = 0; i < 4; i++) {
             __m128i lo = _mm_clmulepi64_si128(x[i], k512, 0x00), hi = _mm_clmulepi64_si128(x[i], k512, 0x11);
@@ -108,30 +146,36 @@ CLMUL static uint32_t crc_clmul(uint32_t c, const unsigned char *p, int64_t nbyt
     return (uint32_t)_mm_extract_epi32(_mm_xor_si128(a, t), 1);
 }
 
-static int crc_clmul_ok;
+static int crc_clmul_ok, crc_wide_ok;
 static pthread_once_t clmul_once = PTHREAD_ONCE_INIT;
 static void clmul_init(void) {
     __builtin_cpu_init();
     crc_clmul_ok = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+    crc_wide_ok = crc_clmul_ok && __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx512f");
 }
 #else
 #define CRC_CLMUL 0
 #endif
 
-uint32_t io_crc32(uint32_t crc, const void *data, int64_t nbytes) {
+static uint32_t crc32_up_to(uint32_t crc, const void *data, int64_t nbytes, int wide) {
     const unsigned char *p = data;
     uint32_t c = ~crc;
 #if CRC_CLMUL
     pthread_once(&clmul_once, clmul_init);
     if (crc_clmul_ok && nbytes >= 64) {
         int64_t head = nbytes & ~(int64_t)15;
-        c = crc_clmul(c, p, head);
+        c = crc_clmul(c, p, head, wide && crc_wide_ok);
         p += head;
         nbytes -= head;
     }
+#else
+    (void)wide;
 #endif
     return ~crc_slicing(c, p, nbytes);
 }
+
+uint32_t io_crc32(uint32_t crc, const void *data, int64_t nbytes) { return crc32_up_to(crc, data, nbytes, 1); }
+uint32_t io_crc32_clmul128(uint32_t crc, const void *data, int64_t nbytes) { return crc32_up_to(crc, data, nbytes, 0); }
 
 static double now(void) {
     struct timespec ts;

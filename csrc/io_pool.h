@@ -60,6 +60,7 @@ int io_close(int fd);
 int io_probe(int fd, int64_t nbytes);
 uint32_t io_crc32(uint32_t crc, const void *data, int64_t nbytes);  // zlib.crc32(data, crc)
 uint32_t io_crc32_portable(uint32_t crc, const void *data, int64_t nbytes);  // the same, tables only
+uint32_t io_crc32_clmul128(uint32_t crc, const void *data, int64_t nbytes);  // the same, no 512-bit folds
 void *io_alloc(int64_t nbytes);              // 4096-aligned, NULL when out of memory; may reuse a freed one
 void io_free(void *buf);                     // its memory is reused for the next buffer of its size
 // Read nbytes at offset into buf on the calling thread (GIL released): bytes read or -errno.

@@ -723,17 +723,19 @@ def test_measured_floor_reads_whole_extents_and_carries_the_rest(model):
         reads.close()
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 63, 64, 65, 79, 80, 127, 128, 129, 4095, 8192 + 13])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 63, 64, 65, 79, 80, 127, 128, 129, 255, 256, 257, 511,
+                               512 + 16, 4095, 8192 + 13, (1 << 20) + 77])
 def test_io_crc32_matches_zlib(n, tmp_path):
-    """The I/O threads' crc32 (csrc/io_pool.c: carry-less multiply where the CPU has it, else the
-    tables) and its table-only version against the reference, zlib.crc32, at awkward sizes; and the
-    extent checksum a read computes (leaving out the trailer's crc field) against reader.extent_crc."""
+    """The I/O threads' crc32 (csrc/io_pool.c: carry-less multiply, 512-bit folds where the CPU has
+    them, else the tables), its 128-bit and table-only versions against the reference, zlib.crc32,
+    at awkward sizes; and the extent checksum a read computes (leaving out the trailer's crc field)
+    against reader.extent_crc."""
     import zlib
 
     from colibri_core.container.reader import extent_crc
 
     data = os.urandom(n)
-    for crc in (io.lib.io_crc32, io.lib.io_crc32_portable):
+    for crc in (io.lib.io_crc32, io.lib.io_crc32_clmul128, io.lib.io_crc32_portable):
         assert crc(0, data, n) == zlib.crc32(data)
         assert crc(7, data, n) == zlib.crc32(data, 7)
         assert crc(0xFFFFFFFF, data, n) == zlib.crc32(data, 0xFFFFFFFF)
