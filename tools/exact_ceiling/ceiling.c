@@ -45,8 +45,8 @@ static float tree16(const float *l) {
 // reads them ([row][group][4][16]); x: the group-ordered activations (Acts.xf). 4 rows side by side,
 // each group's activations loaded once for all 4 (the kernel runs one row at a time: this is the
 // faster arrangement). Row r + k and group g take the floats of row (r + k) & rmask, group g & gmask:
-// every one (~0, ~0) for the bits, or 4 rows x 4 groups (3, 3) to time it from L1, so that no more
-// is read per group than the kernel reads.
+// every one (~0, ~0) for the bits, or 4 rows x 4 groups (3, 3) to time it: its floats, 8 times the
+// kernel's bytes, then come from L1 instead of L2.
 __attribute__((target("avx512f"))) static void arithmetic4_512(const float *q, int rmask, int gmask, const float *x,
                                                                   const float *scale, float *y) {
     for (int r = 0; r < ROWS; r += 4) {
