@@ -7,8 +7,8 @@
 //
 // Buffers come from io_alloc: 4096-byte aligned, as O_DIRECT requires of the buffer, the file
 // offset and the length (expert extents are 4096-aligned multiples of 4096); from 2 MB on, back to
-// back in huge-page slabs (io_pool.c says why). Freed buffers of the sizes being read are reused (a
-// read overwrites every byte it is checked on).
+// back in huge-page slabs (io_pool.c says why, and when they take 4 KB pages instead). Freed
+// buffers of the sizes being read are reused (a read overwrites every byte it is checked on).
 //
 // This header is also cffi's cdef (colibri_core/kernels/_build.py drops the lines starting with
 // '#'): keep it to plain declarations.
@@ -63,6 +63,11 @@ uint32_t io_crc32_portable(uint32_t crc, const void *data, int64_t nbytes);  // 
 uint32_t io_crc32_clmul128(uint32_t crc, const void *data, int64_t nbytes);  // the same, no 512-bit folds
 void *io_alloc(int64_t nbytes);              // 4096-aligned, NULL when out of memory; may reuse a freed one
 void io_free(void *buf);                     // its memory is reused for the next buffer of its size
+// Huge-page slabs until faulting them in costs more than this (s per GB, negative: the default;
+// io_pool.c): sets the limit and forgets what was measured. Whether later slabs take 4 KB pages:
+void io_slab_fault_limit(double seconds_per_gb);
+int io_slab_small_pages(void);
+void io_pool_keep_huge_pages(IoPool *pool);  // this pool's reads never time (nor switch) them
 // Read nbytes at offset into buf on the calling thread (GIL released): bytes read or -errno.
 int64_t io_pread_all(int fd, void *buf, int64_t nbytes, int64_t offset);
 

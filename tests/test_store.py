@@ -1,7 +1,10 @@
 """The tiered expert store: placement never changes an output; history, hot-store, prefetch,
 O_DIRECT, mirror and policies; faults give a warning or a clear error, never a wrong token."""
+import gc
 import json
 import os
+import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -794,6 +797,59 @@ def test_io_pool_reads_extents_of_several_megabytes(tmp_path):
         assert err is None and bytes(buf) == data[4096:], f"direct={direct} (refused: {refused})"
         io.close_fd(fd)
     pool.close()
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping holding `addr` (/proc/self/smaps): "hg" huge pages asked for, "nh" refused."""
+    start = None
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            start = lo <= addr < hi
+        elif start and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _linux_at_least(*version: int) -> bool:
+    m = re.match(r"(\d+)\.(\d+)", platform.release())
+    return sys.platform.startswith("linux") and m is not None and tuple(map(int, m.groups())) >= version
+
+
+@pytest.mark.skipif(not _linux_at_least(5, 14), reason=f"slabs fault their buffers in with MADV_POPULATE_WRITE, "
+                    f"Linux 5.14+ only; this is {platform.system()} {platform.release()}")
+def test_slabs_take_small_pages_once_huge_ones_fault_slowly(tmp_path):
+    """The I/O thread faults each fresh buffer of a huge-page slab in before reading into it, timed;
+    once 64 MB of them cost more than the limit, later slabs take 4 KB pages — the same bytes read.
+    Limit 0: every fault is slow; a limit no fault reaches: huge pages stay; a pool filling a cache
+    of every expert (`keep_huge_pages`) times nothing, so keeps them at limit 0 too."""
+    lib, addr, page = io.lib, lambda read: int(io.ffi.cast("uintptr_t", read.ptr)), 4096
+    data = os.urandom((4 << 20) + 6 * page)
+    f = tmp_path / "extent.bin"
+    f.write_bytes(data)
+    fd, _ = io.open_expert_file(str(f), False)
+    try:  # sizes of their own (4 MB + 6 … 1 pages): fresh slabs, whatever other tests left
+        for pages, limit, keep, small in ((6, 1e9, False, False), (4, 0.0, True, False), (2, 0.0, False, True)):
+            n = (4 << 20) + pages * page
+            lib.io_slab_fault_limit(limit)
+            pool = io.IOPool(threads=2, keep_huge_pages=keep)
+            reads = [pool.submit(fd, 0, n) for _ in range(17)]  # 68 MB into fresh huge-page buffers
+            for r in reads:
+                pool.wait(r)
+                assert bytes(pool.result(r)[0]) == data[:n]
+            assert "hg" in _vm_flags(addr(reads[0])) and bool(lib.io_slab_small_pages()) == small
+            later = pool.submit(fd, 0, n - page)  # a new size: a new slab
+            pool.wait(later)
+            assert bytes(pool.result(later)[0]) == data[: n - page]
+            assert ("nh" if small else "hg") in _vm_flags(addr(later))
+            pool.close()
+            del reads, later
+            gc.collect()
+    finally:
+        lib.io_slab_fault_limit(-1)  # the default, nothing measured
+        io.close_fd(fd)
+    assert not lib.io_slab_small_pages()
 
 
 def test_bench_callback_leaves_other_bench_subcommands_alone():

@@ -61,9 +61,11 @@ class ReadGroup:
 
 
 class IOPool:
-    """Worker threads reading extents with pread; `threads` reads in parallel."""
+    """Worker threads reading extents with pread; `threads` reads in parallel. Buffers from 2 MB on
+    come in huge pages until faulting them in proves slow (csrc/io_pool.c), unless
+    `keep_huge_pages` (a cache that will hold every expert: faulted once, read every token)."""
 
-    def __init__(self, threads: int = 4):
+    def __init__(self, threads: int = 4, keep_huge_pages: bool = False):
         self._pool = None  # until the threads start: `close` (and `__del__`) of a pool that never did
         self._inflight: set[Read] = set()
         if threads < 1:
@@ -73,6 +75,8 @@ class IOPool:
         if pool == ffi.NULL:
             raise ColibriError(f"cannot start {threads} I/O threads")
         self._pool = pool
+        if keep_huge_pages:  # reads filling a cache of every expert once: csrc/io_pool.c says why
+            lib.io_pool_keep_huge_pages(pool)
 
     def submit(self, fd: int, offset: int, nbytes: int, *, layer=-1, expert=-1, source=None, path="",
                crc_hole: tuple[int, int] | None = None, buffer=None) -> Read:

@@ -142,7 +142,7 @@ class ExpertStore:
             else:
                 self.sources[0].fd(layers[0]) if layers else None  # O_DIRECT refused: say so now
             self.usage = UsageHistory(container, cfg.usage_path) if cfg.record_usage else None
-            self.pool = IOPool(cfg.io_threads)
+            self.pool = IOPool(cfg.io_threads, keep_huge_pages=self.slots == container.n_experts)
             if cfg.pinned and self.usage is not None:
                 self._repin()
         except BaseException:
