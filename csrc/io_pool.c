@@ -356,8 +356,8 @@ int io_probe(int fd, int64_t nbytes) {
 // the I/O thread faults each fresh buffer of a huge-page slab in itself (MADV_POPULATE_WRITE) before
 // reading into it, timing it; once HUGE_FAULT_SAMPLE bytes cost more than HUGE_FAULT_SLOW, later
 // slabs take 4 KB pages. Buffers already faulted in are reused as they are. A pool whose reads fill
-// a cache of every expert once (a resident model: io_pool_keep_huge_pages) times nothing: its
-// faults are paid once, at load, and its TLB entries every token.
+// a cache of every expert once (a resident model: io_pool_keep_huge_pages) times nothing, and its
+// slabs take huge pages: its faults are paid once, at load, and its TLB entries every token.
 #define HUGE_PAGE ((size_t)2 << 20)
 #define SLAB_BYTES ((size_t)64 << 20)
 #define HUGE_FAULT_SLOW 0.8              // s per GB: faulting huge pages slower than this, 4 KB pages after
@@ -475,7 +475,10 @@ void io_slab_fault_limit(double seconds_per_gb) {
 
 int io_slab_small_pages(void) { return small_pages; }
 
-void io_pool_keep_huge_pages(IoPool *pool) { pool->keep_huge = 1; }
+void io_pool_keep_huge_pages(IoPool *pool) {
+    pool->keep_huge = 1;
+    io_slab_fault_limit(fault_slow);  // forgets an earlier pool's decision: its slabs take huge pages
+}
 
 static int slab_free(void *buf) {  // buffers_lock held; 0 when buf is not a slab's
     for (Slab **link = &slabs; *link; link = &(*link)->next) {

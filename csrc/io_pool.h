@@ -67,7 +67,7 @@ void io_free(void *buf);                     // its memory is reused for the nex
 // io_pool.c): sets the limit and forgets what was measured. Whether later slabs take 4 KB pages:
 void io_slab_fault_limit(double seconds_per_gb);
 int io_slab_small_pages(void);
-void io_pool_keep_huge_pages(IoPool *pool);  // this pool's reads never time (nor switch) them
+void io_pool_keep_huge_pages(IoPool *pool);  // huge pages again; this pool's reads never time them
 // Read nbytes at offset into buf on the calling thread (GIL released): bytes read or -errno.
 int64_t io_pread_all(int fd, void *buf, int64_t nbytes, int64_t offset);
 

@@ -834,6 +834,7 @@ def test_slabs_take_small_pages_once_huge_ones_fault_slowly(tmp_path):
             n = (4 << 20) + pages * page
             lib.io_slab_fault_limit(limit)
             pool = io.IOPool(threads=2, keep_huge_pages=keep)
+            assert not lib.io_slab_small_pages()
             reads = [pool.submit(fd, 0, n) for _ in range(17)]  # 68 MB into fresh huge-page buffers
             for r in reads:
                 pool.wait(r)
@@ -846,6 +847,9 @@ def test_slabs_take_small_pages_once_huge_ones_fault_slowly(tmp_path):
             pool.close()
             del reads, later
             gc.collect()
+        assert lib.io_slab_small_pages()  # a pool keeping huge pages forgets an earlier pool's switch
+        io.IOPool(threads=1, keep_huge_pages=True).close()
+        assert not lib.io_slab_small_pages()
     finally:
         lib.io_slab_fault_limit(-1)  # the default, nothing measured
         io.close_fd(fd)
