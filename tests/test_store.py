@@ -731,25 +731,31 @@ def test_measured_floor_reads_whole_extents_and_carries_the_rest(model):
 def test_io_crc32_matches_zlib(n, tmp_path):
     """The I/O threads' crc32 (csrc/io_pool.c: carry-less multiply, 512-bit folds where the CPU has
     them, else the tables), its 128-bit and table-only versions against the reference, zlib.crc32,
-    at awkward sizes; and the extent checksum a read computes (leaving out the trailer's crc field)
-    against reader.extent_crc."""
+    at awkward sizes, and the container's Python checksums built on it (reader.crc32 of bytes, a
+    slice and an array); and the extent checksum a read computes (leaving out the trailer's crc
+    field) and reader.extent_crc against zlib's of the same bytes."""
     import zlib
 
-    from colibri_core.container.reader import extent_crc
+    from colibri_core.container.reader import crc32, extent_crc
 
     data = os.urandom(n)
     for crc in (io.lib.io_crc32, io.lib.io_crc32_clmul128, io.lib.io_crc32_portable):
         assert crc(0, data, n) == zlib.crc32(data)
         assert crc(7, data, n) == zlib.crc32(data, 7)
         assert crc(0xFFFFFFFF, data, n) == zlib.crc32(data, 0xFFFFFFFF)
+    assert crc32(data) == zlib.crc32(data) and crc32(data, 7) == zlib.crc32(data, 7)
+    assert crc32(memoryview(data)[n // 3:]) == zlib.crc32(data[n // 3:])
+    words = np.frombuffer(data[: n // 4 * 4], dtype=np.float32).reshape(-1, 1)
+    assert crc32(words) == zlib.crc32(words)
     if n >= 16:
+        assert extent_crc(data) == zlib.crc32(data[n - 12:], zlib.crc32(data[: n - 16]))
         f = tmp_path / "extent.bin"
         f.write_bytes(data)
         pool = io.IOPool(1)
         fd, _ = io.open_expert_file(str(f), False)
         r = pool.submit(fd, 0, n, crc_hole=(n - 16, 4))
         pool.wait(r)
-        assert r.req.crc == extent_crc(data)
+        assert r.req.crc == zlib.crc32(data[n - 12:], zlib.crc32(data[: n - 16]))
         io.close_fd(fd)
         pool.close()
 

@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import sys
-import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from ..fsio import fsync_dir, write_atomic
 from ..layout import PROJS, ContainerLayout
 from .reader import (
     ARRAY, COPIED_FILES, EXTENT_ALIGN, FORMAT, FORMAT_VERSION, MANIFEST, READABLE_DTYPES, RESIDENT_FILE,
-    SCALES_SUFFIX, ST_NAME, TRAILER, TRAILER_MAGIC, SafetensorsFile, crc32_file, expert_extent,
+    SCALES_SUFFIX, ST_NAME, TRAILER, TRAILER_MAGIC, SafetensorsFile, crc32, crc32_file, expert_extent,
     expert_file_name, extent_crc, manifest_checksum_line, one_line,
 )
 
@@ -318,7 +317,7 @@ class _CrcWriter:
 
     def write(self, data) -> None:
         self.f.write(data)
-        self.crc = zlib.crc32(data, self.crc)
+        self.crc = crc32(data, self.crc)
         self.size += len(data)
 
     def close(self) -> dict:
