@@ -481,24 +481,21 @@ void io_pool_keep_huge_pages(IoPool *pool) {
 }
 
 static int slab_free(void *buf) {  // buffers_lock held; 0 when buf is not a slab's
-    for (Slab **link = &slabs; *link; link = &(*link)->next) {
-        Slab *s = *link;
-        if ((char *)buf < s->base || (char *)buf >= s->base + s->len) continue;
-        s->busy[((char *)buf - s->base) / s->stride] = 0;
-        if (--s->used == 0) {  // kept (a read of its size may follow at once); an older empty one goes
-            for (link = &slabs; *link; link = &(*link)->next) {
-                Slab *old = *link;
-                if (old != s && old->used == 0) {
-                    *link = old->next;
-                    munmap(old->base, old->len);
-                    free(old);
-                    break;
-                }
+    Slab *s = slab_of(buf);
+    if (!s) return 0;
+    s->busy[((char *)buf - s->base) / s->stride] = 0;
+    if (--s->used == 0) {  // kept (a read of its size may follow at once); an older empty one goes
+        for (Slab **link = &slabs; *link; link = &(*link)->next) {
+            Slab *old = *link;
+            if (old != s && old->used == 0) {
+                *link = old->next;
+                munmap(old->base, old->len);
+                free(old);
+                break;
             }
         }
-        return 1;
     }
-    return 0;
+    return 1;
 }
 
 static int64_t *size_of(void *buf) { return (int64_t *)((char *)buf - IO_ALIGN); }
