@@ -726,6 +726,28 @@ def test_measured_floor_reads_whole_extents_and_carries_the_rest(model):
         reads.close()
 
 
+def test_measured_floor_does_not_read_again_the_disk_probes_extents(model, tmp_path, monkeypatch):
+    """The bench's disk probe and its measured floor draw their random extents independently: below
+    O_DIRECT a cache (a VM host's page cache) may still hold what the probe read minutes before,
+    and reading the same extents again, in the same order, would flatter the floor."""
+    from colibri_core.bench import model as bench
+
+    drawn = []  # the extent indices each _TokenReads drew, in order
+
+    class Recorded(bench._TokenReads):
+        def __init__(self, container, seed=0):
+            super().__init__(container, seed)
+            mine, pick = [], self.rng.randrange
+            drawn.append(mine)
+            self.rng.randrange = lambda n: mine.append(pick(n)) or mine[-1]
+
+    monkeypatch.setattr(bench, "_TokenReads", Recorded)
+    bench.run_protocol(copy_model(model, tmp_path / "m"), fractions=(0.5,), n_prompts=1, prompt_tokens=2,
+                       new_tokens=3, drop=False, say=lambda msg: None)
+    probe, floor = drawn
+    assert len(probe) >= 8 and len(floor) >= 8 and floor[:8] != probe[:8]
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 63, 64, 65, 79, 80, 127, 128, 129, 255, 256, 257, 511,
                                512 + 16, 4095, 8192 + 13, (1 << 20) + 77])
 def test_io_crc32_matches_zlib(n, tmp_path):

@@ -18,7 +18,8 @@
    time per token next to the floor max(bytes read ÷ disk bandwidth, resident compute time).
 5. The measured floor: every prompt again on an engine with every expert cached, while the I/O
    pool reads, for each decoded token, as many bytes as the session read per token (random expert
-   extents, whole and checksummed, O_DIRECT where allowed, as the store reads), every read started
+   extents, whole and checksummed, O_DIRECT where allowed, as the store reads; drawn apart from
+   step 1's, which a cache below O_DIRECT may still hold), every read started
    with its token and waited for at its end. That is compute and reads perfectly overlapped with
    no store at all: what this machine allows for those bytes. The formula floor above assumes a
    read costs no CPU; on a small VM it does (the hypervisor's disk emulation takes the vCPUs' time),
@@ -364,7 +365,9 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
     with load(model_dir, cache_slots=sizes.n_experts, usage=False, prefetch=False) as engine:
         for i, p in enumerate(prompts):  # read every expert the prompts route to
             _run(engine, p, new_tokens, seed + i)
-        reads = _TokenReads(c, seed)
+        # not the disk probe's random extents (seed): where a cache sits below O_DIRECT (a VM host's
+        # page cache), reading again the very extents the probe read would flatter the floor
+        reads = _TokenReads(c, seed + 1)
         say("measured floor: every expert cached, reading each session's bytes per token meanwhile "
             "(random extents, started with each token, waited for at its end):")
         try:
