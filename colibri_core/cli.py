@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -39,7 +40,7 @@ SlotsOpt = typer.Option(None, "--cache-slots", help="Expert cache slots per laye
 PrefetchOpt = typer.Option(True, "--prefetch/--no-prefetch", help="Router lookahead: read the next layer's predicted experts early.")
 DirectOpt = typer.Option(False, "--direct", help="Read experts with O_DIRECT (bypass the page cache; falls back with a warning where refused).")
 MirrorOpt = typer.Option(None, "--mirror", help="A byte-identical copy of the model on another disk to read experts from too.")
-PinOpt = typer.Option(None, "--pin-gb", help="Hot-store size in GB for the most-routed experts (default: 3/4 of the expert budget once there is routing history; 0: off).")
+PinOpt = typer.Option(None, "--pin-gb", help="Hot-store size in GB for the most-routed experts (default: up to 3/4 of the expert budget once there is routing history, the share under which replaying it misses least; 0: off).")
 PolicyOpt = typer.Option("lru", "--policy", help="Expert cache eviction policy: lru, lfu, or one a plugin registers.")
 ActivationsOpt = typer.Option(None, "--activations", envvar="COLIBRI_ACTIVATIONS", help="The matrix products' arithmetic: f32 "
                               "(exact, the oracle's; default) or int8 (activations quantised per block of 64: faster, a "
@@ -558,11 +559,13 @@ def plan(
 
         c = Container(model)
         disk_bw, direct = (given_disk, None) if given_disk else bw.disk_bandwidth([c.expert_location(layer, 0)[0] for layer in c.moe_layers])
-        history, where = UsageHistory.enough(c), str(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a damaged history is the engine's to report; here it plans none
+            history, where = UsageHistory(c), str(model)
     else:
         sizes, report = sizes_from_config(config, quant, kv_cache)
         disk_bw, direct = (given_disk, None) if given_disk else bw.disk_bandwidth_at(config.resolve().parent)
-        history, where = False, str(config)
+        history, where = None, str(config)
     mem_bw = float(parse_size(mem_bw)) if mem_bw is not None else bw.memory_bandwidth()
     budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
     p = {**report, **make_plan(sizes, budget, context, None if pin_gb is None else int(pin_gb * 1e9), history,
@@ -585,7 +588,8 @@ def plan(
     print(f"  dense                      {fb(sp['dense'])}")
     print(f"  {f'state ({context} tokens)':27}{fb(sp['state'])}")
     print(f"  expert cache               {fb(sp['cache_bytes'])} ({sp['cache_slots']} slots per layer)")
-    print(f"  pinned (hot-store)         {fb(sp['pinned_bytes'])} ({sp['pinned_experts']} experts)")
+    share = f", {100 * sp['pin_share']:.0f}% of the expert budget, chosen from the routing history" if sp["pin_share"] else ""
+    print(f"  pinned (hot-store)         {fb(sp['pinned_bytes'])} ({sp['pinned_experts']} experts{share})")
     if sp["transient_experts"]:
         print(f"  reads past the slots       {fb(sp['transient_experts'] * m['expert_nbytes'])} ({sp['transient_experts']} "
               f"experts a layer reads at once beyond its slots)")

@@ -31,7 +31,7 @@ from .model import MoEModel, Weights
 from .probe import Probe
 from .sizes import available_memory, parse_size
 from .store import ExpertStore
-from .store.budget import Split, split_budget
+from .store.budget import Split, experts_fit, split_budget
 from .store.usage import UsageHistory
 from .tokenizer import Tokenizer, generation_defaults
 
@@ -132,9 +132,12 @@ class Engine:
             return Split(0, self.resident_bytes, 0, slots, slots * len(c.moe_layers) * c.expert_nbytes,
                          pinned, pinned * c.expert_nbytes, slots >= c.n_experts, max(0, top_k - slots))
         budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
-        history = usage is not False and UsageHistory.enough(c, None if isinstance(usage, bool) else usage)
+        fit = experts_fit(budget, self.resident_bytes, 0, c.expert_nbytes)
+        share = 0.0
+        if usage is not False and pin_bytes is None and 0 < fit < len(c.moe_layers) * c.n_experts:
+            share = UsageHistory.hot_store_share(c, fit, top_k, None if isinstance(usage, bool) else usage)
         return split_budget(budget, self.resident_bytes, 0, c.expert_nbytes, len(c.moe_layers), c.n_experts,
-                            pin_bytes, history, top_k)
+                            pin_bytes, share, top_k)
 
     # ---- text ------------------------------------------------------------------------------
     @property
@@ -371,6 +374,7 @@ class Engine:
             **{f"{name}_seconds": s for name, s in list(self.probe.seconds.items())},  # attention, moe, disk
             "resident_bytes": self.resident_bytes,
             "ram_budget": self.split.budget,
+            "pin_share": self.split.pin_share,  # the hot-store's share of the expert budget the history chose
             "activations": self.activations,  # the kernels' arithmetic: "f32" (exact) or "int8"
             "kv_cache": self.kv_cache,  # the KV caches' element type: "f32" or "f16"
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -310,7 +311,7 @@ def test_usage_other_than_a_switch_or_a_path_is_one_clear_error(model, tmp_path,
     assert list(tmp_path.iterdir()) == []  # nothing written (usage=None once wrote ./None)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "flipped-count", "foreign", "version"])
+@pytest.mark.parametrize("damage", ["garbage", "flipped-count", "flipped-trace", "trace-out-of-range", "foreign", "version"])
 def test_bad_usage_file_is_ignored_with_one_warning(model, baseline, tmp_path, damage):
     m = copy_model(model, tmp_path / "m")
     with load(m, cache_slots=2) as e:
@@ -321,6 +322,13 @@ def test_bad_usage_file_is_ignored_with_one_warning(model, baseline, tmp_path, d
         path.write_bytes(b"\x00\x01 not json")
     elif damage == "flipped-count":
         d["counts"][0][0] += 1
+        path.write_text(json.dumps(d))
+    elif damage == "flipped-trace":
+        d["trace"][0][0][0] ^= 1
+        path.write_text(json.dumps(d))
+    elif damage == "trace-out-of-range":  # a valid checksum over an expert the model does not have
+        d["trace"][0][0][0] = 16
+        d["trace_crc32"] = zlib.crc32(json.dumps(d["trace"], separators=(",", ":")).encode())
         path.write_text(json.dumps(d))
     elif damage == "foreign":
         d["fingerprint"] = "sha256:" + "0" * 64
@@ -350,8 +358,12 @@ def test_hot_store_pins_automatically_with_enough_history(model, tmp_path):
             e.generate([i + 3, *PROMPT], 4, stop_ids=())
     with load(m, ram=budget) as e:
         s = e.stats()
-    assert s["history_tokens"] >= 32 and s["pin_capacity"] > 0 and s["pinned_experts"] > 0
+    assert s["history_tokens"] >= 32 and s["pin_capacity"] > 0 and s["pinned_experts"] > 0 and s["pin_share"] > 0
     assert s["cache_slots_per_layer"] < slots_before
+    r = colibri("plan", "--model", m, "--ram", str(budget), "--context", "0", "--disk-bw", "1GB", "--mem-bw", "1GB", "--json")
+    assert r.returncode == 0, r.stderr
+    split = json.loads(r.stdout)["split"]  # the plan splits as the engine did, with the share the history chose
+    assert (split["pinned_experts"], split["cache_slots"], split["pin_share"]) == (s["pin_capacity"], s["cache_slots_per_layer"], s["pin_share"])
     assert s["cache_bytes"] + s["pin_capacity"] * c.expert_nbytes + e.resident_bytes <= budget
 
 
@@ -363,15 +375,61 @@ def test_default_hot_store_leaves_the_cache_top_k_slots_per_layer():
 
     nbytes, layers, E, k = 100, 16, 64, 8
     fit = 16 * 16  # a quarter of the experts
-    s = split_budget(fit * nbytes, 0, 0, nbytes, layers, E, history=True, top_k=k)
+    s = split_budget(fit * nbytes, 0, 0, nbytes, layers, E, pin_share=PIN_SHARE, top_k=k)
     assert s.cache_slots == k and s.pinned_experts == fit - layers * k  # the floor binds: 128 pinned, not 192
-    s = split_budget(2 * fit * nbytes, 0, 0, nbytes, layers, E, history=True, top_k=k)
+    s = split_budget(2 * fit * nbytes, 0, 0, nbytes, layers, E, pin_share=PIN_SHARE, top_k=k)
     assert s.pinned_experts == int(2 * fit * PIN_SHARE) and s.cache_slots >= k  # the share binds
-    s = split_budget(fit * nbytes, 0, 0, nbytes, layers, E, pin_bytes=192 * nbytes, history=True, top_k=k)
+    s = split_budget(fit * nbytes, 0, 0, nbytes, layers, E, pin_bytes=192 * nbytes, pin_share=PIN_SHARE, top_k=k)
     assert s.pinned_experts == 192 and s.cache_slots == 3 and s.transient_experts == 5  # 4 slots less the reads past them
-    s = split_budget(layers * 4 * nbytes, 0, 0, nbytes, layers, E, history=True, top_k=k)
+    s = split_budget(layers * 4 * nbytes, 0, 0, nbytes, layers, E, pin_share=PIN_SHARE, top_k=k)
     assert s.pinned_experts == 0 and s.cache_slots == 3  # too small for the floor: all cache, less
     assert s.transient_experts == k - 3  # the reads past a layer's slots (test_reads_past_the_slots_…)
+
+
+def _history(model, path, route, tokens: int):
+    """A routing history of `tokens` tokens, each routed in every MoE layer to `route(rng, t)`."""
+    from colibri_core.container import Container
+    from colibri_core.store.usage import UsageHistory
+
+    history, rng = UsageHistory(Container(model), path), np.random.default_rng(0)
+    for layer in range(len(history.moe_layers)):
+        history.record(layer, np.array([route(rng, t) for t in range(tokens)]))
+    return history
+
+
+def test_the_history_chooses_the_hot_store_share_that_its_trace_misses_least_with(model, tmp_path):
+    """Lasting skew (each layer's experts Zipf-popular, token after token) is pinned at the largest
+    share. Routing spread evenly and then, for the traced last 256 tokens, kept to experts 8-13
+    gets less: a hot set chosen from the routing before the trace predicts the traced tokens only
+    by chance, and pinning takes the cache slots they need (a hot set chosen from the traced tokens
+    themselves would be 8-13 and score the largest share best). Below MIN_HISTORY_TOKENS nothing is
+    pinned; a history written before traces gets the default share."""
+    from colibri_core.store.budget import PIN_SHARE
+
+    E, top_k = 16, 2  # the fixture's experts per layer and top-k; budgets of 8 and 12 experts a layer
+    zipf = 1 / np.arange(1, E + 1)
+    lasting = _history(model, tmp_path / "a", lambda rng, t: rng.choice(E, top_k, replace=False, p=zipf / zipf.sum()), 600)
+    assert lasting.pin_share(32, top_k) == lasting.pin_share(48, top_k) == PIN_SHARE
+    lately = _history(model, tmp_path / "b", lambda rng, t: rng.choice(E, top_k, replace=False) if t < 344
+                      else 8 + rng.choice(6, top_k, replace=False), 600)
+    assert lately.pin_share(32, top_k) < PIN_SHARE and lately.pin_share(48, top_k) < PIN_SHARE
+    assert _history(model, tmp_path / "c", lambda rng, t: [t % E, (t + 1) % E], 31).pin_share(32, top_k) == 0.0
+    lasting.past_trace = lasting.session_trace = [[] for _ in lasting.moe_layers]  # as read from an older file
+    assert lasting.pin_share(32, top_k) == PIN_SHARE
+
+
+def test_the_trace_is_saved_and_read_back_bounded(model, tmp_path):
+    """The history file keeps the last TRACE_TOKENS tokens' routing per MoE layer, checksummed; a
+    damaged trace makes the whole file ignored (test_bad_usage_file_is_ignored_with_one_warning)."""
+    from colibri_core.container import Container
+    from colibri_core.store.usage import TRACE_TOKENS, UsageHistory
+
+    path = tmp_path / "usage.json"
+    history = _history(model, path, lambda rng, t: [t % 16, (t + 3) % 16], TRACE_TOKENS + 10)
+    assert history.save()
+    again = UsageHistory(Container(model), path)
+    assert again.trace == history.trace and len(again.trace[0]) == TRACE_TOKENS
+    assert again.trace[0][0] == [10 % 16, 13 % 16]  # the first 10 tokens fell out
 
 
 def test_pin_value_pins_where_the_cache_cannot_hold_a_layers_routing():

@@ -5,9 +5,10 @@
 - dense: the resident weights (embeddings, attention, norms, routers), always in RAM;
 - state: per-sequence state (KV caches, …) at the planned context length;
 - the rest holds experts. If every expert fits, all are cached. Otherwise the hot-store pins
-  ``pin_bytes`` worth of experts (default: PIN_SHARE of the expert budget once the routing history
-  has enough tokens, none before, and never below top-k cache slots per layer where the budget
-  allows), and the cache gets the remainder, at least one slot per MoE layer. A cache of fewer than
+  ``pin_bytes`` worth of experts (default: `pin_share` of the expert budget, which the routing
+  history chooses (usage.UsageHistory.pin_share; none without history), and never below top-k
+  cache slots per layer where the budget allows), and the cache gets the remainder, at least one
+  slot per MoE layer. A cache of fewer than
   top-k slots a layer gives up a few of them (up to top-k − 1 experts' worth in all) to the reads a
   layer has beyond its slots (`transient_experts`), so that a token's experts are read at once
   instead of one at a time as slots free up.
@@ -26,8 +27,11 @@ from ..errors import ColibriError
 # bench workload (tools/sim_expert_cache.py), a second session with 3/4 pinned (by usage.pin_value)
 # reads 44 % (at 25 % of the experts) and 71 % (at 50 %) fewer experts per decoded token than cold
 # LRU; with 1/2 pinned by routing count, 7 % and 9 % fewer. Measured (BENCHMARKS.md, issue 3): 15 %
-# faster than cold at 50 %, but slower at 25 %, where the smaller cache makes misses wait for slots
+# faster than cold at 50 %, but slower at 25 %, where the smaller cache makes misses wait for slots.
+# It is the largest share the history may choose: where routing is popular only for a while (a
+# prompt's own experts), a smaller hot-store and a larger cache miss less (BENCHMARKS.md, issue 21).
 PIN_SHARE = 0.75
+PIN_SHARES = (0.0, 0.25, 0.5, PIN_SHARE)  # the shares the routing history chooses among (UsageHistory.pin_share)
 
 
 @dataclass
@@ -41,20 +45,33 @@ class Split:
     pinned_bytes: int
     all_resident: bool  # every expert fits in the cache
     transient_experts: int = 0  # reads a layer may have in flight beyond its cache slots
+    pin_share: float = 0.0  # the default hot-store's share of the expert budget (pin_bytes not given)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
+def experts_fit(budget: int, dense: int, state: int, expert_nbytes: int) -> int:
+    """How many experts `budget` holds beside the dense weights and the state."""
+    return (budget - dense - state) // expert_nbytes
+
+
+def default_pinned(fit: int, moe_layers: int, top_k: int, share: float) -> int:
+    """Experts the default hot-store pins with `share` of a budget of `fit` experts: never so many
+    that a layer's cache would hold fewer than `top_k` (where the budget allows it)."""
+    return min(int(fit * share), max(0, fit - moe_layers * top_k))
+
+
 def split_budget(budget: int, dense: int, state: int, expert_nbytes: int, moe_layers: int, n_experts: int,
-                 pin_bytes: int | None = None, history: bool = False, top_k: int = 1) -> Split:
+                 pin_bytes: int | None = None, pin_share: float = 0.0, top_k: int = 1) -> Split:
     """Split `budget` bytes; a ColibriError if it cannot hold one expert per MoE layer.
 
-    The default hot-store leaves the cache at least `top_k` slots per layer where the budget allows
-    it. With fewer, a layer's experts past its slots would be read one at a time, each once a computed
-    one frees its slot (each a stall): up to top_k − 1 experts' worth goes to reads of their own
-    instead (`transient_experts`, never below one slot a layer), all of a token's started at once."""
-    fit = (budget - dense - state) // expert_nbytes  # experts the budget holds
+    Without `pin_bytes` the hot-store gets `pin_share` of the expert budget (`default_pinned`: the
+    cache keeps at least `top_k` slots per layer where the budget allows it). With fewer, a layer's
+    experts past its slots would be read one at a time, each once a computed one frees its slot
+    (each a stall): up to top_k − 1 experts' worth goes to reads of their own instead
+    (`transient_experts`, never below one slot a layer), all of a token's started at once."""
+    fit = experts_fit(budget, dense, state, expert_nbytes)
     if fit < moe_layers:
         need = dense + state + moe_layers * expert_nbytes
         from ..sizes import format_bytes
@@ -66,7 +83,7 @@ def split_budget(budget: int, dense: int, state: int, expert_nbytes: int, moe_la
         pinned, slots = 0, n_experts
     else:
         if pin_bytes is None:
-            pinned = min(int(fit * PIN_SHARE), max(0, fit - moe_layers * top_k)) if history else 0
+            pinned = default_pinned(fit, moe_layers, top_k, pin_share)
         else:
             pinned = int(pin_bytes // expert_nbytes)
             if pinned > fit - moe_layers:
@@ -79,7 +96,7 @@ def split_budget(budget: int, dense: int, state: int, expert_nbytes: int, moe_la
             slots = (fit - pinned - transient) // moe_layers
             transient = min(transient, top_k - slots)
     return Split(budget, dense, state, slots, slots * moe_layers * expert_nbytes, pinned, pinned * expert_nbytes,
-                 slots >= n_experts, transient)
+                 slots >= n_experts, transient, pin_share if pin_bytes is None and pinned else 0.0)
 
 
 # ----------------------------------------------------------------------------- bandwidths

@@ -14,7 +14,8 @@ from pathlib import Path
 from .. import planning, plugins
 from ..errors import ColibriError
 from ..fsio import read_json
-from .budget import split_budget
+from .budget import experts_fit, split_budget
+from .usage import UsageHistory
 
 
 @dataclass
@@ -70,12 +71,16 @@ def sizes_from_config(config_path: str | Path, quant_kind: str, kv_cache: str = 
     return sizes, report
 
 
-def make_plan(sizes: ModelSizes, budget: int, context: int, pin_bytes: int | None, history: bool,
+def make_plan(sizes: ModelSizes, budget: int, context: int, pin_bytes: int | None, history: UsageHistory | None,
               disk_bw: float, mem_bw: float) -> dict:
-    """The budget split, expected bytes read per token, and floor times (seconds per token)."""
+    """The budget split, expected bytes read per token, and floor times (seconds per token);
+    `history`: the model's routing history (usage.UsageHistory), which chooses the hot-store's
+    share, or None."""
     state = sizes.state_bytes_per_token * context
+    fit = experts_fit(budget, sizes.dense_bytes, state, sizes.expert_nbytes)
+    share = history.pin_share(fit, sizes.top_k) if history is not None and pin_bytes is None else 0.0
     split = split_budget(budget, sizes.dense_bytes, state, sizes.expert_nbytes, sizes.moe_layers,
-                         sizes.n_experts, pin_bytes, history, sizes.top_k)
+                         sizes.n_experts, pin_bytes, share, sizes.top_k)
     resident_experts = min(sizes.experts_total, split.cache_slots * sizes.moe_layers + split.pinned_experts)
     resident_share = resident_experts / sizes.experts_total
     needed = sizes.moe_layers * sizes.top_k  # expert uses per token

@@ -4,7 +4,13 @@ Every turn adds how often each (MoE layer, expert) was routed to. The file is JS
 
     {"format": "colibri-usage", "version": 1, "fingerprint": "sha256:…",   # of the model
      "moe_layers": [0, 1, …], "n_experts": 64, "turns": 12, "tokens": 873,
-     "counts": [[…n_experts ints…] per MoE layer], "crc32": crc32 of the counts' JSON}
+     "counts": [[…n_experts ints…] per MoE layer], "crc32": crc32 of the counts' JSON,
+     "trace": [[[…expert ids…] per token, the last TRACE_TOKENS] per MoE layer],
+     "trace_crc32": crc32 of the trace's JSON}
+
+The trace, the routing of the latest tokens in order, is what `pin_share` replays to choose how much
+of the expert budget the hot-store gets; a file without one (written before it existed) is read
+whole, and the default share applies.
 
 written atomically (a temporary file renamed over the old one). A history from another model,
 another version, or a corrupt file (not JSON, nested too deeply, counts out of range, a checksum
@@ -19,6 +25,7 @@ import json
 import os
 import warnings
 import zlib
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +40,7 @@ HYSTERESIS = 1.5  # a newcomer replaces a pinned expert only when routed this ma
 MARGIN = 2  # … and at least this many more times
 PENDING = 4096  # recorded batches kept aside at most before they are summed (`record`)
 MAX_COUNT = 2**53  # a count beyond this is damage, not history (and int64 sums of such counts cannot overflow)
+TRACE_TOKENS = 256  # tokens of routing kept in order, per MoE layer (`pin_share` replays them)
 
 
 class ColibriWarning(UserWarning):
@@ -59,6 +67,15 @@ def _counts_crc(counts: list) -> int:
     return zlib.crc32(json.dumps(counts, separators=(",", ":")).encode())
 
 
+def _trace_ok(trace, layers: int, n_experts: int) -> bool:
+    """A trace the history can hold: per MoE layer, up to TRACE_TOKENS rows of expert ids."""
+    def rows_ok(rows) -> bool:
+        return (isinstance(rows, list) and len(rows) <= TRACE_TOKENS
+                and all(isinstance(r, list) and len(r) <= n_experts for r in rows)
+                and all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < n_experts for r in rows for e in r))
+    return isinstance(trace, list) and len(trace) == layers and all(map(rows_ok, trace))
+
+
 class UsageHistory:
     """Routing counts (MoE layers, experts) from earlier turns plus this session's."""
 
@@ -70,6 +87,8 @@ class UsageHistory:
         self.past = np.zeros((len(self.moe_layers), self.n_experts), np.int64)  # from the file
         self.past_turns = self.past_tokens = 0
         self.session = np.zeros_like(self.past)  # this session's counts, not yet saved
+        self.past_trace: list[list[list[int]]] = [[] for _ in self.moe_layers]  # from the file
+        self.session_trace: list[list[list[int]]] = [[] for _ in self.moe_layers]  # this session's, last TRACE_TOKENS
         self.session_tokens = 0  # tokens routed through the first MoE layer this session
         self.session_turns = 0
         self._pending: list[tuple[int, np.ndarray]] = []  # recorded batches not yet in `session` (`record`)
@@ -77,11 +96,11 @@ class UsageHistory:
         self.load()
 
     @staticmethod
-    def enough(container, path: str | os.PathLike | None = None) -> bool:
-        """True if the history (beside `container`, or at `path`) is valid and holds MIN_HISTORY_TOKENS tokens."""
+    def hot_store_share(container, fit: int, top_k: int, path: str | os.PathLike | None = None) -> float:
+        """`pin_share` of the history beside `container` (or at `path`); 0.0 without a valid one."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the store warns once when it reads the file itself
-            return UsageHistory(container, path).tokens >= MIN_HISTORY_TOKENS
+            return UsageHistory(container, path).pin_share(fit, top_k)
 
     # -- reading
 
@@ -102,6 +121,7 @@ class UsageHistory:
             return
         self.past = np.asarray(d["counts"], np.int64)
         self.past_turns, self.past_tokens = d["turns"], d["tokens"]
+        self.past_trace = d.get("trace", self.past_trace)
 
     def _check(self, data: bytes) -> tuple[dict | None, str | None]:
         """(the parsed file, None) if it is a whole history of this model, else (None, why not)."""
@@ -126,6 +146,11 @@ class UsageHistory:
             return None, "it is corrupt (bad counts)"
         if d.get("crc32") != _counts_crc(counts):
             return None, "it is corrupt (checksum mismatch)"
+        if "trace" in d:
+            if not _trace_ok(d["trace"], len(self.moe_layers), self.n_experts):
+                return None, "it is corrupt (bad trace)"
+            if d.get("trace_crc32") != _counts_crc(d["trace"]):
+                return None, "it is corrupt (trace checksum mismatch)"
         return d, None
 
     # -- recording
@@ -143,6 +168,9 @@ class UsageHistory:
             self.session[layer_index] += np.bincount(ids.ravel(), minlength=self.n_experts)[: self.n_experts]
             if layer_index == 0:
                 self.session_tokens += ids.shape[0]
+            trace = self.session_trace[layer_index]
+            trace += ids[-TRACE_TOKENS:].tolist()
+            del trace[:-TRACE_TOKENS]
         self._pending.clear()
 
     @property
@@ -156,16 +184,58 @@ class UsageHistory:
         self._add_pending()
         return self.past_tokens + self.session_tokens
 
+    @property
+    def trace(self) -> list[list[list[int]]]:
+        """Per MoE layer, the routing (k expert ids a token) of its last TRACE_TOKENS tokens, oldest first."""
+        self._add_pending()
+        return [(past + new)[-TRACE_TOKENS:] for past, new in zip(self.past_trace, self.session_trace)]
+
+    def pin_share(self, fit: int, top_k: int) -> float:
+        """The share of an expert budget of `fit` experts (of budget.PIN_SHARES) the hot-store should
+        get: the one under which the trace, replayed out of sample, misses least (ties: the smaller).
+
+        Each share's hot set is chosen as the store chooses it (`pin_value`, `hot_set`) from the
+        routing before the trace when there are MIN_HISTORY_TOKENS of it (then the whole trace is
+        replayed), else from the trace's first half (then its second half is replayed): a set chosen
+        from the very tokens replayed would score routing that was popular only for a while (one
+        prompt's experts) as lasting. The replay runs each layer's cache as LRU beside its pinned
+        experts, from empty caches (the hot-store is read before the first prompt). 0.0 below
+        MIN_HISTORY_TOKENS; PIN_SHARE for a history from before traces.
+        """
+        from .budget import PIN_SHARE, PIN_SHARES, default_pinned
+
+        if self.tokens < MIN_HISTORY_TOKENS:
+            return 0.0
+        trace = self.trace
+        traced = len(trace[0])  # tokens through the first MoE layer, as `tokens` counts
+        if traced < MIN_HISTORY_TOKENS:
+            return PIN_SHARE
+        if self.tokens - traced >= MIN_HISTORY_TOKENS:
+            chosen_from, replayed = self.counts - _trace_counts(trace, self.n_experts), trace
+        else:
+            chosen_from = _trace_counts([rows[: len(rows) // 2] for rows in trace], self.n_experts)
+            replayed = [rows[len(rows) // 2:] for rows in trace]
+        layers = len(self.moe_layers)
+        best, fewest = 0.0, None
+        for share in PIN_SHARES:
+            pinned = default_pinned(fit, layers, top_k, share)
+            slots = min(self.n_experts, (fit - pinned) // layers)
+            pins = hot_set(pin_value(chosen_from, slots), pinned) if pinned else set()
+            misses = _lru_misses(replayed, pins, slots)
+            if fewest is None or misses < fewest:
+                best, fewest = share, misses
+        return best
+
     def end_turn(self) -> None:
         self.session_turns += 1
 
     def save(self) -> bool:
         """Write past + session counts atomically. False (with one warning, once) if it cannot."""
-        counts = self.counts.tolist()
+        counts, trace = self.counts.tolist(), self.trace
         d = {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint,
              "moe_layers": self.moe_layers, "n_experts": self.n_experts,
              "turns": self.past_turns + self.session_turns, "tokens": self.tokens,
-             "counts": counts, "crc32": _counts_crc(counts)}
+             "counts": counts, "crc32": _counts_crc(counts), "trace": trace, "trace_crc32": _counts_crc(trace)}
         try:
             write_atomic(self.path, json.dumps(d, separators=(",", ":")).encode())
         except OSError as e:
@@ -174,6 +244,32 @@ class UsageHistory:
             self._save_failed = True
             return False
         return True
+
+
+def _trace_counts(trace: list[list[list[int]]], n_experts: int) -> np.ndarray:
+    """How often each (MoE layer, expert) appears in `trace`: (MoE layers, experts) int64."""
+    return np.stack([np.bincount(np.fromiter((e for row in rows for e in row), np.int64), minlength=n_experts)
+                     for rows in trace])
+
+
+def _lru_misses(trace: list[list[list[int]]], pins: set[tuple[int, int]], slots: int) -> int:
+    """Experts read replaying `trace` (per MoE layer, tokens' expert ids) through per-layer LRU
+    caches of `slots` (at least a token's experts), empty at first, beside the `pins` (layer index,
+    expert) that are never read."""
+    misses = 0
+    for layer, rows in enumerate(trace):
+        cache: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        for row in rows:
+            wanted = [e for e in row if (layer, e) not in pins]
+            for e in wanted:
+                if e in cache:
+                    cache.move_to_end(e)
+                else:
+                    misses += 1
+                    cache[e] = None
+            while len(cache) > max(slots, len(wanted)):
+                cache.popitem(last=False)
+    return misses
 
 
 def pin_value(counts: np.ndarray, slots: int) -> np.ndarray:
