@@ -373,7 +373,7 @@ MaxTokensOpt = typer.Option(None, "--max-tokens", min=1, help="Most tokens one r
                             "(default: the model's context).")
 
 
-def _serve(dashboard, model, host, port, api_key, queue, model_name, ram, cache_slots, allow_origin, max_tokens,
+def _serve(dashboard, model, host, port, api_key, queue, model_name, ram, cache_slots, pin_gb, allow_origin, max_tokens,
            activations=None, kv_cache=None, ray=None, ray_split="expert", ray_model=None, ray_timeout=10.0):
     import os
 
@@ -381,7 +381,7 @@ def _serve(dashboard, model, host, port, api_key, queue, model_name, ram, cache_
 
     if api_key is None and "COLIBRI_API_KEY" in os.environ:  # set but empty: click treats it as unset
         api_key = os.environ["COLIBRI_API_KEY"]
-    serve(ServerConfig(_model_dir(model), model_name=model_name, ram=ram, cache_slots=cache_slots, max_queue=queue,
+    serve(ServerConfig(_model_dir(model), model_name=model_name, ram=ram, cache_slots=cache_slots, pin_gb=pin_gb, max_queue=queue,
                        api_key=api_key, dashboard=dashboard, allow_origins=tuple(allow_origin or ()),
                        max_tokens=max_tokens, activations=activations, kv_cache=kv_cache,
                        **_ray_options(ray, ray_split, ray_model, ray_timeout)),
@@ -391,28 +391,30 @@ def _serve(dashboard, model, host, port, api_key, queue, model_name, ram, cache_
 @app.command()
 def serve(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
           queue: int = QueueOpt, model_name: Optional[str] = NameOpt, ram: Optional[str] = RamOpt,
-          cache_slots: Optional[int] = SlotsOpt, allow_origin: Optional[list[str]] = OriginOpt,
+          cache_slots: Optional[int] = SlotsOpt, pin_gb: Optional[float] = PinOpt,
+          allow_origin: Optional[list[str]] = OriginOpt,
           max_tokens: Optional[int] = MaxTokensOpt, activations: Optional[str] = ActivationsOpt,
           kv_cache: Optional[str] = KvCacheOpt, ray: Optional[str] = RayOpt, ray_split: str = RaySplitOpt,
           ray_model: Optional[list[str]] = RayModelOpt, ray_timeout: float = RayTimeoutOpt):
     """Serve the model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
     /v1/models, /health, /tokenize, /detokenize, /metrics (Prometheus), /openapi.json."""
-    _serve(False, model, host, port, api_key, queue, model_name, ram, cache_slots, allow_origin, max_tokens,
-           activations, kv_cache, ray, ray_split, ray_model, ray_timeout)
+    _serve(False, model, host, port, api_key, queue, model_name, ram, cache_slots, pin_gb, allow_origin,
+           max_tokens, activations, kv_cache, ray, ray_split, ray_model, ray_timeout)
 
 
 @app.command()
 def web(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
         queue: int = QueueOpt, model_name: Optional[str] = NameOpt, ram: Optional[str] = RamOpt,
-        cache_slots: Optional[int] = SlotsOpt, allow_origin: Optional[list[str]] = OriginOpt,
+        cache_slots: Optional[int] = SlotsOpt, pin_gb: Optional[float] = PinOpt,
+        allow_origin: Optional[list[str]] = OriginOpt,
         max_tokens: Optional[int] = MaxTokensOpt, activations: Optional[str] = ActivationsOpt,
         kv_cache: Optional[str] = KvCacheOpt, ray: Optional[str] = RayOpt, ray_split: str = RaySplitOpt,
         ray_model: Optional[list[str]] = RayModelOpt, ray_timeout: float = RayTimeoutOpt):
     """Serve the API and a live dashboard at / : chat, tok/s, time to first token, where the time
     goes, the RAM budget, hit rate over time, the Brain map of every expert (and, with --ray, the
     cluster's shards)."""
-    _serve(True, model, host, port, api_key, queue, model_name, ram, cache_slots, allow_origin, max_tokens,
-           activations, kv_cache, ray, ray_split, ray_model, ray_timeout)
+    _serve(True, model, host, port, api_key, queue, model_name, ram, cache_slots, pin_gb, allow_origin,
+           max_tokens, activations, kv_cache, ray, ray_split, ray_model, ray_timeout)
 
 
 @app.command()

@@ -18,16 +18,18 @@ PATHS = ("/metrics", "/api/stats", "/api/brain")
 
 
 def pinning_model(tiny_model, tmp_path):
-    """A copy of the tiny model with enough routing history for the hot-store, and the `--ram` that
-    holds 8 of its 16 experts: 4 pinned (revised after every turn), 2 cache slots per layer."""
+    """A copy of the tiny model with enough routing history for the hot-store, and the serve options
+    for 8 of its 16 experts: 4 pinned (revised after every turn; asked for, since the share the
+    history would choose depends on the workload), 2 cache slots per layer."""
     model = tmp_path / tiny_model.name
     shutil.copytree(tiny_model, model)
     with load(model, cache_slots=8) as engine:
         prompt = engine.tokenizer.encode("the quick brown fox")
         while engine.store.usage.tokens < MIN_HISTORY_TOKENS:
             engine.generate(prompt, 16, temperature=1.0, seed=engine.store.usage.tokens, stop_ids=())
-        ram = engine.resident_bytes + 8 * engine.container.expert_nbytes
-    return model, ram
+        nbytes = engine.container.expert_nbytes
+        options = ("--ram", str(engine.resident_bytes + 8 * nbytes), "--pin-gb", str(4 * nbytes / 1e9))
+    return model, options
 
 
 def generate_until(url: str, deadline: float, done: list) -> None:
@@ -49,8 +51,8 @@ def poll_until(url: str, deadline: float, answers: list) -> None:
 
 
 def test_engine_reads_during_generations_are_consistent(tiny_model, tmp_path):
-    model, ram = pinning_model(tiny_model, tmp_path)
-    server = LiveServer("serve", model, "--ram", str(ram))
+    model, options = pinning_model(tiny_model, tmp_path)
+    server = LiveServer("serve", model, *options)
     try:
         stats = server.json("/api/stats")["engine"]
         assert stats["pin_capacity"] == 4 and stats["cache_slots_per_layer"] == 2, stats

@@ -66,6 +66,7 @@ class ServerConfig:
     model_name: str | None = None  # the model id clients send (default: the directory's name)
     ram: str | None = None  # RAM budget, as `colibri run --ram`
     cache_slots: int | None = None  # expert cache slots per layer (overrides ram)
+    pin_gb: float | None = None  # hot-store size, as `colibri run --pin-gb` (None: the share the routing history chooses)
     max_queue: int = 16  # requests that may wait behind the running one; more get 429
     api_key: str | None = None  # if set, every endpoint but /health needs "Bearer KEY" (or the dashboard's cookie)
     dashboard: bool = False  # serve the dashboard at / (`colibri web`)
@@ -135,8 +136,8 @@ class Server:
 
         cfg = self.cfg
         try:
-            engine = load(cfg.model_dir, ram=cfg.ram, cache_slots=cfg.cache_slots, activations=cfg.activations,
-                          kv_cache=cfg.kv_cache, ray=cfg.ray, ray_options=cfg.ray_options)
+            engine = load(cfg.model_dir, ram=cfg.ram, cache_slots=cfg.cache_slots, pin_gb=cfg.pin_gb,
+                          activations=cfg.activations, kv_cache=cfg.kv_cache, ray=cfg.ray, ray_options=cfg.ray_options)
             engine.tokenizer  # noqa: B018 — read tokenizer.json now, not on the first request
             self.template = ChatTemplate.from_dir(engine.model_dir)
             self.chat_text = ChatText(engine.tokenizer)
