@@ -405,17 +405,25 @@ def test_the_history_chooses_the_hot_store_share_that_its_trace_misses_least_wit
     themselves would be 8-13 and score the largest share best). Below MIN_HISTORY_TOKENS nothing is
     pinned; a history written before traces gets the default share."""
     from colibri_core.store.budget import PIN_SHARE
+    from colibri_core.store.usage import TRACE_TOKENS
 
     E, top_k = 16, 2  # the fixture's experts per layer and top-k; budgets of 8 and 12 experts a layer
     zipf = 1 / np.arange(1, E + 1)
     lasting = _history(model, tmp_path / "a", lambda rng, t: rng.choice(E, top_k, replace=False, p=zipf / zipf.sum()), 600)
     assert lasting.pin_share(32, top_k) == lasting.pin_share(48, top_k) == PIN_SHARE
-    lately = _history(model, tmp_path / "b", lambda rng, t: rng.choice(E, top_k, replace=False) if t < 344
+    lately = _history(model, tmp_path / "b", lambda rng, t: rng.choice(E, top_k, replace=False) if t < 600 - TRACE_TOKENS
                       else 8 + rng.choice(6, top_k, replace=False), 600)
     assert lately.pin_share(32, top_k) < PIN_SHARE and lately.pin_share(48, top_k) < PIN_SHARE
     assert _history(model, tmp_path / "c", lambda rng, t: [t % E, (t + 1) % E], 31).pin_share(32, top_k) == 0.0
     lasting.past_trace = lasting.session_trace = [[] for _ in lasting.moe_layers]  # as read from an older file
     assert lasting.pin_share(32, top_k) == PIN_SHARE
+
+
+def test_reading_an_expert_in_is_not_routing(model, tmp_path):
+    """`store.get` (what tools call to read every expert in) leaves the routing history alone."""
+    with load(model, cache_slots=16, usage=tmp_path / "usage.json") as e:
+        e.store.get(e.container.moe_layers[0], 5)
+        assert e.store.usage.tokens == 0 and not e.store.usage.counts.any() and not any(e.store.usage.trace)
 
 
 def test_the_trace_is_saved_and_read_back_bounded(model, tmp_path):

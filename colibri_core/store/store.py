@@ -161,7 +161,7 @@ class ExpertStore:
         lookahead), and the store starts reading them. Call `next` only after computing the group
         yielded before: its experts may then be evicted. Experts in `skip` are computed elsewhere
         (remote shards): neither read nor counted; `record` False leaves the routing history alone
-        (a second call for the same tokens: the experts of a remote shard that failed).
+        (a second call for the same tokens: the experts of a remote shard that failed; `get`).
         """
         c = self.counters
         self._reap_orphans()
@@ -301,8 +301,9 @@ class ExpertStore:
         return n
 
     def get(self, layer: int, expert: int):
-        """(gate, up, down) QTensors of one expert (reads it if it is not resident)."""
-        for group in self.experts(layer, np.array([[expert]])):
+        """(gate, up, down) QTensors of one expert (reads it if it is not resident). Not routing:
+        the routing history is left alone (tools that read every expert in would skew it)."""
+        for group in self.experts(layer, np.array([[expert]]), record=False):
             return group[expert]
 
     # ---- reads ---------------------------------------------------------------------------
