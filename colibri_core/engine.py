@@ -85,13 +85,14 @@ class Engine:
             resident = self.container.resident()
             self.resident_bytes = sum(t.nbytes for t in resident.values())
             weights = Weights(resident, str(model_dir))
-            self.split = self._split(ram, cache_slots, pin_gb, usage, layout.top_k)
+            # read once: the split's hot-store share comes from it, then the store counts routing in it
+            history = None if usage is False else UsageHistory(self.container, None if usage is True else usage)
+            self.split = self._split(ram, cache_slots, pin_gb, history, layout.top_k)
             self.store = ExpertStore(self.container, self.split.cache_slots, policy_info,
                                      pinned=self.split.pinned_experts, transient=self.split.transient_experts,
                                      prefetch=prefetch, direct=direct,
                                      mirror=None if mirror is None else str(mirror), io_threads=io_threads,
-                                     record_usage=usage is not False,
-                                     usage_path=None if isinstance(usage, bool) else str(usage))
+                                     usage=history)
             self.model = model_cls(cfg, weights, self.store)
             weights.check_all_taken()
             if type(self.model).routers is MoEModel.routers:
@@ -120,8 +121,9 @@ class Engine:
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_seconds": 0.0,
                          "decode_seconds": 0.0, "time_to_first_token": 0.0}
 
-    def _split(self, ram, cache_slots, pin_gb, usage: bool, top_k: int) -> Split:
-        """The budget split (store/budget.py); `cache_slots` overrides the cache part."""
+    def _split(self, ram, cache_slots, pin_gb, history: UsageHistory | None, top_k: int) -> Split:
+        """The budget split (store/budget.py); `cache_slots` overrides the cache part; `history`
+        chooses the hot-store's share."""
         c = self.container
         pin_bytes = None if pin_gb is None else int(pin_gb * 1e9)
         if cache_slots is not None:
@@ -133,9 +135,7 @@ class Engine:
                          pinned, pinned * c.expert_nbytes, slots >= c.n_experts, max(0, top_k - slots))
         budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
         fit = experts_fit(budget, self.resident_bytes, 0, c.expert_nbytes)
-        share = 0.0
-        if usage is not False and pin_bytes is None and 0 < fit < len(c.moe_layers) * c.n_experts:
-            share = UsageHistory.hot_store_share(c, fit, top_k, None if isinstance(usage, bool) else usage)
+        share = history.pin_share(fit, top_k) if history is not None and pin_bytes is None else 0.0
         return split_budget(budget, self.resident_bytes, 0, c.expert_nbytes, len(c.moe_layers), c.n_experts,
                             pin_bytes, share, top_k)
 

@@ -87,8 +87,7 @@ class StoreConfig:
     mirror: str | None = None  # a byte-identical copy of the container on another disk
     io_threads: int = 4  # threads of the C I/O pool
     transient: int = 0  # reads a layer may have beyond its cache slots (buffers of their own, dropped once computed)
-    record_usage: bool = True  # count routing in .coli_usage beside the model
-    usage_path: str | None = None  # … or in this file instead
+    usage: UsageHistory | None = None  # the routing history to count routing in and pin from (None: none)
 
 
 class _Entry:
@@ -141,7 +140,7 @@ class ExpertStore:
                 self.primary_share = bw[0] / (bw[0] + bw[1])
             else:
                 self.sources[0].fd(layers[0]) if layers else None  # O_DIRECT refused: say so now
-            self.usage = UsageHistory(container, cfg.usage_path) if cfg.record_usage else None
+            self.usage = cfg.usage
             self.pool = IOPool(cfg.io_threads, keep_huge_pages=self.slots == container.n_experts)
             if cfg.pinned and self.usage is not None:
                 self._repin()

@@ -63,8 +63,9 @@ def _count(c) -> bool:
     return isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= MAX_COUNT
 
 
-def _counts_crc(counts: list) -> int:
-    return zlib.crc32(json.dumps(counts, separators=(",", ":")).encode())
+def _json_crc(value: list) -> int:
+    """crc32 of `value`'s compact JSON (the counts' and the trace's checksums)."""
+    return zlib.crc32(json.dumps(value, separators=(",", ":")).encode())
 
 
 def _trace_ok(trace, layers: int, n_experts: int) -> bool:
@@ -94,13 +95,6 @@ class UsageHistory:
         self._pending: list[tuple[int, np.ndarray]] = []  # recorded batches not yet in `session` (`record`)
         self._save_failed = False
         self.load()
-
-    @staticmethod
-    def hot_store_share(container, fit: int, top_k: int, path: str | os.PathLike | None = None) -> float:
-        """`pin_share` of the history beside `container` (or at `path`); 0.0 without a valid one."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the store warns once when it reads the file itself
-            return UsageHistory(container, path).pin_share(fit, top_k)
 
     # -- reading
 
@@ -144,12 +138,12 @@ class UsageHistory:
                             for row in counts))
         if not shape_ok or not all(_count(d.get(k)) for k in ("turns", "tokens")):
             return None, "it is corrupt (bad counts)"
-        if d.get("crc32") != _counts_crc(counts):
+        if d.get("crc32") != _json_crc(counts):
             return None, "it is corrupt (checksum mismatch)"
         if "trace" in d:
             if not _trace_ok(d["trace"], len(self.moe_layers), self.n_experts):
                 return None, "it is corrupt (bad trace)"
-            if d.get("trace_crc32") != _counts_crc(d["trace"]):
+            if d.get("trace_crc32") != _json_crc(d["trace"]):
                 return None, "it is corrupt (trace checksum mismatch)"
         return d, None
 
@@ -200,12 +194,13 @@ class UsageHistory:
         from the very tokens replayed would score routing that was popular only for a while (one
         prompt's experts) as lasting. The replay runs each layer's cache as LRU beside its pinned
         experts, from empty caches (the hot-store is read before the first prompt). 0.0 below
-        MIN_HISTORY_TOKENS; PIN_SHARE for a history from before traces.
+        MIN_HISTORY_TOKENS and where every expert fits; PIN_SHARE for a history from before traces.
         """
         from .budget import PIN_SHARE, PIN_SHARES, default_pinned
 
-        if self.tokens < MIN_HISTORY_TOKENS:
-            return 0.0
+        layers = len(self.moe_layers)
+        if self.tokens < MIN_HISTORY_TOKENS or not layers <= fit < layers * self.n_experts:
+            return 0.0  # no history yet, or every expert fits (or not one a layer: the split refuses it)
         trace = self.trace
         traced = len(trace[0])  # tokens through the first MoE layer, as `tokens` counts
         if traced < MIN_HISTORY_TOKENS:
@@ -215,7 +210,6 @@ class UsageHistory:
         else:
             chosen_from = _trace_counts([rows[: len(rows) // 2] for rows in trace], self.n_experts)
             replayed = [rows[len(rows) // 2:] for rows in trace]
-        layers = len(self.moe_layers)
         best, fewest = 0.0, None
         for share in PIN_SHARES:
             pinned = default_pinned(fit, layers, top_k, share)
@@ -235,7 +229,7 @@ class UsageHistory:
         d = {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint,
              "moe_layers": self.moe_layers, "n_experts": self.n_experts,
              "turns": self.past_turns + self.session_turns, "tokens": self.tokens,
-             "counts": counts, "crc32": _counts_crc(counts), "trace": trace, "trace_crc32": _counts_crc(trace)}
+             "counts": counts, "crc32": _json_crc(counts), "trace": trace, "trace_crc32": _json_crc(trace)}
         try:
             write_atomic(self.path, json.dumps(d, separators=(",", ":")).encode())
         except OSError as e:
