@@ -28,6 +28,7 @@ from pathlib import Path
 from colibri_core import probe
 from colibri_core.bench.model import _prompts, _run
 from colibri_core.engine import load
+from colibri_core.store.plan import sizes_from_container
 
 
 def plan(engine, n: int, prompt_tokens: int, new_tokens: int) -> list[tuple[list[int], int, int]]:
@@ -80,8 +81,7 @@ def main() -> None:
     ap.add_argument("--modes", default="off,on,perfect")
     args = ap.parse_args()
     modes = args.modes.split(",")
-    with load(args.model, cache_slots=1, usage=False) as engine:
-        n_experts = engine.container.n_experts
+    n_experts = sizes_from_container(args.model).n_experts
     slots = max(1, round(args.fraction * n_experts))
     routing = record_routing(args.model, args.prompts, args.prompt_tokens, args.tokens) if "perfect" in modes else None
     print(f"{args.model}: {slots} of {n_experts} experts cached a layer, {args.prompts} prompts of "
