@@ -157,3 +157,35 @@ def test_dashboard_chats_and_draws_the_brain(browser, web, tmp_path, tiny_model)
                "document.getElementById('brain-full').dataset.cells === '16'", "the Brain page")
     b.wait_for("document.getElementById('brain-hottest').textContent.includes('Most routed')", "the hottest experts")
     b.screenshot(tmp_path / "brain.png", ARTIFACTS / "brain.png")
+
+
+def test_dashboard_keeps_to_the_cap_and_the_conversation_after_stop(browser, tiny_model):
+    """Under --max-tokens 20 the page asks for at most 20 (its default of 128 was refused, every
+    message); a stopped answer stays in the conversation as the assistant's turn, so the next request
+    alternates user and assistant as a chat template expects."""
+    s = LiveServer("web", tiny_model, "--max-tokens", "20")
+    b = browser
+    try:
+        b.call("Page.navigate", url=s.url + "/")
+        b.wait_for("document.getElementById('status').textContent === 'ready' && "
+                   "document.getElementById('max-tokens').value === '20'", "the field at the server's cap")
+        b.js("""window.__bodies = [];
+                const fetch0 = window.fetch;
+                window.fetch = (url, opts) => {
+                  if (String(url).endsWith('/v1/chat/completions')) window.__bodies.push(JSON.parse(opts.body));
+                  return fetch0(url, opts);
+                };
+                document.getElementById('prompt').value = 'first';
+                document.getElementById('send').click(); true""")
+        b.wait_for("document.querySelector('.msg.assistant')?.dataset.state === 'streaming'", "the answer streaming")
+        b.js("document.getElementById('stop').click(); true")
+        b.wait_for("document.querySelector('.msg.assistant')?.dataset.state === 'done'", "the answer stopped")
+        b.js("document.getElementById('prompt').value = 'second'; document.getElementById('send').click(); true")
+        b.wait_for("document.querySelectorAll('.msg.assistant')[1]?.dataset.state === 'done'", "the second answer")
+        assert b.js("document.getElementById('chat-error').hidden"), b.js("document.getElementById('chat-error').textContent")
+        first, second = b.js("window.__bodies")
+        assert first["max_tokens"] == 20
+        assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"], second["messages"]
+    finally:
+        s.stop()
+    assert "Traceback" not in s.text_log(), s.text_log()

@@ -227,6 +227,12 @@ def test_prompt_longer_than_context(client, tiny_model, endpoint):
     assert e.value.body["code"] == "context_length_exceeded" and "4096" in e.value.body["message"]
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_too_many_tokens_names_the_field_sent(server, tiny_model, field):
+    status, err = post_json(server.url + "/v1/chat/completions", {"messages": CHAT, field: 4096})
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded" and err["error"]["param"] == field, err
+
+
 def test_openai_client_errors(client, tiny_model):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="nope", messages=CHAT)
@@ -335,6 +341,18 @@ def test_metrics_are_prometheus_text(server, tiny_model):
     assert value["colibri_time_to_first_token_seconds_count"] > 0
     outcomes = {s.labels["outcome"] for s in families["colibri_requests"].samples}
     assert {"ok", "invalid"} <= outcomes <= {"ok", "rejected", "cancelled", "invalid"}
+
+
+def test_metrics_escape_the_model_name():
+    """--model-name is the user's text: a quote, backslash or newline in it must not break the scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from colibri_core.server.metrics import Metrics, prometheus
+
+    name = 'org/kjv "demo"\\x\ny'
+    text = prometheus(Metrics(), None, {"waiting": 0, "capacity": 4, "running": 0}, name)
+    (sample,) = [s for f in text_string_to_metric_families(text) if f.name == "colibri_model_loaded" for s in f.samples]
+    assert sample.labels == {"model": name}
 
 
 def test_dashboard_json(server, tiny_model):

@@ -165,7 +165,17 @@ def test_allow_origin_opens_cors_for_that_origin_only(tiny_model):
             "Origin": app_origin, "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "authorization, content-type"})
         assert status == 204 and headers["access-control-allow-origin"] == app_origin
-        assert "Authorization" in headers["access-control-allow-headers"]
+        assert "authorization" in headers["access-control-allow-headers"].lower()
+        # the OpenAI SDKs' own headers: a preflight that refused them would stop every request from the page
+        sdk = "authorization,content-type,x-stainless-os,x-stainless-lang,x-stainless-retry-count,x-stainless-timeout"
+        status, headers, _ = request(s.url, "OPTIONS", "/v1/chat/completions", None, {
+            "Origin": app_origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": sdk})
+        allowed = {h.strip().lower() for h in headers["access-control-allow-headers"].split(",")}
+        assert status == 204 and allowed >= set(sdk.split(",")), headers
+        # a header list that is not one (CR/LF, quotes) is never echoed
+        status, headers, _ = request(s.url, "OPTIONS", "/v1/chat/completions", None, {
+            "Origin": app_origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": 'x-a, "b"'})
+        assert status == 204 and headers["access-control-allow-headers"] == "Authorization, Content-Type"
         status, headers, _ = request(s.url, "POST", "/v1/chat/completions", CHAT, {"Origin": app_origin, **AUTH})
         assert status == 200 and headers["access-control-allow-origin"] == app_origin
         status, headers, _ = request(s.url, "POST", "/v1/chat/completions", CHAT, {"Origin": app_origin})

@@ -202,6 +202,19 @@ def test_a_tool_call_round_trips(client, model):
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
+def test_a_tool_call_answer_is_what_the_published_schema_says(server):
+    """Content null, `tool_calls`, finish_reason "tool_calls": all in /openapi.json's chat answer, which
+    clients generated from it would otherwise reject."""
+    doc = server.json("/openapi.json")
+    schema = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    for choice in ("required", "none"):
+        body = {"messages": ASK, "tools": [WEATHER], "tool_choice": choice, "parallel_tool_calls": False, "max_tokens": 120}
+        status, _, raw = post(server.url + "/v1/chat/completions", body)
+        answer = json.loads(raw)
+        assert status == 200 and (answer["choices"][0]["finish_reason"] == "tool_calls") == (choice == "required"), raw
+        jsonschema.validate(answer, schema)
+
+
 def test_a_tool_call_round_trips_streamed(client, model):
     kw = dict(model=model, messages=ASK, tools=[WEATHER, CLOCK], parallel_tool_calls=False, max_tokens=120,
               temperature=0)

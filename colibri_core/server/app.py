@@ -206,7 +206,7 @@ class Server:
             max_tokens = min(room, gen["max_new_tokens"]) if isinstance(gen.get("max_new_tokens"), int) else room
             max_tokens = min(max_tokens, self.cfg.max_tokens or max_tokens)  # the operator's cap
         elif ctx is not None and n_prompt + max_tokens > ctx:
-            raise invalid("max_tokens", f"this model's maximum context length is {ctx} tokens, but {n_prompt + max_tokens} "
+            raise invalid(s.max_tokens_param, f"this model's maximum context length is {ctx} tokens, but {n_prompt + max_tokens} "
                           f"were requested ({n_prompt} in the prompt, {max_tokens} to generate)",
                           "context_length_exceeded")
 
@@ -583,7 +583,7 @@ async def api_stats(request: Request) -> Response:
     snap = server.metrics.snapshot()
     out = {"model": server.model_id, "loaded": server.engine is not None,
            "load_error": server.load_error, "context_length": server.context_length,
-           "uptime_seconds": time.time() - server.metrics.started, "queue": server.queue_state(),
+           "max_tokens": server.cfg.max_tokens, "uptime_seconds": time.time() - server.metrics.started, "queue": server.queue_state(),
            "requests": [{"endpoint": e, "outcome": o, "count": n} for (e, o), n in sorted(snap["requests"].items())],
            "turns": snap["turns"][-20:], "history": [h for h in snap["history"] if h["t"] > since], "live": None}
     snap = server.snapshot()

@@ -88,7 +88,8 @@ def _help(lines: list[str], name: str, kind: str, text: str) -> None:
 def prometheus(metrics: Metrics, stats: dict | None, queue: dict, model: str) -> str:
     """The Prometheus text exposition (version 0.0.4)."""
     lines: list[str] = []
-    label = f'model="{model}"'
+    escaped = model.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")  # the format's label escapes
+    label = f'model="{escaped}"'
     _help(lines, "colibri_requests_total", "counter", "HTTP generation requests by endpoint and outcome.")
     with metrics._lock:
         requests = dict(metrics.requests)

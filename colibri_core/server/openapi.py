@@ -21,14 +21,20 @@ USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "t
                             "properties": {k: {"type": "integer", "minimum": 0}
                                            for k in ("accepted_prediction_tokens", "rejected_prediction_tokens")}}}}
 FINISH = {"type": ["string", "null"], "enum": ["stop", "length", None]}
+TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"}, "function": {
+        "type": "object", "required": ["name", "arguments"],
+        "properties": {"name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON text"}}}}}
 
 
 def _completion(kind: str) -> dict:
-    if kind == "chat":
+    if kind == "chat":  # with `tools`, the answer may be calls: content null, finish_reason "tool_calls"
         choice = {"type": "object", "required": ["index", "message", "finish_reason"], "properties": {
-            "index": {"const": 0}, "finish_reason": FINISH, "logprobs": {"type": "null"},
-            "message": {"type": "object", "required": ["role", "content"],
-                        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}}
+            "index": {"const": 0}, "finish_reason": {**FINISH, "enum": [*FINISH["enum"], "tool_calls"]},
+            "logprobs": {"type": "null"},
+            "message": {"type": "object", "required": ["role", "content"], "properties": {
+                "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                "tool_calls": {"type": "array", "items": TOOL_CALL, "minItems": 1}}}}}
     else:
         choice = {"type": "object", "required": ["index", "text", "finish_reason"], "properties": {
             "index": {"const": 0}, "text": {"type": "string"}, "finish_reason": FINISH, "logprobs": {"type": "null"}}}

@@ -640,9 +640,10 @@ class Sampling:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     ignore_eos: bool = False  # vLLM extension: keep generating past end-of-sequence tokens
+    max_tokens_param: str = "max_tokens"  # the field max_tokens came from, for errors that name it
 
 
-def _sampling(v: dict, max_tokens) -> Sampling:
+def _sampling(v: dict, max_tokens, max_tokens_param: str = "max_tokens") -> Sampling:
     if v["stream_options"] is not None and not v["stream"]:
         raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
     stop = v["stop"]
@@ -658,6 +659,7 @@ def _sampling(v: dict, max_tokens) -> Sampling:
         stream=bool(v["stream"]),
         include_usage=bool(v["stream_options"] and v["stream_options"]["include_usage"]),
         ignore_eos=bool(v["ignore_eos"]),
+        max_tokens_param=max_tokens_param,
     )
 
 
@@ -691,10 +693,10 @@ class ChatRequest:
 
 def parse_chat(body: dict, lim: Limits = Limits()) -> ChatRequest:
     v = chat_model(lim).check(body, "")
-    max_tokens = v["max_completion_tokens"] if v["max_completion_tokens"] is not None else v["max_tokens"]
+    param = "max_completion_tokens" if v["max_completion_tokens"] is not None else "max_tokens"
     tools = body["tools"] if v["tools"] else None  # as sent (checked): the template sees every field it was given
     structure = _structure(v, tools, v["tool_choice"], v["parallel_tool_calls"])
-    return ChatRequest(_sampling(v, max_tokens), v["messages"], tools, structure)
+    return ChatRequest(_sampling(v, v[param], param), v["messages"], tools, structure)
 
 
 @dataclass

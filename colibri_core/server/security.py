@@ -20,12 +20,14 @@ import hmac
 import html
 import ipaddress
 import json
+import re
 import socket
 import urllib.parse
 
 COOKIE = "colibri_key"
 LOOPBACK_NAMES = ("localhost",)
-PREFLIGHT_HEADERS = "Authorization, Content-Type"
+PREFLIGHT_HEADERS = "Authorization, Content-Type"  # allowed when a preflight names none
+HEADER_LIST = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+(\s*,\s*[!#$%&'*+.^_`|~0-9A-Za-z-]+)*")  # RFC 9110 tokens
 
 
 def normalize_origin(origin: str) -> str:
@@ -178,7 +180,11 @@ class Guard:
                                     f"with --allow-origin {origin} to allow it", "forbidden_origin")
         cors = p.cors_origin(origin)
         if method == "OPTIONS" and cors and "access-control-request-method" in headers:  # a CORS preflight
-            return await self._send(send, 204, b"", [(b"content-type", b"text/plain")], cors)
+            # the headers the page asks for, whatever they are (the OpenAI SDKs send x-stainless-*): the
+            # origin is allowed by name, and the key check still applies to the request itself
+            asked = headers.get("access-control-request-headers", "").strip()
+            allow = asked if HEADER_LIST.fullmatch(asked) else PREFLIGHT_HEADERS
+            return await self._send(send, 204, b"", [(b"content-type", b"text/plain")], cors, allow)
         if path == "/health":
             return await self.app(scope, receive, self._with_cors(send, cors))
         if self.dashboard and path == "/login" and method == "POST":
@@ -204,10 +210,10 @@ class Guard:
         await self._send(send, status, error_body(status, message, code),
                          [(b"content-type", b"application/json"), *extra], cors)
 
-    async def _send(self, send, status, body, headers, cors=None):
+    async def _send(self, send, status, body, headers, cors=None, allow_headers=PREFLIGHT_HEADERS):
         headers = [*headers, (b"content-length", str(len(body)).encode())]
         if cors:
-            headers += _cors_headers(cors)
+            headers += _cors_headers(cors, allow_headers)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -229,8 +235,8 @@ class Guard:
         await self._send(send, 303, b"", [(b"location", b"/"), (b"set-cookie", cookie)])
 
 
-def _cors_headers(origin: str) -> list[tuple[bytes, bytes]]:
+def _cors_headers(origin: str, allow_headers: str = PREFLIGHT_HEADERS) -> list[tuple[bytes, bytes]]:
     return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin"),
-            (b"access-control-allow-headers", PREFLIGHT_HEADERS.encode()),
+            (b"access-control-allow-headers", allow_headers.encode("latin-1")),
             (b"access-control-allow-methods", b"GET, POST, OPTIONS"), (b"access-control-max-age", b"600"),
             (b"access-control-expose-headers", b"Retry-After")]

@@ -87,13 +87,14 @@ function setBusy(busy) {
 
 async function send(text) {
   $("chat-error").hidden = true;
-  state.messages.push({ role: "user", content: text });
+  const convo = state.messages;  // this turn's conversation ("New chat" starts another; this one keeps its turns)
+  convo.push({ role: "user", content: text });
   addMessage("user", text);
   const out = addMessage("assistant", "");
   out.dataset.state = "waiting";
   const body = {
     model: state.model || undefined,
-    messages: state.messages,
+    messages: convo,
     stream: true,
     stream_options: { include_usage: true },
     max_tokens: parseInt($("max-tokens").value, 10) || 128,
@@ -147,10 +148,12 @@ async function send(text) {
         }
       }
     }
-    state.messages.push({ role: "assistant", content: answer });
+    convo.push({ role: "assistant", content: answer });
   } catch (e) {
-    if (e.name === "AbortError") finish = "stopped";
-    else { $("chat-error").textContent = e.message; $("chat-error").hidden = false; state.messages.pop(); }
+    if (e.name === "AbortError") {  // stopped: what is on screen is the assistant's turn
+      finish = "stopped";
+      convo.push({ role: "assistant", content: answer });
+    } else { $("chat-error").textContent = e.message; $("chat-error").hidden = false; convo.pop(); }
   } finally {
     state.abort = null;
     setBusy(false);
@@ -202,6 +205,11 @@ function renderStats(s) {
   const st = $("status");
   st.className = "pill " + (s.loaded ? "ok" : s.load_error ? "error" : "loading");
   st.textContent = s.loaded ? "ready" : s.load_error ? "failed: " + s.load_error : "loading";
+  if (s.max_tokens) {  // the operator's --max-tokens: the field never asks for more
+    const field = $("max-tokens");
+    field.max = s.max_tokens;
+    if (+field.value > s.max_tokens) field.value = s.max_tokens;
+  }
   const last = s.turns.length ? s.turns[s.turns.length - 1] : null;
   if (s.live && !s.live.prefilling) showSpeed(s.live.tokens_per_second, "live");
   else if (!state.abort && last) showSpeed(last.decode_tokens_per_second, "last turn");
