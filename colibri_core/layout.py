@@ -8,8 +8,11 @@ in the checkpoint, or one the layout expects and the checkpoint lacks, is a conv
 """
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass, field
+
+from .errors import ColibriError
 
 __all__ = ["ContainerLayout", "ExpertNames"]
 
@@ -70,6 +73,20 @@ class ContainerLayout:
     # the rows a slice of the other tensor's first axis (None, None: all of it). Used when `name` itself
     # is absent, e.g. Kimi-Linear's q/k/v convs stacked into one conv1d by transformers' fused save
     aliases: tuple[tuple[str, str, int | None, int | None], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        """A ColibriError (one line) for a layout no model can have, whichever plugin built it from
+        whatever config: sizes that are not positive integers, a top-k beyond the routed experts."""
+        for what, value in (("routed experts per MoE layer", self.n_experts), ("expert width (hidden)", self.hidden),
+                            ("expert hidden width (intermediate)", self.intermediate), ("top-k", self.top_k)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ColibriError(f"the model's config gives {repr(value)[:40]} as its {what}: it must be a "
+                                   "positive integer")
+        if self.top_k > self.n_experts:
+            raise ColibriError(f"the model's config routes each token to {self.top_k} experts (top-k) of the "
+                               f"{self.n_experts} routed experts of a layer: top-k must be 1..{self.n_experts}")
+        if not self.moe_layers:
+            raise ColibriError("the model's config gives no layer of routed experts (colibri runs MoE models)")
 
     def stays_f32(self, name: str, ndim: int) -> bool:
         """True if resident tensor `name` is kept float32 (all 1-D tensors are)."""

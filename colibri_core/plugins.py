@@ -301,7 +301,13 @@ class Registry:
     def resolve(self, config: dict, where: str = "model") -> Architecture:
         """The architecture serving a config.json: by ``architectures``, then ``model_type``."""
         names = config.get("architectures") or []
+        names = [names] if isinstance(names, str) else names  # a single class name, not in a list
         model_type = config.get("model_type")
+        if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise ColibriError(f"{where}: the config's architectures must be a list of class names, "
+                               f"got {repr(names)[:80]}")
+        if model_type is not None and not isinstance(model_type, str):
+            raise ColibriError(f"{where}: the config's model_type must be a string, got {repr(model_type)[:80]}")
         for arch in self.architectures.values():
             if any(n in arch.hf_architectures for n in names):
                 return arch

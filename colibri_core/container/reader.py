@@ -299,9 +299,10 @@ class Container:
         if problems:
             more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
             if len(problems) > 1 and not any(x.endswith(" is missing") for x in problems):
-                names = ", ".join(x[len(str(p)) + 1:].split(" ")[0] for x in problems)
-                raise ColibriError(f"{p}: {MANIFEST} does not describe the files beside it ({names} differ from "
-                                   "it): a manifest or files from another model or conversion; reconvert the model")
+                names = list(dict.fromkeys(self._subject(x) for x in problems))  # in order, once each
+                names = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+                raise ColibriError(f"{p}: {MANIFEST} does not describe the files beside it (it differs at {names}): "
+                                   "a manifest or files from another model or conversion; reconvert the model")
             raise ColibriError(f"damaged colibri container {p}: {problems[0]}{more}; reconvert the model")
         self.config = read_json(p / "config.json", "reconvert the model")
         if not isinstance(self.config, dict):
@@ -414,6 +415,16 @@ class Container:
                 if st is None or st.shape(part) != tuple(pshape) or st.dtype(part) != ST_NAME[dtype]:
                     problems.append(f"resident tensor {part} is missing or has the wrong shape/dtype")
         return problems
+
+    def _subject(self, problem: str) -> str:
+        """What one of `_cheap_problems`' lines is about: a file (relative to the container) or a
+        resident tensor (its scales named as the tensor)."""
+        if problem.startswith(f"{self.path}{os.sep}"):
+            return problem[len(str(self.path)) + 1:].split(" ")[0]
+        if problem.startswith("resident tensor "):
+            part = problem.split(" ")[2]
+            return "tensor " + (part[:-len(SCALES_SUFFIX)] if part.endswith(SCALES_SUFFIX) else part)
+        return problem
 
     @staticmethod
     def _parts(name: str, kind: str, shape: tuple[int, ...]):

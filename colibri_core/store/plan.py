@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import planning, plugins
+from ..convert import parse_config
 from ..errors import ColibriError
 from ..fsio import read_json
 from .budget import experts_fit, split_budget
@@ -42,7 +43,7 @@ def sizes_from_container(model_dir: str | Path, kv_cache: str = "f32") -> ModelS
     reg = plugins.registry()
     arch = reg.resolve(c.config, where=str(model_dir))
     model_cls = reg.model_class(arch)
-    cfg = model_cls.parse_config(c.config)
+    cfg = parse_config(model_cls, c.config, model_dir)
     measured = planning.measured(model_dir)
     return ModelSizes(arch.name, c.quant, measured["resident_bytes"], c.expert_nbytes, len(c.moe_layers),
                       c.n_experts, model_cls.layout(cfg).top_k, planning.state_bytes_per_token(model_cls, cfg, kv_cache),
@@ -57,10 +58,7 @@ def sizes_from_config(config_path: str | Path, quant_kind: str, kv_cache: str = 
     reg = plugins.registry()
     arch = reg.resolve(config, where=str(config_path))
     model_cls = reg.model_class(arch)
-    try:
-        cfg = model_cls.parse_config(config)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ColibriError(f"{config_path}: {arch.name} cannot parse it ({type(e).__name__}: {e})") from None
+    cfg = parse_config(model_cls, config, config_path)
     try:
         report = planning.plan(model_cls, cfg, quant_kind, kv_cache)
     except NotImplementedError:
@@ -76,6 +74,8 @@ def make_plan(sizes: ModelSizes, budget: int, context: int, pin_bytes: int | Non
     """The budget split, expected bytes read per token, and floor times (seconds per token);
     `history`: the model's routing history (usage.UsageHistory), which chooses the hot-store's
     share, or None."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:  # 0: no state, as the engine splits
+        raise ColibriError(f"--context must be a number of tokens (0 or more), got {context!r}")
     state = sizes.state_bytes_per_token * context
     fit = experts_fit(budget, sizes.dense_bytes, state, sizes.expert_nbytes)
     share = history.pin_share(fit, sizes.top_k) if history is not None and pin_bytes is None else 0.0
