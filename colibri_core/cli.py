@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -34,7 +35,7 @@ def _options(version: bool = typer.Option(False, "--version", "-V", is_eager=Tru
                                           help="Print colibri's version and every installed plugin's, then exit.")):
     """Run Mixture-of-Experts language models larger than RAM, streaming experts from disk."""
 
-ModelOpt = typer.Option(None, "--model", "-m", envvar="COLIBRI_MODEL", help="Converted model directory [env: COLIBRI_MODEL; default: the bundled demo model].")
+ModelOpt = typer.Option(None, "--model", "-m", envvar="COLIBRI_MODEL", help="Converted model directory, or a checkpoint run as it is (default: the bundled demo model).")
 RamOpt = typer.Option(None, "--ram", help="RAM budget for weights and expert cache, e.g. 4GB (default: 80% of available).")
 SlotsOpt = typer.Option(None, "--cache-slots", help="Expert cache slots per layer (overrides --ram).")
 PrefetchOpt = typer.Option(True, "--prefetch/--no-prefetch", help="Router lookahead: read the next layer's predicted experts early.")
@@ -47,6 +48,7 @@ ActivationsOpt = typer.Option(None, "--activations", envvar="COLIBRI_ACTIVATIONS
                               "different arithmetic).")
 KvCacheOpt = typer.Option(None, "--kv-cache", envvar="COLIBRI_KV_CACHE", help="Attention's cached keys and values: f32 "
                           "(default) or f16 (half the memory, faster decode at long contexts, a different arithmetic).")
+SeedOpt = typer.Option(None, "--seed", min=-1, help="Seed for sampling (-1: random, as without one).")
 StatsOpt = typer.Option(False, "--stats", help="After the stats line, print every expert-store counter.")
 GrammarOpt = typer.Option(None, "--grammar", help="A grammar file the answer follows: Lark (llguidance's dialect) or GBNF (llama.cpp's), by extension (.lark, .gbnf) or content.")
 JsonSchemaOpt = typer.Option(None, "--json-schema", help="A JSON schema file: the answer is JSON valid against it.")
@@ -101,10 +103,7 @@ def _model_dir(model: Optional[Path]) -> Path:
 def _open(model, ram, cache_slots, **store):
     from .engine import load
 
-    model_dir = _model_dir(model)
-    if model is None:  # the bundled demo is read-only package data: no routing history beside it
-        store.setdefault("usage", False)  # (it fits any sensible budget whole, so pinning has nothing to do)
-    return load(model_dir, ram=ram, cache_slots=cache_slots, **store)
+    return load(_model_dir(model), ram=ram, cache_slots=cache_slots, **store)
 
 
 def _structure(engine, grammar: Optional[Path], json_schema: Optional[Path]):
@@ -163,14 +162,32 @@ def remote_report(engine) -> str:
     return "\n".join(lines)
 
 
-def stats_line(engine, seconds: float) -> str:
+def stats_line(engine, seconds: float, before: dict | None = None) -> str:
+    """Tokens, decode speed, time to first token, time, expert hits and bytes read: of the engine's life,
+    or since `before` (an earlier `engine.stats()`: one chat turn); then the peak RSS."""
     from .sizes import format_bytes
 
     s = engine.stats()
-    return (f"[{s['generated_tokens']} tokens · {s['decode_tokens_per_second']:.1f} tok/s · "
+    d = {k: s[k] - (before or {}).get(k, 0) for k in ("generated_tokens", "decode_seconds", "expert_hits",
+                                                      "expert_misses", "bytes_read")}
+    tps = max(0, d["generated_tokens"] - 1) / d["decode_seconds"] if d["decode_seconds"] else 0.0
+    lookups = d["expert_hits"] + d["expert_misses"]
+    return (f"[{d['generated_tokens']} tokens · {tps:.1f} tok/s · "
             f"TTFT {s['time_to_first_token']:.2f} s · {seconds:.2f} s total · "
-            f"expert hit rate {100 * s['hit_rate']:.1f}% ({s['expert_hits']} hits, {s['expert_misses']} misses) · "
-            f"read {format_bytes(s['bytes_read'])} · peak RSS {format_bytes(s['peak_rss_bytes'])}]")
+            f"expert hit rate {100 * d['expert_hits'] / max(1, lookups):.1f}% ({d['expert_hits']} hits, "
+            f"{d['expert_misses']} misses) · read {format_bytes(d['bytes_read'])} · "
+            f"peak RSS {format_bytes(s['peak_rss_bytes'])}]")
+
+
+def _room(engine, n_tokens: int, max_tokens: int) -> int:
+    """`max_tokens`, cut to what the model's context leaves after `n_tokens` (the server refuses what
+    does not fit; here the answer just ends there); a ColibriError when the prompt leaves no room."""
+    ctx = engine.context_length
+    if ctx is None:
+        return max_tokens
+    if n_tokens >= ctx:
+        raise ColibriError(f"the prompt is {n_tokens} tokens; this model's context is {ctx}")
+    return min(max_tokens, ctx - n_tokens)
 
 
 @app.command()
@@ -181,7 +198,7 @@ def run(
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = no top-k cut."),
-    seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
+    seed: Optional[int] = SeedOpt,
     ram: Optional[str] = RamOpt,
     cache_slots: Optional[int] = SlotsOpt,
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template as a user turn."),
@@ -218,8 +235,8 @@ def run(
     ids = engine.tokenizer.encode(text, add_special_tokens=not chat)
     make = _structure(engine, grammar, json_schema)
     decoder = StreamDecoder(engine.tokenizer)
-    for token in engine.stream(ids, max_tokens, temperature, top_p, top_k, seed, draft=draft,
-                               constraint=make and make()):
+    for token in engine.stream(ids, _room(engine, len(ids), max_tokens), temperature, top_p, top_k,
+                               None if seed == -1 else seed, draft=draft, constraint=make and make()):
         sys.stdout.write(decoder.push(token))
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -259,7 +276,7 @@ def chat(
     temperature: float = typer.Option(0.7),
     top_p: float = typer.Option(0.95, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
-    seed: Optional[int] = typer.Option(None),
+    seed: Optional[int] = SeedOpt,
     ram: Optional[str] = RamOpt,
     cache_slots: Optional[int] = SlotsOpt,
     prefetch: bool = PrefetchOpt,
@@ -325,7 +342,9 @@ def chat(
             print("(conversation reset)", file=sys.stderr)
             continue
         if line.strip() == "/stats":
-            print(json.dumps(engine.stats(), indent=2, default=str), file=sys.stderr)
+            print(store_report(engine), file=sys.stderr)
+            if engine.remote is not None:
+                print(remote_report(engine), file=sys.stderr)
             continue
         if not line.strip():
             continue
@@ -334,13 +353,19 @@ def chat(
             ids = chat_text.encode(template.render(chat_text.mask(messages)))
         else:  # a base model: the conversation is plain text
             ids = engine.tokenizer.encode("\n".join(m["content"] for m in messages) + "\n")
+        try:
+            room = _room(engine, len(ids), max_tokens)
+        except ColibriError as e:  # the conversation outgrew the context: this question is not asked
+            messages.pop()
+            print(f"colibri: error: {e}; /reset starts over", file=sys.stderr)
+            continue
         decoder, answer = StreamDecoder(engine.tokenizer), []
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), engine.stats()
         # one turn, one record: the state the answer leaves and the messages with the answer together
         turn = session.turn() if session_name is not None else contextlib.nullcontext()
         try:
             with turn:
-                tokens = engine.stream(ids, max_tokens, temperature, top_p, top_k, seed, session=session,
+                tokens = engine.stream(ids, room, temperature, top_p, top_k, None if seed == -1 else seed, session=session,
                                        draft=draft, constraint=make and make())
                 try:
                     for token in tokens:
@@ -355,7 +380,7 @@ def chat(
             print("\n(interrupted: the question and its partial answer are forgotten)", file=sys.stderr)
             continue
         print()
-        print(stats_line(engine, time.perf_counter() - t0), file=sys.stderr)
+        print(stats_line(engine, time.perf_counter() - t0, before), file=sys.stderr)
 
 
 HostOpt = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface; "
@@ -366,7 +391,7 @@ ApiKeyOpt = typer.Option(None, "--api-key", envvar="COLIBRI_API_KEY",
                          "asks for it once). An empty key is an error.")
 QueueOpt = typer.Option(16, "--queue", min=0, help="Requests that may wait behind the running one; more get 429.")
 NameOpt = typer.Option(None, "--model-name", help="Model id clients send (default: the model directory's name).")
-OriginOpt = typer.Option(None, "--allow-origin", help="A web origin (scheme://host[:port]) whose pages may call the "
+OriginOpt = typer.Option(None, "--allow-origin", help="A web origin (scheme://host, :port if not the default) whose pages may call the "
                          "API (CORS), and whose host name the server answers to; repeat for several; '*' for any. "
                          "By default only the server's own pages and non-browser clients are served.")
 MaxTokensOpt = typer.Option(None, "--max-tokens", min=1, help="Most tokens one request may generate "
@@ -528,7 +553,9 @@ def plan(
     quant: str = typer.Option("int4", "--quant", "-q", help="With --config: f32, int8, int4, or native (the official release run as it is, where the plugin declares it)."),
     ram: Optional[str] = RamOpt,
     pin_gb: Optional[float] = PinOpt,
-    context: int = typer.Option(4096, "--context", help="Tokens of state (KV cache) to reserve."),
+    context: int = typer.Option(0, "--context", help="Tokens of state (KV cache) to reserve in the budget. 0: "
+                                "none, as run, chat and serve split it (their --ram holds the weights and the expert "
+                                "cache; the state grows beside it)."),
     kv_cache: Optional[str] = KvCacheOpt,
     disk_bw: Optional[str] = typer.Option(None, "--disk-bw", help="Disk bandwidth per second (e.g. 2GB) instead of measuring it."),
     mem_bw: Optional[str] = typer.Option(None, "--mem-bw", help="Memory bandwidth per second (e.g. 20GB) instead of measuring it."),
@@ -588,7 +615,9 @@ def plan(
     print(f"  state per token            {fb(m['state_bytes_per_token'])} (KV cache {m['kv_cache']})")
     print(f"budget {fb(budget)}:")
     print(f"  dense                      {fb(sp['dense'])}")
-    print(f"  {f'state ({context} tokens)':27}{fb(sp['state'])}")
+    print(f"  {f'state ({context} tokens)':27}{fb(sp['state'])}" if context else
+          f"  state                      beside the budget: {fb(m['state_bytes_per_token'])} a token (--context N "
+          f"reserves N tokens' worth)")
     print(f"  expert cache               {fb(sp['cache_bytes'])} ({sp['cache_slots']} slots per layer)")
     share = f", {100 * sp['pin_share']:.0f}% of the expert budget, chosen from the routing history" if sp["pin_share"] else ""
     print(f"  pinned (hot-store)         {fb(sp['pinned_bytes'])} ({sp['pinned_experts']} experts{share})")
@@ -693,3 +722,8 @@ def main() -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+    except OSError as e:  # the machine's, not colibri's: a full disk (or stdout), a device error
+        if not isinstance(e, BrokenPipeError):  # else the reader went away (`colibri run ... | head`): quietly
+            print(f"colibri: error: {e}", file=sys.stderr)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what stdout still holds: nowhere to go
+        sys.exit(1)

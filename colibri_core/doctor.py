@@ -40,7 +40,7 @@ def run_checks(model_dir: str | Path, deep: bool = False, ray: str | None = None
     from . import plugins
     from .convert import read_config
 
-    container = None
+    container = arch = None
     try:
         config = read_config(model_dir)
         arch = plugins.registry().resolve(config, where=str(model_dir))
@@ -55,10 +55,23 @@ def run_checks(model_dir: str | Path, deep: bool = False, ray: str | None = None
                            f"checksums match ({len(container.moe_layers)} expert files)")
     except ColibriError as e:
         add("files", False, str(e))
+    if container is not None and arch is not None:  # what `run` checks before loading anything
+        from .convert import parse_config
+
+        try:
+            if arch.name != container.architecture:
+                raise ColibriError(f"the container is for architecture {container.architecture}, but config.json "
+                                   f"is served by {arch.name} ({arch.plugin})")
+            model_cls = plugins.registry().model_class(arch)
+            model_cls.layout(parse_config(model_cls, container.config, model_dir))
+            add("config", True, f"config.json parses as {arch.name} and matches the container")
+        except ColibriError as e:
+            add("config", False, str(e))
 
     from .sizes import available_memory, format_bytes
 
-    free = shutil.disk_usage(model_dir if model_dir.is_dir() else model_dir.parent).free
+    where = next(p for p in (model_dir, *model_dir.absolute().parents) if p.is_dir())  # a path that may not exist
+    free = shutil.disk_usage(where).free
     add("free disk", free >= 100 * 10**6, f"{format_bytes(free)} free beside the model", warn=True)
     ram = available_memory()
     if container is not None:

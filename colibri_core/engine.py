@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import math
 import os
 import resource
 import time
@@ -21,6 +22,7 @@ from .container import Container
 from .container.native import NativeCheckpoint, is_checkpoint
 from .container.reader import MANIFEST
 from .convert import parse_config, read_config
+from .demo import demo_state_dir, is_demo
 from .errors import ColibriError
 from .drafting import AUTO_MIN_ACCEPTANCE, AUTO_RETRY, DRAFT_MODES, DraftCounters
 from .generate import sample, verify_draft
@@ -41,6 +43,24 @@ class Session:
     def __init__(self, state):
         self.state = state
         self.ids: list[int] = []  # tokens whose state is in `state`
+
+
+# config.json's names for the longest sequence a model was made for, in the order they are looked up
+CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "n_ctx")
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None) -> None:
+    """A ColibriError naming the first sampling parameter out of its range (NaN is out of every one)."""
+    if max_new_tokens < 1:
+        raise ColibriError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ColibriError(f"temperature must be 0 (greedy) or more, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ColibriError(f"top_p must be more than 0 and at most 1, got {top_p}")
+    if top_k < 0:
+        raise ColibriError(f"top_k must be 0 (no cut) or more, got {top_k}")
+    if seed is not None and seed < 0:
+        raise ColibriError(f"seed must be 0 or more (or none: random), got {seed}")
 
 
 class Engine:
@@ -64,10 +84,15 @@ class Engine:
         registry = plugins.registry()
         self.arch = registry.resolve(read_config(model_dir), where=str(model_dir))  # a missing plugin first
         policy_info = registry.cache_policy(policy)  # an unknown policy before anything is read
-        if pin_gb is not None and pin_gb < 0:
+        if pin_gb is not None and not (math.isfinite(pin_gb) and pin_gb >= 0):
             raise ColibriError(f"--pin-gb must be 0 or more, got {pin_gb}")
         if not isinstance(usage, (bool, str, os.PathLike)):  # None would have become a file named "None"
             raise ColibriError(f"usage must be True, False or a file path, got {usage!r}")
+        # the bundled demo is read-only package data: no routing history beside it (it fits any sensible
+        # budget whole, so a hot-store has nothing to do), its saved sessions in the user's state dir
+        read_only = is_demo(model_dir)
+        usage = False if read_only and usage is True else usage
+        self.sessions_dir = demo_state_dir() if read_only else self.model_dir
         model_cls = registry.model_class(self.arch)
         if is_checkpoint(model_dir) and not (Path(model_dir) / MANIFEST).exists():
             # a Hugging Face / official checkpoint run as it is (container/native.py)
@@ -139,6 +164,13 @@ class Engine:
         return split_budget(budget, self.resident_bytes, 0, c.expert_nbytes, len(c.moe_layers), c.n_experts,
                             pin_bytes, share, top_k)
 
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model was made for (config.json's max_position_embeddings or its
+        kin, CONTEXT_KEYS); None where the config names none."""
+        config = self.container.config
+        return next((int(config[k]) for k in CONTEXT_KEYS if isinstance(config.get(k), int)), None)
+
     # ---- text ------------------------------------------------------------------------------
     @property
     def tokenizer(self) -> Tokenizer:
@@ -151,7 +183,8 @@ class Engine:
         return Session(self.new_state())
 
     def open_session(self, name: str) -> PersistentSession:
-        """The persistent session `name` (MODEL/.sessions/NAME.coli_session), resumed if saved before.
+        """The persistent session `name` (MODEL/.sessions/NAME.coli_session; the bundled demo's under
+        `demo_state_dir()`), resumed if saved before.
 
         Pass it (or just its name) as `stream`/`generate`'s ``session=``: each call saves the turn.
         A saved file from another model or format version, or damaged, is moved aside with a
@@ -163,7 +196,7 @@ class Engine:
             c = self.container
             identity = {"architecture": c.architecture, "fingerprint": c.manifest["source"]["fingerprint"],
                         "quant": c.quant}
-            session = PersistentSession(self, self.model_dir, identity, name)
+            session = PersistentSession(self, self.sessions_dir, identity, name)
             if session.notice:
                 warnings.warn(session.notice, SessionWarning, stacklevel=2)
             self._sessions[name] = session
@@ -299,6 +332,7 @@ class Engine:
         prompt_ids = [int(i) for i in prompt_ids]
         if not prompt_ids:
             raise ColibriError("the prompt is empty")
+        check_sampling(max_new_tokens, temperature, top_p, top_k, seed)
         if draft not in DRAFT_MODES and draft not in plugins.registry().drafters():
             raise ColibriError(f"unknown draft mode {draft!r}: choose one of {', '.join(DRAFT_MODES)} or a "
                                f"registered drafter ({', '.join(plugins.registry().drafters())})")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import colibri
+from conftest import COLIBRI, colibri
 
 
 def snapshot(d):
@@ -136,7 +136,78 @@ def test_chat_streams_and_handles_commands(tiny_model):
                 input="hello there\n/stats\nand again\n/reset\nfresh start\n/exit\n")
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("tok/s") == 3  # one stats line per answer
-    assert '"expert_hits"' in r.stderr and "(conversation reset)" in r.stderr
+    assert "expert_hits " in r.stderr and "per-layer hit rate" in r.stderr and "(conversation reset)" in r.stderr
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--max-tokens", "0", "max_new_tokens must be at least 1"), ("--max-tokens", "-1", "max_new_tokens"),
+    ("--temperature", "nan", "temperature"), ("--temperature", "-1", "temperature"), ("--top-p", "0", "top_p"),
+    ("--top-p", "nan", "top_p"), ("--top-k", "-3", "top_k"), ("--pin-gb", "nan", "--pin-gb"),
+    ("--pin-gb", "inf", "--pin-gb")])
+def test_sampling_out_of_range_is_one_line(tiny_model, option, value, message):
+    """Each was a traceback, or (--max-tokens 0) a generation that never ended."""
+    one_line_error(colibri("run", "--model", tiny_model, option, value, "fox", timeout=120), message)
+
+
+def test_seed_minus_one_is_random(tiny_model):
+    """As the server takes it (and llama.cpp's --seed -1); below that, a usage error."""
+    runs = [colibri("run", "--model", tiny_model, "--max-tokens", "12", "--temperature", "1", "--seed", "-1", "fox")
+            for _ in range(3)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    assert len({r.stdout for r in runs}) > 1
+    assert colibri("run", "--model", tiny_model, "--seed", "-2", "fox").returncode == 2
+
+
+def tokens_made(stderr: str) -> int:
+    return int(stderr.strip().splitlines()[-1].split()[0].lstrip("["))
+
+
+def test_the_context_bounds_a_run(tmp_path):
+    """The demo's context is 1024 tokens: a longer prompt is one line (as the server's 400), and an
+    answer ends where the context does."""
+    line = "And the LORD said unto Moses, "
+    one_line_error(colibri("run", "--max-tokens", "5", line * 300), "this model's context is 1024")
+    from colibri_core import load
+    from colibri_core.demo import demo_model
+
+    with load(demo_model()) as engine:
+        n = len(engine.tokenizer.encode(line * 144))
+    assert 1000 < n < 1020
+    r = colibri("run", "--max-tokens", "200", "--temperature", "0", line * 144)
+    assert r.returncode == 0 and tokens_made(r.stderr) <= 1024 - n, r.stderr
+
+
+def test_output_that_cannot_be_written_is_one_line(tiny_model):
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([*COLIBRI, "run", "--model", str(tiny_model), "--max-tokens", "3",
+                            "fox"], stdout=full, stderr=subprocess.PIPE, text=True)
+    one_line_error(r, "No space left on device")
+    p = subprocess.Popen([*COLIBRI, "run", "--model", str(tiny_model), "--max-tokens", "64",
+                          "--temperature", "0", "fox"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.read(1)
+    p.stdout.close()  # the reader goes away (`| head -c 1`)
+    assert "Traceback" not in p.stderr.read() and p.wait() in (0, 1)
+
+
+def test_chat_stats_are_the_turns(tiny_model):
+    r = colibri("chat", "--model", tiny_model, "--max-tokens", "3", "--temperature", "0",
+                input="hello there\nand again\n/exit\n")
+    lines = [line for line in r.stderr.splitlines() if "tok/s" in line]
+    assert r.returncode == 0 and len(lines) == 2, r.stderr
+    assert all(tokens_made(line) <= 3 for line in lines), lines  # the second turn's, not the running total
+
+
+def test_demo_sessions_are_saved_outside_the_package(tmp_path):
+    """The bundled demo may sit in a read-only site-packages: its sessions go to the user's state dir,
+    and nothing is written beside it."""
+    from colibri_core.demo import demo_model
+
+    before = snapshot(demo_model())
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path)}
+    r = colibri("chat", "--session", "s", "--max-tokens", "3", input="And God said\n/exit\n", env=env)
+    assert r.returncode == 0, r.stderr
+    assert list(tmp_path.rglob("s.coli_session")), sorted(tmp_path.rglob("*"))
+    assert snapshot(demo_model()) == before
 
 
 # ---- colibri install, into a throwaway environment ------------------------------------------------

@@ -714,11 +714,24 @@ def test_plan_from_a_directory_and_from_config_alone(model, tmp_path):
     assert r2.returncode == 0, r2.stderr
     assert json.loads(r2.stdout)["model"] == p["model"]
     assert json.loads(r2.stdout)["disk_bandwidth"] == 2e9
-    r3 = colibri("plan", "--config", cfg, "--quant", "int4", "--ram", "200KB", "--disk-bw", "1GB", "--mem-bw", "1GB")
+    r3 = colibri("plan", "--config", cfg, "--quant", "int4", "--ram", "20KB", "--disk-bw", "1GB", "--mem-bw", "1GB")
     assert r3.returncode == 1 and "below this model's minimum" in r3.stderr
     text = colibri("plan", "--model", model, "--ram", "1MB", "--context", "16", "--disk-bw", "1GB", "--mem-bw", "1GB")
     assert text.returncode == 0 and "expert cache" in text.stdout and "floor per token" in text.stdout
     assert colibri("plan").returncode == 1
+
+
+def test_plan_splits_the_budget_as_run_does(model, tmp_path):
+    """Without --context, `plan --ram X` is the split `run --ram X` makes (the state beside it)."""
+    m = copy_model(model, tmp_path / "m")
+    for ram in ("300KB", "500KB"):
+        r = colibri("plan", "--model", m, "--ram", ram, "--json", "--disk-bw", "1GB", "--mem-bw", "1GB")
+        assert r.returncode == 0, r.stderr
+        sp = json.loads(r.stdout)["split"]
+        with load(m, ram=ram) as e:
+            s = e.stats()
+        assert sp["state"] == 0 and (sp["cache_slots"], sp["pinned_experts"]) == (s["cache_slots_per_layer"],
+                                                                                 s["pinned_experts"]), (ram, sp)
 
 
 def test_doctor_deep_catches_one_flipped_byte_and_writes_nothing(model, tmp_path):
@@ -735,6 +748,19 @@ def test_doctor_deep_catches_one_flipped_byte_and_writes_nothing(model, tmp_path
     (m / "experts" / "layer-000.bin").unlink()
     r = colibri("doctor", "--model", m)
     assert r.returncode == 1 and "FAIL  files" in r.stdout
+
+
+def test_doctor_fails_what_run_refuses(model, tmp_path):
+    """A container whose manifest names another architecture than its config.json (run refuses it
+    before loading), and a path whose parent does not exist either: FAIL lines, never a traceback."""
+    m = copy_model(model, tmp_path / "m")
+    manifest = m / "colibri.yaml"  # edited, its checksum line dropped (as the shipped demo's manifest has none)
+    text = manifest.read_text().replace("architecture: olmoe", "architecture: glm52", 1)
+    manifest.write_text(text[:text.rstrip("\n").rfind("\n") + 1])
+    r = colibri("doctor", "--model", m)
+    assert r.returncode == 1 and "FAIL  config" in r.stdout and "glm52" in r.stdout, r.stdout + r.stderr
+    r = colibri("doctor", "--model", tmp_path / "no" / "such" / "dir")
+    assert r.returncode == 1 and "FAIL  files" in r.stdout and "Traceback" not in r.stderr, r.stdout + r.stderr
 
 
 def test_bench_protocol_smoke(model, tmp_path):

@@ -56,7 +56,6 @@ log = logging.getLogger("colibri.server")
 # The dashboard's files: package data (pyproject: package-data), found through importlib.resources;
 # installed as files, so a real directory StaticFiles can serve.
 STATIC = Path(str(resources.files(__package__) / "static"))
-CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "n_ctx")
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's rule): 1/T would overflow the logits
 
 
@@ -141,8 +140,7 @@ class Server:
             engine.tokenizer  # noqa: B018 — read tokenizer.json now, not on the first request
             self.template = ChatTemplate.from_dir(engine.model_dir)
             self.chat_text = ChatText(engine.tokenizer)
-            config = engine.container.config
-            self.context_length = next((int(config[k]) for k in CONTEXT_KEYS if isinstance(config.get(k), int)), None)
+            self.context_length = engine.context_length
             self.ram_budget = getattr(engine, "ram_budget", None) or (
                 parse_size(cfg.ram) if cfg.ram is not None else
                 None if cfg.cache_slots is not None else int(0.8 * available_memory()))
