@@ -47,17 +47,27 @@ def run_checks(model_dir: str | Path, deep: bool = False, ray: str | None = None
         add("plugin", True, f"{arch.name} served by {arch.plugin} {arch.version}")
     except ColibriError as e:
         add("plugin", False, str(e))
-    try:
-        from .container import Container
+    from .container import Container
+    from .container.native import NativeCheckpoint, is_checkpoint
+    from .container.reader import MANIFEST
+    from .convert import parse_config
 
-        container = Container(model_dir)
-        add("files", True, f"every file the manifest lists is present with its recorded size; small files' "
-                           f"checksums match ({len(container.moe_layers)} expert files)")
+    native = is_checkpoint(model_dir) and not (model_dir / MANIFEST).exists()  # run serves it as it is
+    try:
+        if not native:
+            container = Container(model_dir)
+            add("files", True, f"every file the manifest lists is present with its recorded size; small files' "
+                               f"checksums match ({len(container.moe_layers)} expert files)")
+        elif arch is not None:
+            model_cls = plugins.registry().model_class(arch)
+            container = NativeCheckpoint(model_dir, model_cls.layout(parse_config(model_cls, config, model_dir)),
+                                         arch.name)
+            add("files", True, f"a checkpoint run as it is: every tensor the {arch.name} layout needs is there, "
+                               f"every shard as long as its header says ({len(container.moe_layers)} MoE layers); "
+                               f"it carries no checksums (`colibri convert` writes them)")
     except ColibriError as e:
         add("files", False, str(e))
     if container is not None and arch is not None:  # what `run` checks before loading anything
-        from .convert import parse_config
-
         try:
             if arch.name != container.architecture:
                 raise ColibriError(f"the container is for architecture {container.architecture}, but config.json "
@@ -74,7 +84,7 @@ def run_checks(model_dir: str | Path, deep: bool = False, ray: str | None = None
     free = shutil.disk_usage(where).free
     add("free disk", free >= 100 * 10**6, f"{format_bytes(free)} free beside the model", warn=True)
     ram = available_memory()
-    if container is not None:
+    if isinstance(container, Container):
         need = container.resident_nbytes + sum(container.layer_expert_nbytes(layer) for layer in container.moe_layers)
         add("RAM", ram >= need, f"{format_bytes(ram)} available; the model needs at least {format_bytes(need)} "
                                 f"(resident weights + one expert per layer)")
@@ -101,6 +111,11 @@ def run_checks(model_dir: str | Path, deep: bool = False, ray: str | None = None
         container.close()
     else:
         add("RAM", True, f"{format_bytes(ram)} available", warn=True)
+        if container is not None:  # a checkpoint run as it is
+            if deep:
+                add("checksums (deep)", False, "a checkpoint carries no checksums to check; `colibri convert` "
+                                               "writes them", warn=True)
+            container.close()
     if ray is not None:
         from .remote.doctor import ray_checks
 

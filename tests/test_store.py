@@ -763,6 +763,20 @@ def test_doctor_fails_what_run_refuses(model, tmp_path):
     assert r.returncode == 1 and "FAIL  files" in r.stdout and "Traceback" not in r.stderr, r.stdout + r.stderr
 
 
+def test_doctor_checks_a_checkpoint_run_as_it_is(tiny_checkpoint, tmp_path):
+    """`run --model HF_DIR` serves a checkpoint without conversion: doctor checks it too (it said
+    "not a colibri container"), and finds a shard cut short."""
+    r = colibri("doctor", "--model", tiny_checkpoint, "--deep")
+    assert r.returncode == 0 and "PASS  files" in r.stdout and "checkpoint run as it is" in r.stdout, r.stdout
+    assert "WARN  checksums (deep)" in r.stdout
+    m = tmp_path / "hf"
+    shutil.copytree(tiny_checkpoint, m)
+    shard = sorted(m.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    r = colibri("doctor", "--model", m)
+    assert r.returncode == 1 and "FAIL  files" in r.stdout and shard.name in r.stdout, r.stdout + r.stderr
+
+
 def test_bench_protocol_smoke(model, tmp_path):
     """The benchmark command runs end to end on a tiny model (numbers are not checked: not a test gate)."""
     m = copy_model(model, tmp_path / "m")
