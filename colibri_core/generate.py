@@ -34,17 +34,11 @@ def sample(logits: np.ndarray, rng: np.random.Generator, temperature: float = 0.
 
 def verify_draft(logits: np.ndarray, draft: int, rng: np.random.Generator, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0) -> tuple[bool, int]:
-    """Speculative sampling of a deterministic draft: (accepted, token). Greedy: accepted iff the draft
-    is the argmax (the token is the argmax either way). Sampling: accepted with probability p(draft),
-    else a token from p with the draft removed — overall exactly the distribution `sample` draws from."""
-    if temperature <= 0:
-        token = int(np.argmax(logits))
-        return token == draft, token
-    probs = distribution(logits, temperature, top_p, top_k)
-    if rng.random() < probs[draft]:
-        return True, draft
-    rest = probs.copy()
-    rest[draft] = 0.0
-    if rest.sum() <= 0:  # p(draft) = 1 and the uniform draw still fell above it (rounding): keep it
-        return True, draft
-    return False, int(rng.choice(rest.size, p=rest / rest.sum()))
+    """Speculative sampling of a deterministic draft: (accepted, token). The token is `sample`'s, from
+    the same one draw, and the draft is accepted iff it is that token: accepted with probability
+    p(draft), else a token from p with the draft removed — the scheme of speculative sampling for a
+    draft of one certain token. Drawing exactly what decoding without drafts draws, a seed gives the
+    same tokens whether, when and what anything drafted (the engine's auto rule, a session resumed
+    with fresh drafters); greedy, accepted iff the draft is the argmax."""
+    token = sample(logits, rng, temperature, top_p, top_k)
+    return token == draft, token

@@ -145,6 +145,25 @@ def test_glm52_mtp_chains_drafts_while_the_model_takes_them(models):
     assert sizes.count(1) > 0  # chained calls: one row each, on the head's own output
 
 
+def test_a_seed_gives_the_same_tokens_whatever_drafted(models):
+    """Sampling draws each token as decoding without drafts does, and keeps a draft iff it is that
+    token: the engine's auto rule (which depends on every earlier call), the head, the grammar or
+    no drafts at all give one seed the same tokens, in one engine and after a session resumes in a
+    fresh one (its drafters new)."""
+    kw = dict(temperature=0.8, seed=3, stop_ids=())
+    with load(models["glm52"], activations="f32", usage=False) as engine:
+        want = engine.generate(PROMPT, N, draft="off", **kw)
+        for draft in ("auto", "mtp", "auto", "grammar", "auto"):
+            assert engine.generate(PROMPT, N, draft=draft, **kw) == want, draft
+        assert engine.stats()["draft_drafted"] > 0
+        session = engine.new_session()
+        first = engine.generate(PROMPT, 6, session=session, draft="mtp", **kw)
+        then = engine.generate(PROMPT + first + [7], N, session=session, draft="mtp", **kw)
+        engine.generate(PROMPT, 6, session="s", draft="mtp", **kw)
+    with load(models["glm52"], activations="f32", usage=False) as fresh:
+        assert fresh.generate(PROMPT + first + [7], N, session="s", draft="mtp", **kw) == then
+
+
 def test_mtp_needs_a_head(models):
     with load(models["olmoe"], usage=False) as engine:
         assert engine.generate(PROMPT, 4, stop_ids=(), draft="mtp") == engine.generate(PROMPT, 4, stop_ids=(), draft="off")
