@@ -306,81 +306,82 @@ def chat(
     engine = _open(model, ram, cache_slots, prefetch=prefetch, direct=direct, mirror=mirror, pin_gb=pin_gb,
                    policy=policy, activations=activations, kv_cache=kv_cache,
                    **_ray_options(ray, ray_split, ray_model, ray_timeout))
-    template = ChatTemplate.from_dir(engine.model_dir)
-    make = _structure(engine, grammar, json_schema)  # each answer follows it
-    if template is not None:  # special tokens typed in a message stay text, as the server keeps them
-        from .server.text import ChatText
+    with engine:  # closed at the end: its session locks released, its I/O threads stopped
+        template = ChatTemplate.from_dir(engine.model_dir)
+        make = _structure(engine, grammar, json_schema)  # each answer follows it
+        if template is not None:  # special tokens typed in a message stay text, as the server keeps them
+            from .server.text import ChatText
 
-        chat_text = ChatText(engine.tokenizer)
-    session, messages = engine.new_session(), []
-    if session_name is not None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", SessionWarning)  # printed below as one line
-            session = engine.open_session(session_name)
-        if session.notice:
-            print(f"colibri: note: {session.notice}", file=sys.stderr)
-        messages = _saved_messages(session, session_name)
-        if messages:
-            print(f"(resumed session {session_name}: {len(messages)} messages, {len(session.ids)} tokens)",
-                  file=sys.stderr)
-    print(f"colibri chat · {engine.model_dir} · /reset /stats /exit", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return
-        if line.strip() in ("/exit", "/quit"):
-            return
-        if line.strip() == "/reset":
-            if session_name is not None:
-                session.reset()
-                messages = session.meta.setdefault("messages", [])
-                session.save()
-            else:
-                session, messages = engine.new_session(), []
-            print("(conversation reset)", file=sys.stderr)
-            continue
-        if line.strip() == "/stats":
-            print(store_report(engine), file=sys.stderr)
-            if engine.remote is not None:
-                print(remote_report(engine), file=sys.stderr)
-            continue
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        if template is not None:
-            ids = chat_text.encode(template.render(chat_text.mask(messages)))
-        else:  # a base model: the conversation is plain text
-            ids = engine.tokenizer.encode("\n".join(m["content"] for m in messages) + "\n")
-        try:
-            room = _room(engine, len(ids), max_tokens)
-        except ColibriError as e:  # the conversation outgrew the context: this question is not asked
-            messages.pop()
-            print(f"colibri: error: {e}; /reset starts over", file=sys.stderr)
-            continue
-        decoder, answer = StreamDecoder(engine.tokenizer), []
-        t0, before = time.perf_counter(), engine.stats()
-        # one turn, one record: the state the answer leaves and the messages with the answer together
-        turn = session.turn() if session_name is not None else contextlib.nullcontext()
-        try:
-            with turn:
-                tokens = engine.stream(ids, room, temperature, top_p, top_k, None if seed == -1 else seed, session=session,
-                                       draft=draft, constraint=make and make())
-                try:
-                    for token in tokens:
-                        answer.append(token)
-                        sys.stdout.write(decoder.push(token))
-                        sys.stdout.flush()
-                finally:
-                    tokens.close()  # an answer cut short ends here, inside the turn (which then saves nothing)
-                messages.append({"role": "assistant", "content": engine.tokenizer.decode(answer)})
-        except KeyboardInterrupt:  # Ctrl-C stops the answer, not the chat: the turn never happened
-            messages.pop()
-            print("\n(interrupted: the question and its partial answer are forgotten)", file=sys.stderr)
-            continue
-        print()
-        print(stats_line(engine, time.perf_counter() - t0, before), file=sys.stderr)
+            chat_text = ChatText(engine.tokenizer)
+        session, messages = engine.new_session(), []
+        if session_name is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", SessionWarning)  # printed below as one line
+                session = engine.open_session(session_name)
+            if session.notice:
+                print(f"colibri: note: {session.notice}", file=sys.stderr)
+            messages = _saved_messages(session, session_name)
+            if messages:
+                print(f"(resumed session {session_name}: {len(messages)} messages, {len(session.ids)} tokens)",
+                      file=sys.stderr)
+        print(f"colibri chat · {engine.model_dir} · /reset /stats /exit", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                print(file=sys.stderr)
+                return
+            if line.strip() in ("/exit", "/quit"):
+                return
+            if line.strip() == "/reset":
+                if session_name is not None:
+                    session.reset()
+                    messages = session.meta.setdefault("messages", [])
+                    session.save()
+                else:
+                    session, messages = engine.new_session(), []
+                print("(conversation reset)", file=sys.stderr)
+                continue
+            if line.strip() == "/stats":
+                print(store_report(engine), file=sys.stderr)
+                if engine.remote is not None:
+                    print(remote_report(engine), file=sys.stderr)
+                continue
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            if template is not None:
+                ids = chat_text.encode(template.render(chat_text.mask(messages)))
+            else:  # a base model: the conversation is plain text
+                ids = engine.tokenizer.encode("\n".join(m["content"] for m in messages) + "\n")
+            try:
+                room = _room(engine, len(ids), max_tokens)
+            except ColibriError as e:  # the conversation outgrew the context: this question is not asked
+                messages.pop()
+                print(f"colibri: error: {e}; /reset starts over", file=sys.stderr)
+                continue
+            decoder, answer = StreamDecoder(engine.tokenizer), []
+            t0, before = time.perf_counter(), engine.stats()
+            # one turn, one record: the state the answer leaves and the messages with the answer together
+            turn = session.turn() if session_name is not None else contextlib.nullcontext()
+            try:
+                with turn:
+                    tokens = engine.stream(ids, room, temperature, top_p, top_k, None if seed == -1 else seed,
+                                           session=session, draft=draft, constraint=make and make())
+                    try:
+                        for token in tokens:
+                            answer.append(token)
+                            sys.stdout.write(decoder.push(token))
+                            sys.stdout.flush()
+                    finally:
+                        tokens.close()  # an answer cut short ends here, inside the turn (which then saves nothing)
+                    messages.append({"role": "assistant", "content": engine.tokenizer.decode(answer)})
+            except KeyboardInterrupt:  # Ctrl-C stops the answer, not the chat: the turn never happened
+                messages.pop()
+                print("\n(interrupted: the question and its partial answer are forgotten)", file=sys.stderr)
+                continue
+            print()
+            print(stats_line(engine, time.perf_counter() - t0, before), file=sys.stderr)
 
 
 HostOpt = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface; "

@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import resource
+import threading
 import time
 import warnings
 import weakref
@@ -28,7 +30,8 @@ from .drafting import AUTO_MIN_ACCEPTANCE, AUTO_RETRY, DRAFT_MODES, DraftCounter
 from .generate import sample, verify_draft
 from .kernels.deltanet import EXACT_BATCH
 from .kv.cache import cache_type, check_cache_type
-from .kv.session import PersistentSession, SessionWarning
+from .kv.session import PersistentSession, SessionWarning, session_path
+from .kv.session import lock as lock_session
 from .model import MoEModel, Weights
 from .probe import Probe
 from .sizes import available_memory, parse_size
@@ -45,21 +48,27 @@ class Session:
         self.ids: list[int] = []  # tokens whose state is in `state`
 
 
+BUSY = ("this engine is already generating (an engine runs one generation at a time: finish or close the other "
+        "stream first, or give each thread its own engine)")
 # config.json's names for the longest sequence a model was made for, in the order they are looked up
 CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "n_ctx")
 
 
+def _integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None) -> None:
     """A ColibriError naming the first sampling parameter out of its range (NaN is out of every one)."""
-    if max_new_tokens < 1:
-        raise ColibriError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if not (_integer(max_new_tokens) and max_new_tokens >= 1):  # 3.5 or inf would never be reached
+        raise ColibriError(f"max_new_tokens must be an integer of at least 1, got {max_new_tokens!r}")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise ColibriError(f"temperature must be 0 (greedy) or more, got {temperature}")
     if not 0 < top_p <= 1:
         raise ColibriError(f"top_p must be more than 0 and at most 1, got {top_p}")
-    if top_k < 0:
-        raise ColibriError(f"top_k must be 0 (no cut) or more, got {top_k}")
-    if seed is not None and seed < 0:
+    if not (_integer(top_k) and top_k >= 0):
+        raise ColibriError(f"top_k must be 0 (no cut) or more, got {top_k!r}")
+    if seed is not None and not (_integer(seed) and seed >= 0):
         raise ColibriError(f"seed must be 0 or more (or none: random), got {seed}")
 
 
@@ -101,6 +110,8 @@ class Engine:
         else:
             self.container = Container(model_dir)
         self.store = self.remote = None
+        self.closed = False
+        self._busy = threading.Lock()  # held while a generation runs: one at a time (BUSY)
         try:  # what fails past here closes what was opened: the container's files, the store's I/O threads
             if self.arch.name != self.container.architecture:
                 raise ColibriError(f"{model_dir}: container is for architecture {self.container.architecture}, "
@@ -141,6 +152,7 @@ class Engine:
         self._tokenizer: Tokenizer | None = None
         self.probe = Probe(self.container.n_experts)  # seconds per section, routing per (layer, expert)
         self._sessions: dict[str, PersistentSession] = {}
+        self._session_locks: dict[str, int] = {}  # name -> its lock file's descriptor, held until close
         self.drafting = DraftCounters()  # speculative decoding: drafted, accepted, tokens per forward
         self._drafters = weakref.WeakKeyDictionary()  # session -> (its state, {name: Drafter or None})
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_seconds": 0.0,
@@ -190,29 +202,58 @@ class Engine:
         A saved file from another model or format version, or damaged, is moved aside with a
         `SessionWarning` (also in ``session.notice``) and the session starts fresh; a save cut
         short by a crash is dropped and the session resumes from the turn before. Nothing is
-        written until the first turn is saved.
+        written until the first turn is saved. A session is used by one engine at a time: another
+        engine or process opening it, or saving to it, gets a ColibriError until this one is closed.
         """
         if name not in self._sessions:
             c = self.container
             identity = {"architecture": c.architecture, "fingerprint": c.manifest["source"]["fingerprint"],
                         "quant": c.quant}
-            session = PersistentSession(self, self.sessions_dir, identity, name)
+            if session_path(self.sessions_dir, name).parent.is_dir():  # else nothing to lock until it writes
+                self._lock_session(name)
+            session = PersistentSession(self, self.sessions_dir, identity, name,
+                                        before_write=lambda: self._lock_session(name))
             if session.notice:
                 warnings.warn(session.notice, SessionWarning, stacklevel=2)
             self._sessions[name] = session
         return self._sessions[name]
+
+    def _lock_session(self, name: str) -> None:
+        """Hold session `name`'s lock from now until `close`: two engines (or processes) appending to
+        one session file would tear it, and every turn would be lost at the next open."""
+        if name not in self._session_locks:
+            self._session_locks[name] = lock_session(session_path(self.sessions_dir, name))
 
     def new_state(self):
         """A fresh per-sequence state of the model (its `new_state`), KV caches of this engine's type."""
         with cache_type(self.kv_cache):
             return self.model.new_state()
 
+    def _token_ids(self, ids) -> list[int]:
+        """`ids` as ints; a ColibriError if the engine is closed or one is no token of the model's
+        vocabulary (NumPy would have read -1 as the last row, and 3.7 as 3)."""
+        if self.closed:
+            raise ColibriError("this engine is closed")
+        vocab = getattr(self.model.cfg, "vocab_size", None)
+        out = []
+        for i in ids:
+            if not _integer(i) or i < 0 or (vocab is not None and i >= vocab):
+                raise ColibriError(f"token id {i!r} is not in this model's vocabulary (0 .. {vocab - 1})"
+                                   if vocab is not None else f"token id {i!r} is not a token id")
+            out.append(int(i))
+        return out
+
     def logits(self, ids) -> np.ndarray:
         """Teacher-forced logits, float32 (len(ids), vocab)."""
-        ids = np.asarray(ids, np.int64)
-        with kernels.activations(self.activations):
-            out = self.model.forward(ids, self.new_state())
-        self.store.end_turn()
+        ids = np.asarray(self._token_ids(ids), np.int64)
+        if not self._busy.acquire(blocking=False):
+            raise ColibriError(BUSY)
+        try:
+            with kernels.activations(self.activations):
+                out = self.model.forward(ids, self.new_state())
+            self.store.end_turn()
+        finally:
+            self._busy.release()
         return out
 
     def _feed(self, session: Session, ids: list[int], last_only: bool = True) -> np.ndarray:
@@ -329,7 +370,17 @@ class Engine:
         and the model's MTP head while it pays), "mtp", "grammar" or "off"; drafting never changes
         a greedy token, and keeps the sampled distribution.
         """
-        prompt_ids = [int(i) for i in prompt_ids]
+        if not self._busy.acquire(blocking=False):
+            raise ColibriError(BUSY)
+        try:
+            yield from self._stream(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop_ids, session,
+                                    constraint, draft)
+        finally:
+            self._busy.release()
+
+    def _stream(self, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop_ids, session, constraint,
+                draft) -> Iterator[int]:
+        prompt_ids = self._token_ids(prompt_ids)
         if not prompt_ids:
             raise ColibriError("the prompt is empty")
         check_sampling(max_new_tokens, temperature, top_p, top_k, seed)
@@ -420,7 +471,11 @@ class Engine:
             self.remote = None
         if self.store is not None:
             self.store.close()
+        for fd in getattr(self, "_session_locks", {}).values():
+            os.close(fd)
+        self._session_locks = {}
         self.container.close()
+        self.closed = True  # what needs the store and files says so (`_token_ids`), never a crash in C
 
     def __enter__(self):
         return self

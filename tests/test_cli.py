@@ -140,7 +140,7 @@ def test_chat_streams_and_handles_commands(tiny_model):
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("--max-tokens", "0", "max_new_tokens must be at least 1"), ("--max-tokens", "-1", "max_new_tokens"),
+    ("--max-tokens", "0", "max_new_tokens must be an integer of at least 1"), ("--max-tokens", "-1", "max_new_tokens"),
     ("--temperature", "nan", "temperature"), ("--temperature", "-1", "temperature"), ("--top-p", "0", "top_p"),
     ("--top-p", "nan", "top_p"), ("--top-k", "-3", "top_k"), ("--pin-gb", "nan", "--pin-gb"),
     ("--pin-gb", "inf", "--pin-gb")])

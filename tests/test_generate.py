@@ -86,3 +86,37 @@ def test_state_arrays_round_trip(tiny_model):
         a = list(engine.stream(follow, 6, session=session, stop_ids=()))
         b = list(engine.stream(follow, 6, session=restored, stop_ids=()))
     assert a == b
+
+
+def test_bad_arguments_are_one_line_errors(tiny_model):
+    """A max_new_tokens never reached (3.5, inf), a token id outside the vocabulary (NumPy read -1 as
+    the last row), a closed engine (a C pointer error): each a ColibriError naming it."""
+    engine = load(tiny_model, usage=False)
+    for bad in (3.5, float("inf"), 0):
+        with pytest.raises(ColibriError, match="max_new_tokens"):
+            engine.generate([5, 6], bad)
+    V = engine.model.cfg.vocab_size
+    for ids in ([5, -1], [5, V], [5, 6.7]):
+        with pytest.raises(ColibriError, match="not in this model's vocabulary"):
+            engine.generate(ids, 2)
+        with pytest.raises(ColibriError, match="not in this model's vocabulary"):
+            engine.logits(ids)
+    assert engine.generate(np.array([5, V - 1]), 2)  # NumPy integers are ids
+    engine.close()
+    with pytest.raises(ColibriError, match="closed"):
+        engine.generate([5, 6], 2)
+    assert engine.stats()["generated_tokens"] == 2
+
+
+def test_one_generation_at_a_time(tiny_model):
+    """Two threads generating on one engine failed inside the store (an AssertionError, a dict changed
+    during iteration): the second now gets a ColibriError saying why; after the first, all is well."""
+    with load(tiny_model, usage=False) as engine:
+        first = engine.stream([5, 6, 7], 8, stop_ids=())
+        next(first)
+        with pytest.raises(ColibriError, match="already generating"):
+            engine.generate([5, 6], 2)
+        with pytest.raises(ColibriError, match="already generating"):
+            engine.logits([5, 6])
+        rest = list(first)
+        assert engine.generate([5, 6, 7], 8, stop_ids=())[1:] == rest

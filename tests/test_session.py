@@ -114,6 +114,14 @@ def test_refused_files_are_moved_aside_and_start_fresh(tmp_path):
         assert r.turns == 0 and r.ids == [] and r.state.length == 0, why
         assert why in r.notice and "moved it to s.coli_session.bad" in r.notice and len(r.notice.splitlines()) == 1
         assert not path.exists() and path.with_name("s.coli_session.bad").is_file()
+        path.with_name("s.coli_session.bad").unlink()
+    path.write_bytes(b"garbage" * 10)  # a second refused file beside the first: both kept
+    toy_session(tmp_path)
+    path.write_bytes(b"rubbish" * 10)
+    r = toy_session(tmp_path)
+    assert "moved it to s.coli_session.bad1" in r.notice, r.notice
+    assert path.with_name("s.coli_session.bad").read_bytes() == b"garbage" * 10
+    assert path.with_name("s.coli_session.bad1").read_bytes() == b"rubbish" * 10
 
 
 def test_session_names(tmp_path):
@@ -166,7 +174,7 @@ def test_chat_session_resumes_the_conversation(tiny_model, tmp_path):
     second = chat(["brown fox"], "--session", "c")
     assert "resumed session c: 2 messages" in second.stderr
     assert answers(first) + answers(second) == answers(both) and len(answers(both)) == 2
-    assert os.listdir(model / DIRNAME) == ["c.coli_session"]
+    assert sorted(os.listdir(model / DIRNAME)) == ["c.coli_session", "c.coli_session.lock"]  # the lock: empty
 
 
 def test_an_unwritable_model_directory_is_one_clear_error(tmp_path):
@@ -289,3 +297,30 @@ def test_chat_keeps_special_tokens_typed_in_a_message_as_text(tiny_model, tmp_pa
     shutil.copytree(tiny_model, model)
     _chat(model, ["the quick <|endoftext|> fox", "the quick fox"])
     assert prompts[0].count(eos) == 1 and prompts[1].count(eos) == 3  # the template's own, one per message
+
+
+def test_a_session_is_open_in_one_engine_at_a_time(tiny_model, tmp_path):
+    """Two engines appending to one session file tore it (every turn lost at the next open): the
+    second one to open it is refused until the first is closed; another process likewise."""
+    import shutil
+    import subprocess
+    import sys
+
+    from colibri_core import load
+    from colibri_core.errors import ColibriError
+
+    m = tmp_path / "m"
+    shutil.copytree(tiny_model, m)
+    a, b = load(m, usage=False), load(m, usage=False)
+    try:
+        a.generate([5, 6, 7], 3, session="shared", stop_ids=())
+        with pytest.raises(ColibriError, match="session shared is open in another engine"):
+            b.open_session("shared")
+        code = f"from colibri_core import load; load({str(m)!r}, usage=False).open_session('shared')"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert r.returncode == 1 and "is open in another engine or process" in r.stderr
+        a.close()
+        assert b.open_session("shared").ids[:3] == [5, 6, 7]
+    finally:
+        a.close()
+        b.close()

@@ -30,6 +30,7 @@ is deleted) and the session starts fresh.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -169,6 +170,9 @@ class SessionFile:
 
     def _move_aside(self, why: str) -> None:
         bad = self.path.with_name(self.path.name + ".bad")
+        n = 1
+        while bad.exists():  # an earlier refused file stays as it was: nothing is deleted
+            bad, n = self.path.with_name(f"{self.path.name}.bad{n}"), n + 1
         os.replace(self.path, bad)
         self.notice = f"session {self.path.stem}: the saved file {why}; moved it to {bad.name} and started fresh"
         self._end, self._shapes = 0, {}
@@ -281,6 +285,24 @@ class SessionWarning(UserWarning):
     """A saved session could not be (wholly) used: the message says why and what happened."""
 
 
+def lock(path: Path) -> int:
+    """The open descriptor of session file `path`'s lock file (PATH.lock), locked exclusively until it
+    is closed or the process ends; a ColibriError if another engine or process holds it (two engines
+    appending to one session file would tear it)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ColibriError(f"cannot open session {path.stem} in {path.parent}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ColibriError(f"session {path.stem} is open in another engine or process ({path}); close it "
+                           "there, or use another name") from None
+    return fd
+
+
 class PersistentSession:
     """An engine session (`state`, `ids`: the tokens whose state is held) that is saved to its file
     after every turn (`save`) and resumed from it when opened. `meta` (JSON-able, e.g. the chat's
@@ -288,9 +310,10 @@ class PersistentSession:
     saved file was not wholly used. `turns`: whole turns saved since the conversation began.
     `model` makes the fresh states (its `new_state()`: the engine's, so its KV cache type holds)."""
 
-    def __init__(self, model, model_dir: str | os.PathLike, identity: dict, name: str):
+    def __init__(self, model, model_dir: str | os.PathLike, identity: dict, name: str, before_write=None):
         self.name = name
         self.file = SessionFile(session_path(model_dir, name), identity)
+        self._before_write = before_write  # called before each write (the engine takes the session's lock)
         self._new_state = model.new_state
         self.state, self.ids, self.meta, self.turns = model.new_state(), [], {}, 0
         self._deferred = 0  # > 0 inside `turn()`: saves wait for the block's end
@@ -320,6 +343,8 @@ class PersistentSession:
             return
         continues = self.state is state and self.ids[: len(ids)] == ids
         turn = self.turns + 1 if self.ids else 0  # a conversation started over (no tokens) is turn 0
+        if self._before_write is not None:
+            self._before_write()
         self.file.append(self.ids, self.state.arrays(), self.meta, continues, turn)
         self.turns = turn
         self._mark_saved()
