@@ -712,6 +712,9 @@ def main() -> None:
     try:
         from . import plugins
 
+        if sys.argv[1:2] in (["--version"], ["-V"]):  # from metadata alone: no plugin imported
+            print(plugins.versions_text())
+            return
         try:
             plugins.registry().call_commands(app)
         except ColibriError:  # a broken plugin: the commands that repair or report still run

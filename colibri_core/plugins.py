@@ -261,11 +261,15 @@ class Registry:
             if attr.startswith("colibri_") and callable(getattr(module, attr)) and attr not in known:
                 raise ColibriError(f"plugin {distribution} {version}: {attr} is not a colibri hook "
                                    f"(known: {', '.join(sorted(known))})")
+            if attr in known and not hasattr(getattr(module, attr), "colibri_impl"):  # pluggy would skip it
+                raise ColibriError(f"plugin {distribution} {version}: {attr} lacks @hookimpl "
+                                   "(from colibri_core import hookimpl), so colibri would never call it")
         try:
             self.pm.register(module, name=name)
             self.pm.check_pending()  # a misspelt hook implementation is a loud error
         except pluggy.PluginValidationError as e:
-            self.pm.unregister(module)
+            if self.pm.is_registered(module):  # a bad signature is refused before it is registered
+                self.pm.unregister(module)
             raise ColibriError(f"plugin {distribution} {version}: {e}") from e
         info = PluginInfo(name, distribution, version, module)
         info.hooks = sorted(
@@ -289,14 +293,26 @@ class Registry:
             if arch.name in self.architectures:
                 other = self.architectures[arch.name]
                 raise ColibriError(f"{where}: architecture {arch.name} is already registered by plugin {other.plugin}")
-            arch = dataclasses.replace(arch, plugin=info.distribution, version=info.version,
-                                       hf_architectures=tuple(arch.hf_architectures),
-                                       model_types=tuple(arch.model_types))
+            names = {k: (v,) if isinstance(v, str) else tuple(v)  # ("Name") is a string, not a 1-tuple
+                     for k, v in (("hf_architectures", arch.hf_architectures), ("model_types", arch.model_types))}
+            for other in self.architectures.values():  # which one would serve the config: never a guess
+                both = set(names["hf_architectures"]) & set(other.hf_architectures) or \
+                    set(names["model_types"]) & set(other.model_types)
+                if both:
+                    raise ColibriError(f"{where}: architecture {arch.name} serves {sorted(both)[0]}, as {other.name} "
+                                       f"of plugin {other.plugin} does: leave one out with COLIBRI_LOAD_PLUGINS")
+            arch = dataclasses.replace(arch, plugin=info.distribution, version=info.version, **names)
             self.architectures[arch.name] = arch
             info.architectures.append(arch.name)
 
         others = [p for p in self.pm.get_plugins() if p is not info.module]
-        self.pm.subset_hook_caller("colibri_register_architectures", remove_plugins=others)(register=register)
+        try:
+            self.pm.subset_hook_caller("colibri_register_architectures", remove_plugins=others)(register=register)
+        except ColibriError:
+            raise
+        except Exception as e:  # the plugin's own code failed: it names itself, as a failed import does
+            raise ColibriError(f"plugin {info.distribution} {info.version}: colibri_register_architectures failed: "
+                               f"{type(e).__name__}: {e} (set COLIBRI_LOAD_PLUGINS to load only the others)") from e
 
     def resolve(self, config: dict, where: str = "model") -> Architecture:
         """The architecture serving a config.json: by ``architectures``, then ``model_type``."""
@@ -332,8 +348,9 @@ class Registry:
         module, _, attr = arch.model.partition(":")
         try:
             return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ColibriError(f"plugin {arch.plugin} {arch.version}: cannot import {arch.model}: {e}") from e
+        except Exception as e:  # a missing module, a syntax error, its own code failing on import
+            raise ColibriError(f"plugin {arch.plugin} {arch.version}: cannot import {arch.model}: "
+                               f"{type(e).__name__}: {e}") from e
 
     # ---- cache policies ------------------------------------------------------------------
     def cache_policies(self) -> dict:

@@ -3,6 +3,7 @@ misspelt hooks, resolving config.json, and `colibri plugins` importing no model 
 import json
 import subprocess
 import sys
+import dataclasses
 import types
 from pathlib import Path
 
@@ -80,6 +81,45 @@ def test_misspelt_hook_is_loud():
 
     with pytest.raises(ColibriError, match="colibri-typo.*colibri_register_architecture"):
         plugins.Registry().add("typo", "colibri-typo", "0.1", plugin_module(colibri_register_architecture=colibri_register_architecture))
+
+
+def test_plugin_mistakes_are_one_line_naming_the_plugin():
+    """What an author gets wrong, each refused with the plugin's name: a hook without @hookimpl (pluggy
+    skipped it: a plugin that served nothing), a hook argument misnamed (an AssertionError from pluggy
+    unregistering what it never registered), a hook that raises (a bare TypeError), two plugins serving
+    one config (the first loaded won, and a conformance suite tested the other plugin)."""
+    def colibri_register_architectures(register):  # no @hookimpl
+        register(GOOD)
+
+    with pytest.raises(ColibriError, match="colibri-bare 0.1: colibri_register_architectures lacks @hookimpl"):
+        plugins.Registry().add("bare", "colibri-bare", "0.1", plugin_module(colibri_register_architectures=colibri_register_architectures))
+
+    @hookimpl
+    def colibri_register_architectures(reg):  # noqa: F811 — the spec's argument is `register`
+        pass
+
+    with pytest.raises(ColibriError, match="colibri-arg 0.1: .*reg"):
+        plugins.Registry().add("arg", "colibri-arg", "0.1", plugin_module(colibri_register_architectures=colibri_register_architectures))
+
+    @hookimpl
+    def colibri_register_architectures(register):  # noqa: F811
+        register(Architecture(name="toy", hf_architectures=("X",), model_types=()))  # no model=
+
+    with pytest.raises(ColibriError, match="colibri-boom 0.1: colibri_register_architectures failed: TypeError"):
+        plugins.Registry().add("boom", "colibri-boom", "0.1", plugin_module(colibri_register_architectures=colibri_register_architectures))
+    reg = registry_with(GOOD, name="one")
+    with pytest.raises(ColibriError, match="colibri-two 9.9: architecture other serves ToyForCausalLM, as toy of "
+                                           "plugin colibri-one does"):
+        reg.add("two", "colibri-two", "9.9", registry_with(dataclasses.replace(GOOD, name="other", model_types=()),
+                                                         name="two").plugins["two"].module)
+
+
+def test_a_string_of_architectures_is_one_name():
+    reg = registry_with(dataclasses.replace(GOOD, hf_architectures="ToyForCausalLM", model_types="toy"))
+    assert reg.architectures["toy"].hf_architectures == ("ToyForCausalLM",)
+    assert reg.resolve({"architectures": ["ToyForCausalLM"]}).name == "toy"
+    with pytest.raises(ColibriError):
+        reg.resolve({"architectures": ["T"]})
 
 
 def test_unserved_architecture_names_the_plugin_to_install():

@@ -164,7 +164,9 @@ class ConformanceSuite:
             pytest.fail(f"{type(self).__name__}: the model class must implement resident_shapes and "
                         "state_floats_per_token (see colibri_core.model.MoEModel)")
         got = measured(oracle.container(q))
-        assert {k: p[k] for k in got} == got
+        differ = {k: (p[k], v) for k, v in got.items() if p[k] != v}
+        assert not differ, (f"plan_matches_container at {q}: `colibri plan` (resident_shapes, state_floats_per_token) "
+                            f"and the converted container differ, (planned, measured): {differ}")
 
     def test_kv_cache_floats(self, oracle: Oracle):
         """`kv_cache_floats_per_token` is the part of the state a float16 KV cache halves: measured on
@@ -184,17 +186,22 @@ class ConformanceSuite:
         for f in sorted(oracle.checkpoint.glob("*.safetensors")):
             with safe_open(f, "np") as st:
                 source.update({k: st.get_tensor(k) for k in st.keys()})
-        assert set(got) == {k for k in source if not oracle.layout.ignored(k)}
+        want_names = {k for k in source if not oracle.layout.ignored(k)}
+        assert set(got) == want_names, (f"container_round_trip at {q}: tensors only in the container "
+                                        f"{sorted(set(got) - want_names)[:5]}, only in the checkpoint "
+                                        f"{sorted(want_names - set(got))[:5]}")
         for name, w in got.items():
             resident_f32 = name in oracle.layout.resident and oracle.layout.stays_f32(name, source[name].ndim)
             want = source[name] if q == "f32" or resident_f32 else quant.dequantize(quant.quantize(source[name], q))
             assert np.array_equal(w, want.astype(np.float32)), f"{name} differs after the round trip at {q}"
         oracle.convert(oracle.fused_checkpoint, tmp_path / "fused", q)
         fused = dequantize(tmp_path / "fused")
-        assert Container(tmp_path / "fused").resident().keys() == Container(oracle.container(q)).resident().keys()
+        assert Container(tmp_path / "fused").resident().keys() == Container(oracle.container(q)).resident().keys(), \
+            f"container_round_trip at {q}: the fused checkpoint's container holds other resident tensors"
         with load(tmp_path / "fused", activations="f32") as a, load(oracle.container(q), activations="f32") as b:
             assert np.array_equal(a.logits(oracle.prompt), b.logits(oracle.prompt)), "fused and per-expert containers differ"
-        assert sum(v.size for v in fused.values()) == sum(v.size for v in got.values())
+        assert sum(v.size for v in fused.values()) == sum(v.size for v in got.values()), \
+            f"container_round_trip at {q}: the fused checkpoint's container holds another number of weights"
 
     def test_missing_tensor_is_an_error(self, oracle: Oracle, tmp_path):
         self._check("missing_tensor")
