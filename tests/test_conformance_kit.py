@@ -229,3 +229,21 @@ def test_a_failed_conversion_is_reported_as_itself_every_time(oracle, monkeypatc
             ask("int8")
     assert calls == ["int8"], "the failed conversion was retried"
     assert not (oracle.root / "oracle-int8").exists()
+
+
+def test_an_unsupported_name_that_is_no_check_fails_loudly():
+    """`unsupported={"plan_matches_container": ...}` (the test's name, not the check's) left the plan
+    check running, unnoticed; now every test of the suite fails and lists the names."""
+    import pytest
+
+    from colibri_core.testing.conformance import CHECKS, ConformanceSuite
+
+    class Suite(ConformanceSuite):
+        unsupported = {"plan_matches_container": "a typo"}
+
+    with pytest.raises(pytest.fail.Exception, match="'plan_matches_container', which is no check"):
+        Suite()._check("plan")
+    Suite.unsupported = {"plan": "why"}
+    with pytest.raises(pytest.skip.Exception, match="declares plan unsupported: why"):
+        Suite()._check("plan")
+    assert "moe_layers" in CHECKS and "greedy_int4" in CHECKS

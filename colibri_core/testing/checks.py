@@ -270,8 +270,12 @@ def check_moe_layers(oracle: Oracle, ids: list[int]) -> None:
     and the forward pass runs exactly the layers where transformers' model routes (those whose
     decoder layer has a ``mlp.gate`` router)."""
     ref = oracle.trace("f32", ids)
+    if not ref.layers("ffn_moe_ids"):  # nothing to compare the layers with: loudly, never a pass
+        fail("moe_layers", "the oracle's trace found no router in transformers' model (a decoder layer's "
+             "`mlp.gate` returning logits, scores and indices, colibri_core/testing/trace.py), so the kit cannot "
+             "check which layers route; declare unsupported={'moe_layers': why} if the model routes elsewhere")
     main = ref.n_layers if ref.n_layers is not None else oracle.suite.hf_config.num_hidden_layers
-    check_moe_layers_of(oracle.container("f32"), ids, main, ref.layers("ffn_moe_ids") or None,
+    check_moe_layers_of(oracle.container("f32"), ids, main, ref.layers("ffn_moe_ids"),
                         oracle.engine_trace("f32", ids))
 
 

@@ -21,6 +21,14 @@ __all__ = ["ConformanceSuite", "DROP", "Oracle"]
 QUANTS = ("f32", "int8", "int4")
 
 
+
+# the names `unsupported` may give: every check a test of the suite runs through `_check`
+CHECKS = frozenset({*(f"{kind}_{q}" for kind in ("greedy", "logits") for q in QUANTS), "config_variants",
+                    "container_round_trip", "kv_cache_floats", "leftover_tensor", "lookahead_active",
+                    "lookahead_predicts_routing", "missing_tensor", "moe_layers", "placement_invariance", "plan",
+                    "prefetch_invisible", "session", "short_forward_is_decode_exact", "state_round_trip"})
+
+
 class ConformanceSuite:
     """Subclass and set `hf_config` (a tiny `transformers` config of your architecture)."""
 
@@ -57,6 +65,11 @@ class ConformanceSuite:
             metafunc.parametrize("config_variant", list(self.config_variants) or [pytest.param(None, marks=none)])
 
     def _check(self, name: str) -> None:
+        assert name in CHECKS, f"the kit's own check {name!r} is missing from CHECKS"
+        unknown = sorted(set(self.unsupported) - CHECKS)
+        if unknown:  # a misspelt name would leave the check it meant running, unnoticed
+            pytest.fail(f"{type(self).__name__}.unsupported names {unknown[0]!r}, which is no check (the checks: "
+                        f"{', '.join(sorted(CHECKS))})", pytrace=False)
         if name in self.unsupported:
             pytest.skip(reason=f"{type(self).__name__} declares {name} unsupported: {self.unsupported[name]}")
 
