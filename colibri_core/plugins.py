@@ -238,9 +238,10 @@ class Registry:
                 continue
             problem = version_problem(ep.dist) if ep.dist else None
             if problem:  # checked before its import: its code may need what this colibri lacks
+                how = f"colibri install {dist}" if dist in SHIPPED_PLUGINS else "colibri install its wheel or directory"
                 self.incompatible[dist] = (version, supported_range(ep.dist), (
                     f"plugin {dist} {version} {problem}: install a matching version "
-                    f"(colibri install {dist}) or leave it out with COLIBRI_LOAD_PLUGINS"))
+                    f"({how}) or leave it out with COLIBRI_LOAD_PLUGINS"))
                 continue
             try:
                 module = ep.load()

@@ -142,7 +142,7 @@ def test_incompatible_plugin_is_not_imported_and_named_when_needed(future_plugin
     assert (version, wanted) == ("9.0", ">=9")
     want = (f"m: FutureForCausalLM (model_type future_moe) is served by plugin colibri-future 9.0 supports "
             f"colibri >=9, not this colibri {colibri_core.__version__}: install a matching version "
-            f"(colibri install colibri-future) or leave it out with COLIBRI_LOAD_PLUGINS")
+            f"(colibri install its wheel or directory) or leave it out with COLIBRI_LOAD_PLUGINS")  # not shipped
     with pytest.raises(ColibriError) as e:
         reg.resolve({"architectures": ["FutureForCausalLM"], "model_type": "future_moe"}, where="m")
     assert str(e.value) == want
