@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import types
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, entry_points
@@ -189,6 +190,11 @@ def versions_text() -> str:
     return "\n".join(lines)
 
 
+def _normal(name: str) -> str:
+    """A plugin's name as pip compares them: case, and runs of -, _ and . alike (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
+
+
 @dataclass
 class PluginInfo:
     name: str  # entry-point name
@@ -229,11 +235,13 @@ class Registry:
     # ---- discovery ----------------------------------------------------------------------
     def load_entry_points(self) -> None:
         allow = os.environ.get("COLIBRI_LOAD_PLUGINS")
-        allowed = None if allow is None else {s.strip() for s in allow.split(",") if s.strip()}
+        allowed = None if allow is None else {_normal(s) for s in allow.split(",") if s.strip()}
+        found = set()
         for ep in entry_points(group="colibri"):
             dist = ep.dist.name if ep.dist else ep.name
             version = ep.dist.version if ep.dist else "?"
-            if allowed is not None and ep.name not in allowed and dist not in allowed:
+            found |= {_normal(ep.name), _normal(dist)}
+            if allowed is not None and not {_normal(ep.name), _normal(dist)} & allowed:
                 self.skipped.append(dist)
                 continue
             problem = version_problem(ep.dist) if ep.dist else None
@@ -252,6 +260,9 @@ class Registry:
                 ) from e
             self.add(ep.name, dist, version, module)
             self.plugins[ep.name].requires = supported_range(ep.dist) if ep.dist else None
+        if allowed is not None and allowed - found:  # a typo would load nothing it meant, silently
+            warnings.warn(f"COLIBRI_LOAD_PLUGINS names {', '.join(sorted(allowed - found))}, which no installed "
+                          f"plugin is called (installed: {', '.join(sorted(found)) or 'none'})", stacklevel=2)
 
     def add(self, name: str, distribution: str, version: str, module: object) -> None:
         """Register one plugin module (tests use this to add plugins by hand)."""
@@ -339,6 +350,9 @@ class Registry:
             raise ColibriError(f"{where}: {what} is served by plugin {hint}, which COLIBRI_LOAD_PLUGINS leaves out")
         if hint:
             raise ColibriError(f"{where}: no installed plugin serves {what}: install it with `colibri install {hint}`")
+        if self.skipped:  # likewise: a plugin left out may serve it
+            raise ColibriError(f"{where}: no loaded plugin serves {what} (COLIBRI_LOAD_PLUGINS leaves out "
+                               f"{', '.join(sorted(self.skipped))})")
         if self.incompatible:  # one of them may be the one: say so
             not_loaded = "; ".join(m for _, _, m in self.incompatible.values())
             raise ColibriError(f"{where}: no loaded plugin serves {what} (not loaded: {not_loaded})")

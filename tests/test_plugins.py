@@ -141,6 +141,13 @@ def test_allow_list(monkeypatch):
     reg = plugins.Registry()
     reg.load_entry_points()
     assert list(reg.architectures) == ["olmoe"]
+    with pytest.raises(ColibriError, match="no loaded plugin serves .*COLIBRI_LOAD_PLUGINS leaves out .*colibri-glm52"):
+        reg.resolve({"architectures": ["ThirdPartyForCausalLM"], "model_type": "third_party"})
+    monkeypatch.setenv("COLIBRI_LOAD_PLUGINS", "Colibri_OLMoE, olmoee")  # as pip spells names; a typo
+    reg = plugins.Registry()
+    with pytest.warns(UserWarning, match="names olmoee, which no installed plugin is called"):
+        reg.load_entry_points()
+    assert list(reg.architectures) == ["olmoe"]
 
 
 def test_plugins_json_lists_olmoe():
