@@ -516,6 +516,7 @@ def install(
     if path.is_dir():
         if not any((path / f).is_file() for f in ("pyproject.toml", "setup.py")):
             raise ColibriError(f"{target}: not a plugin directory (it has no pyproject.toml)")
+        plugins.check_plugin_dir(path)  # a project that is no colibri plugin, or not for this colibri: one line
     elif path.is_file():
         if editable:
             raise ColibriError(f"--editable needs a plugin directory (with a pyproject.toml), not {target}")

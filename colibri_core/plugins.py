@@ -138,6 +138,30 @@ def check_wheel(path: Path) -> None:
         raise ColibriError(f"{path}: {dist} {problem}")
 
 
+def check_plugin_dir(path: Path) -> None:
+    """A ColibriError (one line) unless the directory's pyproject.toml declares a colibri plugin (an
+    entry point in the group colibri) that supports this colibri. Left to pip: a project with no
+    pyproject.toml (setup.py), and every project under Python 3.10 (no tomllib)."""
+    pyproject = path / "pyproject.toml"
+    try:
+        import tomllib
+    except ImportError:
+        return
+    if not pyproject.is_file():
+        return
+    try:
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ColibriError(f"{pyproject}: cannot read it ({e})") from None
+    name = f"{project.get('name', path.name)} {project.get('version', '')}".strip()
+    if "colibri" not in project.get("entry-points", {}) and "entry-points" not in project.get("dynamic", []):
+        raise ColibriError(f"{path}: {name} is not a colibri plugin (its pyproject.toml has no "
+                           "[project.entry-points.colibri])")
+    problem = version_problem(types.SimpleNamespace(requires=project.get("dependencies", [])))
+    if problem:
+        raise ColibriError(f"{path}: {name} {problem}")
+
+
 @dataclass
 class Installed:
     """An installed plugin distribution as its metadata describes it (nothing imported)."""

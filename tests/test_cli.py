@@ -281,6 +281,17 @@ def test_install_errors_are_one_line(tmp_path):
     wheel = tmp_path / "x.whl"
     wheel.write_bytes(b"")
     one_line_error(colibri("install", "-e", wheel), "--editable needs a plugin directory")
+    # a directory that is no colibri plugin, or one for another colibri: refused before pip runs
+    notplugin = tmp_path / "notplugin"
+    notplugin.mkdir()
+    (notplugin / "pyproject.toml").write_text('[project]\nname = "notplugin"\nversion = "0.0.1"\n')
+    one_line_error(colibri("install", notplugin), "notplugin 0.0.1 is not a colibri plugin")
+    future = tmp_path / "future"
+    future.mkdir()
+    (future / "pyproject.toml").write_text('[project]\nname = "colibri-future"\nversion = "9.0"\n'
+                                           'dependencies = ["colibri>=9"]\n'
+                                           '[project.entry-points.colibri]\nfuture = "colibri_future"\n')
+    one_line_error(colibri("install", future), "colibri-future 9.0 supports colibri >=9, not this colibri")
 
 
 @pytest.mark.parametrize("args, want", [
