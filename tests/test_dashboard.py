@@ -160,31 +160,47 @@ def test_dashboard_chats_and_draws_the_brain(browser, web, tmp_path, tiny_model)
 
 
 def test_dashboard_keeps_to_the_cap_and_the_conversation_after_stop(browser, tiny_model):
-    """Under --max-tokens 20 the page asks for at most 20 (its default of 128 was refused, every
-    message); a stopped answer stays in the conversation as the assistant's turn, so the next request
-    alternates user and assistant as a chat template expects."""
-    s = LiveServer("web", tiny_model, "--max-tokens", "20")
+    """Under --max-tokens N the page never asks for more than N (its default of 128 was refused, every
+    message, under a cap below it); a stopped answer stays in the conversation as the assistant's
+    turn, so the next request alternates user and assistant as a chat template expects."""
+    s = LiveServer("web", tiny_model, "--max-tokens", "1000")
     b = browser
     try:
         b.call("Page.navigate", url=s.url + "/")
         b.wait_for("document.getElementById('status').textContent === 'ready' && "
-                   "document.getElementById('max-tokens').value === '20'", "the field at the server's cap")
+                   "document.getElementById('max-tokens').max === '1000'", "the field's bound at the server's cap")
+        b.js("document.getElementById('max-tokens').value = '5000'; true")
+        b.wait_for("document.getElementById('max-tokens').value === '1000'", "the field brought back to the cap")
+        # the page's requests recorded, and their answers slowed (a chunk each 30 ms: the tiny model is
+        # done in well under a poll otherwise), so that Stop lands midway
         b.js("""window.__bodies = [];
                 const fetch0 = window.fetch;
-                window.fetch = (url, opts) => {
-                  if (String(url).endsWith('/v1/chat/completions')) window.__bodies.push(JSON.parse(opts.body));
-                  return fetch0(url, opts);
+                window.fetch = async (url, opts) => {
+                  if (!String(url).endsWith('/v1/chat/completions')) return fetch0(url, opts);
+                  window.__bodies.push(JSON.parse(opts.body));
+                  const r = await fetch0(url, opts), reader = r.body.getReader();
+                  const slow = new ReadableStream({async pull(c) {
+                    const {value, done} = await reader.read();
+                    if (done) { c.close(); return; }
+                    await new Promise((go) => setTimeout(go, 30));
+                    c.enqueue(value);
+                  }});
+                  return new Response(slow, {status: r.status, headers: r.headers});
                 };
+                document.getElementById('temperature').value = '0';
                 document.getElementById('prompt').value = 'first';
                 document.getElementById('send').click(); true""")
         b.wait_for("document.querySelector('.msg.assistant')?.dataset.state === 'streaming'", "the answer streaming")
         b.js("document.getElementById('stop').click(); true")
         b.wait_for("document.querySelector('.msg.assistant')?.dataset.state === 'done'", "the answer stopped")
-        b.js("document.getElementById('prompt').value = 'second'; document.getElementById('send').click(); true")
+        assert "finish: stopped" in b.js("document.querySelector('.msg.assistant').textContent")
+        b.js("""document.getElementById('max-tokens').value = '3';
+                document.getElementById('prompt').value = 'second';
+                document.getElementById('send').click(); true""")
         b.wait_for("document.querySelectorAll('.msg.assistant')[1]?.dataset.state === 'done'", "the second answer")
         assert b.js("document.getElementById('chat-error').hidden"), b.js("document.getElementById('chat-error').textContent")
         first, second = b.js("window.__bodies")
-        assert first["max_tokens"] == 20
+        assert first["max_tokens"] == 1000
         assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"], second["messages"]
     finally:
         s.stop()
