@@ -48,7 +48,8 @@ ActivationsOpt = typer.Option(None, "--activations", envvar="COLIBRI_ACTIVATIONS
                               "different arithmetic).")
 KvCacheOpt = typer.Option(None, "--kv-cache", envvar="COLIBRI_KV_CACHE", help="Attention's cached keys and values: f32 "
                           "(default) or f16 (half the memory, faster decode at long contexts, a different arithmetic).")
-SeedOpt = typer.Option(None, "--seed", min=-1, help="Seed for sampling (-1: random, as without one).")
+SeedOpt = typer.Option(None, "--seed", min=-1, callback=lambda seed: None if seed == -1 else seed,
+                       help="Seed for sampling (-1: random, as without one).")
 StatsOpt = typer.Option(False, "--stats", help="After the stats line, print every expert-store counter.")
 GrammarOpt = typer.Option(None, "--grammar", help="A grammar file the answer follows: Lark (llguidance's dialect) or GBNF (llama.cpp's), by extension (.lark, .gbnf) or content.")
 JsonSchemaOpt = typer.Option(None, "--json-schema", help="A JSON schema file: the answer is JSON valid against it.")
@@ -235,8 +236,8 @@ def run(
     ids = engine.tokenizer.encode(text, add_special_tokens=not chat)
     make = _structure(engine, grammar, json_schema)
     decoder = StreamDecoder(engine.tokenizer)
-    for token in engine.stream(ids, _room(engine, len(ids), max_tokens), temperature, top_p, top_k,
-                               None if seed == -1 else seed, draft=draft, constraint=make and make()):
+    for token in engine.stream(ids, _room(engine, len(ids), max_tokens), temperature, top_p, top_k, seed,
+                               draft=draft, constraint=make and make()):
         sys.stdout.write(decoder.push(token))
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -366,8 +367,8 @@ def chat(
             turn = session.turn() if session_name is not None else contextlib.nullcontext()
             try:
                 with turn:
-                    tokens = engine.stream(ids, room, temperature, top_p, top_k, None if seed == -1 else seed,
-                                           session=session, draft=draft, constraint=make and make())
+                    tokens = engine.stream(ids, room, temperature, top_p, top_k, seed, session=session,
+                                           draft=draft, constraint=make and make())
                     try:
                         for token in tokens:
                             answer.append(token)

@@ -43,7 +43,8 @@ def run_checks(model_dir: str | Path, deep: bool = False, ray: str | None = None
     container = arch = None
     try:
         config = read_config(model_dir)
-        arch = plugins.registry().resolve(config, where=str(model_dir))
+        served = plugins.registry().resolve(config, where=str(model_dir))
+        arch, model_cls = served, plugins.registry().model_class(served)  # both, or neither (a broken model module)
         add("plugin", True, f"{arch.name} served by {arch.plugin} {arch.version}")
     except ColibriError as e:
         add("plugin", False, str(e))
@@ -58,8 +59,7 @@ def run_checks(model_dir: str | Path, deep: bool = False, ray: str | None = None
             container = Container(model_dir)
             add("files", True, f"every file the manifest lists is present with its recorded size; small files' "
                                f"checksums match ({len(container.moe_layers)} expert files)")
-        elif arch is not None:
-            model_cls = plugins.registry().model_class(arch)
+        elif arch is not None:  # read through the layout its config.json gives
             container = NativeCheckpoint(model_dir, model_cls.layout(parse_config(model_cls, config, model_dir)),
                                          arch.name)
             add("files", True, f"a checkpoint run as it is: every tensor the {arch.name} layout needs is there, "
@@ -67,12 +67,11 @@ def run_checks(model_dir: str | Path, deep: bool = False, ray: str | None = None
                                f"it carries no checksums (`colibri convert` writes them)")
     except ColibriError as e:
         add("files", False, str(e))
-    if container is not None and arch is not None:  # what `run` checks before loading anything
+    if isinstance(container, Container) and arch is not None:  # what `run` checks before loading anything
         try:
             if arch.name != container.architecture:
                 raise ColibriError(f"the container is for architecture {container.architecture}, but config.json "
                                    f"is served by {arch.name} ({arch.plugin})")
-            model_cls = plugins.registry().model_class(arch)
             model_cls.layout(parse_config(model_cls, container.config, model_dir))
             add("config", True, f"config.json parses as {arch.name} and matches the container")
         except ColibriError as e:

@@ -264,8 +264,9 @@ class Registry:
         for ep in entry_points(group="colibri"):
             dist = ep.dist.name if ep.dist else ep.name
             version = ep.dist.version if ep.dist else "?"
-            found |= {_normal(ep.name), _normal(dist)}
-            if allowed is not None and not {_normal(ep.name), _normal(dist)} & allowed:
+            names = {_normal(ep.name), _normal(dist)}
+            found |= names
+            if allowed is not None and not names & allowed:
                 self.skipped.append(dist)
                 continue
             problem = version_problem(ep.dist) if ep.dist else None

@@ -20,8 +20,6 @@ __all__ = ["ConformanceSuite", "DROP", "Oracle"]
 
 QUANTS = ("f32", "int8", "int4")
 
-
-
 # the names `unsupported` may give: every check a test of the suite runs through `_check`
 CHECKS = frozenset({*(f"{kind}_{q}" for kind in ("greedy", "logits") for q in QUANTS), "config_variants",
                     "container_round_trip", "kv_cache_floats", "leftover_tensor", "lookahead_active",
