@@ -7,7 +7,7 @@ PROMPT ?= Once upon a time
 # Every plugin under plugins/: a new plugins/NAME/ with a pyproject.toml is picked up as it is.
 PLUGINS := $(patsubst %/pyproject.toml,%,$(wildcard plugins/*/pyproject.toml))
 
-.PHONY: run test setup setup-test check-dist clean
+.PHONY: run test test-fast setup setup-test check-dist clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,14 @@ setup-test: $(BIN)/python
 run: setup
 	$(BIN)/colibri run --max-tokens 60 --temperature 0 "$(PROMPT)"
 
+# Both tiers. The system tier (tests marked `system`: soak and load, the Ray cluster, the browser,
+# kill -9 campaigns, fuzzing, every tool under tools/ run once) takes minutes; `make test-fast`
+# leaves it out: the loop to iterate in.
 test: setup-test
 	$(BIN)/python -m pytest -q
+
+test-fast: setup-test
+	$(BIN)/python -m pytest -q -m "not system"
 
 # Packaging (tools/check_dist.sh): sdist + wheel of colibri and of every plugin into dist/, the wheels
 # installed (no -e) into a fresh venv outside the checkout: colibri run on the bundled demo, plugins,

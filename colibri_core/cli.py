@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -16,6 +17,7 @@ import typer
 
 from .demo import demo_model
 from .errors import ColibriError
+from .options import EngineOptions, cli_option, command_options, ray_paths
 from .plugins import SHIPPED_PLUGINS
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -36,56 +38,16 @@ def _options(version: bool = typer.Option(False, "--version", "-V", is_eager=Tru
     """Run Mixture-of-Experts language models larger than RAM, streaming experts from disk."""
 
 ModelOpt = typer.Option(None, "--model", "-m", envvar="COLIBRI_MODEL", help="Converted model directory, or a checkpoint run as it is (default: the bundled demo model).")
-RamOpt = typer.Option(None, "--ram", help="RAM budget for weights and expert cache, e.g. 4GB (default: 80% of available).")
-SlotsOpt = typer.Option(None, "--cache-slots", help="Expert cache slots per layer (overrides --ram).")
-PrefetchOpt = typer.Option(True, "--prefetch/--no-prefetch", help="Router lookahead: read the next layer's predicted experts early.")
-DirectOpt = typer.Option(False, "--direct", help="Read experts with O_DIRECT (bypass the page cache; falls back with a warning where refused).")
-MirrorOpt = typer.Option(None, "--mirror", help="A byte-identical copy of the model on another disk to read experts from too.")
-PinOpt = typer.Option(None, "--pin-gb", help="Hot-store size in GB for the most-routed experts (default: up to 3/4 of the expert budget once there is routing history, the share under which replaying it misses least; 0: off).")
-PolicyOpt = typer.Option("lru", "--policy", help="Expert cache eviction policy: lru, lfu, or one a plugin registers.")
-ActivationsOpt = typer.Option(None, "--activations", envvar="COLIBRI_ACTIVATIONS", help="The matrix products' arithmetic: f32 "
-                              "(exact, the oracle's; default) or int8 (activations quantised per block of 64: faster, a "
-                              "different arithmetic).")
-KvCacheOpt = typer.Option(None, "--kv-cache", envvar="COLIBRI_KV_CACHE", help="Attention's cached keys and values: f32 "
-                          "(default) or f16 (half the memory, faster decode at long contexts, a different arithmetic).")
 SeedOpt = typer.Option(None, "--seed", min=-1, callback=lambda seed: None if seed == -1 else seed,
                        help="Seed for sampling (-1: random, as without one).")
 StatsOpt = typer.Option(False, "--stats", help="After the stats line, print every expert-store counter.")
 GrammarOpt = typer.Option(None, "--grammar", help="A grammar file the answer follows: Lark (llguidance's dialect) or GBNF (llama.cpp's), by extension (.lark, .gbnf) or content.")
 JsonSchemaOpt = typer.Option(None, "--json-schema", help="A JSON schema file: the answer is JSON valid against it.")
 DraftOpt = typer.Option("auto", "--draft", help="Speculative decoding: auto (a grammar's forced tokens, and the model's MTP head while it pays), mtp, grammar, off, or a drafter a plugin registers. Never changes a greedy token.")
-RayOpt = typer.Option(None, "--ray", envvar="COLIBRI_RAY", help="A Ray cluster (auto, HOST:PORT) whose other nodes hold "
-                      "the routed experts in RAM; the local store stays a cache in front (needs colibri[ray]).")
-RaySplitOpt = typer.Option("expert", "--ray-split", help="How experts are cut into shards, one per node: expert "
-                           "(each layer's ids split over the nodes) or layer (ranges of layers per node).")
-RayModelOpt = typer.Option(None, "--ray-model", help="The model's path on the Ray nodes (default: the same path): "
-                           "PATH for all, or NODE=PATH for one (NODE: its IP or Ray node id); repeat for several.")
-RayTimeoutOpt = typer.Option(10.0, "--ray-timeout", help="Seconds a node has to answer one layer's call; a node "
-                             "later than that is treated as failed and its experts are read from the local disk.")
-
-
-def _ray_options(ray, split, model_paths, timeout) -> dict:
-    """load()'s ray / ray_options from the --ray* options (a missing Ray is one line, here)."""
-    if ray is None:
-        return {}
-    from .remote import require_ray
-    from .remote.placement import SPLITS
-
-    require_ray()
-    if split not in SPLITS:
-        raise ColibriError(f"--ray-split must be one of {', '.join(SPLITS)}, got {split!r}")
-    if timeout <= 0:
-        raise ColibriError(f"--ray-timeout must be positive, got {timeout}")
-    paths, default = {}, None
-    for item in model_paths or ():
-        node, sep, path = item.rpartition("=")
-        if sep:
-            paths[node] = path
-        else:
-            default = path
-    return {"ray": ray, "ray_options": {"split": split, "model_paths": paths, "default_path": default,
-                                        "timeout": timeout}}
-
+# `plan` and `doctor` take a few of the engine's options alone (every command that loads a model takes
+# them all: `command_options`)
+RamOpt, PinOpt, KvCacheOpt, RaySplitOpt, RayModelOpt = map(cli_option, ("ram", "pin_gb", "kv_cache", "ray_split",
+                                                                        "ray_models"))
 
 # The trained demo model shipped inside the colibri distribution (colibri_core/demo, found through
 # importlib.resources; see README): the default without --model.
@@ -101,10 +63,10 @@ def _model_dir(model: Optional[Path]) -> Path:
                        f"missing from {DEFAULT_MODEL}: reinstall colibri)")
 
 
-def _open(model, ram, cache_slots, **store):
+def _open(model: Optional[Path], options: EngineOptions):
     from .engine import load
 
-    return load(_model_dir(model), ram=ram, cache_slots=cache_slots, **store)
+    return load(_model_dir(model), options)
 
 
 def _structure(engine, grammar: Optional[Path], json_schema: Optional[Path]):
@@ -192,6 +154,7 @@ def _room(engine, n_tokens: int, max_tokens: int) -> int:
 
 
 @app.command()
+@command_options
 def run(
     prompt: str = typer.Argument(..., help="The prompt text."),
     model: Optional[Path] = ModelOpt,
@@ -200,33 +163,19 @@ def run(
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = no top-k cut."),
     seed: Optional[int] = SeedOpt,
-    ram: Optional[str] = RamOpt,
-    cache_slots: Optional[int] = SlotsOpt,
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template as a user turn."),
-    prefetch: bool = PrefetchOpt,
-    direct: bool = DirectOpt,
-    mirror: Optional[Path] = MirrorOpt,
-    pin_gb: Optional[float] = PinOpt,
-    policy: str = PolicyOpt,
-    activations: Optional[str] = ActivationsOpt,
-    kv_cache: Optional[str] = KvCacheOpt,
     stats: bool = StatsOpt,
     draft: str = DraftOpt,
     grammar: Optional[Path] = GrammarOpt,
     json_schema: Optional[Path] = JsonSchemaOpt,
-    ray: Optional[str] = RayOpt,
-    ray_split: str = RaySplitOpt,
-    ray_model: Optional[list[str]] = RayModelOpt,
-    ray_timeout: float = RayTimeoutOpt,
+    *, options: EngineOptions,  # every engine option (colibri_core/options.py): command_options
 ):
     """Generate a completion of PROMPT, print it, then one stats line (--stats: every store counter)."""
     from .chat_template import ChatTemplate
     from .tokenizer import StreamDecoder
 
     t0 = time.perf_counter()
-    engine = _open(model, ram, cache_slots, prefetch=prefetch, direct=direct, mirror=mirror, pin_gb=pin_gb,
-                   policy=policy, activations=activations, kv_cache=kv_cache,
-                   **_ray_options(ray, ray_split, ray_model, ray_timeout))
+    engine = _open(model, options)
     text = prompt
     if chat:
         template = ChatTemplate.from_dir(engine.model_dir)
@@ -245,7 +194,7 @@ def run(
     print(stats_line(engine, time.perf_counter() - t0), file=sys.stderr)
     if stats:
         print(store_report(engine), file=sys.stderr)
-        if engine.remote is not None:
+        if engine.experts.remote is not None:
             print(remote_report(engine), file=sys.stderr)
     engine.close()
 
@@ -270,7 +219,22 @@ def _saved_messages(session, name: str) -> list:
     return messages
 
 
+def _check_saveable(engine, name: str) -> None:
+    """A one-line ColibriError unless session `name` can be saved: its directory is made (if missing)
+    and a nameless file tried in it, as permission bits cannot tell (root ignores them; a read-only
+    mount or a file in the directory's place does not show in them)."""
+    from .kv.session import session_path
+
+    directory = session_path(engine.sessions_dir, name).parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError as e:
+        raise ColibriError(f"cannot save session {name} in {directory}: {e.strerror or e}") from None
+
+
 @app.command()
+@command_options
 def chat(
     model: Optional[Path] = ModelOpt,
     max_tokens: int = typer.Option(512, "--max-tokens", help="Most new tokens per answer."),
@@ -278,35 +242,19 @@ def chat(
     top_p: float = typer.Option(0.95, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
     seed: Optional[int] = SeedOpt,
-    ram: Optional[str] = RamOpt,
-    cache_slots: Optional[int] = SlotsOpt,
-    prefetch: bool = PrefetchOpt,
-    direct: bool = DirectOpt,
-    mirror: Optional[Path] = MirrorOpt,
-    pin_gb: Optional[float] = PinOpt,
-    policy: str = PolicyOpt,
-    activations: Optional[str] = ActivationsOpt,
-    kv_cache: Optional[str] = KvCacheOpt,
-    ray: Optional[str] = RayOpt,
-    ray_split: str = RaySplitOpt,
-    ray_model: Optional[list[str]] = RayModelOpt,
-    ray_timeout: float = RayTimeoutOpt,
     draft: str = DraftOpt,
     grammar: Optional[Path] = GrammarOpt,
     json_schema: Optional[Path] = JsonSchemaOpt,
     session_name: Optional[str] = typer.Option(None, "--session", help="Save the conversation as NAME beside "
                                                "the model after every turn and resume it when started again."),
+    *, options: EngineOptions,  # every engine option (colibri_core/options.py): command_options
 ):
     """Chat interactively, streaming tokens. Commands: /reset, /stats, /exit."""
-    import warnings
-
     from .chat_template import ChatTemplate
     from .kv.session import SessionWarning
     from .tokenizer import StreamDecoder
 
-    engine = _open(model, ram, cache_slots, prefetch=prefetch, direct=direct, mirror=mirror, pin_gb=pin_gb,
-                   policy=policy, activations=activations, kv_cache=kv_cache,
-                   **_ray_options(ray, ray_split, ray_model, ray_timeout))
+    engine = _open(model, options)
     with engine:  # closed at the end: its session locks released, its I/O threads stopped
         template = ChatTemplate.from_dir(engine.model_dir)
         make = _structure(engine, grammar, json_schema)  # each answer follows it
@@ -316,6 +264,7 @@ def chat(
             chat_text = ChatText(engine.tokenizer)
         session, messages = engine.new_session(), []
         if session_name is not None:
+            _check_saveable(engine, session_name)  # before the first answer, not after it
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", SessionWarning)  # printed below as one line
                 session = engine.open_session(session_name)
@@ -345,10 +294,15 @@ def chat(
                 continue
             if line.strip() == "/stats":
                 print(store_report(engine), file=sys.stderr)
-                if engine.remote is not None:
+                if engine.experts.remote is not None:
                     print(remote_report(engine), file=sys.stderr)
                 continue
             if not line.strip():
+                continue
+            try:
+                _check_utf8(line, "this line")
+            except ColibriError as e:  # a typo, not the end of the chat
+                print(f"colibri: error: {e}", file=sys.stderr)
                 continue
             messages.append({"role": "user", "content": line})
             if template is not None:
@@ -387,7 +341,15 @@ def chat(
 
 HostOpt = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface; "
                        "then give an --api-key).")
-PortOpt = typer.Option(8000, "--port", help="Port to listen on (0: any free port).")
+
+
+def _port(port: int) -> int:
+    if not 0 <= port <= 65535:  # the server listened on another port (99999: 34463)
+        raise ColibriError(f"--port must be 0 (any free port) to 65535, got {port}")
+    return port
+
+
+PortOpt = typer.Option(8000, "--port", callback=_port, help="Port to listen on (0: any free port).")
 ApiKeyOpt = typer.Option(None, "--api-key", envvar="COLIBRI_API_KEY",
                          help="Require 'Authorization: Bearer KEY' on every endpoint but /health (the dashboard "
                          "asks for it once). An empty key is an error.")
@@ -400,48 +362,39 @@ MaxTokensOpt = typer.Option(None, "--max-tokens", min=1, help="Most tokens one r
                             "(default: the model's context).")
 
 
-def _serve(dashboard, model, host, port, api_key, queue, model_name, ram, cache_slots, pin_gb, allow_origin, max_tokens,
-           activations=None, kv_cache=None, ray=None, ray_split="expert", ray_model=None, ray_timeout=10.0):
+def _serve(dashboard: bool, model, host, port, api_key, queue, model_name, allow_origin, max_tokens,
+           options: EngineOptions):
     import os
 
     from .server import ServerConfig, serve
 
     if api_key is None and "COLIBRI_API_KEY" in os.environ:  # set but empty: click treats it as unset
         api_key = os.environ["COLIBRI_API_KEY"]
-    serve(ServerConfig(_model_dir(model), model_name=model_name, ram=ram, cache_slots=cache_slots, pin_gb=pin_gb, max_queue=queue,
-                       api_key=api_key, dashboard=dashboard, allow_origins=tuple(allow_origin or ()),
-                       max_tokens=max_tokens, activations=activations, kv_cache=kv_cache,
-                       **_ray_options(ray, ray_split, ray_model, ray_timeout)),
+    serve(ServerConfig(_model_dir(model), model_name=model_name, max_queue=queue, api_key=api_key,
+                       dashboard=dashboard, allow_origins=tuple(allow_origin or ()), max_tokens=max_tokens,
+                       engine=options),
           host=host, port=port)
 
 
 @app.command()
+@command_options
 def serve(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
-          queue: int = QueueOpt, model_name: Optional[str] = NameOpt, ram: Optional[str] = RamOpt,
-          cache_slots: Optional[int] = SlotsOpt, pin_gb: Optional[float] = PinOpt,
-          allow_origin: Optional[list[str]] = OriginOpt,
-          max_tokens: Optional[int] = MaxTokensOpt, activations: Optional[str] = ActivationsOpt,
-          kv_cache: Optional[str] = KvCacheOpt, ray: Optional[str] = RayOpt, ray_split: str = RaySplitOpt,
-          ray_model: Optional[list[str]] = RayModelOpt, ray_timeout: float = RayTimeoutOpt):
+          queue: int = QueueOpt, model_name: Optional[str] = NameOpt, allow_origin: Optional[list[str]] = OriginOpt,
+          max_tokens: Optional[int] = MaxTokensOpt, *, options: EngineOptions):
     """Serve the model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
     /v1/models, /health, /tokenize, /detokenize, /metrics (Prometheus), /openapi.json."""
-    _serve(False, model, host, port, api_key, queue, model_name, ram, cache_slots, pin_gb, allow_origin,
-           max_tokens, activations, kv_cache, ray, ray_split, ray_model, ray_timeout)
+    _serve(False, model, host, port, api_key, queue, model_name, allow_origin, max_tokens, options)
 
 
 @app.command()
+@command_options
 def web(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
-        queue: int = QueueOpt, model_name: Optional[str] = NameOpt, ram: Optional[str] = RamOpt,
-        cache_slots: Optional[int] = SlotsOpt, pin_gb: Optional[float] = PinOpt,
-        allow_origin: Optional[list[str]] = OriginOpt,
-        max_tokens: Optional[int] = MaxTokensOpt, activations: Optional[str] = ActivationsOpt,
-        kv_cache: Optional[str] = KvCacheOpt, ray: Optional[str] = RayOpt, ray_split: str = RaySplitOpt,
-        ray_model: Optional[list[str]] = RayModelOpt, ray_timeout: float = RayTimeoutOpt):
+        queue: int = QueueOpt, model_name: Optional[str] = NameOpt, allow_origin: Optional[list[str]] = OriginOpt,
+        max_tokens: Optional[int] = MaxTokensOpt, *, options: EngineOptions):
     """Serve the API and a live dashboard at / : chat, tok/s, time to first token, where the time
     goes, the RAM budget, hit rate over time, the Brain map of every expert (and, with --ray, the
     cluster's shards)."""
-    _serve(True, model, host, port, api_key, queue, model_name, ram, cache_slots, pin_gb, allow_origin,
-           max_tokens, activations, kv_cache, ray, ray_split, ray_model, ray_timeout)
+    _serve(True, model, host, port, api_key, queue, model_name, allow_origin, max_tokens, options)
 
 
 @app.command()
@@ -505,34 +458,65 @@ def install(
     target: str = typer.Argument(..., help="A plugin directory, a wheel, or the name of a plugin shipped with "
                                            f"colibri ({', '.join(SHIPPED_PLUGINS)})."),
     editable: bool = typer.Option(False, "--editable", "-e", help="Install a plugin directory in development "
-                                  "mode (pip install -e): edits to its source count without reinstalling."),
+                                  "mode (pip install -e): edits to its source count without reinstalling. The "
+                                  "directory is built into a wheel and checked first, as without -e."),
 ):
     """Install a plugin with pip into colibri's own environment: a plugin directory, a wheel, or a
     shipped plugin by name (from its directory in a source checkout of colibri, else from pip's
-    configured index and find-links). This colibri is kept as it is: a plugin whose supported
-    colibri versions leave it out is refused, never a reason to change colibri."""
+    configured index and find-links). A directory is first built into a wheel in a throwaway
+    directory (pip wheel, in an isolated build environment) and installed only if that wheel is a
+    colibri plugin: nothing of a project that is none runs outside its build (with -e the checked
+    directory is then installed editable, its build run once more, isolated too). This colibri is
+    kept as it is: a plugin whose supported colibri versions leave it out is refused, never a reason
+    to change colibri."""
     from . import plugins
 
     path = Path(target)
-    if path.is_dir():
-        if not any((path / f).is_file() for f in ("pyproject.toml", "setup.py")):
-            raise ColibriError(f"{target}: not a plugin directory (it has no pyproject.toml)")
-        plugins.check_plugin_dir(path)  # a project that is no colibri plugin, or not for this colibri: one line
-    elif path.is_file():
+    if path.is_file():
         if editable:
             raise ColibriError(f"--editable needs a plugin directory (with a pyproject.toml), not {target}")
         plugins.check_wheel(path)  # a wheel that is no colibri plugin, or not for this colibri: one line
-    elif "/" in target or target.startswith(".") or target.endswith(".whl"):
-        raise ColibriError(f"{target}: no such plugin directory or wheel")
-    else:
+        _pip_install(target, [str(path.resolve())])
+        return
+    if not path.is_dir():
+        if "/" in target or target.startswith(".") or target.endswith(".whl"):
+            raise ColibriError(f"{target}: no such plugin directory or wheel")
         name = plugins.shipped_name(target)  # an unknown name: one line naming the shipped plugins
         path = plugins.shipped_plugin(name)
-        if path is None and editable:
-            raise ColibriError(f"--editable needs a plugin directory: {name}'s source is not beside this colibri")
-        target = name
-    spec = target if path is None else str(path.resolve())
-    rc = subprocess.call([sys.executable, "-m", "pip", "install", *(["-e"] if editable else []), spec,
-                          *plugins.core_pin()])
+        if path is None:  # no checkout beside this colibri: from pip's index, which picks a version for it
+            if editable:
+                raise ColibriError(f"--editable needs a plugin directory: {name}'s source is not beside this "
+                                   "colibri")
+            _pip_install(name, [name])
+            return
+    if not any((path / f).is_file() for f in ("pyproject.toml", "setup.py")):
+        raise ColibriError(f"{target}: not a plugin directory (it has no pyproject.toml)")
+    path = path.resolve()
+    plugins.check_plugin_dir(path)  # what its pyproject.toml tells, before anything of it runs: one line
+    with tempfile.TemporaryDirectory(prefix="colibri-install-") as tmp:
+        wheel = _build_wheel(path, Path(tmp))
+        plugins.check_wheel(wheel, source=path)
+        _pip_install(target, ["-e", str(path)] if editable else [str(wheel)])
+
+
+def _build_wheel(directory: Path, into: Path) -> Path:
+    """The wheel of the project in `directory`, built by pip into `into` in an isolated build
+    environment (--use-pep517: a setup.py alone too, which pip would otherwise run in colibri's
+    environment). pip's output is shown only when the build fails."""
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--use-pep517", "--wheel-dir", str(into),
+                        str(directory)], capture_output=True, text=True)
+    wheels = list(into.glob("*.whl"))
+    if r.returncode or len(wheels) != 1:
+        sys.stderr.write(r.stdout + r.stderr)
+        raise ColibriError(f"pip could not build {directory} into a wheel (exit status {r.returncode})")
+    return wheels[0]
+
+
+def _pip_install(target: str, args: list[str]) -> None:
+    """pip install `args` (plugin `target`) with colibri's own python, this colibri pinned beside them."""
+    from . import plugins
+
+    rc = subprocess.call([sys.executable, "-m", "pip", "install", *args, *plugins.core_pin()])
     if rc:
         raise ColibriError(f"pip could not install {target} (exit status {rc})")
 
@@ -571,89 +555,10 @@ def plan(
     read per token and the floor times from this machine's measured disk and memory bandwidth
     (--ray: and the placement of the experts on a Ray cluster)."""
     from . import planning
-    from .sizes import available_memory, format_bytes, parse_size
-    from .store import budget as bw
-    from .store.plan import make_plan, sizes_from_config, sizes_from_container
 
-    if (model is None) == (config is None):
-        raise ColibriError("plan needs exactly one of --model DIR or --config config.json")
-    from .container.native import is_checkpoint
-    from .container.reader import MANIFEST
-
-    if model is not None and is_checkpoint(model) and not (model / MANIFEST).exists():
-        config, quant, model = model / "config.json", "native", None  # a checkpoint run as it is
-    kv_cache = kv_cache or "f32"  # an unknown type: one line from the sizes below, before anything is measured
-    given_disk = None if disk_bw is None else float(parse_size(disk_bw))
-    if model is not None:
-        sizes, report = sizes_from_container(model, kv_cache), planning.measured(model)
-        from .container import Container
-        from .store.usage import UsageHistory
-
-        c = Container(model)
-        disk_bw, direct = (given_disk, None) if given_disk else bw.disk_bandwidth([c.expert_location(layer, 0)[0] for layer in c.moe_layers])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a damaged history is the engine's to report; here it plans none
-            history, where = UsageHistory(c), str(model)
-    else:
-        sizes, report = sizes_from_config(config, quant, kv_cache)
-        disk_bw, direct = (given_disk, None) if given_disk else bw.disk_bandwidth_at(config.resolve().parent)
-        history, where = None, str(config)
-    mem_bw = float(parse_size(mem_bw)) if mem_bw is not None else bw.memory_bandwidth()
-    budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
-    p = {**report, **make_plan(sizes, budget, context, None if pin_gb is None else int(pin_gb * 1e9), history,
-                               disk_bw, mem_bw)}
-    p["disk_bandwidth_direct"] = direct
-    if ray is not None:
-        p["ray"] = _ray_plan(ray, ray_split, p["model"])
-    if as_json:
-        print(json.dumps(p, indent=2))
-        return
-    m, sp, f = p["model"], p["split"], p["floor_seconds_per_token"]
-    fb = format_bytes
-    print(f"{where}: {m['architecture']}, {m['quant']}")
-    print(f"  resident (dense) weights   {fb(m['dense_bytes'])}")
-    print(f"  bytes per expert           {fb(m['expert_nbytes'])}")
-    print(f"  experts in all             {p['experts_total']} ({m['moe_layers']} MoE layers × {m['n_experts']}, "
-          f"top-{m['top_k']}) = {fb(p['experts_bytes_total'])}")
-    print(f"  state per token            {fb(m['state_bytes_per_token'])} (KV cache {m['kv_cache']})")
-    print(f"budget {fb(budget)}:")
-    print(f"  dense                      {fb(sp['dense'])}")
-    print(f"  {f'state ({context} tokens)':27}{fb(sp['state'])}" if context else
-          f"  state                      beside the budget: {fb(m['state_bytes_per_token'])} a token (--context N "
-          f"reserves N tokens' worth)")
-    print(f"  expert cache               {fb(sp['cache_bytes'])} ({sp['cache_slots']} slots per layer)")
-    share = f", {100 * sp['pin_share']:.0f}% of the expert budget, chosen from the routing history" if sp["pin_share"] else ""
-    print(f"  pinned (hot-store)         {fb(sp['pinned_bytes'])} ({sp['pinned_experts']} experts{share})")
-    if sp["transient_experts"]:
-        print(f"  reads past the slots       {fb(sp['transient_experts'] * m['expert_nbytes'])} ({sp['transient_experts']} "
-              f"experts a layer reads at once beyond its slots)")
-    print(f"  experts resident           {100 * p['resident_expert_share']:.1f}%")
-    print(f"per token: expected read {fb(p['expected_bytes_read_per_token'])} (uniform routing; skew and pinning "
-          f"read less), touched in RAM {fb(p['bytes_touched_per_token'])}")
-    how = "given" if direct is None else "O_DIRECT" if direct else "page cache: may be optimistic"
-    print(f"machine: disk {fb(disk_bw)}/s ({how}), memory {fb(mem_bw)}/s")
-    print(f"floor per token: disk {f['disk']:.3f} s, memory {f['memory']:.3f} s → {f['floor']:.3f} s "
-          f"({1 / f['floor'] if f['floor'] else float('inf'):.1f} tok/s at best)")
-    if ray is not None:
-        r = p["ray"]
-        print(f"Ray cluster {ray} ({r['split']} split, {len(r['nodes'])} nodes besides this one):")
-        for n in r["nodes"]:
-            print(f"  node {n['address']} ({n['node'][:8]})  memory {fb(n['memory'])}, holds {n['experts']} experts "
-                  f"({fb(n['bytes'])})" + (f": layer:experts {n['placement']}" if n["placement"] else ""))
-        print(f"  experts on the cluster {r['experts_remote']}, read from the local disk {r['experts_local']}")
-        print(f"  per token: {r['remote_calls_per_token']:.1f} remote calls expected (uniform routing; at most "
-              f"{r['max_calls_per_layer']} per MoE layer, in parallel)")
-
-
-def _ray_plan(address: str, split: str, model: dict) -> dict:
-    from .remote import cluster_nodes
-    from .remote.placement import SPLITS, cluster_plan
-
-    if split not in SPLITS:
-        raise ColibriError(f"--ray-split must be one of {', '.join(SPLITS)}, got {split!r}")
-    _, _, nodes = cluster_nodes(address)
-    return cluster_plan(nodes, range(model["moe_layers"]), model["n_experts"], model["expert_nbytes"], model["top_k"],
-                        split)
+    p = planning.report(model, config, quant, ram=ram, pin_gb=pin_gb, context=context, kv_cache=kv_cache or "f32",
+                        disk_bw=disk_bw, mem_bw=mem_bw, ray=ray, ray_split=ray_split)
+    print(json.dumps(p, indent=2) if as_json else planning.format_report(p))
 
 
 @app.command()
@@ -669,9 +574,12 @@ def doctor(
     any FAIL."""
     from .doctor import run_checks
 
-    options = _ray_options(ray, "expert", ray_model, 10.0).get("ray_options", {})
-    checks = run_checks(_model_dir(model), deep=deep, ray=ray, ray_paths=options.get("model_paths"),
-                        ray_default_path=options.get("default_path"))
+    if ray is not None:  # without Ray installed: one line
+        from .remote import require_ray
+
+        require_ray()
+    paths, default = ray_paths(ray_model or ())
+    checks = run_checks(_model_dir(model), deep=deep, ray=ray, ray_paths=paths, ray_default_path=default)
     for c in checks:
         print(c.line())
     if any(c.status == "FAIL" for c in checks):
@@ -683,6 +591,16 @@ app.add_typer(bench_app, name="bench")
 from .bench import model as _bench_model  # noqa: E402  `colibri bench --model DIR` and `colibri bench model`
 
 _bench_model.register(bench_app)
+
+
+def _check_utf8(text: str, what: str) -> None:
+    """A one-line ColibriError if `text` came from bytes that are not UTF-8 (Python keeps each such
+    byte as a lone surrogate, which no tokenizer, file name or JSON takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = text.encode("utf-8", "surrogateescape")[:60]
+        raise ColibriError(f"{what} is not valid UTF-8: {shown!r}") from None
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
@@ -708,10 +626,10 @@ def bench_kernels(
 
 
 def main() -> None:
-    import warnings
-
     warnings.showwarning = _show_warning
     try:
+        for arg in sys.argv[1:]:  # a prompt that is not UTF-8 was a TypeError deep in the tokenizer
+            _check_utf8(arg, "an argument")
         from . import plugins
 
         if sys.argv[1:2] in (["--version"], ["-V"]):  # from metadata alone: no plugin imported

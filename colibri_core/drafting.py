@@ -82,9 +82,9 @@ class MTPDrafter(Drafter):
     """The model's MTP head. Position p's input is the model's hidden state at p and token p + 1,
     both verified, so the head's own cache holds verified positions only; a chained draft (the
     head run again on its own output, `last_mtp_hidden`, and the token it drafted) adds rows past
-    them, dropped (`State.truncate`) before the head goes on. Needs a model with
-    ``new_mtp_state()``, ``mtp_forward(hidden, next_ids, state)`` and ``last_hidden``; chains with
-    ``last_mtp_hidden`` and a head state that truncates."""
+    them, dropped (`State.truncate`) before the head goes on. Needs a model that declares `has_mtp`
+    (`MoEModel`: ``new_mtp_state()``, ``mtp_forward(hidden, next_ids, state)``, ``last_hidden``,
+    ``last_mtp_hidden``); chains where the head's state truncates."""
 
     name = "mtp"
 
@@ -95,7 +95,7 @@ class MTPDrafter(Drafter):
         self.state = model.new_mtp_state()  # rows for positions 0 … fed − 1 (+ `speculative`)
         self.hidden = np.zeros((0, 0), np.float32)  # (n, H): positions fed … fed + n − 1, not yet given to the head
         self.speculative = 0  # rows the chained drafts added to the head's state
-        self.chain = chain if hasattr(model, "last_mtp_hidden") and self.state.truncate(0) else 1
+        self.chain = chain if self.state.truncate(0) else 1
         self.depth = 1  # drafts the next proposal may chain (`_adapt_depth`)
         self.last: tuple[int, list[int]] | None = None  # (where the last proposal began, its drafts)
 
@@ -150,9 +150,7 @@ class MTPDrafter(Drafter):
 
 
 def mtp_drafter(model) -> Drafter | None:
-    if not callable(getattr(model, "mtp_forward", None)) or not getattr(model, "mtp", None):
-        return None
-    return MTPDrafter(model)
+    return MTPDrafter(model) if model.has_mtp else None
 
 
 @hookimpl

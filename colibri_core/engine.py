@@ -14,31 +14,33 @@ import threading
 import time
 import warnings
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from . import kernels, plugins
+from . import planning, plugins
 from .container import Container
 from .container.native import NativeCheckpoint, is_checkpoint
 from .container.reader import MANIFEST
-from .convert import parse_config, read_config
+from .convert import CONTEXT_KEYS, generation_defaults, parse_config, read_config
 from .demo import demo_state_dir, is_demo
 from .errors import ColibriError
+from .experts import ExpertSource
 from .drafting import AUTO_MIN_ACCEPTANCE, AUTO_RETRY, DRAFT_MODES, DraftCounters
 from .generate import sample, verify_draft
 from .kernels.deltanet import EXACT_BATCH
-from .kv.cache import cache_type, check_cache_type
 from .kv.session import PersistentSession, SessionWarning, session_path
 from .kv.session import lock as lock_session
 from .model import MoEModel, Weights
+from .options import EngineOptions
+from .prefix import DEFAULT_SHARE, PrefixCache, pieces
 from .probe import Probe
 from .sizes import available_memory, parse_size
 from .store import ExpertStore
-from .store.budget import Split, experts_fit, split_budget
 from .store.usage import UsageHistory
-from .tokenizer import Tokenizer, generation_defaults
+from .tokenizer import Tokenizer
 
 class Session:
     """A token sequence and the model state holding all of it but the last sampled token."""
@@ -50,8 +52,6 @@ class Session:
 
 BUSY = ("this engine is already generating (an engine runs one generation at a time: finish or close the other "
         "stream first, or give each thread its own engine)")
-# config.json's names for the longest sequence a model was made for, in the order they are looked up
-CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "n_ctx")
 
 
 def _integer(value) -> bool:
@@ -66,50 +66,37 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k:
         raise ColibriError(f"temperature must be 0 (greedy) or more, got {temperature}")
     if not 0 < top_p <= 1:
         raise ColibriError(f"top_p must be more than 0 and at most 1, got {top_p}")
-    if not (_integer(top_k) and top_k >= 0):
-        raise ColibriError(f"top_k must be 0 (no cut) or more, got {top_k!r}")
+    if not (_integer(top_k) and 0 <= top_k < 1 << 31):  # the server's bound too; a k past the vocabulary: no cut
+        raise ColibriError(f"top_k must be 0 (no cut) or more and below 2**31, got {top_k!r}")
     if seed is not None and not (_integer(seed) and seed >= 0):
         raise ColibriError(f"seed must be 0 or more (or none: random), got {seed}")
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, *, ram: int | str | None = None, cache_slots: int | None = None,
-                 prefetch: bool = True, direct: bool = False, mirror: str | Path | None = None,
-                 pin_gb: float | None = None, policy: str = "lru", io_threads: int = 4,
-                 usage: bool | str | Path = True,
-                 activations: str | None = None, kv_cache: str | None = None, ray: str | None = None,
-                 ray_options: dict | None = None):
+    def __init__(self, model_dir: str | Path, options: EngineOptions | None = None, **settings):
+        """Open `model_dir` with `options` (colibri_core/options.py), or with its fields as keywords
+        (`settings`; given both, the keywords replace those fields of `options`)."""
         self.model_dir = Path(model_dir)
-        if ray is not None:  # without Ray installed: one line, before anything loads
-            from .remote import require_ray
-
-            require_ray()
-        # "f32": exact (the oracle's arithmetic, the default); "int8": activations quantised per block
-        # of 64 for integer dot products, faster, an explicit choice (kernels module docstring)
-        self.activations = kernels._act_name(activations or os.environ.get("COLIBRI_ACTIVATIONS") or "f32")
-        # "f32": keys and values as computed (the default); "f16": rounded to float16 when cached, half
-        # the memory and the bytes each decoded token's attention reads (kv/cache.py)
-        self.kv_cache = check_cache_type(kv_cache or os.environ.get("COLIBRI_KV_CACHE") or "f32")
+        options = EngineOptions(**settings) if options is None else replace(options, **settings)
+        self.options = options  # every setting checked (one line each) before anything loads
+        self.activations = options.activations  # the kernels' arithmetic: "f32" (exact) or "int8"
+        self.kv_cache = options.kv_cache  # the KV caches' element type: "f32" or "f16"
         registry = plugins.registry()
         self.arch = registry.resolve(read_config(model_dir), where=str(model_dir))  # a missing plugin first
-        policy_info = registry.cache_policy(policy)  # an unknown policy before anything is read
-        if pin_gb is not None and not (math.isfinite(pin_gb) and pin_gb >= 0):
-            raise ColibriError(f"--pin-gb must be 0 or more, got {pin_gb}")
-        if not isinstance(usage, (bool, str, os.PathLike)):  # None would have become a file named "None"
-            raise ColibriError(f"usage must be True, False or a file path, got {usage!r}")
+        policy_info = registry.cache_policy(options.policy)
         # the bundled demo is read-only package data: no routing history beside it (it fits any sensible
         # budget whole, so a hot-store has nothing to do), its saved sessions in the user's state dir
         read_only = is_demo(model_dir)
-        usage = False if read_only and usage is True else usage
+        usage = False if read_only and options.usage is True else options.usage
         self.sessions_dir = demo_state_dir() if read_only else self.model_dir
         model_cls = registry.model_class(self.arch)
         if is_checkpoint(model_dir) and not (Path(model_dir) / MANIFEST).exists():
             # a Hugging Face / official checkpoint run as it is (container/native.py)
             cfg = parse_config(model_cls, read_config(model_dir), model_dir)
-            self.container = NativeCheckpoint(model_dir, model_cls.layout(cfg), self.arch.name)
+            self.container = NativeCheckpoint(model_dir, model_cls.layout(cfg), self.arch.name, options.activations)
         else:
-            self.container = Container(model_dir)
-        self.store = self.remote = None
+            self.container = Container(model_dir, options.activations)  # its weights carry the arithmetic
+        self.store = self.experts = None
         self.closed = False
         self._busy = threading.Lock()  # held while a generation runs: one at a time (BUSY)
         try:  # what fails past here closes what was opened: the container's files, the store's I/O threads
@@ -123,13 +110,22 @@ class Engine:
             weights = Weights(resident, str(model_dir))
             # read once: the split's hot-store share comes from it, then the store counts routing in it
             history = None if usage is False else UsageHistory(self.container, None if usage is True else usage)
-            self.split = self._split(ram, cache_slots, pin_gb, history, layout.top_k)
+            self.split = self._split(options.ram, options.cache_slots, options.pin_gb, history, layout.top_k)
             self.store = ExpertStore(self.container, self.split.cache_slots, policy_info,
                                      pinned=self.split.pinned_experts, transient=self.split.transient_experts,
-                                     prefetch=prefetch, direct=direct,
-                                     mirror=None if mirror is None else str(mirror), io_threads=io_threads,
+                                     prefetch=options.prefetch, direct=options.direct,
+                                     mirror=None if options.mirror is None else str(options.mirror),
+                                     io_threads=options.io_threads,
                                      usage=history)
-            self.model = model_cls(cfg, weights, self.store)
+            remote = None
+            if options.ray is not None:  # expert shards on the Ray cluster's other nodes, the store a cache in front (remote/)
+                if not isinstance(self.container, Container):
+                    raise ColibriError("--ray needs a converted container (colibri convert), not a checkpoint run as it is")
+                from .remote.client import RemoteExperts
+
+                remote = RemoteExperts(self.container, options.remote_config())
+            self.experts = ExpertSource(self.store, remote)  # what the MoE block asks for experts (experts.py)
+            self.model = model_cls(cfg, weights, self.experts)
             weights.check_all_taken()
             if type(self.model).routers is MoEModel.routers:
                 raise ColibriError(f"plugin {self.arch.plugin} {self.arch.version}: {self.arch.name} declares no "
@@ -138,13 +134,6 @@ class Engine:
             if sorted(routed) != sorted(self.container.moe_layers):
                 raise ColibriError(f"plugin {self.arch.plugin} {self.arch.version}: {self.arch.name} declares routers "
                                    f"for layers {list(routed)}, but its MoE layers are {list(self.container.moe_layers)}")
-            if ray is not None:  # expert shards on the Ray cluster's other nodes, behind the store (remote/)
-                if not isinstance(self.container, Container):
-                    raise ColibriError("--ray needs a converted container (colibri convert), not a checkpoint run as it is")
-                from .remote.client import RemoteConfig, RemoteExperts
-
-                self.remote = RemoteExperts(self.container, self.store, RemoteConfig(ray, **(ray_options or {})))
-                self.store.remote = self.remote
         except BaseException:
             self.close()
             raise
@@ -156,25 +145,19 @@ class Engine:
         self.drafting = DraftCounters()  # speculative decoding: drafted, accepted, tokens per forward
         self._drafters = weakref.WeakKeyDictionary()  # session -> (its state, {name: Drafter or None})
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_seconds": 0.0,
-                         "decode_seconds": 0.0, "time_to_first_token": 0.0}
+                         "decode_seconds": 0.0, "time_to_first_token": 0.0,
+                         "prefix_cache_hits": 0, "prefix_cached_tokens": 0}  # prompts, and their tokens, restored
+        # the states of recent prompts (prefix.py), beside the budget: calls without a session use it
+        cache_budget = (parse_size(options.prefix_cache) if options.prefix_cache is not None
+                        else int(DEFAULT_SHARE * (self.split.budget or 0.8 * available_memory())))
+        self.prefix_cache = PrefixCache(cache_budget, options.prefill_chunk)
 
-    def _split(self, ram, cache_slots, pin_gb, history: UsageHistory | None, top_k: int) -> Split:
-        """The budget split (store/budget.py); `cache_slots` overrides the cache part; `history`
-        chooses the hot-store's share."""
+    def _split(self, ram, cache_slots, pin_gb, history: UsageHistory | None, top_k: int) -> planning.Split:
+        """The budget split (planning.split, the rule `colibri plan` shows): the state grows beside
+        the budget; `cache_slots` overrides the cache part; `history` chooses the hot-store's share."""
         c = self.container
-        pin_bytes = None if pin_gb is None else int(pin_gb * 1e9)
-        if cache_slots is not None:
-            if cache_slots < 1:
-                raise ColibriError(f"--cache-slots must be at least 1, got {cache_slots}")
-            slots = min(cache_slots, c.n_experts)
-            pinned = 0 if slots >= c.n_experts else int((pin_bytes or 0) // c.expert_nbytes)
-            return Split(0, self.resident_bytes, 0, slots, slots * len(c.moe_layers) * c.expert_nbytes,
-                         pinned, pinned * c.expert_nbytes, slots >= c.n_experts, max(0, top_k - slots))
-        budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
-        fit = experts_fit(budget, self.resident_bytes, 0, c.expert_nbytes)
-        share = history.pin_share(fit, top_k) if history is not None and pin_bytes is None else 0.0
-        return split_budget(budget, self.resident_bytes, 0, c.expert_nbytes, len(c.moe_layers), c.n_experts,
-                            pin_bytes, share, top_k)
+        return planning.split(ram, self.resident_bytes, c.expert_nbytes, len(c.moe_layers), c.n_experts, top_k,
+                              pin_gb=pin_gb, history=history, cache_slots=cache_slots)
 
     @property
     def context_length(self) -> int | None:
@@ -199,10 +182,11 @@ class Engine:
         `demo_state_dir()`), resumed if saved before.
 
         Pass it (or just its name) as `stream`/`generate`'s ``session=``: each call saves the turn.
-        A saved file from another model or format version, or damaged, is moved aside with a
-        `SessionWarning` (also in ``session.notice``) and the session starts fresh; a save cut
-        short by a crash is dropped and the session resumes from the turn before. Nothing is
-        written until the first turn is saved. A session is used by one engine at a time: another
+        A saved file from another model or format version is moved aside with a `SessionWarning`
+        (also in ``session.notice``) and the session starts fresh; a file damaged after some whole
+        turns is kept whole beside it (``.bad``) and the session resumes at the last whole turn; a
+        save cut short by a crash has its bytes kept (``.torn``) and the session resumes from the
+        turn before. A session is used by one engine at a time: another
         engine or process opening it, or saving to it, gets a ColibriError until this one is closed.
         """
         if name not in self._sessions:
@@ -225,49 +209,63 @@ class Engine:
             self._session_locks[name] = lock_session(session_path(self.sessions_dir, name))
 
     def new_state(self):
-        """A fresh per-sequence state of the model (its `new_state`), KV caches of this engine's type."""
-        with cache_type(self.kv_cache):
-            return self.model.new_state()
+        """A fresh per-sequence state of the model, its KV caches of this engine's type."""
+        return self.model.new_state(kv_cache=self.kv_cache)
 
     def _token_ids(self, ids) -> list[int]:
         """`ids` as ints; a ColibriError if the engine is closed or one is no token of the model's
         vocabulary (NumPy would have read -1 as the last row, and 3.7 as 3)."""
         if self.closed:
             raise ColibriError("this engine is closed")
-        vocab = getattr(self.model.cfg, "vocab_size", None)
+        vocab = self.model.vocab_size
         out = []
         for i in ids:
-            if not _integer(i) or i < 0 or (vocab is not None and i >= vocab):
-                raise ColibriError(f"token id {i!r} is not in this model's vocabulary (0 .. {vocab - 1})"
-                                   if vocab is not None else f"token id {i!r} is not a token id")
+            if not _integer(i) or i < 0 or i >= vocab:
+                raise ColibriError(f"token id {i!r} is not in this model's vocabulary (0 .. {vocab - 1})")
             out.append(int(i))
         return out
 
     def logits(self, ids) -> np.ndarray:
-        """Teacher-forced logits, float32 (len(ids), vocab)."""
+        """Teacher-forced logits, float32 (len(ids), vocab), computed in the prefill's pieces (`_pieces`):
+        the last row is bit for bit what `stream` samples the first new token from."""
         ids = np.asarray(self._token_ids(ids), np.int64)
         if not self._busy.acquire(blocking=False):
             raise ColibriError(BUSY)
         try:
-            with kernels.activations(self.activations):
-                out = self.model.forward(ids, self.new_state())
+            state = self.new_state()
+            out = np.concatenate([self.model.forward(ids[a:b], state) for a, b in self._pieces(0, len(ids))])
             self.store.end_turn()
         finally:
             self._busy.release()
         return out
 
-    def _feed(self, session: Session, ids: list[int], last_only: bool = True) -> np.ndarray:
-        """Bring `session` to `ids` (reusing the longest cached prefix); logits of the last token (V,),
-        or of every token fed (T, V). The session's drafters see the model's hidden states. A forward
-        that fails leaves the state half-fed: `stream` puts the session back."""
+    def _pieces(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The forwards that feed positions start … end − 1: cut at the multiples of the prefill chunk,
+        so the state at each multiple has the same bits whatever the prompt goes on with (what makes
+        a cached prefix equal a cold prefill: prefix.py); a forward of at most EXACT_BATCH tokens
+        computes each position exactly as alone wherever it starts, and stays whole."""
+        if end - start <= EXACT_BATCH:
+            return [(start, end)]
+        return pieces(start, end, self.prefix_cache.chunk)
+
+    def _feed(self, session: Session, ids: list[int], last_only: bool = True, capture=None) -> np.ndarray:
+        """Bring `session` to `ids` (reusing the longest prefix it holds), in `_pieces`; logits of the
+        last token (V,), or of every token fed (T, V). The session's drafters see the model's hidden
+        states, and `capture` (prefix.Capture) each piece. A forward that fails leaves the state
+        half-fed: `stream` puts the session back."""
         n = len(session.ids)
         if not (n < len(ids) and ids[:n] == session.ids):
             session.state, session.ids, n = self.new_state(), [], 0
-        with kernels.activations(self.activations), self.probe.listening():
-            logits = self.model.forward(np.asarray(ids[n:], np.int64), session.state, last_only=last_only)
-        session.ids = list(ids)
-        self._tell_drafters(session, n, getattr(self.model, "last_hidden", None))
-        return logits[-1] if last_only else logits
+        out = []
+        for start, end in self._pieces(n, len(ids)):
+            with self.probe.listening():
+                out.append(self.model.forward(np.asarray(ids[start:end], np.int64), session.state,
+                                              last_only=last_only))
+            session.ids = ids[:end]
+            self._tell_drafters(session, start, self.model.last_hidden)
+            if capture is not None:
+                capture.fed(start, end, self.model.last_hidden)
+        return out[-1][-1] if last_only else np.concatenate(out)
 
     def _tell_drafters(self, session, start: int, hidden) -> None:
         """Drafter.observe for each of the session's drafters: the hidden states (T, H) of positions
@@ -344,7 +342,7 @@ class Engine:
             if session.state.truncate(keep):  # a state of rows: the rejected drafts' rows dropped in place
                 session.ids = session.ids[:keep]
                 start = len(kept_ids) if ids[:len(kept_ids)] == kept_ids else 0  # where the forward began (`_feed`)
-                hidden = getattr(self.model, "last_hidden", None)  # what it said of the rejected positions is void
+                hidden = self.model.last_hidden  # what it said of the rejected positions is void
                 self._tell_drafters(session, start, None if hidden is None else hidden[:keep - start])
             else:  # roll back: the state before the forward, then ids[-1] + accepted again
                 state = self.new_state()
@@ -361,6 +359,9 @@ class Engine:
         """Yield new token ids one by one. Stops after `max_new_tokens` or a stop id (yielded).
 
         `stop_ids` defaults to generation_config.json's eos_token_id; pass () to never stop early.
+        Without a `session` the prompt starts from the longest prefix the prefix cache holds
+        (`engine.prefix_cache`, prefix.py; stats() counts `prefix_cached_tokens`), with the very
+        tokens and logits of a cold prefill, and its states are kept there for later prompts.
         A `session` keeps its state across calls: a prompt that extends it is prefilled only past
         what the session already holds. A persistent session (`open_session`, or its name) is
         saved when the call ends (also when the caller stops iterating early). A call that fails
@@ -390,6 +391,7 @@ class Engine:
         stop = set(self.generation.get("eos_token_id", []) if stop_ids is None else stop_ids)
         if isinstance(session, str):
             session = self.open_session(session)
+        cached = session is None  # a call of its own: its prompt may start from the prefix cache
         session = session or self.new_session()
         # the session as it was, put back if the call fails: no later forward modifies these arrays
         # (the kv.State contract): views of the caches, copies of fixed-size states (once per call)
@@ -401,7 +403,10 @@ class Engine:
         ids = list(prompt_ids)
         save = getattr(session, "save", lambda: None)
         try:
-            logits = self._feed(session, prompt_ids)
+            capture = self._restore(session, prompt_ids) if cached else None
+            logits = self._feed(session, prompt_ids, capture=capture)
+            if capture is not None:
+                self.prefix_cache.insert(capture)
             self.counters["prompt_tokens"] += len(prompt_ids)
             self.counters["prefill_seconds"] += time.perf_counter() - t0
             # (token, already advanced in the constraint): chosen, to yield in order
@@ -440,6 +445,18 @@ class Engine:
         save()
         self.store.end_turn()  # only after a whole turn: routing history, hot-store revision
 
+    def _restore(self, session: Session, prompt_ids: list[int]):
+        """Load the longest cached prefix of `prompt_ids` into the fresh `session` (prefix.py); the
+        `Capture` its prefill fills for the cache (None: the cache is off)."""
+        hit = self.prefix_cache.lookup(prompt_ids)
+        if hit is not None:
+            hidden = self.prefix_cache.restore(hit, session.state)
+            session.ids = prompt_ids[:hit[1]]
+            self._tell_drafters(session, 0, hidden)  # an MTP head drafts as after a cold prefill
+            self.counters["prefix_cache_hits"] += 1
+            self.counters["prefix_cached_tokens"] += hit[1]
+        return self.prefix_cache.capture(session.state, prompt_ids, hit, hidden=self.model.has_mtp)
+
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, *, stop_ids=None, session=None, constraint=None,
                  draft: str = "auto") -> list[int]:
@@ -453,9 +470,9 @@ class Engine:
         return {
             **c,
             "decode_tokens_per_second": decoded / c["decode_seconds"] if c["decode_seconds"] else 0.0,
-            **self.store.stats(),
+            **self.experts.stats(),  # the store's counters, the remote shards' (remote_*)
             **self.drafting.stats(),
-            **(self.remote.stats() if self.remote is not None else {}),
+            **self.prefix_cache.stats(),  # bytes and entries held; hits and cached tokens are counters
             **{f"{name}_seconds": s for name, s in list(self.probe.seconds.items())},  # attention, moe, disk
             "resident_bytes": self.resident_bytes,
             "ram_budget": self.split.budget,
@@ -466,9 +483,8 @@ class Engine:
         }
 
     def close(self) -> None:
-        if getattr(self, "remote", None) is not None:
-            self.remote.close()
-            self.remote = None
+        if self.experts is not None:
+            self.experts.close()  # the remote shards
         if self.store is not None:
             self.store.close()
         for fd in getattr(self, "_session_locks", {}).values():
@@ -484,28 +500,16 @@ class Engine:
         self.close()
 
 
-def load(model_dir: str | Path, *, ram: int | str | None = None, cache_slots: int | None = None,
-         prefetch: bool = True, direct: bool = False, mirror: str | Path | None = None, pin_gb: float | None = None,
-         policy: str = "lru", io_threads: int = 4, usage: bool | str | Path = True,
-         activations: str | None = None, kv_cache: str | None = None, ray: str | None = None,
-         ray_options: dict | None = None) -> Engine:
-    """Open a converted model directory.
+def load(model_dir: str | Path, options: EngineOptions | None = None, **settings) -> Engine:
+    """Open a converted model directory (or a checkpoint run as it is) with `options`, or with
+    EngineOptions' fields as keywords (colibri_core/options.py: each one's meaning and default):
 
-    `ram`: budget in bytes or "2GB" (default 80% of available); `cache_slots`: experts cached per
-    layer (overrides the budget); `prefetch`: router lookahead; `direct`: O_DIRECT reads; `mirror`:
-    a byte-identical copy on another disk; `pin_gb`: hot-store size (default: 3/4 of the expert
-    budget once there is routing history); `policy`: cache eviction policy (`lru`, `lfu`, or a
-    plugin's); `io_threads`: I/O pool threads; `usage`: record routing history in .coli_usage
-    beside the model (True), in another file (a path), or not at all (False).
-    None of these changes an output, only speed. `activations`: "f32" (exact, the default) or
-    "int8" (faster, changes the arithmetic; default from COLIBRI_ACTIVATIONS). `kv_cache`: "f32"
-    (the default) or "f16" (attention keys and values rounded to float16 when cached: half the
-    memory, faster decode at long contexts, a different arithmetic; default from COLIBRI_KV_CACHE).
-    `ray`: the address of a Ray cluster ("auto", HOST:PORT) whose other nodes hold the routed experts
-    in RAM (colibri_core/remote; needs `colibri[ray]`), the local store a cache in front of them;
-    `ray_options`: `remote.client.RemoteConfig`'s fields (split, model_paths, default_path, timeout,
-    start_timeout, retry, share). Also only speed: the tokens are the same.
+        load(dir, ram="2GB")                      # the budget for weights and the expert cache
+        load(dir, cache_slots=8, pin_gb=1.5)      # experts cached per layer; the hot-store's size
+        load(dir, prefetch=True, direct=False, mirror=None, policy="lru", io_threads=4, usage=True)
+        load(dir, activations="int8", kv_cache="f16")    # a different arithmetic: changes the output
+        load(dir, ray="auto", ray_split="layer", ray_timeout=5.0, ray_options={"retry": 1.0})
+
+    All but `activations` and `kv_cache` change only speed: the tokens are the same.
     """
-    return Engine(model_dir, ram=ram, cache_slots=cache_slots, prefetch=prefetch, direct=direct, mirror=mirror,
-                  pin_gb=pin_gb, policy=policy, io_threads=io_threads, usage=usage,
-                  activations=activations, kv_cache=kv_cache, ray=ray, ray_options=ray_options)
+    return Engine(model_dir, options, **settings)

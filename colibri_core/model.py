@@ -1,4 +1,5 @@
-"""The base every architecture's model class builds on, and the resident-weight helpers.
+"""The base every architecture's model class builds on, and the resident-weight helpers (`linear`,
+`linears`, `dense`, `embed`: defined with the blocks, in layers/linear.py, and public here).
 
 An architecture's ``model.py`` subclasses `MoEModel`: it parses ``config.json`` into its config
 dataclass, describes its container layout, takes its resident tensors from `Weights` by name
@@ -6,20 +7,18 @@ dataclass, describes its container layout, takes its resident tensors from `Weig
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from . import kernels
 from .errors import ColibriError
 from .kv import State
+from .layers.linear import dense, embed, linear, linears
+from .layers.moe import MoE
+from .layers.router import Router
 from .layout import ContainerLayout
-from .quant import QTensor, dequantize
 
 __all__ = ["MoEModel", "Weights", "linear", "linears", "embed", "dense"]
-
-if TYPE_CHECKING:
-    from .layers.router import Router
 
 
 class Weights:
@@ -43,35 +42,6 @@ class Weights:
             raise ColibriError(f"{self.where}: the model does not use tensor {left[0]} ({len(left)} unused)")
 
 
-def linear(x: np.ndarray, w) -> np.ndarray:
-    """x (T, in) @ wᵀ → (T, out); `w` a QTensor (C kernel) or a float32 ndarray kept unquantised."""
-    if isinstance(w, QTensor):
-        return kernels.matmul(w, x)
-    return x @ w.T
-
-
-def linears(x: np.ndarray, ws) -> list[np.ndarray]:
-    """``[linear(x, w) for w in ws]``; quantised weights of one width go in one C call (same bits)."""
-    if all(isinstance(w, QTensor) for w in ws) and len({w.cols for w in ws}) == 1:
-        return kernels.matmul_multi(list(ws), x)
-    return [linear(x, w) for w in ws]
-
-
-def dense(w) -> np.ndarray:
-    """A resident tensor as a float32 ndarray: a QTensor dequantised (a 2-D tensor kept f32 arrives as
-    a QTensor of kind f32, e.g. a position bias or a hash table), an array as it is."""
-    return dequantize(w) if isinstance(w, QTensor) else np.asarray(w, np.float32)
-
-
-def embed(ids: np.ndarray, table) -> np.ndarray:
-    """Rows `ids` (T,) of an embedding table (QTensor or ndarray (V, H)) as float32 (T, H)."""
-    if not isinstance(table, QTensor):
-        return np.asarray(table[ids], np.float32)
-    rows = QTensor(table.kind, len(ids), table.cols, table.data[ids],
-                   None if table.scales is None else table.scales[ids])
-    return dequantize(rows)
-
-
 class MoEModel:
     """One architecture's forward pass over resident weights and the expert store: the model half of
     the plugin contract (docs/plugins.md). The core calls exactly the methods below.
@@ -85,15 +55,28 @@ class MoEModel:
       kv_cache_floats_per_token(cfg)  optional: the part of the layers' state held in `KVCache`s
       fixed_state_floats(cfg)         optional: state that does not grow (recurrent + conv states)
     With the weights (the engine builds the model once per load):
-      __init__(cfg, weights, store)   take every resident tensor from `weights`; keep `store` for `moe`
+      __init__(cfg, weights, store)   take every resident tensor from `weights`; keep `store` (the core's
+                                      `experts.ExpertSource`) for `moe`
       routers()                       per MoE layer, its declared `Router` (run by the core, lookahead too)
       lookahead()                     optional: which MoE layer each layer's lookahead predicts
-      new_state()                     a fresh per-sequence `colibri_core.kv.State`
+      new_state(kv_cache)             a fresh per-sequence `colibri_core.kv.SequenceState`
       forward(ids, state, last_only)  logits of new tokens; MoE layers call `self.moe(...)`; after each
                                       decoder layer ``probe.record(i, l_out=h)`` (the residual stream:
                                       free unless someone records; lets the conformance kit name the
                                       layer where a plugin leaves transformers)
+      vocab_size                      optional: the logits' width (default: cfg.vocab_size)
+    A model with a multi-token-prediction head (GLM-5.2) also declares it, for the core's `mtp`
+    drafter (colibri_core/drafting.py):
+      has_mtp                         True: the three below exist
+      new_mtp_state()                 the head's own fresh state
+      mtp_forward(hidden, next_ids, state)  the head's logits (T, V) for tokens t + 2; sets
+                                      `last_mtp_hidden` (T, H), a chained draft's stand-in hidden state
+      last_hidden                     set by `forward`: its final-normalised hidden states (T, H)
     """
+
+    has_mtp = False
+    last_hidden: np.ndarray | None = None  # (T, H), kept by `forward` where `has_mtp`
+    last_mtp_hidden: np.ndarray | None = None  # (T, H), kept by `mtp_forward`
 
     @classmethod
     def parse_config(cls, config: dict) -> Any:
@@ -141,6 +124,20 @@ class MoEModel:
         self.store = store
         self._moe = None  # layers.moe.MoE over `routers()`, built on the first MoE layer run
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding and width of the logits: token ids are checked against it."""
+        return int(self.cfg.vocab_size)
+
+    def new_mtp_state(self):
+        """The MTP head's fresh state (only where `has_mtp`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no MTP head")
+
+    def mtp_forward(self, hidden: np.ndarray, next_ids: np.ndarray, state) -> np.ndarray:
+        """The MTP head: hidden (T, H) the model's `last_hidden` rows, next_ids (T,) → logits (T, V)
+        (only where `has_mtp`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no MTP head")
+
     def routers(self) -> dict[int, Router]:
         """Every MoE layer's router ({absolute layer index: Router}), exactly the layout's
         `moe_layers`, in the order the forward pass runs them."""
@@ -152,8 +149,10 @@ class MoEModel:
         run next (GLM-5.2's MTP layer)."""
         return None
 
-    def new_state(self) -> State:
-        """Fresh per-sequence state (KV caches, …): a `colibri_core.kv.State`."""
+    def new_state(self, kv_cache: str = "f32") -> State:
+        """Fresh per-sequence state: a `colibri_core.kv.SequenceState` of the core's state kinds
+        (KV caches, latents, recurrent states), its `KVCache`s of element type `kv_cache` ("f32" or
+        "f16", the engine's `--kv-cache`)."""
         raise NotImplementedError
 
     def forward(self, ids: np.ndarray, state, last_only: bool = False) -> np.ndarray:
@@ -172,8 +171,6 @@ class MoEModel:
         (`layers.shared_expert.SharedExpert`, run in the same C call where it can). Call it from
         `forward`; never override it."""
         if self._moe is None:
-            from .layers.moe import MoE  # the layers import this module's helpers
-
             layout = self.layout(self.cfg)
             self._moe = MoE(self.store, self.routers(), self.lookahead(), layout.swiglu_limit, layout.expert_activation)
         return self._moe(layer, x, residual, token_ids, expert_input, shared)

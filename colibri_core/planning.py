@@ -1,27 +1,74 @@
-"""Sizing a model from its config.json alone, before anything is converted or loaded (what
-`colibri plan` reports): resident bytes (every resident tensor's shape from the plugin's
-`resident_shapes`, stored as the container would store it at --quant: the layout's f32 rules,
-then `quant.layout`), the bytes of one routed expert and of all of them (the on-disk extents,
-`container.reader.expert_extent` over `quant.packed_size`, with the layout's per-layer precision
-floors), and the state: per token (`state_floats_per_token` plus `kept_apart_floats_per_token`,
-at 4 bytes a float but `kv_cache_floats_per_token` at the KV cache type's size) and fixed
-(`fixed_state_floats`). Everything comes from declared fields of the plugin's model class
-and layout, never from guessing config.json names."""
+"""Planning: how a model sits in a RAM budget and how fast this machine could run it, before anything
+is loaded. `colibri plan` prints it (`report`, `format_report`); the engine splits its budget at load
+with the same rule (`split`).
+
+Sizes, from a model's config.json alone (a model not downloaded yet): resident bytes (every resident
+tensor's shape from the plugin's `resident_shapes`, stored as the container would store it at
+--quant: the layout's f32 rules, then `quant.layout`), the bytes of one routed expert and of all of
+them (the on-disk extents, `container.reader.expert_extent` over `quant.packed_size`, with the
+layout's per-layer precision floors), and the state: per token (`state_floats_per_token` plus
+`kept_apart_floats_per_token`, at 4 bytes a float but `kv_cache_floats_per_token` at the KV cache
+type's size) and fixed (`fixed_state_floats`). Everything comes from declared fields of the
+plugin's model class and layout, never from guessing config.json names; `measured` reads the same
+sizes off a converted container.
+
+The split of a RAM budget (`split_budget`):
+
+- dense: the resident weights (embeddings, attention, norms, routers), always in RAM;
+- state: per-sequence state (KV caches, …) at the planned context length (none where the engine
+  splits: its state grows beside the budget);
+- the rest holds experts. If every expert fits, all are cached. Otherwise the hot-store pins
+  ``pin_bytes`` worth of experts (default: the share of the expert budget the routing history
+  chooses, `store.usage.UsageHistory.pin_share`; none without history; never below top-k cache
+  slots per layer where the budget allows), and the cache gets the remainder, at least one slot per
+  MoE layer. A cache of fewer than top-k slots a layer gives up a few of them (up to top-k − 1
+  experts' worth in all) to the reads a layer has beyond its slots (`transient_experts`), so that
+  a token's experts are read at once instead of one at a time as slots free up.
+
+The machine: disk bandwidth (`disk_bandwidth`, read as the store reads) and memory bandwidth
+(`memory_bandwidth`, read as the kernels read; `colibri bench kernels` times its kernels against
+the same probe).
+
+The floors (`make_plan`): expected bytes read per token assume uniform routing (each of a token's
+layers × top-k experts is resident with probability cached / all experts): an upper bound, since
+real routing is skewed and the hot-store pins the popular experts. Disk floor = those bytes ÷ disk
+bandwidth; memory floor = the bytes the kernels touch per token (dense weights + layers × top-k
+experts) ÷ memory bandwidth.
+"""
 from __future__ import annotations
 
 import math
+import os
 import re
+import statistics
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
-from . import plugins, quant
-from .container.reader import expert_extent
+from . import kernels, plugins, quant
+from .container import Container
+from .container.native import is_checkpoint
+from .container.reader import MANIFEST, expert_extent
+from .convert import parse_config
 from .errors import ColibriError
+from .fsio import read_json
 from .kv.cache import KV_CACHES, check_cache_type
-
+from .options import check_pin_gb
+from .remote import cluster_nodes
+from .remote.placement import SPLITS, cluster_plan
+from .sizes import available_memory, format_bytes, parse_size
+from .store import io
+from .store.usage import UsageHistory, default_pinned
 
 NATIVE = "native"  # the official release's own formats, run without conversion (container/native.py)
+READ_BYTES = 512 << 20  # bytes one pass of the memory probe reads (≫ any last-level cache)
 
+
+# ---- sizes from config.json ---------------------------------------------------------------------
 
 def tensor_bytes(layout, name: str, shape: tuple[int, ...], kind: str) -> int:
     """Bytes of one resident tensor in a container converted at `kind` (or, for "native", as the
@@ -100,10 +147,6 @@ def plan_config(config: dict, kind: str, where: str = "config.json", kv_cache: s
 
 def measured(model_dir) -> dict:
     """The same sizes, measured on a converted container (what `plan` must predict)."""
-    from pathlib import Path
-
-    from .container import Container
-
     with Container(model_dir) as c:
         files = [Path(c.expert_location(layer, 0)[0]) for layer in c.moe_layers]
         return {
@@ -113,3 +156,330 @@ def measured(model_dir) -> dict:
             "experts_total": len(c.moe_layers) * c.n_experts,
             "experts_total_bytes": sum(f.stat().st_size for f in files),
         }
+
+
+# ---- the budget split ---------------------------------------------------------------------------
+
+@dataclass
+class Split:
+    budget: int  # bytes in all
+    dense: int  # resident weights
+    state: int  # per-sequence state reserved
+    cache_slots: int  # cache slots per MoE layer
+    cache_bytes: int  # cache_slots × MoE layers × bytes per expert
+    pinned_experts: int  # hot-store capacity (experts over all layers)
+    pinned_bytes: int
+    all_resident: bool  # every expert fits in the cache
+    transient_experts: int = 0  # reads a layer may have in flight beyond its cache slots
+    pin_share: float = 0.0  # the default hot-store's share of the expert budget (pin_bytes not given)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def experts_fit(budget: int, dense: int, state: int, expert_nbytes: int) -> int:
+    """How many experts `budget` holds beside the dense weights and the state."""
+    return (budget - dense - state) // expert_nbytes
+
+
+def split_budget(budget: int, dense: int, state: int, expert_nbytes: int, moe_layers: int, n_experts: int,
+                 pin_bytes: int | None = None, pin_share: float = 0.0, top_k: int = 1) -> Split:
+    """Split `budget` bytes; a ColibriError if it cannot hold one expert per MoE layer.
+
+    Without `pin_bytes` the hot-store gets `pin_share` of the expert budget (`default_pinned`: the
+    cache keeps at least `top_k` slots per layer where the budget allows it). With fewer, a layer's
+    experts past its slots would be read one at a time, each once a computed one frees its slot
+    (each a stall): up to top_k − 1 experts' worth goes to reads of their own instead
+    (`transient_experts`, never below one slot a layer), all of a token's started at once."""
+    fit = experts_fit(budget, dense, state, expert_nbytes)
+    if fit < moe_layers:
+        need = dense + state + moe_layers * expert_nbytes
+        what = "resident weights + state + one expert per layer" if state else "resident weights + one expert per layer"
+        raise ColibriError(f"RAM budget {format_bytes(budget)} is below this model's minimum {format_bytes(need)} ({what})")
+    transient = 0
+    if fit >= moe_layers * n_experts:
+        pinned, slots = 0, n_experts
+    else:
+        if pin_bytes is None:
+            pinned = default_pinned(fit, moe_layers, top_k, pin_share)
+        else:
+            pinned = int(pin_bytes // expert_nbytes)
+            if pinned > fit - moe_layers:
+                raise ColibriError(f"--pin-gb {pin_bytes / 1e9:g} leaves no cache slot in some layer: the budget "
+                                   f"holds {fit} experts and the cache needs {moe_layers} (one per MoE layer)")
+        pinned = min(pinned, fit - moe_layers)
+        slots = min(n_experts, (fit - pinned) // moe_layers)
+        if slots < top_k:
+            transient = min(top_k - 1, fit - pinned - moe_layers)
+            slots = (fit - pinned - transient) // moe_layers
+            transient = min(transient, top_k - slots)
+    return Split(budget, dense, state, slots, slots * moe_layers * expert_nbytes, pinned, pinned * expert_nbytes,
+                 slots >= n_experts, transient, pin_share if pin_bytes is None and pinned else 0.0)
+
+
+def split(ram: int | str | None, dense: int, expert_nbytes: int, moe_layers: int, n_experts: int, top_k: int,
+          state: int = 0, pin_gb: float | None = None, history: UsageHistory | None = None,
+          cache_slots: int | None = None) -> Split:
+    """The split the engine makes at load and `colibri plan` shows, from the user's settings: `ram`
+    the budget in bytes or "4GB" (default: 80 % of the memory available), `state` bytes of it
+    reserved for state, `pin_gb` the hot-store's size (default: the share the routing `history`
+    chooses; none without history), `cache_slots` experts cached per layer (then the budget is not
+    split: the cache has that many slots, the hot-store `pin_gb`)."""
+    if pin_gb is not None:
+        check_pin_gb(pin_gb)
+    pin_bytes = None if pin_gb is None else int(pin_gb * 1e9)
+    if cache_slots is not None:  # at least 1 (EngineOptions checks it)
+        slots = min(cache_slots, n_experts)
+        pinned = 0 if slots >= n_experts else int((pin_bytes or 0) // expert_nbytes)
+        return Split(0, dense, state, slots, slots * moe_layers * expert_nbytes, pinned, pinned * expert_nbytes,
+                     slots >= n_experts, max(0, top_k - slots))
+    budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
+    fit = experts_fit(budget, dense, state, expert_nbytes)
+    share = history.pin_share(fit, top_k) if history is not None and pin_bytes is None else 0.0
+    return split_budget(budget, dense, state, expert_nbytes, moe_layers, n_experts, pin_bytes, share, top_k)
+
+
+# ---- the machine's bandwidths -------------------------------------------------------------------
+
+def disk_bandwidth(paths, nbytes: int = 256 << 20, chunk: int = 4 << 20, threads: int = 4) -> tuple[float, bool]:
+    """(bytes/s reading up to `nbytes` from the start of `paths` (one path or several), whether O_DIRECT
+    was used for all of them): `chunk`-byte preads on the C I/O pool with `threads` threads, as
+    the store reads. With O_DIRECT the page cache is bypassed, so this is the device; where
+    O_DIRECT is refused, a cold page cache is the caller's business."""
+    paths = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
+    pool = io.IOPool(threads)
+    fds, direct, jobs, total = [], True, [], 0
+    try:
+        for path in paths:
+            size = min(nbytes - total, Path(path).stat().st_size) // 4096 * 4096
+            if size <= 0:
+                continue
+            fd, refused = io.open_expert_file(path, True, probe_bytes=4096)
+            fds.append(fd)
+            direct = direct and refused is None
+            jobs += [(fd, off, min(chunk, size - off)) for off in range(0, size, chunk)]
+            total += size
+        if not jobs:
+            raise ColibriError(f"{paths[0]} is too small to measure disk bandwidth")
+        t0 = time.perf_counter()
+        reads = [pool.submit(fd, off, n) for fd, off, n in jobs]
+        done = 0
+        for r in reads:
+            pool.wait(r)
+            done += r.req.got
+        dt = time.perf_counter() - t0
+    finally:
+        pool.close()
+        for fd in fds:
+            io.close_fd(fd)
+    return done / max(dt, 1e-9), direct
+
+
+def disk_bandwidth_at(directory: str | os.PathLike, nbytes: int = 64 << 20) -> tuple[float, bool]:
+    """Disk bandwidth of the filesystem holding `directory`, through a temporary file written there
+    (read back with O_DIRECT where allowed; removed afterwards)."""
+    block = os.urandom(1 << 20)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".colibri-bw-") as f:
+        for _ in range(nbytes >> 20):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+        return disk_bandwidth(f.name, nbytes)
+
+
+class ReadProbe:
+    """One pass of the kernel threads over `nbytes` of RAM (the C `mem_read`, each thread streaming
+    its own share, as the matrix-vector kernels stream weights): calling it reads every byte once."""
+
+    def __init__(self, nbytes: int = READ_BYTES):
+        self.buf = np.ones(nbytes // 8, np.uint64)
+        self.ptr = kernels.ffi.from_buffer(self.buf)
+        self.nbytes = self.buf.nbytes
+
+    def __call__(self) -> None:
+        kernels.lib.mem_read(self.ptr, self.nbytes)
+
+
+def memory_bandwidth(nbytes: int = READ_BYTES, passes: int = 9) -> float:
+    """Bytes/s the kernel threads read from RAM: the median of `passes` passes of a `ReadProbe`,
+    after one to warm up (the buffer's pages faulted in)."""
+    probe = ReadProbe(nbytes)
+    probe()
+    seconds = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        probe()
+        seconds.append(time.perf_counter() - t0)
+    return probe.nbytes / statistics.median(seconds)
+
+
+# ---- `colibri plan` -----------------------------------------------------------------------------
+
+@dataclass
+class ModelSizes:
+    architecture: str
+    quant: str
+    dense_bytes: int  # resident weights
+    expert_nbytes: int  # one expert's extent on disk (and in RAM)
+    moe_layers: int
+    n_experts: int  # per MoE layer
+    top_k: int  # experts per token per layer
+    state_bytes_per_token: int  # at the KV cache type below
+    kv_cache: str = "f32"  # the KV caches' element type the state is sized for (`load(kv_cache=...)`)
+
+    @property
+    def experts_total(self) -> int:
+        return self.moe_layers * self.n_experts
+
+
+def sizes_from_container(model_dir: str | Path, kv_cache: str = "f32") -> ModelSizes:
+    """The sizes `make_plan` needs, read off a converted container."""
+    with Container(model_dir) as c:
+        registry = plugins.registry()
+        arch = registry.resolve(c.config, where=str(model_dir))
+        model_cls = registry.model_class(arch)
+        cfg = parse_config(model_cls, c.config, model_dir)
+        return ModelSizes(arch.name, c.quant, c.resident_nbytes, c.expert_nbytes, len(c.moe_layers), c.n_experts,
+                          model_cls.layout(cfg).top_k, state_bytes_per_token(model_cls, cfg, kv_cache), kv_cache)
+
+
+def sizes_from_config(config_path: str | Path, quant_kind: str, kv_cache: str = "f32") -> tuple[ModelSizes, dict]:
+    """The sizes `make_plan` needs, and `plan`'s full report, from config.json alone."""
+    config = read_json(config_path)
+    if not isinstance(config, dict):
+        raise ColibriError(f"{config_path} is not a model configuration (a JSON object)")
+    registry = plugins.registry()
+    arch = registry.resolve(config, where=str(config_path))
+    model_cls = registry.model_class(arch)
+    cfg = parse_config(model_cls, config, config_path)
+    try:
+        report = plan(model_cls, cfg, quant_kind, kv_cache)
+    except NotImplementedError:
+        raise ColibriError(f"plugin {arch.plugin} cannot plan {arch.name} from config.json alone; "
+                           f"convert the model and use --model") from None
+    sizes = ModelSizes(arch.name, quant_kind, report["resident_bytes"], report["expert_bytes"], report["moe_layers"],
+                       report["experts_per_layer"], report["top_k"], report["state_bytes_per_token"], kv_cache)
+    return sizes, report
+
+
+def make_plan(sizes: ModelSizes, ram: int | str | None, context: int, pin_gb: float | None,
+              history: UsageHistory | None, disk_bw: float, mem_bw: float) -> dict:
+    """The split of `ram` with `context` tokens of state reserved, expected bytes read per token, and
+    floor times (seconds per token); `history`: the model's routing history, which chooses the
+    hot-store's share, or None."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:  # 0: no state, as the engine splits
+        raise ColibriError(f"--context must be a number of tokens (0 or more), got {context!r}")
+    s = split(ram, sizes.dense_bytes, sizes.expert_nbytes, sizes.moe_layers, sizes.n_experts, sizes.top_k,
+              state=sizes.state_bytes_per_token * context, pin_gb=pin_gb, history=history)
+    resident_experts = min(sizes.experts_total, s.cache_slots * sizes.moe_layers + s.pinned_experts)
+    resident_share = resident_experts / sizes.experts_total
+    needed = sizes.moe_layers * sizes.top_k  # expert uses per token
+    read_per_token = needed * (1 - resident_share) * sizes.expert_nbytes
+    touched = sizes.dense_bytes + needed * sizes.expert_nbytes
+    disk_floor = read_per_token / disk_bw if disk_bw else 0.0
+    mem_floor = touched / mem_bw if mem_bw else 0.0
+    return {
+        "model": asdict(sizes),
+        "experts_total": sizes.experts_total,
+        "experts_bytes_total": sizes.experts_total * sizes.expert_nbytes,
+        "context_tokens": context,
+        "split": s.as_dict(),
+        "resident_expert_share": resident_share,
+        "expected_bytes_read_per_token": read_per_token,
+        "bytes_touched_per_token": touched,
+        "disk_bandwidth": disk_bw,
+        "memory_bandwidth": mem_bw,
+        "floor_seconds_per_token": {"disk": disk_floor, "memory": mem_floor, "floor": max(disk_floor, mem_floor)},
+    }
+
+
+def report(model: Path | None = None, config: Path | None = None, quant: str = "int4", ram: int | str | None = None,
+           pin_gb: float | None = None, context: int = 0, kv_cache: str = "f32", disk_bw: int | str | None = None,
+           mem_bw: int | str | None = None, ray: str | None = None, ray_split: str = "expert") -> dict:
+    """`colibri plan` as JSON: the sizes of a converted directory `model` (or a checkpoint run as it
+    is) or of a `config` alone at `quant`, the split of `ram` with `context` tokens of state
+    reserved, and the floors at `disk_bw` / `mem_bw` (bytes/s, or "2GB"; default: measured here, the
+    disk on the model's expert files or where its config lies). `ray`: a cluster to place the
+    experts on, cut `ray_split`."""
+    if (model is None) == (config is None):
+        raise ColibriError("plan needs exactly one of --model DIR or --config config.json")
+    if ray is not None and ray_split not in SPLITS:
+        raise ColibriError(f"--ray-split must be one of {', '.join(SPLITS)}, got {ray_split!r}")
+    if model is not None and is_checkpoint(model) and not (Path(model) / MANIFEST).exists():
+        config, quant, model = Path(model) / "config.json", NATIVE, None  # a checkpoint run as it is
+    # the sizes first: an unknown KV cache type or quantisation is one line before anything is measured
+    if model is not None:
+        sizes, out = sizes_from_container(model, kv_cache), measured(model)
+        with Container(model) as c, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a damaged history is the engine's to report; here it plans none
+            history = UsageHistory(c)
+            files = [c.expert_location(layer, 0)[0] for layer in c.moe_layers]
+    else:
+        sizes, out = sizes_from_config(config, quant, kv_cache)
+        history = None
+    if disk_bw is not None:
+        disk, direct = float(parse_size(disk_bw)), None
+    elif model is not None:
+        disk, direct = disk_bandwidth(files)
+    else:
+        disk, direct = disk_bandwidth_at(Path(config).resolve().parent)
+    memory = float(parse_size(mem_bw)) if mem_bw is not None else memory_bandwidth()
+    out = {"source": str(model if model is not None else config), **out,
+           **make_plan(sizes, ram, context, pin_gb, history, disk, memory), "disk_bandwidth_direct": direct}
+    if ray is not None:
+        out["ray"] = ray_placement(ray, ray_split, sizes)
+    return out
+
+
+def ray_placement(address: str, split: str, sizes: ModelSizes) -> dict:
+    """Which experts the Ray cluster at `address` would hold (`remote.placement.cluster_plan`): each
+    node's shard and RAM, what stays on the local disk, remote calls per token."""
+    _, _, nodes = cluster_nodes(address)
+    return {"address": address, **cluster_plan(nodes, range(sizes.moe_layers), sizes.n_experts, sizes.expert_nbytes,
+                                               sizes.top_k, split)}
+
+
+def format_report(p: dict) -> str:
+    """`report` as `colibri plan` prints it."""
+    m, sp, f, fb = p["model"], p["split"], p["floor_seconds_per_token"], format_bytes
+    context = p["context_tokens"]
+    share = f", {100 * sp['pin_share']:.0f}% of the expert budget, chosen from the routing history" if sp["pin_share"] else ""
+    direct = p["disk_bandwidth_direct"]
+    lines = [
+        f"{p['source']}: {m['architecture']}, {m['quant']}",
+        f"  resident (dense) weights   {fb(m['dense_bytes'])}",
+        f"  bytes per expert           {fb(m['expert_nbytes'])}",
+        f"  experts in all             {p['experts_total']} ({m['moe_layers']} MoE layers × {m['n_experts']}, "
+        f"top-{m['top_k']}) = {fb(p['experts_bytes_total'])}",
+        f"  state per token            {fb(m['state_bytes_per_token'])} (KV cache {m['kv_cache']})",
+        f"budget {fb(sp['budget'])}:",
+        f"  dense                      {fb(sp['dense'])}",
+        f"  {f'state ({context} tokens)':27}{fb(sp['state'])}" if context else
+        f"  state                      beside the budget: {fb(m['state_bytes_per_token'])} a token (--context N "
+        f"reserves N tokens' worth)",
+        f"  expert cache               {fb(sp['cache_bytes'])} ({sp['cache_slots']} slots per layer)",
+        f"  pinned (hot-store)         {fb(sp['pinned_bytes'])} ({sp['pinned_experts']} experts{share})",
+    ]
+    if sp["transient_experts"]:
+        lines.append(f"  reads past the slots       {fb(sp['transient_experts'] * m['expert_nbytes'])} "
+                     f"({sp['transient_experts']} experts a layer reads at once beyond its slots)")
+    lines += [
+        f"  experts resident           {100 * p['resident_expert_share']:.1f}%",
+        f"per token: expected read {fb(p['expected_bytes_read_per_token'])} (uniform routing; skew and pinning "
+        f"read less), touched in RAM {fb(p['bytes_touched_per_token'])}",
+        f"machine: disk {fb(p['disk_bandwidth'])}/s "
+        f"({'given' if direct is None else 'O_DIRECT' if direct else 'page cache: may be optimistic'}), "
+        f"memory {fb(p['memory_bandwidth'])}/s",
+        f"floor per token: disk {f['disk']:.3f} s, memory {f['memory']:.3f} s → {f['floor']:.3f} s "
+        f"({1 / f['floor'] if f['floor'] else float('inf'):.1f} tok/s at best)",
+    ]
+    if "ray" in p:
+        r = p["ray"]
+        lines.append(f"Ray cluster {r['address']} ({r['split']} split, {len(r['nodes'])} nodes besides this one):")
+        lines += [f"  node {n['address']} ({n['node'][:8]})  memory {fb(n['memory'])}, holds {n['experts']} experts "
+                  f"({fb(n['bytes'])})" + (f": layer:experts {n['placement']}" if n["placement"] else "")
+                  for n in r["nodes"]]
+        lines += [f"  experts on the cluster {r['experts_remote']}, read from the local disk {r['experts_local']}",
+                  f"  per token: {r['remote_calls_per_token']:.1f} remote calls expected (uniform routing; at most "
+                  f"{r['max_calls_per_layer']} per MoE layer, in parallel)"]
+    return "\n".join(lines)

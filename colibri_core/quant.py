@@ -73,6 +73,10 @@ class QTensor:
     #                   | uint8 [rows, cols] (fp8)
     scales: np.ndarray | None = None  # None | f32 [rows] | f16 [rows, ceil(cols/64)]
     #                   | uint8 [ceil(rows/128), ceil(cols/128)] (fp8) | uint8 [rows, ceil(cols/32)] (fp4)
+    # the activation arithmetic of products with this weight (colibri_core.kernels): "f32" exact, or
+    # "int8" (activations quantised per block of 64; f32 and fp8 weights compute "f32" regardless).
+    # Set where the weight is parsed (the container, from the engine's options); a slice keeps it.
+    act: str = "f32"
 
     @property
     def nbytes(self) -> int:
@@ -174,8 +178,9 @@ def fp4_nibbles(t: QTensor) -> np.ndarray:
     return q[:, : t.cols]
 
 
-def from_buffer(kind: str, rows: int, cols: int, buf, offset: int = 0) -> tuple[QTensor, int]:
-    """A QTensor viewing `buf` at `offset` (parts packed back to back, each 64-byte aligned).
+def from_buffer(kind: str, rows: int, cols: int, buf, offset: int = 0, act: str = "f32") -> tuple[QTensor, int]:
+    """A QTensor viewing `buf` at `offset` (parts packed back to back, each 64-byte aligned), its
+    products in arithmetic `act`.
 
     Returns the tensor and the offset just past it. `pack` writes the same layout.
     """
@@ -185,7 +190,7 @@ def from_buffer(kind: str, rows: int, cols: int, buf, offset: int = 0) -> tuple[
         n = math.prod(shape)
         parts[part] = np.frombuffer(buf, dtype, n, offset).reshape(shape)
         offset += n * dtype.itemsize
-    return QTensor(kind, rows, cols, parts["data"], parts.get("scales")), offset
+    return QTensor(kind, rows, cols, parts["data"], parts.get("scales"), act), offset
 
 
 def pack(t: QTensor, out: bytearray) -> None:

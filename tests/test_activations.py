@@ -6,6 +6,7 @@ import pytest
 
 import colibri_core
 from colibri_core.errors import ColibriError
+from colibri_core.quant import QTensor
 
 
 def test_int8_activations_are_placement_invariant_and_close_to_exact(tiny_model):
@@ -32,3 +33,18 @@ def test_activations_option_and_environment(tiny_model, monkeypatch):
         assert e.activations == "f32"
     with pytest.raises(ColibriError, match="unknown activation arithmetic 'int3'"):
         colibri_core.load(tiny_model, activations="int3")
+
+
+def test_the_weights_carry_the_engines_arithmetic(tiny_model):
+    """Nothing ambient: the container stamps each quantised weight it parses, resident or streamed,
+    with the engine's arithmetic (QTensor.act), so two engines used in turn keep their own."""
+    ids = [5, 17, 3, 99]
+    with colibri_core.load(tiny_model, cache_slots=1) as exact, \
+            colibri_core.load(tiny_model, cache_slots=1, activations="int8") as fast:
+        layer = fast.container.moe_layers[0]
+        for engine, act in ((exact, "f32"), (fast, "int8")):
+            resident = [t for t in engine.container.resident().values() if isinstance(t, QTensor) and t.kind != "f32"]
+            assert resident and {t.act for t in resident} == {act}
+            assert {w.act for w in engine.container.read_expert(layer, 0)} == {act}
+        first, other, again = exact.logits(ids), fast.logits(ids), exact.logits(ids)
+    assert np.array_equal(first.view(np.uint32), again.view(np.uint32)) and not np.array_equal(first, other)

@@ -1,10 +1,11 @@
 """kernels.AttnBlock / layers.attention.gqa_block: the fused attention sub-block gives the same bits
 as its steps one by one (the path every plugin took before it), for each q/k norm, clip, GQA,
 a prompt and decode steps over a filled cache, in both activation modes."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from colibri_core import kernels
 from colibri_core.kv.cache import KVCache
 from colibri_core.layers.attention import AttnBlock, gqa_attention, gqa_block
 from colibri_core.layers.norm import rms_norm
@@ -15,9 +16,10 @@ from colibri_core.quant import quantize
 H, HEADS, KV_HEADS, D, EPS = 64, 4, 2, 16, 1e-5
 
 
-def weights(kind, qk_norm, seed=0):
+def weights(kind, qk_norm, seed=0, act="f32"):
+    """A layer's attention weights of `kind`, their products in arithmetic `act` (QTensor.act)."""
     rng = np.random.default_rng(seed)
-    w = lambda r, c: quantize(rng.standard_normal((r, c)).astype(np.float32) * 0.2, kind)  # noqa: E731
+    w = lambda r, c: replace(quantize(rng.standard_normal((r, c)).astype(np.float32) * 0.2, kind), act=act)  # noqa: E731
     width = {"whole": (HEADS * D, KV_HEADS * D), "head": (D, D), None: (0, 0)}[qk_norm]
     return dict(norm=1 + 0.1 * rng.standard_normal(H).astype(np.float32),
                 wq=w(HEADS * D, H), wk=w(KV_HEADS * D, H), wv=w(KV_HEADS * D, H), wo=w(H, HEADS * D),
@@ -46,23 +48,22 @@ def step_by_step(W, qk_norm, clip, h, cache, cos, sin):
 @pytest.mark.parametrize("kind", ["int4", "f32"])
 @pytest.mark.parametrize("qk_norm,clip", [("whole", None), ("head", None), (None, None), ("whole", 0.5)])
 def test_fused_block_is_bit_identical_to_its_steps(kind, qk_norm, clip, act, cache):
-    W = weights(kind, qk_norm)
+    W = weights(kind, qk_norm, act=act)
     block = AttnBlock(W["norm"], W["wq"], W["wk"], W["wv"], W["wo"], heads=HEADS, kv_heads=KV_HEADS, head_dim=D,
                       eps=EPS, scale=D ** -0.5, qk_norm=qk_norm, q_norm=W["q_norm"] if qk_norm else None,
                       k_norm=W["k_norm"] if qk_norm else None, clip=clip)
     rope = Rope(D, 10000.0)
     rng = np.random.default_rng(1)
     dtype = {"f32": np.float32, "f16": np.float16}[cache]  # float16: the block rounds its rows as NumPy does
-    fused, steps = (KVCache(KV_HEADS, D, capacity=4, dtype=dtype) for _ in range(2))  # grows on the way
-    with kernels.activations(act):
-        for T in (7, 1, 1, 3, 1):  # a prompt, then decode steps and a short chunk over the filled cache
-            h = rng.standard_normal((T, H)).astype(np.float32)
-            cos, sin = rope.cos_sin(np.arange(fused.length, fused.length + T))
-            a = gqa_block(block, h, fused, cos, sin)
-            b = step_by_step(W, qk_norm, clip, h, steps, cos, sin)
-            assert a.tobytes() == b.tobytes()
-            assert fused.length == steps.length
-            assert all(x.dtype == dtype and x.tobytes() == y.tobytes() for x, y in zip(fused.view(), steps.view()))
+    fused, steps = (KVCache(KV_HEADS, D, cache, capacity=4) for _ in range(2))  # grows on the way
+    for T in (7, 1, 1, 3, 1):  # a prompt, then decode steps and a short chunk over the filled cache
+        h = rng.standard_normal((T, H)).astype(np.float32)
+        cos, sin = rope.cos_sin(np.arange(fused.length, fused.length + T))
+        a = gqa_block(block, h, fused, cos, sin)
+        b = step_by_step(W, qk_norm, clip, h, steps, cos, sin)
+        assert a.tobytes() == b.tobytes()
+        assert fused.length == steps.length
+        assert all(x.dtype == dtype and x.tobytes() == y.tobytes() for x, y in zip(fused.view(), steps.view()))
 
 
 def test_bad_shapes_are_one_clear_error():

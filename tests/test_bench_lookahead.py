@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.system  # a tool's run
+
 spec = importlib.util.spec_from_file_location("bench_lookahead", Path(__file__).parents[1] / "tools" / "bench_lookahead.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)

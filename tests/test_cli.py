@@ -63,6 +63,38 @@ def test_arithmetic_options_reach_the_engine(tiny_model):
     one_line_error(colibri("serve", "--model", tiny_model, "--activations", "int3"), "unknown activation arithmetic")
 
 
+def test_every_command_that_loads_a_model_lists_the_same_engine_options():
+    """run, chat, serve, web and bench (`colibri bench --model`, `colibri bench model`) take every
+    EngineOptions field that has a flag, from that one definition, and their --help lists each."""
+    from dataclasses import fields
+
+    import typer
+    from typer.testing import CliRunner
+
+    from colibri_core.cli import app
+    from colibri_core.options import EngineOptions
+
+    want = {f.name: f.metadata["flag"].split("/") for f in fields(EngineOptions) if f.metadata["flag"]}
+    group = typer.main.get_command(app)
+    commands = {"run": group.commands["run"], "chat": group.commands["chat"], "serve": group.commands["serve"],
+                "web": group.commands["web"], "bench": group.commands["bench"],
+                "bench model": group.commands["bench"].commands["model"]}
+    for name, command in commands.items():
+        got = {p.name: p.opts + p.secondary_opts for p in command.params if p.name in want}
+        assert got == want, name
+        shown = CliRunner().invoke(app, [*name.split(), "--help"], env={"COLUMNS": "200"}).output
+        assert all(flag in shown for flags in want.values() for flag in flags), (name, shown)
+
+
+def test_engine_options_are_checked_alike_in_every_command(tiny_model):
+    """A wrong engine option is the same one line in each command (serve checked none of these)."""
+    for command in ("run", "chat", "serve", "web"):
+        one_line_error(colibri(command, "--model", tiny_model, "--policy", "nope", *(["fox"] if command == "run" else [])),
+                       "unknown cache policy 'nope'")
+    one_line_error(colibri("serve", "--model", tiny_model, "--io-threads", "0"), "--io-threads must be at least 1")
+    one_line_error(colibri("bench", "--model", tiny_model, "--ram", "1GB"), "colibri bench sets the budget itself")
+
+
 def test_cli_small_budget_shows_misses(tiny_model):
     a = colibri("run", "--model", tiny_model, "--max-tokens", "10", "--temperature", "0", "lazy dog")
     b = colibri("run", "--model", tiny_model, "--max-tokens", "10", "--cache-slots", "1", "lazy dog")
@@ -237,6 +269,7 @@ def where(python: Path, module: str) -> Path:
     return Path(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
 
 
+@pytest.mark.system
 def test_example_plugin_installs_as_the_guide_says(throwaway_env, tmp_path):
     """docs/plugins.md's last step: `colibri install DIR` (a regular install: the files are copied)
     and `colibri plugins` lists the plugin with what it serves."""
@@ -254,6 +287,7 @@ def test_example_plugin_installs_as_the_guide_says(throwaway_env, tmp_path):
     assert "qwen3moe: architectures Qwen3MoeForCausalLM; model_type qwen3_moe" in text
 
 
+@pytest.mark.system
 def test_install_editable_picks_up_edits(throwaway_env, tmp_path):
     """`colibri install -e DIR`: the environment points at DIR, so an edit counts without reinstalling."""
     pkg = tmp_path / "colibri-toyplug"
@@ -294,22 +328,110 @@ def test_install_errors_are_one_line(tmp_path):
     one_line_error(colibri("install", future), "colibri-future 9.0 supports colibri >=9, not this colibri")
 
 
-@pytest.mark.parametrize("args, want", [
-    (["colibri-olmoe"], [str(REPO / "plugins" / "olmoe")]),
-    (["colibri_glm52"], [str(REPO / "plugins" / "glm52")]),
-    (["-e", "colibri-qwen36"], ["-e", str(REPO / "plugins" / "qwen36")]),
-    (["--editable", "examples/qwen3moe"], ["-e", str(REPO / "examples" / "qwen3moe")]),
-])
-def test_install_runs_pip_in_colibri_environment(monkeypatch, args, want):
-    """A shipped plugin's name installs its directory in this checkout; pip runs with colibri's python."""
-    from typer.testing import CliRunner
+def installed_in(python: Path, dist: str) -> bool:
+    code = f"import importlib.metadata as m\ntry:\n    m.version({dist!r})\nexcept m.PackageNotFoundError:\n    exit(1)"
+    return subprocess.run([python, "-c", code]).returncode == 0
 
-    import colibri_core
-    from colibri_core import cli
 
-    calls = []
-    monkeypatch.setattr(cli.subprocess, "call", lambda argv: calls.append(argv) or 0)
-    monkeypatch.chdir(REPO)
-    r = CliRunner().invoke(cli.app, ["install", *args])
-    assert r.exit_code == 0, r.output
-    assert calls == [[sys.executable, "-m", "pip", "install", *want, f"colibri=={colibri_core.__version__}"]]
+def test_install_builds_a_directory_into_a_wheel_and_checks_it_first(throwaway_env, tmp_path):
+    """What only running the project tells (a setup.py alone; entry points left to setup.py, `dynamic`)
+    is read off the wheel built from it, in an isolated build: a project that is no colibri plugin is
+    one line and nothing is installed (both were installed, exit 0); one that is, is installed."""
+    setup_only = tmp_path / "setuponly"
+    setup_only.mkdir()
+    (setup_only / "setup.py").write_text('from setuptools import setup\nsetup(name="setuponly", version="0.1")\n')
+    one_line_error(colibri_in(throwaway_env, "install", setup_only), "setuponly 0.1 is not a colibri plugin")
+    assert not installed_in(throwaway_env, "setuponly")
+
+    def dynamic(name: str, entry_points: dict) -> Path:
+        d = tmp_path / name
+        (d / name).mkdir(parents=True)
+        (d / name / "__init__.py").write_text("")
+        (d / "pyproject.toml").write_text(
+            '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
+            f'[project]\nname = "{name}"\nversion = "0.1"\ndynamic = ["entry-points"]\n')
+        (d / "setup.py").write_text(f"from setuptools import setup\nsetup(packages=[{name!r}], "
+                                    f"entry_points={entry_points!r})\n")
+        return d
+
+    notplugin = dynamic("dyntool", {"console_scripts": ["dyntool = dyntool:main"]})
+    one_line_error(colibri_in(throwaway_env, "install", notplugin), "dyntool 0.1 is not a colibri plugin")
+    assert not installed_in(throwaway_env, "dyntool")
+    plugin = dynamic("dynplug", {"colibri": ["dynplug = dynplug"]})
+    r = colibri_in(throwaway_env, "install", plugin)
+    assert r.returncode == 0, r.stderr
+    assert throwaway_env.parent.parent in where(throwaway_env, "dynplug").parents  # the wheel, installed
+
+
+def test_ports_out_of_range_are_one_line(tiny_model):
+    """`serve --port 99999` listened on port 34463 (99999 % 65536)."""
+    for command in ("serve", "web"):
+        for port in ("99999", "65536", "-1"):
+            one_line_error(colibri(command, "--model", tiny_model, "--port", port, timeout=60),
+                           f"--port must be 0 (any free port) to 65535, got {port}")
+
+
+def test_a_hot_store_larger_than_any_machine_is_one_line(tiny_model):
+    """--pin-gb 1e308 was an OverflowError traceback (its bytes are no integer), in run and plan alike."""
+    for value in ("1e308", "2e10"):
+        one_line_error(colibri("run", "--model", tiny_model, "--pin-gb", value, "fox"),
+                       f"--pin-gb {value.replace('e', 'e+')} is more memory than any machine has (at most "
+                       "1.845e+10: 2**64 bytes)")
+        one_line_error(colibri("plan", "--model", tiny_model, "--pin-gb", value), "is more memory than any machine")
+
+
+def test_top_k_is_bounded_alike_in_the_cli_and_the_server(tiny_model):
+    """RELIABILITY.md's bound, top_k < 2**31: the server's schema let 2**31 through, the engine any k.
+    Below it, a k past the vocabulary is no cut (the tiny model's vocabulary: 300 tokens)."""
+    from colibri_core.server.schemas import ApiError, parse_sampling
+
+    with pytest.raises(ApiError, match="'top_k' must be at most 2147483647, got 2147483648"):
+        parse_sampling({"top_k": 2**31})
+    assert parse_sampling({"top_k": 2**31 - 1}).top_k == 2**31 - 1
+    one_line_error(colibri("run", "--model", tiny_model, "--top-k", str(2**31), "fox"),
+                   "top_k must be 0 (no cut) or more and below 2**31, got 2147483648")
+    runs = [colibri("run", "--model", tiny_model, "--max-tokens", "6", "--temperature", "1", "--seed", "7",
+                    *top_k, "fox") for top_k in ([], ["--top-k", str(2**31 - 1)])]
+    assert runs[0].returncode == runs[1].returncode == 0 and runs[0].stdout == runs[1].stdout, runs[1].stderr
+
+
+def test_text_that_is_not_utf8_is_one_line(tiny_model):
+    """`colibri run $'\\xff'` was a TypeError traceback from the tokenizer; a chat line is refused and
+    the chat goes on."""
+    one_line_error(colibri("run", "--model", tiny_model, os.fsdecode(b"fox \xff")),
+                   "an argument is not valid UTF-8: b'fox \\xff'")
+    r = subprocess.run([*COLIBRI, "chat", "--model", str(tiny_model), "--max-tokens", "2"], capture_output=True,
+                       input=b"\xff\nfox\n/exit\n")
+    assert r.returncode == 0 and r.stderr.count(b"tok/s") == 1, r.stderr
+    assert b"colibri: error: this line is not valid UTF-8: b'\\xff'" in r.stderr and b"Traceback" not in r.stderr
+
+
+def can_mount_read_only(d: Path) -> bool:
+    """Whether this machine lets a process mount `d` read-only in a namespace of its own (unshare -rm)."""
+    try:
+        probe = subprocess.run(["unshare", "-rm", "mount", "--bind", "-o", "ro", d, d], capture_output=True)
+    except FileNotFoundError:
+        return False
+    return probe.returncode == 0
+
+
+@pytest.mark.parametrize("unwritable", ["read-only mount", "dangling link"])
+def test_a_session_that_cannot_be_saved_is_refused_before_the_first_answer(tiny_model, tmp_path, unwritable):
+    """`chat --session` on a model directory it cannot write in answered one turn, then exited at the
+    save. Two ways the sessions directory cannot be made: the model directory mounted read-only (run
+    as root, permission bits would not stop the write; a private mount namespace does), and a
+    dangling link in the directory's place (mkdir fails, as on a read-only directory, on any machine)."""
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model, d)
+    chat = [*COLIBRI, "chat", "--model", str(d), "--session", "s", "--max-tokens", "3"]
+    if unwritable == "read-only mount":
+        if not can_mount_read_only(d):
+            pytest.skip("this machine does not let unshare -rm mount a directory read-only")
+        chat = ["unshare", "-rm", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(d), *chat]
+        why = "Read-only file system"
+    else:
+        (d / ".sessions").symlink_to(tmp_path / "gone" / "sessions")
+        why = "File exists"
+    r = subprocess.run(chat, capture_output=True, text=True, input="fox\n/exit\n")
+    one_line_error(r, f"cannot save session s in {d / '.sessions'}: {why}")
+    assert r.stdout == ""  # no answer

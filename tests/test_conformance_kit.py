@@ -71,10 +71,11 @@ class BrokenOlmoe(Olmoe):
             q = apply_rotate_half(q.reshape(T, cfg.num_attention_heads, cfg.head_dim), cos, sin)
             k = apply_rotate_half(k.reshape(T, cfg.num_key_value_heads, cfg.head_dim), cos, sin)
             v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
-            h = h + linear(gqa_attention(q, k, v, state.caches[i], cfg.head_dim ** -0.5), A.wo)
+            h = h + linear(gqa_attention(q, k, v, state[f"layer.{i}"], cfg.head_dim ** -0.5), A.wo)
             x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
             h = h + self.moe(i, x, h, ids)
             record(i, l_out=h)
+        state.advance(T)
         if last_only:
             h = h[-1:]
         return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head)
@@ -84,7 +85,7 @@ class BrokenSuite(ConformanceSuite):  # not collected (no Test prefix): the test
     hf_config = OlmoeConfig(
         vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, initializer_range=0.1,
-        max_position_embeddings=128,
+        max_position_embeddings=128, eos_token_id=2,  # an id in the tiny vocabulary
     )
     config_edits = {"architectures": ["BrokenOlmoeForCausalLM"]}  # served by BrokenOlmoe, not colibri-olmoe
     prompt_tokens = 8

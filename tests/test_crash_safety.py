@@ -6,8 +6,8 @@ and one record per chat turn.
 Each kill test runs COLIBRI_KILL_TRIALS trials (default 3: CI), seeded by COLIBRI_KILL_SEED, and
 prints where its kills landed (`pytest -s`); RELIABILITY.md gives the longer run's command and
 counts. The kill times are random (uniform over the work, measured by an uninterrupted run); a
-session save is slowed (`COLIBRI_SESSION_WRITE_PAUSE`, at a random byte of the record) and a usage
-update's fsyncs are (in the child process) so that most kills land inside one.
+session save is slowed (in the child process: the conformance kit's `PAUSE_SAVES`, at a random byte of
+the record) and a usage update's fsyncs are, so that most kills land inside one.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import warnings
@@ -32,14 +33,14 @@ from colibri_core.container import Container
 from colibri_core.convert import convert_checkpoint
 from colibri_core.engine import load
 from colibri_core.errors import ColibriError
-from colibri_core.kv.session import PAUSE_ENV, SessionFile, session_path
+from colibri_core.kv.session import SessionFile, session_path
 from colibri_core.store.usage import USAGE_FILE, ColibriWarning
+from colibri_core.testing.sessions import PAUSE_SAVES
 
 from conftest import COLIBRI
 
 TRIALS = int(os.environ.get("COLIBRI_KILL_TRIALS", "3"))
 SEED = int(os.environ.get("COLIBRI_KILL_SEED", "0"))
-ENV = {k: v for k, v in os.environ.items() if k != PAUSE_ENV}
 
 
 def files_of(d: Path) -> dict[str, bytes]:
@@ -175,6 +176,7 @@ def test_leftovers_of_a_kill_are_resumed_or_cleared(sources, tmp_path):
     assert files_of(dst) == files_of(sources["A-int4"])
 
 
+@pytest.mark.system
 def test_kill9_convert_at_random_points(sources, tmp_path):
     """`colibri convert` killed at a random moment of its work, then run again: never a half
     container at DST, the staging directory refused as a model until its manifest (the last file)
@@ -183,7 +185,7 @@ def test_kill9_convert_at_random_points(sources, tmp_path):
     dst, staging = tmp_path / "out", tmp_path / "out.partial"
     cmd = [*COLIBRI, "convert", str(src), str(dst), "--quant", "int4"]
     t0 = time.monotonic()  # an uninterrupted run: how long the work takes once the staging appears
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not staging.exists() and proc.poll() is None:
         time.sleep(0.001)
     t1 = time.monotonic()
@@ -193,7 +195,7 @@ def test_kill9_convert_at_random_points(sources, tmp_path):
     rng, landed = random.Random(SEED), Counter()
     for trial in range(TRIALS):
         shutil.rmtree(dst)
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         while not staging.exists() and proc.poll() is None:
             time.sleep(0.001)
         time.sleep(rng.uniform(0, work))
@@ -231,11 +233,15 @@ CHAT = ["chat", "--temperature", "0", "--max-tokens", "6"]
 
 
 def saved_messages(path: Path) -> tuple[list, str | None]:
-    """The messages a session file holds (its whole turns), and its notice (a torn last save)."""
+    """The messages a session file holds (its whole turns), and its notice (a torn last save). Read
+    from a copy: loading cuts a torn save off the file (kept in .torn), and the restart must see it."""
     data = path.read_bytes()
     n = int.from_bytes(data[12:16], "little")
-    f = SessionFile(path, json.loads(data[16:16 + n]))
-    saved = f.load()
+    with tempfile.TemporaryDirectory() as d:
+        copy = Path(d) / path.name
+        copy.write_bytes(data)
+        f = SessionFile(copy, json.loads(data[16:16 + n]))
+        saved = f.load()
     assert f.notice is None or "unfinished" in f.notice, f.notice
     return ([] if saved is None else saved.meta["messages"]), f.notice
 
@@ -246,7 +252,7 @@ def chat_model(tiny_model, tmp_path_factory) -> tuple[Path, list]:
     m = tmp_path_factory.mktemp("chat") / "m"
     shutil.copytree(tiny_model, m)
     r = subprocess.run([*COLIBRI, *CHAT, "--model", str(m), "--session", "ref"], input="\n".join(PROMPTS) + "\n",
-                       capture_output=True, text=True, env=ENV)
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     messages, _ = saved_messages(session_path(m, "ref"))
     assert [x["role"] for x in messages] == ["user", "assistant"] * len(PROMPTS)
@@ -274,6 +280,7 @@ def test_chat_saves_one_record_per_turn(chat_model, monkeypatch):
     assert writes == [(t + 1, ref[: 2 * t + 2]) for t in range(len(PROMPTS))]
 
 
+@pytest.mark.system
 def test_kill9_chat_session_at_random_points_of_a_save(chat_model):
     """`colibri chat --session` killed at a random moment while it saves a turn (each save paused at
     a random byte of its record), then restarted: the session resumes on the last whole turn, with
@@ -282,9 +289,9 @@ def test_kill9_chat_session_at_random_points_of_a_save(chat_model):
     rng, landed = random.Random(SEED), Counter()
     for trial in range(TRIALS):
         name = f"k{SEED}-{trial}"
-        env = {**ENV, PAUSE_ENV: f"0.25@{rng.uniform(0, 1):.3f}"}
-        proc = subprocess.Popen([*COLIBRI, *CHAT, "--model", str(m), "--session", name], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        chat = PAUSE_SAVES + f"pause_saves(0.25, {rng.uniform(0, 1)})\nfrom colibri_core.cli import main\nmain()\n"
+        proc = subprocess.Popen([sys.executable, "-c", chat, *CHAT, "--model", str(m), "--session", name],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         proc.stdin.write("\n".join(PROMPTS) + "\n")
         proc.stdin.close()
         while "colibri chat" not in (proc.stderr.readline() or "colibri chat"):
@@ -299,7 +306,7 @@ def test_kill9_chat_session_at_random_points_of_a_save(chat_model):
         assert messages == ref[: len(messages)] and len(messages) % 2 == 0, f"trial {trial}: not whole turns"
         rest = PROMPTS[len(messages) // 2:]
         r = subprocess.run([*COLIBRI, *CHAT, "--model", str(m), "--session", name], input="".join(
-            x + "\n" for x in rest), capture_output=True, text=True, env=ENV)
+            x + "\n" for x in rest), capture_output=True, text=True)
         assert r.returncode == 0 and "Traceback" not in r.stderr, (trial, r.stderr)
         assert (notice is not None) == ("dropped an unfinished last save" in r.stderr), (trial, r.stderr)
         assert saved_messages(path)[0] == ref, f"trial {trial}: the resumed conversation differs"
@@ -322,6 +329,7 @@ SESSION_CHILD = textwrap.dedent("""
 EXTRAS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14], [15, 16]]
 
 
+@pytest.mark.system
 def test_kill9_engine_session_appends_at_random_points(tiny_model, tmp_path):
     """A session continued turn after turn (`engine.generate(session=NAME)`: each save after the
     first appends a record of the new rows), killed at a random moment while saving (each save
@@ -338,11 +346,11 @@ def test_kill9_engine_session_appends_at_random_points(tiny_model, tmp_path):
     rng, landed = random.Random(SEED), Counter()
     for trial in range(TRIALS):
         name = f"a{SEED}-{trial}"
-        env = {**ENV, PAUSE_ENV: f"0.25@{rng.uniform(0, 1):.3f}"}
+        child = PAUSE_SAVES + f"pause_saves(0.25, {rng.uniform(0, 1)})\n" + SESSION_CHILD
         log = tmp_path / "child.log"
         with open(log, "w") as err:
-            proc = subprocess.Popen([sys.executable, "-c", SESSION_CHILD, str(m), name, json.dumps(EXTRAS)],
-                                    stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+            proc = subprocess.Popen([sys.executable, "-c", child, str(m), name, json.dumps(EXTRAS)],
+                                    stdout=subprocess.PIPE, stderr=err, text=True)
         assert proc.stdout.readline() == "ready\n", log.read_text()
         time.sleep(rng.uniform(0, 1.4))  # five saves of 0.25 s and a little generation
         kill(proc)
@@ -379,6 +387,7 @@ USAGE_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.system
 def test_kill9_during_usage_updates(tiny_model, tmp_path):
     """A process updating `.coli_usage` after every turn, killed at random moments: the next run
     finds a whole history (the last saved or the one before it), never a warning, one more turn's
@@ -395,7 +404,7 @@ def test_kill9_during_usage_updates(tiny_model, tmp_path):
         log = tmp_path / "child.log"
         with open(log, "w") as err:
             proc = subprocess.Popen([sys.executable, "-c", USAGE_CHILD, str(m)], stdout=subprocess.PIPE, stderr=err,
-                                    text=True, env=ENV)
+                                    text=True)
         assert proc.stdout.readline() == "ready\n", log.read_text()
         time.sleep(rng.uniform(0.05, 0.5))
         kill(proc)

@@ -17,6 +17,8 @@ import websocket
 
 from live_server import LiveServer, post_json
 
+pytestmark = pytest.mark.system  # a headless browser
+
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",

@@ -186,8 +186,7 @@ def test_deltanet_block_matches_float64_reference(n):
         x = rng.standard_normal((n, block.hidden)).astype(np.float32)
         dense[5] = want_conv
         want, want_conv, want_state = ref.deltanet_block(x, *dense, state=want_state, **kw)
-        with kernels.activations("f32"):
-            got = block(x, conv_state, state)
+        got = block(x, conv_state, state)
         close(got, want, 1e-4)
         close(conv_state, want_conv)
         close(state, want_state, 1e-4)
@@ -228,8 +227,7 @@ def test_deltanet_block_matches_the_oracles_layer():
     x = np.random.default_rng(0).standard_normal((20, 48)).astype(np.float32)
     with torch.no_grad():
         want = layer(torch.from_numpy(x)[None])[0].numpy()
-    with kernels.activations("f32"):
-        got = block(x, np.zeros(block.state_shapes[0], np.float32), np.zeros(block.state_shapes[1], np.float32))
+    got = block(x, np.zeros(block.state_shapes[0], np.float32), np.zeros(block.state_shapes[1], np.float32))
     close(got, want, 1e-4)
 
 

@@ -34,17 +34,30 @@ def test_seeded_sampling_reproduces(tiny_model):
     assert a == b and len(a) == 10
 
 
-def test_session_prefix_reuse_matches_fresh_run(tiny_model):
+def test_session_prefix_reuse_matches_fresh_run(tiny_model, monkeypatch):
+    """A session continued by a prompt that extends its conversation is fed only the new tokens (the
+    last answer token, never fed, and the two added), and then decodes as a fresh run of the whole
+    prompt does."""
     with load(tiny_model) as engine:
+        fed = []  # tokens in each forward pass
+        forward = engine.model.forward
+
+        def counted(ids, *args, **kw):
+            fed.append(len(ids))
+            return forward(ids, *args, **kw)
+
+        monkeypatch.setattr(engine.model, "forward", counted)
         session = engine.new_session()
         first = list(engine.stream([5, 6, 7, 8], 5, session=session, stop_ids=()))
         follow = [5, 6, 7, 8] + first + [9, 10]
-        prefilled = engine.counters["prompt_tokens"]
+        fed.clear()
         reused = list(engine.stream(follow, 6, session=session, stop_ids=()))
+        assert fed[0] == 3, f"the session's prompt was prefilled with {fed[0]} tokens, not the 3 new ones"
         assert session.state.length == len(follow) + 5
+        fed.clear()
         fresh = engine.generate(follow, 6, stop_ids=())
+        assert fed[0] == len(follow)
     assert reused == fresh
-    assert prefilled > 0
 
 
 def test_logits_are_teacher_forced(tiny_model):

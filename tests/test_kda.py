@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from colibri_core.kernels import reference_kda
+from colibri_core.kv import SequenceState
 from colibri_core.layers.kda import KDADims, KDAState, kda_rule
 
 
@@ -51,9 +52,9 @@ def test_bad_shapes_are_refused():
         kda_rule(q, k, v, g[:, :1], beta, state)
     with pytest.raises(ValueError, match="state"):
         kda_rule(q, k, v, g, beta, state[:1])
-    s = KDAState(KDADims(2, 8, 4))
-    with pytest.raises(ValueError, match="KDA state"):
-        s.load(np.zeros((2, 48), np.float32), s.recurrent)
+    s = SequenceState({"layer.0": KDAState(KDADims(2, 8, 4))})  # conv (K − 1, 3 Hh dk) = (3, 48)
+    with pytest.raises(ValueError, match=r"layer.0.conv has shape \[2, 48\], this model needs \[3, 48\]"):
+        s.load_arrays({**s.arrays(), "layer.0.conv": np.zeros((2, 48), np.float32)})
 
 
 def test_the_c_kernel_gives_the_same_bits_token_by_token_or_together():

@@ -280,16 +280,22 @@ def test_matmul_each_is_each_matmul():
         kernels.matmul_each([ws[3]], [random_x(rng, 1, 130)])
 
 
-def test_activations_context_selects_the_arithmetic():
+def test_the_weights_carry_the_arithmetic():
+    """A weight's `act` (set where it is parsed, from the engine's options) chooses its products'
+    arithmetic; `act=` overrides it for one call; the weights of one call must agree."""
     rng = np.random.default_rng(13)
     w = random_weights(rng, 65, 200, "int4")
+    fast = dataclasses.replace(w, act="int8")
     x = random_x(rng, 2, 200)
-    with kernels.activations("int8"):
-        assert_same_bits(kernels.matmul(w, x), reference.matmul(w, x, "int8"))
+    assert_same_bits(kernels.matmul(fast, x), reference.matmul(w, x, "int8"))
     assert_same_bits(kernels.matmul(w, x), reference.matmul(w, x, "f32"))
+    assert_same_bits(kernels.matmul(fast, x, act="f32"), reference.matmul(w, x, "f32"))
+    exact_f32 = dataclasses.replace(random_weights(rng, 3, 200, "f32"), act="int8")  # f32 weights: exact regardless
+    assert kernels.weights_act([fast, exact_f32]) == "int8"
+    with pytest.raises(ValueError, match="different activation arithmetics: f32, int8"):
+        kernels.matmul_multi([w, fast], x)
     with pytest.raises(ColibriError, match="unknown activation arithmetic 'q4'"):
-        with kernels.activations("q4"):
-            pass
+        kernels.matmul(w, x, act="q4")
 
 
 def test_matmul_no_tokens():
@@ -705,6 +711,7 @@ def test_bench_kernels_reports_every_kernel_beside_the_read_bandwidth():
     assert "int4_matvec" in bench.format_table(result)
 
 
+@pytest.mark.system
 def test_bench_kernels_measures_every_code_path_side_by_side():
     """`colibri bench kernels --simd all`: every kernel on every path this CPU runs, one line each;
     the path in use afterwards is the one before; a path the CPU lacks is one clear error."""

@@ -10,7 +10,7 @@ import pytest
 import colibri_core
 from colibri_core.arena import HUGE_PAGE
 from colibri_core.errors import ColibriError
-from colibri_core.kv.cache import KVCache, Rows, cache_type
+from colibri_core.kv.cache import KVCache, Rows
 
 
 def test_growth_keeps_every_row_and_moves_to_huge_pages():
@@ -31,7 +31,7 @@ def test_growth_keeps_every_row_and_moves_to_huge_pages():
 def test_a_prompt_that_fills_the_cache_leaves_room_to_decode():
     """Growing, the cache takes twice what is needed: the first decoded token after a long prompt
     does not copy the whole cache into new pages."""
-    for cache in (KVCache(2, 64, capacity=4), KVCache(2, 64, capacity=4, dtype=np.float16)):
+    for cache in (KVCache(2, 64, capacity=4), KVCache(2, 64, "f16", capacity=4)):
         cache.append(*np.ones((2, 3000, 2, 64), np.float32))
         k, v = cache.k, cache.v
         for _ in range(10):
@@ -55,28 +55,25 @@ def test_a_huge_array_fills_its_pages_and_a_small_one_stays_as_asked():
 
 
 def test_float16_rows_grow_and_round_as_numpy():
-    cache = KVCache(2, 64, capacity=4, dtype=np.float16)
+    cache = KVCache(2, 64, "f16", capacity=4)
     k, v = np.random.default_rng(1).standard_normal((2, 300, 2, 64), dtype=np.float32)
     cache.append(k[:3], v[:3]), cache.append(k[3:], v[3:])
     held_k, held_v = cache.view()
     assert held_k.dtype == np.float16 and (held_k == k.astype(np.float16)).all() and (held_v == v.astype(np.float16)).all()
-    with cache_type("f16"):
-        assert KVCache(2, 64).k.dtype == np.float16
-    assert KVCache(2, 64).k.dtype == np.float32  # the default, outside
+    assert KVCache(2, 64).k.dtype == np.float32  # the default
     with pytest.raises(ColibriError, match="unknown KV cache type 'f8'"):
-        with cache_type("f8"):
-            pass
+        KVCache(2, 64, "f8")
 
 
 def test_float16_cache_is_placement_invariant_close_to_float32_and_resumes(tiny_model, tmp_path, monkeypatch):
     ids = [5, 17, 3, 99, 42, 7, 8, 250]
     with colibri_core.load(tiny_model) as exact:
-        assert exact.kv_cache == "f32" and exact.new_state().caches[0].k.dtype == np.float32
+        assert exact.kv_cache == "f32" and exact.new_state()["layer.0"].k.dtype == np.float32
         want = exact.logits(ids)
     got = {}
     for slots in (1, 3, 8):
         with colibri_core.load(tiny_model, cache_slots=slots, kv_cache="f16") as e:
-            assert e.new_state().caches[0].k.dtype == np.float16
+            assert e.new_state()["layer.0"].k.dtype == np.float16
             got[slots] = (e.logits(ids), e.generate(ids, 6, stop_ids=()))
     for slots in (3, 8):
         assert np.array_equal(got[slots][0].view(np.uint32), got[1][0].view(np.uint32))
@@ -91,7 +88,7 @@ def test_float16_cache_is_placement_invariant_close_to_float32_and_resumes(tiny_
         assert e.kv_cache == "f16"
         whole = e.generate(ids, 8, stop_ids=())
         first = e.generate(ids, 4, stop_ids=(), session="s")
-        assert e.open_session("s").state.caches[0].k.dtype == np.float16
+        assert e.open_session("s").state["layer.0"].k.dtype == np.float16
     with colibri_core.load(model) as e:
         assert first + e.generate(ids + first, 4, stop_ids=(), session="s") == whole
     with pytest.raises(ColibriError, match="unknown KV cache type 'bf16'"):

@@ -1,5 +1,6 @@
 """`colibri_core.planning` sizes a model from config.json alone: it must agree exactly with what
-the converter writes (resident tensors, expert files) for the same config and quantisation."""
+the converter writes (resident tensors, expert files) for the same config and quantisation. Its
+split of a budget is the engine's (tests/test_store.py compares the two)."""
 import json
 import os
 
@@ -50,3 +51,18 @@ def test_plan_sizes_the_state_at_the_kv_cache_type(tiny_checkpoint, tmp_path):
     assert json.loads(colibri(*args, env={**os.environ, "COLIBRI_KV_CACHE": "f16"}).stdout)["model"]["kv_cache"] == "f16"
     r = colibri(*args, "--kv-cache", "bf16")
     assert r.returncode == 1 and r.stderr.strip() == "colibri: error: unknown KV cache type 'bf16' (expected one of f32, f16)"
+
+
+def test_plan_checks_the_hot_store_size_where_the_split_is_made(tiny_checkpoint, tmp_path):
+    """`planning.split` is the split `run` and `plan` share: a negative --pin-gb is one line for plan
+    too (it used to pin a negative number of experts), and a hot-store that leaves a layer no cache
+    slot is refused by the rule itself."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text((tiny_checkpoint / "config.json").read_text())
+    args = ("plan", "--config", cfg, "--disk-bw", "1GB", "--mem-bw", "1GB", "--ram")
+    r = colibri(*args, "1GB", "--pin-gb", "-1")
+    assert r.returncode == 1 and r.stderr.strip() == "colibri: error: --pin-gb must be 0 or more, got -1.0"
+    p = json.loads(colibri(*args, "1GB", "--json").stdout)
+    ram = p["model"]["dense_bytes"] + p["experts_bytes_total"] // 2  # room for half the experts
+    r = colibri(*args, str(ram), "--pin-gb", str(ram / 1e9))
+    assert r.returncode == 1 and "leaves no cache slot in some layer" in r.stderr, r.stderr

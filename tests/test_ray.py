@@ -27,6 +27,7 @@ import colibri_core
 from colibri_core.remote.client import RemoteWarning
 from colibri_core.remote.placement import Node, cluster_plan, expected_calls, place
 
+pytestmark = pytest.mark.system  # a Ray cluster on loopback
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("tiny_model_tool", ROOT / "tools" / "tiny_model.py")
 tiny_model = importlib.util.module_from_spec(spec)
@@ -116,7 +117,6 @@ def test_placement_is_sized_to_each_nodes_ram():
 def test_the_shard_computes_its_slots_as_the_local_block_does(models):
     """ShardServer without Ray: its slots equal the local MoE block's bit for bit (also int8
     activations), prefetch reorders what it reads next, another model's copy is refused."""
-    from colibri_core import kernels
     from colibri_core.container import Container
     from colibri_core.errors import ColibriError
     from colibri_core.layers.moe import run_experts
@@ -133,8 +133,7 @@ def test_the_shard_computes_its_slots_as_the_local_block_does(models):
     mine = np.isin(ids, [2, 3, 5, 8])
     for act in ("f32", "int8"):
         want = np.zeros((5, 2, c.hidden), np.float32)
-        with kernels.activations(act):
-            run_experts(want, x, ids, {e: c.read_expert(layer, e) for e in (2, 3, 5, 8)})
+        run_experts(want, x, ids, {e: c.read_expert(layer, e) for e in (2, 3, 5, 8)}, act=act)
         got = shard.compute(layer, x, np.where(mine, ids, -1), act, "swiglu", None)
         assert np.array_equal(got, want[mine])
     with pytest.raises(ValueError, match="does not hold"):
@@ -165,7 +164,7 @@ def test_tokens_identical_to_a_single_machine(models, reference, cluster, arch, 
 # ---- a slow node -------------------------------------------------------------------------------
 def test_a_slow_node_is_failed_after_the_deadline_and_used_again(models, reference, cluster):
     with remote_load(models["olmoe"], cluster, timeout=0.5) as e:
-        slow = e.remote.shards[0]
+        slow = e.experts.remote.shards[0]
         ray.get(slow.actor.set_delay.remote(1.5))
         with pytest.warns(RemoteWarning, match="no answer within the 0.5 s deadline"):
             got = e.generate(PROMPT, N, stop_ids=())
@@ -177,7 +176,7 @@ def test_a_slow_node_is_failed_after_the_deadline_and_used_again(models, referen
         with pytest.warns(RemoteWarning, match="is back"):
             deadline = time.monotonic() + 30
             while slow.state != "up" and time.monotonic() < deadline:
-                e.remote.maintain()
+                e.experts.remote.maintain()
                 time.sleep(0.05)
         assert e.generate(PROMPT, N, stop_ids=()) == reference["olmoe"]
         assert slow.state == "up" and slow.calls > calls and e.stats()["remote_rejoins"] >= 1
@@ -262,7 +261,7 @@ def test_an_unreachable_cluster_is_one_line_at_once(models):
 def test_a_node_killed_mid_generation_then_a_new_node_takes_its_shard(models, reference, cluster):
     """Last in the module: it removes a worker node for good."""
     with remote_load(models["glm52"], cluster) as e:
-        victim = e.remote.shards[1]
+        victim = e.experts.remote.shards[1]
         node = next(w for w in cluster.workers if w.node_id == victim.shard.node.id)
         got = []
         with warnings.catch_warnings(record=True) as caught:
@@ -282,7 +281,7 @@ def test_a_node_killed_mid_generation_then_a_new_node_takes_its_shard(models, re
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RemoteWarning)
             while victim.state != "up" and time.monotonic() < deadline:
-                e.remote.maintain()
+                e.experts.remote.maintain()
                 time.sleep(0.1)
         assert victim.state == "up", victim.last_error
         assert victim.shard.node.id != node.node_id

@@ -111,6 +111,60 @@ def test_completion_streamed_equals_not_streamed(client, tiny_model, engine):
     assert by_ids.choices[0].text == "the lazy dog" + text
 
 
+def _cacheable(shared: int, held: int) -> int:
+    """Prompt tokens the prefix cache serves (colibri_core/prefix.py): the last multiple of the
+    prefill chunk (256) within both what a request shares with a cached prompt and what that
+    prompt's prefill reached, leaving a token to feed."""
+    return min(shared, held) // 256 * 256
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b) - 1))
+
+
+def test_a_growing_conversation_is_served_from_the_prefix_cache(server, client, tiny_model, engine):
+    """The second request of a conversation reports the prompt tokens the prefix cache served, in
+    OpenAI's usage.prompt_tokens_details.cached_tokens (both endpoints, streamed and not), and in
+    /metrics; it answers exactly as a server with --prefix-cache 0 does."""
+    long = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)
+    render, encode = ChatTemplate.from_dir(tiny_model).render, engine.tokenizer.encode
+    kw = dict(model=model_id(tiny_model), max_tokens=8, temperature=0)
+    first = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": long}]
+    one = client.chat.completions.create(messages=first, **kw)
+    second = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                      {"role": "user", "content": "colibri streams experts"}]
+    two = client.chat.completions.create(messages=second, **kw)
+    p1, p2 = (encode(render(m), add_special_tokens=False) for m in (first, second))
+    cached = _cacheable(_shared(p1, p2), len(p1))
+    assert cached >= 256 and one.usage.prompt_tokens_details.cached_tokens == 0
+    assert two.usage.prompt_tokens_details.cached_tokens == cached
+    _, chunks = stream_text(client.chat.completions.create(messages=second, **kw, stream=True,
+                                                           stream_options={"include_usage": True}))
+    served = [cached, _cacheable(len(p2) - 1, len(p2))]  # the same prompt again: all but its last piece
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == served[-1]
+    q1, q2 = encode(long), encode(long + " colibri streams experts")
+    ckw = dict(model=model_id(tiny_model), max_tokens=4, temperature=0)
+    assert client.completions.create(prompt=long, **ckw).usage.prompt_tokens_details.cached_tokens == 0
+    _, chunks = stream_text(client.completions.create(prompt=long + " colibri streams experts", **ckw, stream=True,
+                                                      stream_options={"include_usage": True}))
+    served.append(_cacheable(_shared(q1, q2), len(q1)))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == served[-1] >= 256
+    wait_idle(server)
+    value = {line.split()[0]: float(line.split()[1]) for line in server.get("/metrics")[1].decode().splitlines()
+             if line.startswith("colibri_prefix_")}
+    assert value["colibri_prefix_cached_tokens_total"] >= sum(served) and value["colibri_prefix_cache_hits_total"] >= 3
+    assert 0 < value["colibri_prefix_cache_bytes"] <= value["colibri_prefix_cache_budget_bytes"]
+    off = LiveServer("serve", tiny_model, "--prefix-cache", "0")
+    try:
+        plain = openai.OpenAI(base_url=off.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        plain.chat.completions.create(messages=first, **kw)
+        again = plain.chat.completions.create(messages=second, **kw)
+    finally:
+        assert off.stop() == 130, off.text_log()
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].message.content == two.choices[0].message.content
+
+
 def test_raw_sse_framing(server, tiny_model):
     body = {"model": model_id(tiny_model), "messages": CHAT, "max_tokens": 5, "temperature": 0, "stream": True}
     status, headers, raw = post(server.url + "/v1/chat/completions", body)

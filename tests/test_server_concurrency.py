@@ -8,9 +8,13 @@ import shutil
 import threading
 import time
 
+import pytest
+
 from colibri_core import load
 from colibri_core.store.usage import MIN_HISTORY_TOKENS
 from live_server import LiveServer, get, post
+
+pytestmark = pytest.mark.system  # seconds of hammering
 
 SECONDS = 4  # of hammering: a bound on the test's time, not a performance assertion
 POLLERS = 4

@@ -21,6 +21,8 @@ import pytest
 
 from live_server import LiveServer, Stream, get, post
 
+pytestmark = pytest.mark.system  # load and soak
+
 QUEUE = 8
 CLIENTS = 64
 BUDGET = 64 << 20  # --ram: weights + state + expert cache

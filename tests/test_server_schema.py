@@ -72,6 +72,7 @@ def test_every_route_is_documented(tiny_model, dashboard):
     assert documented - {"/static/{file}"} <= routes
 
 
+@pytest.mark.system
 def test_schemathesis_finds_nothing(server, tmp_path):
     """The fuzzing campaign: every operation, positive and negative data, stateful links, all checks."""
     cmd = [str(Path(sys.executable).parent / "schemathesis"), "run", server.url + "/openapi.json",

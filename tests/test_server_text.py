@@ -108,12 +108,13 @@ class FakeEngine:
         from types import SimpleNamespace
 
         from colibri_core.probe import Probe
+        from colibri_core.store.stats import Placement
 
         self.tokenizer = type("T", (), {"decode": staticmethod(lambda ids: "x" * len(ids))})()
         self.gate = __import__("threading").Event()
         self.arch = SimpleNamespace(name="fake")
         self.container = SimpleNamespace(moe_layers=[0], n_experts=2, expert_nbytes=1)
-        self.store = SimpleNamespace(slots=1, cache={0: {}}, pinned={0: {}})
+        self.store = SimpleNamespace(placement=lambda: Placement(slots=1, cached={0: frozenset()}, pinned={0: frozenset()}))
         self.probe = Probe(2)
         self.resident_bytes = 0
 

@@ -11,6 +11,7 @@ import sys
 import warnings
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ import pytest
 from colibri_core import kernels, load, plugins
 from colibri_core.errors import ColibriError
 from colibri_core.store import io
+from colibri_core.store.store import Lookahead
 from colibri_core.store.usage import USAGE_FILE, ColibriWarning, hot_set, pin_value
 
 from conftest import colibri
@@ -147,6 +149,9 @@ def test_pinned_experts_are_read_in_the_background_and_once(model, baseline, tmp
     with load(model, io_threads=1, **pin) as e:
         s = e.stats()
         assert s["pinned_experts"] == 12 and s["reads"] == 1 and s["pinned_queued"] == 11
+        placement = e.store.placement()  # what the server's snapshot shows: queued experts too
+        assert placement.slots == 1 and sum(map(len, placement.pinned.values())) == 12
+        assert set(placement.pinned) == set(placement.cached) == set(e.container.moe_layers)
         layer, expert = e.store._pin_queue[-1]  # the coldest queued
         e.store.get(layer, expert)
         assert e.stats()["expert_misses"] == 1 and e.store.pinned[layer][expert].tensors is not None
@@ -246,7 +251,7 @@ def test_lookahead_stops_reading_a_rank_whose_guesses_are_wrong_and_starts_again
         guess = {"ids": None}
 
         def predict(layer):  # the store is told which layer the guess is for, and asks for it
-            return layer, lambda: np.array([guess["ids"]])
+            return Lookahead(layer, lambda: np.array([guess["ids"]]))
 
         def step(guessed, needed):  # layer `first` guesses `second`'s experts; then `second` runs
             guess["ids"] = guessed
@@ -265,6 +270,76 @@ def test_lookahead_stops_reading_a_rank_whose_guesses_are_wrong_and_starts_again
         for i in range(12):  # right every time: the ranks earn their reads back
             step([8 + 2 * (i % 3), 9 + 2 * (i % 3)], [8 + 2 * (i % 3), 9 + 2 * (i % 3)])
         assert c.prefetch_issued > 2
+
+
+class Shards:
+    """Two remote shards as `ExpertSource` drives them (remote.client.RemoteExperts's methods, no Ray):
+    shard 0 holds experts 0-7 of every layer and answers with the local kernels' slots, shard 1 holds
+    8-15 and fails every call."""
+
+    cfg = SimpleNamespace(fill_local=True)
+
+    def __init__(self, container):
+        self.container, self.sent, self.calls = container, [], None
+
+    def serving(self, layer):  # shard 1 is down once it failed: shard 0's experts
+        return frozenset(range(8))
+
+    def watch(self, layer, guess):
+        return guess
+
+    def dispatch(self, layer, x, ids, resident, ffn):
+        experts = frozenset(np.unique(ids).tolist()) - resident
+        self.sent.append(experts)
+        self.calls = (x, ids, ffn)
+        return SimpleNamespace(layer=layer, experts=experts)
+
+    def collect(self, sent, outs):
+        x, ids, ffn = self.calls
+        answered = {e for e in sent.experts if e < 8}
+        ffn(outs, x, ids, {e: self.container.read_expert(sent.layer, e) for e in answered})
+        return sent.experts - answered
+
+    def stats(self):
+        return {"remote_shards": 2}
+
+
+def test_the_source_computes_a_failed_shards_experts_here_within_the_call(model):
+    """ExpertSource in front of remote shards: the experts resident here are computed here, the
+    others sent to their shard; a failed shard's experts are read and computed here in the same call,
+    so every slot is the local block's; the lookahead reads nothing a live shard serves; free cache
+    slots then take what a shard computed (`fill`), never what this layer computed here."""
+    from colibri_core.experts import ExpertSource
+    from colibri_core.layers.moe import ExpertFFN
+
+    with load(model, cache_slots=16, usage=False) as e:
+        c = e.container
+        layer, nxt = c.moe_layers[:2]
+        for expert in (3, 12):
+            e.store.get(layer, expert)  # resident here: never sent
+        shards = Shards(c)
+        source = ExpertSource(e.store, shards)
+        rng = np.random.default_rng(4)
+        x = rng.normal(0, 1, (6, c.hidden)).astype(np.float32)
+        ids = np.stack([rng.permutation(16)[:2] for _ in range(6)])
+        ids[0] = [3, 12]
+        outs = np.zeros((6, 2, c.hidden), np.float32)
+        ffn = ExpertFFN()
+        guess = np.array([[0, 8], [1, 9]])  # the next layer's guess: 0 and 1 on the live shard
+        asked = []
+        assert source.compute(layer, outs, x, ids, ffn, (nxt, lambda: guess), lambda: asked.append(1) or "shared") \
+            == "shared" and asked == [1]
+        want = np.zeros_like(outs)
+        ffn(want, x, ids, {expert: c.read_expert(layer, expert) for expert in np.unique(ids).tolist()})
+        assert np.array_equal(outs, want)
+        sent = shards.sent[0]
+        assert {3, 12}.isdisjoint(sent) and sent == set(np.unique(ids).tolist()) - {3, 12}
+        placement = e.store.placement()
+        assert placement.cached[nxt] == {8, 9}  # the lookahead read none of the live shard's experts
+        failed = {expert for expert in sent if expert >= 8}
+        assert failed <= placement.cached[layer]  # read here once their shard failed
+        assert placement.cached[layer] == {3, 12} | sent and source.local_fills == len(sent - failed)
+        assert source.stats()["remote_local_fills"] == source.local_fills
 
 
 def test_batch_union_reads_each_expert_once(model):
@@ -371,7 +446,8 @@ def test_default_hot_store_leaves_the_cache_top_k_slots_per_layer():
     """With history, PIN_SHARE of the expert budget is pinned, but never so much that a layer's
     cache holds fewer than top_k experts (a token's unpinned experts would be read one by one);
     an explicit --pin-gb is taken as given."""
-    from colibri_core.store.budget import PIN_SHARE, split_budget
+    from colibri_core.planning import split_budget
+    from colibri_core.store.usage import PIN_SHARE
 
     nbytes, layers, E, k = 100, 16, 64, 8
     fit = 16 * 16  # a quarter of the experts
@@ -404,8 +480,7 @@ def test_the_history_chooses_the_hot_store_share_that_its_trace_misses_least_wit
     by chance, and pinning takes the cache slots they need (a hot set chosen from the traced tokens
     themselves would be 8-13 and score the largest share best). Below MIN_HISTORY_TOKENS nothing is
     pinned; a history written before traces gets the default share."""
-    from colibri_core.store.budget import PIN_SHARE
-    from colibri_core.store.usage import TRACE_TOKENS
+    from colibri_core.store.usage import PIN_SHARE, TRACE_TOKENS
 
     E, top_k = 16, 2  # the fixture's experts per layer and top-k; budgets of 8 and 12 experts a layer
     zipf = 1 / np.arange(1, E + 1)
@@ -777,6 +852,7 @@ def test_doctor_checks_a_checkpoint_run_as_it_is(tiny_checkpoint, tmp_path):
     assert r.returncode == 1 and "FAIL  files" in r.stdout and shard.name in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.system
 def test_bench_protocol_smoke(model, tmp_path):
     """The benchmark command runs end to end on a tiny model (numbers are not checked: not a test gate)."""
     m = copy_model(model, tmp_path / "m")

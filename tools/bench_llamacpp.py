@@ -39,7 +39,7 @@ bandwidth, measured on the model files in the same run).
     flock /tmp/colibri-cpu.lock python tools/bench_llamacpp.py --model qwen3 --quant int8 --memory 16GB \
         --routing token --gen 16 --rounds 3 --keep
 
-Synthetic files go under bench-data/ (gitignored); `--keep` keeps them for the next run.
+Synthetic files go under bench-data/ (gitignored; `--data DIR` elsewhere); `--keep` keeps them for the next run.
 """
 from __future__ import annotations
 
@@ -504,7 +504,7 @@ def model_files(path: Path) -> list[Path]:
 
 def read_bandwidth(threads: int) -> float:
     from colibri_core import kernels
-    from colibri_core.bench.kernels import read_bandwidth as rb
+    from colibri_core.planning import memory_bandwidth as rb
 
     kernels.set_threads(threads)
     return rb() / 1e9
@@ -553,7 +553,7 @@ def larger_than_ram(args, d: Dims, cdir: Path, gpath: Path) -> None:
     """The `--memory` case: both engines cold and warm under the same memory limit, alternating."""
     from colibri_core.bench.model import drop_file_pages
     from colibri_core.sizes import available_memory, format_bytes
-    from colibri_core.store.budget import disk_bandwidth
+    from colibri_core.planning import disk_bandwidth
 
     memory = parse_size(args.memory)
     sizes = {"colibri": sum(p.stat().st_size for p in model_files(cdir)), "llama_cpp": gpath.stat().st_size}
@@ -623,7 +623,8 @@ def main() -> None:
     ap.add_argument("--routing", choices=sorted(ROUTINGS), default="weights",
                     help="with --memory: route as the random weights do, or by each token afresh (build_gguf)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating runs of the two engines (median reported)")
-    ap.add_argument("--keep", action="store_true", help="keep the synthetic models in bench-data/")
+    ap.add_argument("--keep", action="store_true", help="keep the synthetic models in --data")
+    ap.add_argument("--data", type=Path, default=DATA, help="where the synthetic models go (default: bench-data/)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -633,8 +634,8 @@ def main() -> None:
     if args.layers:
         d = Dims(**{**asdict(d), "layers": args.layers})
     tag = f"{d.name}-{d.layers}l"
-    DATA.mkdir(exist_ok=True)
-    cdir, gpath = DATA / f"{tag}-{args.quant}", DATA / f"{tag}-{GGUF_QUANTS[args.quant][0].lower()}.gguf"
+    args.data.mkdir(parents=True, exist_ok=True)
+    cdir, gpath = args.data / f"{tag}-{args.quant}", args.data / f"{tag}-{GGUF_QUANTS[args.quant][0].lower()}.gguf"
     if args.memory:  # what is read from disk depends on the routing: colibri's container from the GGUF
         routed = "" if args.routing == "weights" else f"-{args.routing}-routed"
         gpath = gpath.with_name(gpath.stem + routed + ".gguf")

@@ -28,7 +28,7 @@ from pathlib import Path
 from colibri_core import probe
 from colibri_core.bench.model import _prompts, _run
 from colibri_core.engine import load
-from colibri_core.store.plan import sizes_from_container
+from colibri_core.planning import sizes_from_container
 
 
 def plan(engine, n: int, prompt_tokens: int, new_tokens: int) -> list[tuple[list[int], int, int]]:

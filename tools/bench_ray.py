@@ -23,7 +23,6 @@ import numpy as np
 
 import colibri_core
 from colibri_core.container import Container
-from colibri_core.store.budget import split_budget  # noqa: F401  (the rule load() uses)
 
 PROMPTS = [[11, 52, 903, 4, 77, 1500, 3, 640], [7, 7, 301, 2047, 88, 12, 965, 400], [1000, 2, 3, 4, 5, 6, 7, 8]]
 
@@ -106,8 +105,8 @@ def main() -> None:
         with colibri_core.load(args.model, ray=cluster.address, ray_options={"split": args.split}, **opts) as e:
             result["ray_load_seconds"] = time.perf_counter() - t0
             deadline = time.monotonic() + 300
-            while any(st.warming for st in e.remote.shards) and time.monotonic() < deadline:
-                e.remote.maintain()  # wait for the shards to hold every expert in RAM
+            while any(st.warming for st in e.experts.remote.shards) and time.monotonic() < deadline:
+                e.experts.remote.maintain()  # wait for the shards to hold every expert in RAM
                 time.sleep(0.2)
             result["shards_warm_seconds"] = time.perf_counter() - t0
             e.generate(PROMPTS[0][:2], 2, stop_ids=())

@@ -57,7 +57,7 @@ import yaml
 
 from bench_resident_floor import bytes_per_token
 from colibri_core import load, planning, quant
-from colibri_core.bench.kernels import read_bandwidth
+from colibri_core.planning import memory_bandwidth as read_bandwidth
 from colibri_core.bench.model import _TokenReads, drop_file_pages
 from colibri_core.sizes import available_memory
 from colibri_core.container.reader import (

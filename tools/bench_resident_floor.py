@@ -21,7 +21,7 @@ import numpy as np
 
 import colibri_core
 from colibri_core import kernels
-from colibri_core.bench.kernels import read_bandwidth
+from colibri_core.planning import memory_bandwidth as read_bandwidth
 
 
 def bytes_per_token(engine) -> int:
@@ -61,7 +61,7 @@ def main() -> None:
                 engine.store.get(layer, e)
         engines[act] = engine
     touched = bytes_per_token(next(iter(engines.values())))
-    print(f"{args.model}: {touched / 1e6:.0f} MB a token; {kernels.threads()} threads, "
+    print(f"{args.model}: {touched / 1e6:.3g} MB a token; {kernels.threads()} threads, "
           f"{kernels.simd()}")
     rng = np.random.default_rng(0)
     for r in range(args.rounds):
@@ -70,7 +70,7 @@ def main() -> None:
             before = read_bandwidth()
             seconds = decode_seconds(engine, rng, args.prompt, args.tokens)
             read = (before + read_bandwidth()) / 2
-            cells.append(f"{act}: {seconds * 1e3:.1f} ms a token, floor {touched / read * 1e3:.1f} "
+            cells.append(f"{act}: {seconds * 1e3:.1f} ms a token, floor {touched / read * 1e3:.3g} "
                          f"({100 * touched / read / seconds:.0f} %; read {read / 1e9:.1f} GB/s)")
         print(f"round {r + 1}: " + " | ".join(cells))
 

@@ -61,27 +61,16 @@ def through_api(url: str, model: str, tokens: int, repeats: int, stream: bool) -
     return best
 
 
-def memory_bandwidth() -> float:
-    """GB/s of a 256 MB NumPy copy (read + write counted), best of 5."""
-    import numpy as np
-
-    a = np.ones(32 << 20)  # 256 MB of float64
-    b = np.empty_like(a)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        np.copyto(b, a)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * a.nbytes / best / 1e9
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    print(f"memory bandwidth:    {memory_bandwidth():7.1f} GB/s (NumPy copy; the experts are cached in RAM here, so no disk)")
+    from colibri_core.planning import memory_bandwidth
+
+    print(f"memory bandwidth:    {memory_bandwidth() / 1e9:7.1f} GB/s (the kernel threads' read; the experts are "
+          "cached in RAM here, so no disk)")
     tps, ttft = engine_alone(a.model, a.tokens, a.repeats)
     print(f"engine alone:        {tps:7.1f} tok/s decode · TTFT {1000 * ttft:6.1f} ms")
     proc = subprocess.Popen([sys.executable, "-m", "colibri_core", "serve", "--model", a.model, "--port", "0"],

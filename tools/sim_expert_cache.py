@@ -27,40 +27,34 @@ from colibri_core.store.store import GuessRecord
 
 
 def record(model: Path, trace: Path, n_prompts: int, prompt_tokens: int, new_tokens: int, seed: int) -> None:
+    """Each forward pass's routing per MoE layer and the router lookahead's guess of the next MoE
+    layer's, from the probe's named intermediates (`ffn_moe_ids`, and the router's `predict` on the
+    layer's `ffn_inp` and `ffn_moe_tokens`, as the MoE block calls it)."""
+    from colibri_core import probe
     from colibri_core.bench.model import _prompts
     from colibri_core.engine import load
 
     with load(model, cache_slots=10**6, usage=False, prefetch=False) as engine:
-        store, m = engine.store, engine.model
+        layers = list(engine.container.moe_layers)
+        routers, n_experts = engine.model.routers(), engine.container.n_experts
         prompts = _prompts(engine, n_prompts, prompt_tokens, seed)
         steps: list[dict] = []  # one per forward pass: {"decode": bool, "use": {layer: ids}, "pred": {layer: ids}}
-        inner = store.experts
-
-        def experts(layer, ids, predict=None):  # the core's MoE block hands the store its lookahead guess
-            step = steps[-1]
-            step["use"][layer] = np.asarray(ids).tolist()
-            if predict is not None:
-                nxt, guess = predict
-                step["pred"][nxt] = np.asarray(guess()).tolist()
-            yield from inner(layer, ids, predict)
-
-        store.experts = experts
-        forward = m.forward
-
-        def traced_forward(ids, state, last_only=False):
-            steps.append({"decode": False, "use": {}, "pred": {}})
-            return forward(ids, state, last_only)
-
-        m.forward = traced_forward
         runs = []
         for i, p in enumerate(prompts):  # the cold session's prompts; the warm repeat is prompt 0 again
+            with probe.recording(names=("ffn_inp", "ffn_moe_tokens", "ffn_moe_ids")) as rec:
+                list(engine.stream(p, new_tokens, temperature=1.0, seed=seed + i, stop_ids=()))
             first = len(steps)
-            list(engine.stream(p, new_tokens, temperature=1.0, seed=seed + i, stop_ids=()))
-            for s in steps[first + 1:]:
-                s["decode"] = True  # timed by the bench: every pass after the first token
+            for j in range(len(rec.tensors[("ffn_moe_ids", layers[0])])):
+                use = {layer: rec.get("ffn_moe_ids", layer, j).tolist() for layer in layers}
+                pred = {}
+                for layer, nxt in zip(layers, layers[1:]):  # each MoE layer guesses its successor's
+                    guess = routers[nxt].predict(rec.get("ffn_inp", layer, j), rec.get("ffn_moe_tokens", layer, j))
+                    if guess is not None:
+                        pred[nxt] = np.asarray(guess).tolist()
+                steps.append({"decode": j > 0, "use": use, "pred": pred})  # the bench times every pass after the first
             runs.append([first, len(steps)])
-    trace.write_text(json.dumps({"model": str(model), "n_experts": store.container.n_experts,
-                                 "moe_layers": list(store.layer_index), "runs": runs, "steps": steps}))
+    trace.write_text(json.dumps({"model": str(model), "n_experts": n_experts, "moe_layers": layers, "runs": runs,
+                                 "steps": steps}))
     print(f"{len(steps)} forward passes over {len(prompts)} prompts written to {trace}")
 
 

@@ -2,7 +2,7 @@
 
 Decode is bound by memory bandwidth, so a matrix-vector kernel is judged by the bytes of weights it
 streams per second against what the machine can read (measured here, in the same run, with the
-same threads). Prefill is bound by arithmetic, so matrix-matrix kernels also report GFLOP/s
+same threads, by the probe `colibri plan` measures memory with: `planning.ReadProbe`). Prefill is bound by arithmetic, so matrix-matrix kernels also report GFLOP/s
 (2 · rows · cols · tokens per call). Weights are random and larger than the last-level cache, and
 the calls cycle through several copies, so every byte comes from RAM as in a real decode.
 
@@ -25,6 +25,7 @@ import numpy as np
 
 from colibri_core import kernels
 from colibri_core.errors import ColibriError
+from colibri_core.planning import ReadProbe
 from colibri_core.quant import INT4_GROUP, QTensor, layout
 
 MIN_SECONDS = 0.6  # per measurement: repeat calls at least this long
@@ -96,29 +97,12 @@ def _timed_turns(fns: dict, min_seconds: float) -> dict:
     return {name: float(np.median(v)) for name, v in times.items()}
 
 
-class ReadProbe:
-    """One pass of the kernel threads over `nbytes` of RAM (`mem_read`): the machine's read bandwidth."""
-
-    def __init__(self, nbytes: int = WORKING_SET):
-        self.buf = np.ones(nbytes // 8, np.uint64)
-        self.ptr = kernels.ffi.from_buffer(self.buf)
-
-    def __call__(self) -> None:
-        kernels.lib.mem_read(self.ptr, self.buf.nbytes)
-
-
-def read_bandwidth(nbytes: int = WORKING_SET, min_seconds: float = MIN_SECONDS) -> float:
-    """Bytes per second the kernel threads read from RAM (median over repeated full passes)."""
-    probe = ReadProbe(nbytes)
-    return probe.buf.nbytes / _timed_turns({"read": (lambda: None, probe)}, min_seconds)["read"]
-
-
 def _on_paths(call, paths: list[str], probe: ReadProbe, min_seconds: float) -> tuple[dict, float]:
     """({path: median seconds of `call`}, read bytes/s), the paths and the probe taking turns."""
     fns = {p: (lambda p=p: kernels.set_simd(p), call) for p in paths}
     fns["read"] = (lambda: None, probe)
     seconds = _timed_turns(fns, min_seconds)
-    return {p: seconds[p] for p in paths}, probe.buf.nbytes / seconds["read"]
+    return {p: seconds[p] for p in paths}, probe.nbytes / seconds["read"]
 
 
 def run_case(case: Case, rng: np.random.Generator, working_set: int, min_seconds: float,

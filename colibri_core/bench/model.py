@@ -24,8 +24,10 @@
    no store at all: what this machine allows for those bytes. The formula floor above assumes a
    read costs no CPU; on a small VM it does (the hypervisor's disk emulation takes the vCPUs' time),
    and this floor shows how much.
-The kernels' arithmetic is the engine's: exact f32 activations unless COLIBRI_ACTIVATIONS=int8
-(recorded in the results as "activations").
+Every engine takes the command's engine options (colibri_core/options.py: the same as `colibri run`'s)
+but the budget, which the protocol sets: --ram and --cache-slots are refused, and the sessions read
+with O_DIRECT and record their routing history into a scratch file. The kernels' arithmetic is
+exact f32 activations unless --activations int8 (recorded in the results as "activations").
 Generation samples at temperature 1 with a fixed seed per prompt: decode visits varied tokens (and
 so varied experts), and every engine replays exactly the same tokens.
 
@@ -43,6 +45,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+
+from ..options import EngineOptions, command_options
 
 MODEL_HELP = "Converted model directory to benchmark [env: COLIBRI_MODEL]."
 
@@ -259,18 +263,19 @@ def _session_summary(runs: list[dict]) -> dict:
 
 
 def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, prompt_tokens: int = 8,
-                 new_tokens: int = 8, seed: int = 0, say=print, drop: bool = True, policy: str = "lru") -> dict:
-    """The protocol above; `drop=False` never drops the page cache (cold runs use O_DIRECT); the
-    sessions' caches evict by `policy`."""
-    from .. import plugins
+                 new_tokens: int = 8, seed: int = 0, say=print, drop: bool = True,
+                 options: EngineOptions | None = None) -> dict:
+    """The protocol above; `drop=False` never drops the page cache (cold runs use O_DIRECT); every
+    engine is `options` (default: EngineOptions()) with the protocol's budget."""
     from ..container import Container
     from ..engine import load
     from ..sizes import available_memory, format_bytes
     from ..errors import ColibriError
-    from ..store.budget import disk_bandwidth, memory_bandwidth
-    from ..store.plan import sizes_from_container
+    from ..planning import disk_bandwidth, memory_bandwidth, sizes_from_container
 
-    plugins.registry().cache_policy(policy)  # an unknown one fails now, not after the measurements
+    options = options or EngineOptions()
+    if options.ram is not None or options.cache_slots is not None:
+        raise ColibriError("colibri bench sets the budget itself (--budgets): leave out --ram and --cache-slots")
     sizes = sizes_from_container(model_dir)
     experts_bytes = sizes.experts_total * sizes.expert_nbytes
     whole, free = sizes.dense_bytes + experts_bytes, available_memory()
@@ -295,13 +300,13 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
     result = {"model": str(model_dir), "sizes": sizes.__dict__, "disk_bandwidth": disk_bw,
               "disk_bandwidth_sequential": scan_bw,
               "disk_bandwidth_o_direct": direct_measured, "memory_bandwidth": mem_bw,
-              "page_cache_dropped": can_drop, "policy": policy, "prompt_tokens": prompt_tokens,
+              "page_cache_dropped": can_drop, "policy": options.policy, "prompt_tokens": prompt_tokens,
               "new_tokens": new_tokens, "budgets": []}
 
     # -- resident compute time: second pass over each prompt with every expert cached
-    with load(model_dir, cache_slots=sizes.n_experts, usage=False, prefetch=False) as engine:
+    with load(model_dir, options, cache_slots=sizes.n_experts, usage=False, prefetch=False) as engine:
         prompts = _prompts(engine, n_prompts, prompt_tokens, seed)
-        result["activations"] = engine.activations  # the kernels' arithmetic (COLIBRI_ACTIVATIONS)
+        result["activations"] = engine.activations  # the kernels' arithmetic (--activations)
         resident = []
         for i, p in enumerate(prompts):
             _run(engine, p, new_tokens, seed + i)
@@ -326,7 +331,7 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
                     drop_page_cache()
                 # O_DIRECT whenever the filesystem allows it: every byte counted as read came from the
                 # device (not from the page cache), so the disk floor is exact for every prompt.
-                with load(model_dir, ram=budget, usage=history, direct=True, policy=policy) as engine:
+                with load(model_dir, options, ram=budget, usage=history, direct=True) as engine:
                     warm_seconds, warm_experts = engine.store.warm_up()
                     runs = []
                     for i, p in enumerate(prompts):
@@ -362,7 +367,7 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
         result["budgets"].append(entry)
 
     # -- the measured floor: resident compute while reading what each session read per token
-    with load(model_dir, cache_slots=sizes.n_experts, usage=False, prefetch=False) as engine:
+    with load(model_dir, options, cache_slots=sizes.n_experts, usage=False, prefetch=False) as engine:
         for i, p in enumerate(prompts):  # read every expert the prompts route to
             _run(engine, p, new_tokens, seed + i)
         # not the disk probe's random extents (seed): where a cache sits below O_DIRECT (a VM host's
@@ -398,7 +403,7 @@ def register(bench_app: typer.Typer) -> None:
     subcommands still work) and its explicit spelling `colibri bench model --model DIR`."""
 
     def bench(model: Path, fractions: str, prompts: int, prompt_tokens: int, new_tokens: int,
-              as_json: bool, out: Optional[Path], no_drop: bool, policy: str) -> None:
+              as_json: bool, out: Optional[Path], no_drop: bool, options: EngineOptions) -> None:
         from ..errors import ColibriError
 
         try:
@@ -408,7 +413,7 @@ def register(bench_app: typer.Typer) -> None:
         if not fr or not all(0 < f <= 1 for f in fr) or min(prompts, prompt_tokens, new_tokens) < 1 or new_tokens < 2:
             raise ColibriError("--budgets must be fractions in (0, 1]; --prompts, --prompt-tokens ≥ 1; --new-tokens ≥ 2")
         say = (lambda msg: print(msg, file=sys.stderr)) if as_json else print
-        result = run_protocol(model, fr, prompts, prompt_tokens, new_tokens, say=say, drop=not no_drop, policy=policy)
+        result = run_protocol(model, fr, prompts, prompt_tokens, new_tokens, say=say, drop=not no_drop, options=options)
         if out is not None:
             out.write_text(json.dumps(result, indent=2))
         if as_json:
@@ -422,16 +427,16 @@ def register(bench_app: typer.Typer) -> None:
         as_json=typer.Option(False, "--json", help="Print the results as JSON (progress goes to stderr)."),
         out=typer.Option(None, "--out", help="Also write the JSON results to this file."),
         no_drop=typer.Option(False, "--no-drop", help="Never drop the page cache: cold runs read with O_DIRECT."),
-        policy=typer.Option("lru", "--policy", help="The sessions' expert cache eviction policy: lru, lfu, or one a plugin registers."),
     )
 
     @bench_app.callback(invoke_without_command=True)
+    @command_options
     def bench_callback(ctx: typer.Context,
                        model: Optional[Path] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
                        fractions: str = opts["fractions"], prompts: int = opts["prompts"],
                        prompt_tokens: int = opts["prompt_tokens"], new_tokens: int = opts["new_tokens"],
                        as_json: bool = opts["as_json"], out: Optional[Path] = opts["out"],
-                       no_drop: bool = opts["no_drop"], policy: str = opts["policy"]):
+                       no_drop: bool = opts["no_drop"], *, options: EngineOptions):
         """Benchmarks. `colibri bench --model DIR` runs the decode protocol (cold, warm repeat, learned
         hot-store; at 25% and 50% of the experts) against the disk/compute floor."""
         if ctx.invoked_subcommand is not None:
@@ -441,13 +446,14 @@ def register(bench_app: typer.Typer) -> None:
             if not model:
                 print(ctx.get_help())
                 raise typer.Exit(0)
-        bench(Path(model), fractions, prompts, prompt_tokens, new_tokens, as_json, out, no_drop, policy)
+        bench(Path(model), fractions, prompts, prompt_tokens, new_tokens, as_json, out, no_drop, options)
 
     @bench_app.command("model")
+    @command_options
     def bench_model(model: Path = typer.Option(..., "--model", "-m", envvar="COLIBRI_MODEL", help=MODEL_HELP),
                     fractions: str = opts["fractions"], prompts: int = opts["prompts"],
                     prompt_tokens: int = opts["prompt_tokens"], new_tokens: int = opts["new_tokens"],
                     as_json: bool = opts["as_json"], out: Optional[Path] = opts["out"],
-                    no_drop: bool = opts["no_drop"], policy: str = opts["policy"]):
+                    no_drop: bool = opts["no_drop"], *, options: EngineOptions):
         """The decode benchmark protocol (same as `colibri bench --model DIR`)."""
-        bench(model, fractions, prompts, prompt_tokens, new_tokens, as_json, out, no_drop, policy)
+        bench(model, fractions, prompts, prompt_tokens, new_tokens, as_json, out, no_drop, options)

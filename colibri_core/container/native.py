@@ -61,8 +61,10 @@ class NativeCheckpoint:
     quant = "native"
     direct_ok = False  # extents at any byte offset: read through the page cache, never O_DIRECT
 
-    def __init__(self, model_dir: str | os.PathLike, layout: ContainerLayout, architecture: str):
+    def __init__(self, model_dir: str | os.PathLike, layout: ContainerLayout, architecture: str,
+                 activations: str = "f32"):
         self.path = Path(model_dir)
+        self.activations = activations  # the arithmetic of the fp4 experts' products (QTensor.act)
         self.architecture = architecture
         self.layout = layout
         ckpt = Checkpoint(self.path)
@@ -197,7 +199,7 @@ class NativeCheckpoint:
             (_, ddt, dshape), (_, sdt, sshape) = quant.layout(kind, rows, cols)
             si, soff, snb = scale
             out[proj] = quant.QTensor(kind, rows, cols, raw.view(ddt).reshape(dshape),
-                                      views[si][soff:soff + snb].view(sdt).reshape(sshape))
+                                      views[si][soff:soff + snb].view(sdt).reshape(sshape), self.activations)
         return out["gate"], out["up"], out["down"]
 
     def read_expert(self, layer: int, expert: int):
@@ -209,10 +211,6 @@ class NativeCheckpoint:
         return self.expert_views(bufs, layer, expert)
 
     # -- resident tensors
-
-    @property
-    def resident_names(self) -> tuple[str, ...]:
-        return tuple(self._resident)
 
     def resident(self) -> dict[str, quant.QTensor | np.ndarray]:
         """Every resident tensor by its layout name: matrices as QTensors (fp8 kept, the rest float32),

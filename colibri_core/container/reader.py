@@ -19,7 +19,7 @@ import yaml
 from .. import quant
 from ..arena import Arena
 from ..errors import ColibriError
-from ..fsio import read_json
+from ..fsio import MANIFEST_BYTES, read_bounded, read_json
 from ..kernels._colibri_kernels import ffi, lib
 from ..layout import PROJS
 
@@ -253,11 +253,13 @@ class Container:
     `resident()` returns a QTensor for every resident matrix stored quantised or as a float32
     matrix (manifest kind f32/int8/int4), and a float32 ndarray of the logical shape for every
     tensor kept as is (manifest kind ``array``: all 1-D tensors and those the layout keeps f32,
-    e.g. routers).
+    e.g. routers). Every quantised matrix it parses carries `activations`, the arithmetic of its
+    products (``QTensor.act``: the engine's option).
     """
 
-    def __init__(self, model_dir: str | os.PathLike):
+    def __init__(self, model_dir: str | os.PathLike, activations: str = "f32"):
         self.path = Path(model_dir)
+        self.activations = activations
         p = self.path
         if not p.exists():
             raise ColibriError(f"model directory {p} does not exist")
@@ -271,14 +273,15 @@ class Container:
                 raise ColibriError(f"{p} is a Hugging Face checkpoint, not a colibri container: "
                                    f"run `colibri convert {p} DST` and use DST")
             raise ColibriError(f"{p} is not a colibri container (no {MANIFEST})")
+        data = read_bounded(mpath, MANIFEST_BYTES, "container manifest", "reconvert the model")
         try:
-            text = mpath.read_text(encoding="utf-8")
+            text = data.decode("utf-8")
             if not manifest_checksum_ok(text):
                 raise ColibriError(f"{p}: {MANIFEST} fails its own checksum (damaged or edited); reconvert the model")
             manifest = yaml.load(text, Loader=_Loader)
         except RecursionError:
             raise ColibriError(f"{p}: cannot parse {MANIFEST} (nested too deeply); reconvert the model") from None
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        except (UnicodeDecodeError, yaml.YAMLError) as e:
             raise ColibriError(f"{p}: cannot parse {MANIFEST} ({one_line(e)[:300]}); reconvert the model") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise ColibriError(f"{p}: {MANIFEST} is not a colibri container manifest; reconvert the model")
@@ -459,22 +462,15 @@ class Container:
             elif kind == ARRAY:
                 out[name] = arrays[0]
             else:
-                out[name] = quant.QTensor(kind, shape[0], shape[1], arrays[0], arrays[1] if len(arrays) > 1 else None)
+                out[name] = quant.QTensor(kind, shape[0], shape[1], arrays[0], arrays[1] if len(arrays) > 1 else None,
+                                          self.activations)
         return out
-
-    @property
-    def resident_names(self) -> tuple[str, ...]:
-        return tuple(self._resident)
 
     # -- routed experts
 
     def layer_expert_kind(self, layer: int) -> str:
         """The quantisation of one MoE layer's experts (experts.kind unless the layer overrides it)."""
         return self._extents[layer][0]
-
-    def layer_extent(self, layer: int) -> tuple[str, tuple[int, int, int], int]:
-        """(quantisation, (gate, up, down) offsets, extent bytes) of one MoE layer's experts."""
-        return self._extents[layer]
 
     def layer_expert_nbytes(self, layer: int) -> int:
         """The extent size of one MoE layer's experts."""
@@ -518,7 +514,8 @@ class Container:
             raise ColibriError(f"corrupt expert data in {where}: checksum mismatch; "
                                f"run `colibri doctor --deep` and reconvert the model")
         shapes = [_proj_shape(p, self.hidden, self.intermediate) for p in PROJS]
-        tensors = tuple(quant.from_buffer(kind, r, c, mv, off)[0] for (r, c), off in zip(shapes, offsets))
+        tensors = tuple(quant.from_buffer(kind, r, c, mv, off, self.activations)[0]
+                        for (r, c), off in zip(shapes, offsets))
         return layer, expert, tensors
 
     def read_expert(self, layer: int, expert: int) -> tuple[quant.QTensor, quant.QTensor, quant.QTensor]:
@@ -557,7 +554,8 @@ class Container:
             raise ColibriError(f"corrupt expert data in {path} layer {layer} expert {expert}: checksum "
                                f"mismatch; run `colibri doctor --model {self.path} --deep` and reconvert the model")
         shapes = [_proj_shape(p, self.hidden, self.intermediate) for p in PROJS]
-        return tuple(quant.from_buffer(kind, rows, cols, mv, off)[0] for (rows, cols), off in zip(shapes, offsets))
+        return tuple(quant.from_buffer(kind, rows, cols, mv, off, self.activations)[0]
+                     for (rows, cols), off in zip(shapes, offsets))
 
     def close(self) -> None:
         """Close the expert files `read_expert` opened (it reopens them if called again)."""

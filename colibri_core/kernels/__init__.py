@@ -9,7 +9,7 @@
     kernels.moe_experts(outs, x, ids, experts) # every ready expert of an MoE layer in one call
     y = kernels.moe_block(x, ids, weights, kernels.ExpertTable(all_experts))  # a whole MoE layer, experts at hand
     h = kernels.AttnBlock(norm, wq, wk, wv, wo, heads=…, …)(h, cos, sin, k_cache, v_cache, start)  # attention sub-block
-    with kernels.activations("int8"): ...      # the fast arithmetic (default "f32", the exact one)
+    y = kernels.matmul(w, x, act="int8")       # the fast arithmetic for one call (default: the weight's, w.act)
     kernels.simd(), kernels.set_simd("avx2")   # the C code path: "portable" | "avx2" | "avx512"
     kernels.threads(), kernels.set_threads(2)  # threads inside the kernels
     kernels.reference.matmul(w, x)             # the NumPy reference of each kernel
@@ -26,15 +26,15 @@ Activation arithmetic (``act``): ``"f32"`` multiplies float32 activations by the
 weights (what the `transformers` oracle computes; the conformance kit's mode); ``"int8"`` quantises
 the activations to int8 per block of 64 and takes integer dot products (about 3x faster on int4
 weights, the arithmetic llama.cpp uses; `reference` models it exactly). f32 and fp8 weights always
-use ``"f32"`` (an ``"int8"`` request computes the exact mode for them). Choose it per call (``act=``) or for a block of code (``with kernels.activations(...)``).
+use ``"f32"`` (an ``"int8"`` request computes the exact mode for them). A weight carries its
+arithmetic (``QTensor.act``: the container that parses it sets it from the engine's options), so a
+model's products use it with nothing ambient; ``act=`` overrides it for one call.
 
 Environment: ``COLIBRI_SIMD=portable|avx2|avx512`` forces a code path (one this CPU lacks is an
 error), ``COLIBRI_THREADS=N`` sets the kernel threads (default: the CPUs this process may use).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 import os
@@ -54,17 +54,17 @@ except ImportError as e:  # pragma: no cover - only without a build
     ) from e
 
 __all__ = ["AttnBlock", "matmul", "matmul_multi", "matmul_each", "matmul_t", "matmul_t_each", "dequantize", "expert_ffn", "moe_experts", "moe_combine", "moe_block", "moe_block_softmax", "ExpertTable", "softmax_topk", "exp", "rms_norm", "rope_rotate_half", "attention",
-           "activations", "ACTIVATIONS",
+           "ACTIVATIONS", "check_activations", "weights_act",
            "simd", "set_simd", "simd_supported", "SIMD_PATHS", "threads", "set_threads", "reference"]
 
 SIMD_PATHS = ("portable", "avx2", "avx512")
 ACTIVATIONS = ("f32", "int8")
 _ACT_CODES = {"f32": lib.ACT_F32, "int8": lib.ACT_Q8}
+_ACT_KINDS = ("int8", "int4", "fp4")  # the weight kinds whose products the "int8" arithmetic changes
 _KIND_CODES = {"f32": lib.QKIND_F32, "int8": lib.QKIND_INT8, "int4": lib.QKIND_INT4, "fp8": lib.QKIND_FP8,
                "fp4": lib.QKIND_FP4}
 _INT_MAX = 2**31 - 1  # C takes the dimensions as int
 _layout = functools.lru_cache(maxsize=1024)(layout)  # a model has few distinct weight shapes
-_act = contextvars.ContextVar("colibri_activations", default="f32")
 _SIMD_NEEDS = {"avx2": "AVX2 and F16C", "avx512": "AVX-512 F, BW, VL and VNNI"}
 
 
@@ -103,24 +103,25 @@ def set_threads(n: int) -> None:
         raise ColibriError(f"kernel threads must be an integer from 1 to 256, got {n!r}")
 
 
-@contextlib.contextmanager
-def activations(mode: str):
-    """Use activation arithmetic `mode` (``"f32"`` exact, ``"int8"`` fast) for kernel calls inside."""
-    token = _act.set(_act_name(mode))
-    try:
-        yield
-    finally:
-        _act.reset(token)
-
-
-def _act_name(mode) -> str:
+def check_activations(mode) -> str:
+    """`mode` if it is an activation arithmetic (ACTIVATIONS), else one clear error."""
     if mode not in _ACT_CODES:
         raise ColibriError(f"unknown activation arithmetic {mode!r} (expected one of {', '.join(ACTIVATIONS)})")
     return mode
 
 
-def _act_code(act) -> int:
-    return _ACT_CODES[_act.get() if act is None else _act_name(act)]
+def weights_act(weights) -> str:
+    """The activation arithmetic of a call on `weights` (QTensors): theirs (``QTensor.act``), one
+    for all; f32 and fp8 weights compute exact whatever they carry, so they do not count."""
+    acts = {w.act for w in weights if w.kind in _ACT_KINDS}
+    if len(acts) > 1:
+        raise ValueError(f"weights of one call carry different activation arithmetics: {', '.join(sorted(acts))}")
+    return acts.pop() if acts else "f32"
+
+
+def _act_code(act: str | None, weights=()) -> int:
+    """The C code of a call's arithmetic: `act` where given (an override), else `weights`' own."""
+    return _ACT_CODES[check_activations(act if act is not None else weights_act(weights))]
 
 
 def _glu_code(glu: str) -> int:
@@ -170,7 +171,7 @@ def matmul_multi(ws: list[QTensor], x: np.ndarray, act: str | None = None) -> li
             y.fill(0)
         return ys
     yp = ffi.new("float *[]", [_floats(y, writable=True) for y in ys])
-    status = lib.matmul_multi(yp, ffi.new("QMatrix *[]", mats), len(mats), _floats(x), n, _act_code(act))
+    status = lib.matmul_multi(yp, ffi.new("QMatrix *[]", mats), len(mats), _floats(x), n, _act_code(act, ws))
     _check(status, "matmul")
     return ys
 
@@ -194,7 +195,7 @@ def matmul_each(ws: list[QTensor], xs: list[np.ndarray], act: str | None = None)
     ys = [np.empty((n, w.rows), np.float32) for w in ws]
     if n:
         status = lib.matmul_each(ffi.new("float *[]", [_floats(y, writable=True) for y in ys]), ffi.new("QMatrix *[]", mats),
-                                 len(mats), ffi.new("float *[]", [_floats(x) for x in xs]), n, _act_code(act))
+                                 len(mats), ffi.new("float *[]", [_floats(x) for x in xs]), n, _act_code(act, ws))
         _check(status, "matmul_each")
     return ys
 
@@ -243,8 +244,8 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: st
     out = np.zeros((n, gate.cols), np.float32)
     if n == 0 or gate.cols == 0:
         return out
-    _check(lib.expert_ffn(_floats(out, writable=True), gm, um, dm, _floats(x), n, _act_code(act) | _glu_code(glu),
-                          _limit(limit)), "expert_ffn")
+    code = _act_code(act, (gate, up, down)) | _glu_code(glu)
+    _check(lib.expert_ffn(_floats(out, writable=True), gm, um, dm, _floats(x), n, code, _limit(limit)), "expert_ffn")
     return out
 
 
@@ -275,9 +276,10 @@ def moe_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict,
     mats = []
     for gate, up, down in experts.values():
         mats += (_qmatrix(gate, "gate"), _qmatrix(up, "up"), _qmatrix(down, "down"))
+    code = _act_code(act, [w for ffn in experts.values() for w in ffn])
     status = lib.moe_experts(_floats(outs, writable=True), _floats(x), T, k, hidden, ffi.new("QMatrix *[]", mats),
                              len(keys), ffi.from_buffer("int64_t[]", ids), ffi.from_buffer("int64_t[]", keys),
-                             _act_code(act) | _glu_code(glu), _limit(limit))
+                             code | _glu_code(glu), _limit(limit))
     if status == lib.COLI_EINVAL:
         for gate, up, down in experts.values():
             _check_expert(gate, up, down, hidden)
@@ -297,6 +299,7 @@ class ExpertTable:
             _check_expert(gate, up, down, hidden)
             mats += (_qmatrix(gate, "gate"), _qmatrix(up, "up"), _qmatrix(down, "down"))
         self.hidden, self.n = hidden, len(experts)
+        self.act = weights_act([w for ffn in experts for w in ffn])  # the arithmetic `moe_block` uses by default
         self._c, self._keep = ffi.new("QMatrix *[]", mats), experts
 
 
@@ -321,7 +324,7 @@ def moe_block(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, table: Expert
     if T and table.hidden:
         _check(lib.moe_block(_floats(out, writable=True), _floats(x), T, ids.shape[1], table.hidden, table._c, table.n,
                              ffi.from_buffer("int64_t[]", ids), _floats(weights), shared_c, scale_c,
-                             _act_code(act) | _glu_code(glu), _limit(limit)), "moe_block")
+                             _act_code(act or table.act) | _glu_code(glu), _limit(limit)), "moe_block")
     return out
 
 
@@ -343,7 +346,7 @@ def moe_block_softmax(x: np.ndarray, router: QTensor, k: int, renormalize: bool,
         _check(lib.moe_block_softmax(_floats(out, writable=True), ffi.from_buffer("int64_t[]", ids, require_writable=True),
                                      _floats(weights, writable=True), _floats(x), T, k, table.hidden,
                                      _qmatrix(router, "router"), int(renormalize), table._c, table.n, shared_c, scale_c,
-                                     _act_code(act) | _glu_code(glu), _limit(limit)), "moe_block_softmax")
+                                     _act_code(act or table.act) | _glu_code(glu), _limit(limit)), "moe_block_softmax")
     return out, weights, ids
 
 
@@ -496,6 +499,7 @@ class AttnBlock:
         b.clip = math.inf if clip is None else float(clip)
         b.heads, b.kv_heads, b.head_dim, b.eps, b.scale = heads, kv_heads, head_dim, eps, scale
         self._c = b  # points into the arrays below, kept here
+        self.act = weights_act((wq, wk, wv, wo))  # the arithmetic a call uses by default
         self.norm, self.wq, self.wk, self.wv, self.wo = arrays[0], wq, wk, wv, wo
         self.q_norm, self.k_norm = (arrays[1], arrays[2]) if qk_norm is not None else (None, None)
 
@@ -520,7 +524,7 @@ class AttnBlock:
         if T:
             kv = lib.KV_F16 if k_cache.dtype == np.float16 else lib.KV_F32
             _check(lib.attn_block(_floats(out, writable=True), _floats(h), T, self._c, _floats(cos), _floats(sin),
-                                  _cache(k_cache, writable=True), _cache(v_cache, writable=True), start, _act_code(act),
+                                  _cache(k_cache, writable=True), _cache(v_cache, writable=True), start, _act_code(act or self.act),
                                   kv), "attn_block")
         return out
 

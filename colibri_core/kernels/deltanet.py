@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_core.kernels import _act_code, _activations, _check, _floats, _qmatrix
+from colibri_core.kernels import _act_code, _activations, _check, _floats, _qmatrix, weights_act
 from colibri_core.kernels._colibri_kernels import ffi, lib
 from colibri_core.quant import QTensor, quantize
 
@@ -111,6 +111,7 @@ class DeltaNetBlock:
         b.exact_batch, b.chunk, b.eps = EXACT_BATCH, CHUNK, eps
         self._c, self._keep = b, (mats, conv_weight, vectors)  # the struct points into these
         self.hidden = hidden
+        self.act = weights_act(mats)  # the arithmetic a call uses by default
         self.state_shapes = ((conv_weight.shape[1] - 1, channels), (value_heads, key_dim, value_dim))
 
     def __call__(self, x: np.ndarray, conv_state: np.ndarray, state: np.ndarray, act: str | None = None) -> np.ndarray:
@@ -122,7 +123,7 @@ class DeltaNetBlock:
         out = np.empty_like(x)
         if x.shape[0]:
             _check(lib.deltanet_block(_floats(out, True), _floats(x), x.shape[0], self._c, _floats(conv_state, True),
-                                      _floats(state, True), _act_code(act)), "deltanet_block")
+                                      _floats(state, True), _act_code(act or self.act)), "deltanet_block")
         return out
 
 

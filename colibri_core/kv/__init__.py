@@ -3,51 +3,21 @@
 Every architecture's state is a `State`: it knows how many tokens it holds and can be flattened
 to named arrays and rebuilt from them. Sessions (saving a conversation beside the model and
 resuming it after a restart) and the engine's rollback of a failed call rely only on this
-protocol, so they work for every architecture.
+protocol, so they work for every architecture. A model declares its state as a `SequenceState`
+of the core's state kinds (colibri_core/kv/state.py) and writes none of it.
 """
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["State", "cache_arrays", "load_cache_arrays"]
+from .state import Part, SequenceState, State
 
-
-class State:
-    """Base class of an architecture's per-sequence state."""
-
-    @property
-    def length(self) -> int:
-        """Tokens whose state is held."""
-        raise NotImplementedError
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        """Everything needed to resume, as named arrays (e.g. "layer.3.k": (length, Hkv, D)).
-
-        Arrays no later forward modifies (part of the plugin contract): the engine takes them
-        before a call and, if the call fails midway (a read error, MemoryError, Ctrl-C), rebuilds
-        the session's state from them (`load_arrays` into a fresh state). So rows appended to a
-        cache are views (rows once written never change: `KVCache.view`, `Rows.view`), and a state
-        updated in place (a recurrent state) is copied, unless it is replaced rather than modified.
-        Taken once per call, not per token."""
-        raise NotImplementedError
-
-    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        """Restore what `arrays()` returned (into a fresh state of the same model)."""
-        raise NotImplementedError
-
-    def truncate(self, length: int) -> bool:
-        """Forget every token past the first `length`, in place, if this state can: a state made only
-        of per-token rows (KV caches, latents, indexer keys) sets their lengths and returns True; one
-        that folds tokens into a running state (a recurrence, a compressor's window) cannot and
-        returns False (the default). Speculative decoding uses it to drop rejected drafts without
-        feeding the kept tokens again; the rows past `length` are then overwritten, so arrays taken
-        while they were held stop being valid past `length` (the engine only truncates past the
-        arrays it keeps)."""
-        return False
+__all__ = ["State", "SequenceState", "Part", "cache_arrays", "load_cache_arrays"]
 
 
 def cache_arrays(caches) -> dict[str, np.ndarray]:
-    """Named arrays of a list of per-layer `KVCache`s."""
+    """Named arrays of a list of per-layer `KVCache`s, for a `State` written by hand (a
+    `SequenceState` of `KVCache` parts names the same arrays itself)."""
     out = {}
     for i, cache in enumerate(caches):
         out[f"layer.{i}.k"], out[f"layer.{i}.v"] = cache.view()

@@ -1,7 +1,5 @@
-"""The key/value cache of one attention layer, and per-token rows of other attention states."""
-import contextlib
-import contextvars
-
+"""The key/value cache of one attention layer, and per-token rows of other attention states: the
+per-token parts of a `kv.SequenceState`."""
 import numpy as np
 
 from ..arena import HUGE_PAGE, huge_pages
@@ -12,9 +10,8 @@ __all__ = ["KVCache", "Rows"]
 # The KV caches' element type: "f32" keeps keys and values as computed (the oracle's arithmetic, the
 # default); "f16" rounds each to float16 when it is stored (half the memory and the bytes decode
 # attention reads per token; an explicit choice, as llama.cpp's default cache type), and attention
-# widens them back exactly.
+# widens them back exactly. The engine passes its choice to the model's `new_state(kv_cache)`.
 KV_CACHES = {"f32": np.float32, "f16": np.float16}
-_kv_cache = contextvars.ContextVar("colibri_kv_cache", default="f32")
 
 
 def check_cache_type(name: str) -> str:
@@ -22,17 +19,6 @@ def check_cache_type(name: str) -> str:
     if name not in KV_CACHES:
         raise ColibriError(f"unknown KV cache type {name!r} (expected one of {', '.join(KV_CACHES)})")
     return name
-
-
-@contextlib.contextmanager
-def cache_type(name: str):
-    """KV caches created inside (`KVCache()` without a dtype: every plugin's `new_state`) hold `name`
-    ("f32" or "f16") elements."""
-    token = _kv_cache.set(check_cache_type(name))
-    try:
-        yield
-    finally:
-        _kv_cache.reset(token)
 
 
 def _empty(capacity: int, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
@@ -65,11 +51,15 @@ def _grown(need: int, capacity: int) -> int:
 
 
 class KVCache:
-    """Keys and values of every token seen so far, grown by doubling; float32, or float16 under
-    `cache_type("f16")` (or given `dtype`)."""
+    """Keys and values of every token seen so far, grown by doubling; elements of cache type
+    `kv_cache` ("f32", or "f16": the engine's choice, given to `new_state`). A per-token part of a
+    `kv.SequenceState`: arrays "PART.k", "PART.v" (length, Hkv, D)."""
 
-    def __init__(self, kv_heads: int, head_dim: int, capacity: int = 64, dtype=None):
-        dtype = KV_CACHES[_kv_cache.get()] if dtype is None else np.dtype(dtype)
+    per_token = True
+
+    def __init__(self, kv_heads: int, head_dim: int, kv_cache: str = "f32", capacity: int = 64):
+        self.kv_cache = check_cache_type(kv_cache)
+        dtype = KV_CACHES[kv_cache]
         self.k = _empty(capacity, (kv_heads, head_dim), dtype)  # (capacity, Hkv, D)
         self.v = _empty(capacity, (kv_heads, head_dim), dtype)  # (capacity, Hkv, D)
         self.length = 0
@@ -99,6 +89,16 @@ class KVCache:
         past them, or into a grown copy), so they are `State.arrays()` as they are."""
         return self.k[: self.length], self.v[: self.length]
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        k, v = self.view()
+        return {"k": k, "v": v}
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        self.append(arrays["k"], arrays["v"])  # rounded to this cache's type as they are stored
+
+    def empty(self) -> "KVCache":
+        return KVCache(*self.k.shape[1:], self.kv_cache)
+
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens (`State.truncate`)."""
         assert 0 <= length <= self.length, (length, self.length)
@@ -110,7 +110,10 @@ class KVCache:
 
 
 class Rows:
-    """A per-token array (length, *shape) grown by doubling: an MLA latent, a rope key, indexer keys."""
+    """A per-token array (length, *shape) grown by doubling, float32: an MLA latent, a rope key,
+    indexer keys. A per-token part of a `kv.SequenceState`: array "PART" (length, *shape)."""
+
+    per_token = True
 
     def __init__(self, *shape: int, capacity: int = 64):
         self.data = _empty(capacity, shape)  # (capacity, *shape)
@@ -129,6 +132,15 @@ class Rows:
     def view(self) -> np.ndarray:
         """Every row held, (length, *shape): a view no later `append` changes (as `KVCache.view`)."""
         return self.data[: self.length]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"": self.view()}
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        self.append(arrays[""])
+
+    def empty(self) -> "Rows":
+        return Rows(*self.data.shape[1:])
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` rows (`State.truncate`)."""

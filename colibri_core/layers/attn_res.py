@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..model import linear
+from .linear import linear
 
 __all__ = ["attn_res_mix"]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kv.cache import Rows
-from ..model import linear
+from .linear import linear
 from .norm import rms_norm
 from .rope import Rope, rotate_tail_interleaved
 from .router import topk
@@ -29,7 +29,12 @@ __all__ = ["Compressor", "CompressorState", "CompressedIndexer", "visible_entrie
 
 
 class CompressorState:
-    """One compressor's carried state for one sequence."""
+    """One compressor's carried state for one sequence. A fixed-size part of a `kv.SequenceState`
+    (a window folds its tokens in: it cannot be cut to a prefix): arrays "PART.entries", "PART.buffer_kv",
+    "PART.buffer_gate", "PART.carry_kv", "PART.carry_gate", none modified by a later call (entries
+    are append-only rows; the rest is replaced)."""
+
+    per_token = False
 
     def __init__(self, width: int, proj_width: int, rate: int):
         self.width, self.proj_width, self.rate = width, proj_width, rate
@@ -38,24 +43,20 @@ class CompressorState:
         self.buffer_gate = np.zeros((0, proj_width), np.float32)  # (< rate, P), without ape
         self.carry_kv = np.zeros((0, width), np.float32)  # (rate or 0, width): CSA, the last window's first half
         self.carry_gate = np.zeros((0, width), np.float32)  # (rate or 0, width), ape included
+        self.varying = {"entries": None, "buffer_kv": rate - 1, "buffer_gate": rate - 1, "carry_kv": rate,
+                        "carry_gate": rate}
 
-    def arrays(self, prefix: str) -> dict[str, np.ndarray]:
-        """Named arrays no later call modifies (entries are append-only rows; the rest is replaced)."""
-        return {f"{prefix}.entries": self.entries.view(), f"{prefix}.buffer_kv": self.buffer_kv,
-                f"{prefix}.buffer_gate": self.buffer_gate, f"{prefix}.carry_kv": self.carry_kv,
-                f"{prefix}.carry_gate": self.carry_gate}
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"entries": self.entries.view(), "buffer_kv": self.buffer_kv, "buffer_gate": self.buffer_gate,
+                "carry_kv": self.carry_kv, "carry_gate": self.carry_gate}
 
-    def load_arrays(self, prefix: str, arrays: dict[str, np.ndarray]) -> None:
-        entries = np.asarray(arrays[f"{prefix}.entries"], np.float32)
-        if entries.ndim != 2 or entries.shape[1] != self.width:
-            raise ValueError(f"state array {prefix}.entries has shape {list(entries.shape)}, not (E, {self.width})")
-        self.entries.append(entries)
-        for name, width, most in (("buffer_kv", self.proj_width, self.rate - 1), ("buffer_gate", self.proj_width, self.rate - 1),
-                                  ("carry_kv", self.width, self.rate), ("carry_gate", self.width, self.rate)):
-            a = np.array(arrays[f"{prefix}.{name}"], np.float32)
-            if a.ndim != 2 or a.shape[1] != width or a.shape[0] > most:
-                raise ValueError(f"state array {prefix}.{name} has shape {list(a.shape)}: not from this model")
-            setattr(self, name, a)
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        self.entries.append(arrays["entries"])
+        for name in ("buffer_kv", "buffer_gate", "carry_kv", "carry_gate"):
+            setattr(self, name, np.array(arrays[name], np.float32))
+
+    def empty(self) -> CompressorState:
+        return CompressorState(self.width, self.proj_width, self.rate)
 
 
 class Compressor:

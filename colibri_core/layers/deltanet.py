@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -46,8 +46,11 @@ class DeltaNetDims:
 
 @dataclass
 class DeltaNetState:
-    """One Gated DeltaNet layer's state, float32, updated in place."""
+    """One Gated DeltaNet layer's state, float32, updated in place. A fixed-size part of a
+    `kv.SequenceState`: arrays "PART.conv", "PART.recurrent" (copies)."""
 
+    per_token: ClassVar[bool] = False
+    varying: ClassVar[dict] = {}  # both arrays keep their shape
     dims: DeltaNetDims
     conv: np.ndarray = field(init=False)  # (K−1, channels): the last K−1 conv inputs, oldest first
     recurrent: np.ndarray = field(init=False)  # (Hv, dk, dv)
@@ -57,14 +60,15 @@ class DeltaNetState:
         self.conv = np.zeros((d.conv_kernel - 1, d.conv_channels), np.float32)
         self.recurrent = np.zeros((d.value_heads, d.key_dim, d.value_dim), np.float32)
 
-    def load(self, conv: np.ndarray, recurrent: np.ndarray) -> None:
-        """Replace the state with saved arrays (shapes checked)."""
-        if conv.shape != self.conv.shape or recurrent.shape != self.recurrent.shape:
-            raise ValueError(f"Gated DeltaNet state of shapes conv {list(conv.shape)}, recurrent "
-                             f"{list(recurrent.shape)}; this layer needs {list(self.conv.shape)}, "
-                             f"{list(self.recurrent.shape)}")
-        self.conv[...] = conv
-        self.recurrent[...] = recurrent
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"conv": self.conv.copy(), "recurrent": self.recurrent.copy()}
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        self.conv[...] = arrays["conv"]
+        self.recurrent[...] = arrays["recurrent"]
+
+    def empty(self) -> DeltaNetState:
+        return DeltaNetState(self.dims)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kv.cache import Rows
-from ..model import linear
+from .linear import linear
 from .mla import QUERY_BLOCK
 from .rope import apply_interleaved
 

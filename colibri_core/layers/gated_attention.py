@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from ..kv.cache import KVCache
-from ..model import linear, linears
 from .attention import gqa_attention
+from .linear import linear, linears
 from .norm import rms_norm_zero_centred
 from .rope import apply_rotate_half
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..model import linear
+from .linear import linear
 
 __all__ = ["HyperConnection", "HyperHead"]
 

@@ -23,14 +23,14 @@ leaves. The two forms agree to float32 rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..kernels import deltanet as conv_kernels
 from ..kernels import kda as kda_kernels
-from ..model import linear
 from .gated_attention import sigmoid
+from .linear import linear
 from .norm import rms_norm
 
 __all__ = ["KDADims", "KDAState", "KimiDeltaAttention", "kda_rule"]
@@ -58,8 +58,11 @@ class KDADims:
 
 @dataclass
 class KDAState:
-    """One KDA layer's state, float32, updated in place."""
+    """One KDA layer's state, float32, updated in place. A fixed-size part of a `kv.SequenceState`:
+    arrays "PART.conv", "PART.recurrent" (copies)."""
 
+    per_token: ClassVar[bool] = False
+    varying: ClassVar[dict] = {}  # both arrays keep their shape
     dims: KDADims
     conv: np.ndarray = field(init=False)  # (K−1, channels): the last K−1 conv inputs, oldest first
     recurrent: np.ndarray = field(init=False)  # (Hh, dk, dv)
@@ -69,13 +72,15 @@ class KDAState:
         self.conv = np.zeros((d.conv_kernel - 1, d.channels), np.float32)
         self.recurrent = np.zeros((d.heads, d.head_dim, d.head_dim), np.float32)
 
-    def load(self, conv: np.ndarray, recurrent: np.ndarray) -> None:
-        """Replace the state with saved arrays (shapes checked)."""
-        if conv.shape != self.conv.shape or recurrent.shape != self.recurrent.shape:
-            raise ValueError(f"KDA state of shapes conv {list(conv.shape)}, recurrent {list(recurrent.shape)}; "
-                             f"this layer needs {list(self.conv.shape)}, {list(self.recurrent.shape)}")
-        self.conv[...] = conv
-        self.recurrent[...] = recurrent
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"conv": self.conv.copy(), "recurrent": self.recurrent.copy()}
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        self.conv[...] = arrays["conv"]
+        self.recurrent[...] = arrays["recurrent"]
+
+    def empty(self) -> KDAState:
+        return KDAState(self.dims)
 
 
 def _l2norm(x: np.ndarray) -> np.ndarray:

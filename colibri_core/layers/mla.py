@@ -24,8 +24,8 @@ import numpy as np
 from ..kv.cache import Rows
 from .. import kernels
 from ..kernels.deltanet import EXACT_BATCH  # a short forward: every query computed as if alone
-from ..model import linear
 from ..quant import QTensor
+from .linear import linear
 from .norm import rms_norm
 from .rope import apply_interleaved
 
@@ -45,16 +45,15 @@ class MLADims:
     scale: float  # softmax scale (qk_head_dim ** -0.5, × mscale² with yarn)
     norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm eps (hard-coded 1e-6 in transformers)
 
-    @property
-    def floats_per_token(self) -> int:
-        """Cached floats per token: latent + rope key (576 for GLM-5)."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
 
 class MLACache:
-    """One layer's compressed cache: latent (S, c) and rotated rope key (S, r)."""
+    """One layer's compressed cache: latent (S, c) and rotated rope key (S, r). A per-token part of
+    a `kv.SequenceState`: arrays "PART.latent", "PART.k_rope"."""
+
+    per_token = True
 
     def __init__(self, dims: MLADims):
+        self.dims = dims
         self.latent = Rows(dims.kv_lora_rank)
         self.k_rope = Rows(dims.qk_rope_head_dim)
 
@@ -62,13 +61,27 @@ class MLACache:
     def length(self) -> int:
         return self.latent.length
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"latent": self.latent.view(), "k_rope": self.k_rope.view()}
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        self.latent.append(arrays["latent"])
+        self.k_rope.append(arrays["k_rope"])
+
+    def empty(self) -> MLACache:
+        return MLACache(self.dims)
+
+    def truncate(self, length: int) -> None:
+        self.latent.truncate(length)
+        self.k_rope.truncate(length)
+
 
 def _row_block(w, start: int, stop: int):
     """Rows start..stop of a weight matrix (a QTensor view, no copy)."""
     if not isinstance(w, QTensor):
         return w[start:stop]
     return QTensor(w.kind, stop - start, w.cols, w.data[start:stop],
-                   None if w.scales is None else w.scales[start:stop])
+                   None if w.scales is None else w.scales[start:stop], w.act)
 
 
 class MLA:

@@ -10,8 +10,8 @@ import numpy as np
 
 from .. import kernels
 from ..kernels.reference import silu
-from ..model import linear
 from ..quant import QTensor
+from .linear import linear
 
 __all__ = ["swiglu_mlp"]
 

@@ -1,13 +1,16 @@
 """The routed-expert block: the core runs a layer's declared router, the lookahead for the next MoE
-layer, and every expert the batch needs, fetched from the store and run by the C kernels.
+layer, and every expert the batch needs, which it asks of the expert source (colibri_core/experts.py:
+the local store, and the remote shards where there are some) and the C kernels compute.
 
 Placement never changes the result: each expert's FFN is computed by the same kernel wherever its
 weights came from and whichever experts were ready first, each token's expert output lands in a
 fixed slot (its top-k rank), and the weighted sum over ranks is taken in rank order. The same holds
 for remote shards (colibri_core/remote): a shard computes the slots of its experts with the same
-kernels on another machine, and they land in the same slots.
+kernels and the block's `ExpertFFN` on another machine, and they land in the same slots.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,20 +22,35 @@ from .router import Router, SoftmaxTopK
 from .shared_expert import SharedExpert
 
 
-def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, limit: float | None = None) -> None:
+def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, limit: float | None = None,
+                glu: str = "swiglu", act: str | None = None) -> None:
     """Fill the slots of `experts` ({expert id: (gate, up, down)}) in outs (T, k, H).
 
-    outs[t, r] = FFN_{ids[t, r]}(x[t]) for every (t, r) routed to one of `experts` (SwiGLU, clamped at
-    `limit` if given); each row is computed independently of the others, so batching never changes a
-    result.
+    outs[t, r] = FFN_{ids[t, r]}(x[t]) for every (t, r) routed to one of `experts`: SwiGLU, clamped
+    at `limit` if given, or (`glu` "situ") Kimi K3's SiTU-GLU (`layers.situ`; no clamp), in the
+    activation arithmetic `act` (None: the weights' own, `QTensor.act`). Each row is computed
+    independently of the others, so batching never changes a result.
     """
-    kernels.moe_experts(outs, x, ids, experts, limit=limit)  # one C call: every expert, every slot, threads inside
+    kernels.moe_experts(outs, x, ids, experts, act, limit, glu)  # one C call: every expert, every slot, threads inside
 
 
-def run_situ_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, limit: float | None = None) -> None:
-    """`run_experts` with Kimi K3's SiTU-GLU instead of SwiGLU (`layers.situ`; no clamp): the same
-    fused C call, its gated unit switched."""
-    kernels.moe_experts(outs, x, ids, experts, glu="situ")
+@dataclass(frozen=True)
+class ExpertFFN:
+    """The routed experts' math, the block's to choose and the same wherever an expert runs (the
+    expert source computes local experts with it and sends its fields to remote shards):
+    `activation` the gated unit (`ContainerLayout.expert_activation`), `limit` the SwiGLU clamp
+    (`ContainerLayout.swiglu_limit`)."""
+
+    activation: str = "swiglu"
+    limit: float | None = None
+
+    def __post_init__(self):
+        if self.activation not in ("swiglu", "situ"):
+            raise ColibriError(f"unknown expert activation {self.activation!r} (colibri runs 'swiglu' and 'situ')")
+
+    def __call__(self, outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict) -> None:
+        """`run_experts` with this math: the slots of `experts` in outs (T, k, H)."""
+        run_experts(outs, x, ids, experts, self.limit, self.activation)
 
 
 def combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -41,12 +59,14 @@ def combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 
 class MoE:
-    """Every MoE layer of one model: its declared routers, the lookahead between them, the store.
+    """Every MoE layer of one model: its declared routers, the lookahead between them, where the
+    experts come from.
 
-    `routers` {layer: Router} in the order the forward pass runs them; `lookahead` {layer: the MoE
-    layer whose experts it predicts} (by default each layer's successor in `routers`); `swiglu_limit`
-    the experts' SwiGLU clamp (`ContainerLayout.swiglu_limit`); `activation` their gated unit
-    (`ContainerLayout.expert_activation`: "swiglu", or "situ", Kimi K3's SiTU-GLU).
+    `store` the expert source (`colibri_core.experts.ExpertSource`, the model's `store`): the one
+    object asked for a layer's experts; `routers` {layer: Router} in the order the forward pass runs
+    them; `lookahead` {layer: the MoE layer whose experts it predicts} (by default each layer's
+    successor in `routers`); `swiglu_limit` the experts' SwiGLU clamp and `activation` their gated
+    unit ("swiglu", or "situ", Kimi K3's SiTU-GLU): `ExpertFFN`.
     """
 
     def __init__(self, store, routers: dict[int, Router], lookahead: dict[int, int] | None = None,
@@ -55,11 +75,8 @@ class MoE:
             if not isinstance(router, Router):
                 raise ColibriError(f"MoE layer {layer}: the model declared a {type(router).__name__}, not a colibri Router")
         layers = list(routers)
-        if activation not in ("swiglu", "situ"):
-            raise ColibriError(f"unknown expert activation {activation!r} (colibri runs 'swiglu' and 'situ')")
-        self.store, self.routers, self.swiglu_limit = store, routers, swiglu_limit
-        self.run = run_experts if activation == "swiglu" else run_situ_experts
-        self.activation = activation
+        self.ffn = ExpertFFN(activation, swiglu_limit)
+        self.experts, self.routers = store, routers
         self.lookahead = dict(zip(layers, layers[1:])) if lookahead is None else dict(lookahead)
 
     @timed("moe")
@@ -70,15 +87,16 @@ class MoE:
         (T,) → (T, H) = Σ_rank weight · expert(expert_input), expert_input defaulting to x; with a
         `shared` expert, + shared(x) (the bits of adding it to this call's result).
 
-        The store reads the batch union once and yields the experts already resident first, the
-        others in groups as their reads arrive, so compute overlaps the reads; once this layer's
-        reads are queued, the next MoE layer's router guesses its experts from `residual` and the
-        store starts reading those too. A layer that holds all its experts (the store's
-        `resident_table`) runs its experts and their weighted sum as one C call (`kernels.moe_block`),
-        the same bits, and a `SoftmaxTopK` router in that call too (`kernels.moe_block_softmax`:
-        the Python between them was ~5 % of an OLMoE-size decode step). The shared expert runs in that call too, as one more rank (when it has the
-        routed experts' gated unit and clamp, and no probe listens for the routed sum alone), or
-        else while the first reads are in flight.
+        The source fills every (token, rank) slot (`ExpertSource.compute`): experts already resident
+        first, the others as their reads (or remote shards' answers) arrive, so compute overlaps
+        the reads; once this layer's reads are queued, the next MoE layer's router guesses its
+        experts from `residual` and the source starts fetching those too. A layer whose experts are
+        all resident here (the source's `resident_table`) runs its experts and their weighted sum
+        as one C call (`kernels.moe_block`), the same bits, and a `SoftmaxTopK` router in that call
+        too (`kernels.moe_block_softmax`: the Python between them was ~5 % of an OLMoE-size decode
+        step). The shared expert runs in that call too, as one more rank (when it has the routed
+        experts' gated unit and clamp, and no probe listens for the routed sum alone), or else
+        while the first reads are in flight.
         """
         router = self.routers.get(layer)
         if router is None:
@@ -86,11 +104,10 @@ class MoE:
         xe = x if expert_input is None else expert_input  # (T, H)
         nxt = self.lookahead.get(layer)
         predict = None if nxt is None else (nxt, lambda: self.routers[nxt].predict(residual, token_ids))
-        remote = getattr(self.store, "remote", None)  # remote shards behind the store (colibri_core/remote)
-        table = self.store.resident_table(layer, predict) if remote is None else None
+        table = self.experts.resident_table(layer, predict)
         if table is not None:  # the layer holds all its experts: the experts and their weighted sum, one C call
             fused = shared is not None and self._fuses(shared, expert_input)
-            kw = dict(limit=self.swiglu_limit, glu=self.activation)
+            kw = dict(limit=self.ffn.limit, glu=self.ffn.activation)
             if fused:
                 kw.update(shared=shared.table, shared_scale=shared.scale(x))
             if expert_input is None and type(router) is SoftmaxTopK and isinstance(router.weight, QTensor):
@@ -100,28 +117,14 @@ class MoE:
                 weights, ids = router.route(x, token_ids)  # (T, k) each, best first
                 out = kernels.moe_block(xe, ids, weights, table, **kw)
             self._routed(layer, x, residual, token_ids, weights, ids)
-            self.store.count_resident(layer, ids)
+            self.experts.count_resident(layer, ids)
             return out if fused else self._add_shared(layer, out, x, shared)
         weights, ids = router.route(x, token_ids)  # (T, k) each, best first
         self._routed(layer, x, residual, token_ids, weights, ids)
         T, k = ids.shape
         outs = np.zeros((T, k, xe.shape[1]), np.float32)  # (T, k, H): one slot per (token, rank)
-        sent = None
-        if remote is not None:  # experts not resident here go to their shard's actor now, one call per shard
-            sent = remote.dispatch(layer, xe, ids, self.store.resident(layer), self.activation, self.swiglu_limit)
-            if predict is not None:
-                predict = (nxt, remote.watch(nxt, predict[1]))  # the lookahead also warms the remote shards
-        skip = sent.experts if sent is not None else frozenset()
-        shared_out = None
-        for ready in self.store.experts(layer, ids, predict=predict, skip=skip):  # {expert: (gate, up, down)}, resident first
-            self.run(outs, xe, ids, ready, self.swiglu_limit)
-            if shared is not None and shared_out is None:  # the reads are queued now: compute it meanwhile
-                shared_out = shared(x)
-        if sent is not None:
-            failed = remote.collect(sent, outs)  # the shards' slots; a failed or late shard's experts are …
-            if failed:  # … read and computed here, within this call
-                for ready in self.store.experts(layer, ids, skip=skip - failed, record=False):
-                    self.run(outs, xe, ids, ready, self.swiglu_limit)
+        meanwhile = None if shared is None else (lambda: shared(x))  # while the first reads are in flight
+        shared_out = self.experts.compute(layer, outs, xe, ids, self.ffn, predict, meanwhile)
         out = combine(outs, weights)  # (T, H)
         return self._add_shared(layer, out, x, shared, shared_out)
 
@@ -135,8 +138,8 @@ class MoE:
     def _fuses(self, shared: SharedExpert, expert_input: np.ndarray | None) -> bool:
         """Whether `shared` can run in the routed experts' C call: quantised weights of one kind, the
         same input, gated unit and clamp as theirs, and no probe asking for the routed sum alone."""
-        return (shared.table is not None and expert_input is None and shared.glu == self.activation
-                and shared.limit == self.swiglu_limit and not listening())
+        return (shared.table is not None and expert_input is None and shared.glu == self.ffn.activation
+                and shared.limit == self.ffn.limit and not listening())
 
     def _add_shared(self, layer: int, out: np.ndarray, x: np.ndarray, shared: SharedExpert | None,
                     shared_out: np.ndarray | None = None) -> np.ndarray:

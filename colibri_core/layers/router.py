@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from .. import kernels
-from ..model import linear
+from .linear import linear
 
 __all__ = ["Router", "SoftmaxTopK", "SigmoidGroupTopK", "SqrtSoftplusTopK", "HashRouter",
            "topk", "softmax_topk", "sigmoid_group_topk", "sqrt_softplus"]

@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
-from ..model import linear
 from ..quant import QTensor
 from .gated_attention import sigmoid
+from .linear import linear
 from .mlp import swiglu_mlp
 from .situ import situ_mlp
 

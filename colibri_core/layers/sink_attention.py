@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels.deltanet import EXACT_BATCH  # a short forward: every query computed as if alone
-from ..model import linear
 from ..probe import timed
+from .linear import linear
 
 __all__ = ["SlidingWindow", "sink_attention", "grouped_linear", "split_rows"]
 
@@ -21,11 +21,25 @@ QUERY_BLOCK = 64  # queries per block: bounds the (block, heads, keys) logits of
 
 class SlidingWindow:
     """The last `window - 1` K=V rows of one layer (what the next query can still see), replaced —
-    never modified in place — on every call, so `rows` is a state array as it is."""
+    never modified in place — on every call, so `rows` is a state array as it is. A fixed-size part
+    of a `kv.SequenceState` (rows that left the window are gone: it cannot be cut to a prefix):
+    array "PART.window"."""
+
+    per_token = False
 
     def __init__(self, window: int, dim: int):
         self.window = window
         self.rows = np.zeros((0, dim), np.float32)  # (≤ window - 1, D), oldest first
+        self.varying = {"window": window - 1}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"window": self.rows}
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        self.rows = np.array(arrays["window"], np.float32)
+
+    def empty(self) -> SlidingWindow:
+        return SlidingWindow(self.window, self.rows.shape[1])
 
     def extend(self, kv: np.ndarray) -> np.ndarray:
         """Append the new tokens' rows kv (T, D); returns the rows the new queries may see (kept + T)."""
@@ -86,7 +100,7 @@ def split_rows(w, parts: int) -> list:
         w = QTensor("f32", w.rows, w.cols, dequantize(w))
     per = n // FP8_BLOCK if w.kind == "fp8" else n  # scale rows per block
     return [QTensor(w.kind, n, w.cols, w.data[i * n:(i + 1) * n],
-                    None if w.scales is None else w.scales[i * per:(i + 1) * per]) for i in range(parts)]
+                    None if w.scales is None else w.scales[i * per:(i + 1) * per], w.act) for i in range(parts)]
 
 
 def grouped_linear(x: np.ndarray, ws: list) -> np.ndarray:

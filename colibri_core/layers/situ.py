@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
-from ..model import linear
 from ..quant import QTensor
+from .linear import linear
 
 __all__ = ["GATE_CAP", "UP_CAP", "situ", "situ_mlp"]
 

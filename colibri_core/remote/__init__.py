@@ -8,10 +8,11 @@
                   hidden states of the tokens routed there; timeouts, failure and rejoin
 
 The driver keeps routing, attention, state and the local expert store, which stays a cache in
-front of the shards: an expert resident locally is computed locally, the others on their shard,
-and a shard that dies or misses its deadline has its experts read from the local disk within the
-same call. Each (token, rank) slot is computed independently by the same kernels wherever it runs
-and lands in the same slot, so the output is bit-identical to a single machine's.
+front of the shards; the expert source (colibri_core/experts.py) holds both: an expert resident
+locally is computed locally, the others on their shard, and a shard that dies or misses its
+deadline has its experts read from the local disk within the same call. Each (token, rank) slot
+is computed independently by the same kernels wherever it runs and lands in the same slot, so
+the output is bit-identical to a single machine's.
 
 Ray is an optional extra (``pip install 'colibri[ray]'``): this package imports it only when asked.
 """

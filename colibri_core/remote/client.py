@@ -1,13 +1,14 @@
 """RemoteExperts: the driver's side of the remote shards (one Ray actor per shard, shard.py).
 
-Per MoE layer, `dispatch` sends each shard holding an expert the batch needs (and the local store
-does not hold ready) one call with the hidden states of the tokens routed there and their ids
-(slots of other shards' experts as -1); the local store computes its own experts meanwhile; then
-`collect` waits for the shards, at most `timeout` seconds from the dispatch, and writes each
-answer into the slots it belongs to. A shard that raised (its actor or node died) or missed the
-deadline (a slow node, treated as failed) is marked down at once, and its experts of this layer
-are returned to the MoE block, which has the local store read and compute them: no request is
-lost, no token changes.
+The expert source (colibri_core/experts.py) drives it per MoE layer: `dispatch` sends each shard
+holding an expert the batch needs (and the local store does not hold ready) one call with the
+hidden states of the tokens routed there and their ids (slots of other shards' experts as -1);
+the local store computes its own experts meanwhile; then `collect` waits for the shards, at most
+`timeout` seconds from the dispatch, and writes each answer into the slots it belongs to. A shard
+that raised (its actor or node died) or missed the deadline (a slow node, treated as failed) is
+marked down at once, and its experts of this layer are returned to the source, which has the
+local store read and compute them: no request is lost, no token changes. `serving(layer)` says
+which experts live shards compute (the lookahead reads none of them from disk).
 
 A down shard is tried again after `retry` seconds (doubled after each failure in a row, at most
 300 s): a live actor (it was only slow) must answer a probe; a dead one is started again on its
@@ -96,13 +97,13 @@ def _why(e: BaseException) -> str:
 
 
 class RemoteExperts:
-    def __init__(self, container, store, cfg: RemoteConfig):
+    def __init__(self, container, cfg: RemoteConfig):
         self.cfg = cfg
         self.owns_connection = False
         ray = require_ray()
         self.owns_connection = not ray.is_initialized()
         self.ray = connect(cfg.address)
-        self.store, self.container = store, container
+        self.container = container
         self.n_experts = container.n_experts
         self.layers = tuple(container.moe_layers)
         self.identity = identity(container)
@@ -115,7 +116,7 @@ class RemoteExperts:
         if not self.placement:
             raise ColibriError(f"no node of the Ray cluster at {cfg.address} has room for one expert")
         self.c = {"calls": 0, "failures": 0, "timeouts": 0, "rejoins": 0, "bytes_sent": 0, "bytes_received": 0,
-                  "seconds": 0.0, "fallback_experts": 0, "prefetches": 0, "local_fills": 0}
+                  "seconds": 0.0, "fallback_experts": 0, "prefetches": 0}
         self.latency_counts = [0] * len(LATENCY_BUCKETS)  # cumulative
         self.answered = 0
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -123,7 +124,8 @@ class RemoteExperts:
         self._affinity = NodeAffinitySchedulingStrategy
         self._actor_cls = self.ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)(ShardServer)
         self.shards = [_ShardState(s, self._path(s.node)) for s in self.placement]
-        self.owner: dict[int, np.ndarray] = {}
+        self.owner: dict[int, np.ndarray] = {}  # layer -> (E,) the shard computing each expert, -1: none
+        self._serving: dict[int, frozenset[int]] = {}  # layer -> experts a live shard computes
         self._next_maintain = 0.0
         try:
             for st in self.shards:
@@ -188,14 +190,18 @@ class RemoteExperts:
         self._publish()
 
     def _publish(self) -> None:
-        """Who computes what now: `owner` per layer, and the store's `elsewhere` (never read ahead)."""
+        """Who computes what now: `owner` per layer, and what `serving` answers."""
         owner = {layer: np.full(self.n_experts, -1, np.int64) for layer in self.layers}
         for i, st in enumerate(self.shards):
             if st.state == "up":
                 for layer, es in st.shard.experts.items():
                     owner[layer][list(es)] = i
         self.owner = owner
-        self.store.elsewhere = {layer: frozenset(np.flatnonzero(o >= 0).tolist()) for layer, o in owner.items()}
+        self._serving = {layer: frozenset(np.flatnonzero(o >= 0).tolist()) for layer, o in owner.items()}
+
+    def serving(self, layer: int) -> frozenset[int]:
+        """The experts of MoE layer `layer` a live shard computes now."""
+        return self._serving.get(layer, frozenset())
 
     # ---- failure and rejoin ------------------------------------------------------------------
     def maintain(self) -> None:
@@ -255,10 +261,10 @@ class RemoteExperts:
         return None
 
     # ---- a layer's calls -----------------------------------------------------------------------
-    def dispatch(self, layer: int, x: np.ndarray, ids: np.ndarray, resident, kind: str,
-                 limit: float | None) -> Sent | None:
+    def dispatch(self, layer: int, x: np.ndarray, ids: np.ndarray, resident, ffn) -> Sent | None:
         """Send each live shard the tokens of `ids` (T, k) routed to its experts of `layer` that are
-        not `resident` here; None if there is nothing to send."""
+        not `resident` here, to compute with `ffn`'s math (`layers.moe.ExpertFFN`); None if there
+        is nothing to send."""
         now = time.monotonic()
         if now >= self._next_maintain:
             self._next_maintain = now + 0.25
@@ -272,9 +278,7 @@ class RemoteExperts:
             o[np.isin(ids, np.fromiter(resident, np.int64))] = -1
         if not (o >= 0).any():
             return None
-        from ..kernels import _act
-
-        act = _act.get()
+        act = self.container.activations  # the arithmetic the local experts' weights carry (QTensor.act)
         calls, experts = [], set()
         for s in np.unique(o[o >= 0]).tolist():
             sel = o == s
@@ -282,7 +286,7 @@ class RemoteExperts:
             sub = np.where(sel[rows], ids[rows], -1).astype(np.int64)
             xs = np.ascontiguousarray(x[rows], np.float32)
             es = frozenset(ids[sel].tolist())
-            ref = self.shards[s].actor.compute.remote(layer, xs, sub, act, kind, limit)
+            ref = self.shards[s].actor.compute.remote(layer, xs, sub, act, ffn.activation, ffn.limit)
             calls.append(_Call(s, rows, sel[rows], ref, time.perf_counter(), es))
             experts |= es
             self.c["calls"] += 1
@@ -327,8 +331,6 @@ class RemoteExperts:
                 if dt <= b:
                     self.latency_counts[i] += 1
         self.c["fallback_experts"] += len(failed)
-        if self.cfg.fill_local:  # free local slots take what the shards computed: next time it is here
-            self.c["local_fills"] += self.store.fill(sent.layer, sent.experts - failed)
         return frozenset(failed)
 
     def watch(self, layer: int, guess):
@@ -381,7 +383,5 @@ class RemoteExperts:
                 except Exception:
                     pass
                 st.actor = None
-        if self.store is not None:
-            self.store.elsewhere = {}
         if self.owns_connection and ray.is_initialized():
             ray.shutdown()

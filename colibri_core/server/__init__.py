@@ -1,7 +1,8 @@
 """`colibri serve` and `colibri web`: the OpenAI-compatible HTTP API (and the dashboard) on uvicorn.
 
+    from colibri_core.options import EngineOptions
     from colibri_core.server import ServerConfig, serve
-    serve(ServerConfig(model_dir="models/olmoe"), host="127.0.0.1", port=8000)
+    serve(ServerConfig(model_dir="models/olmoe", engine=EngineOptions(ram="4GB")), host="127.0.0.1", port=8000)
 
 See `app.py` for the endpoints, `worker.py` for the queue (and the one thread that runs the engine),
 `snapshot.py` for what the endpoints read of the engine, `static/` for the dashboard.

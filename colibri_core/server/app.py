@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -44,7 +44,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ..errors import ColibriError
-from . import brain, metrics as metrics_mod
+from ..options import EngineOptions
+from . import brain, memory, metrics as metrics_mod
 from . import openapi, security, structure
 from .schemas import (CHARS_PER_TOKEN, ApiError, Limits, Sampling, detokenize_model, invalid, parse_chat, parse_completion, parse_json,
                       tokenize_model)
@@ -63,23 +64,20 @@ GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's rule): 
 class ServerConfig:
     model_dir: Path
     model_name: str | None = None  # the model id clients send (default: the directory's name)
-    ram: str | None = None  # RAM budget, as `colibri run --ram`
-    cache_slots: int | None = None  # expert cache slots per layer (overrides ram)
-    pin_gb: float | None = None  # hot-store size, as `colibri run --pin-gb` (None: the share the routing history chooses)
+    engine: EngineOptions = field(default_factory=EngineOptions)  # the engine's settings, as `colibri run`'s
     max_queue: int = 16  # requests that may wait behind the running one; more get 429
     api_key: str | None = None  # if set, every endpoint but /health needs "Bearer KEY" (or the dashboard's cookie)
     dashboard: bool = False  # serve the dashboard at / (`colibri web`)
     max_body_bytes: int = 16 << 20
+    # request body bytes all connections together may hold while they arrive (more: 503, memory.BodyBudget):
+    # four bodies of the largest size at once
+    max_body_bytes_in_flight: int = 64 << 20
     max_tokens: int | None = None  # most tokens one request may generate (None: the context)
     allow_origins: tuple[str, ...] = ()  # foreign web origins (or "*") allowed to call the API (CORS)
     host: str = "127.0.0.1"  # where it listens: its name is a Host the server answers to
     body_timeout: float = 30.0  # seconds for a request body to arrive whole (408 after)
     header_timeout: float = 10.0  # seconds for a request's headers to arrive whole (the connection closed after)
     tokenize_threads: int = 2  # chat templates and tokenizers run at most this many at once, off the event loop
-    activations: str | None = None  # the kernels' arithmetic, as `colibri run --activations` (None: COLIBRI_ACTIVATIONS or f32)
-    kv_cache: str | None = None  # the KV caches' type, as `colibri run --kv-cache` (None: COLIBRI_KV_CACHE or f32)
-    ray: str | None = None  # a Ray cluster holding the experts (`--ray`; colibri_core/remote)
-    ray_options: dict | None = None  # remote.client.RemoteConfig's fields
 
     def __post_init__(self):
         if self.api_key is not None and not self.api_key.strip():
@@ -87,14 +85,9 @@ class ServerConfig:
                                "without one")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ColibriError(f"--max-tokens must be at least 1, got {self.max_tokens}")
-        if self.activations is not None:  # an unknown arithmetic or cache type: one line before the server starts
-            from ..kernels import _act_name
-
-            _act_name(self.activations)
-        if self.kv_cache is not None:
-            from ..kv.cache import check_cache_type
-
-            check_cache_type(self.kv_cache)
+        if self.max_body_bytes_in_flight < self.max_body_bytes:  # a body of the largest size could never arrive
+            raise ColibriError(f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) is less than "
+                               f"max_body_bytes ({self.max_body_bytes})")
         for origin in self.allow_origins:
             if origin != "*":
                 try:
@@ -126,24 +119,21 @@ class Server:
         self.limits = Limits(max_tokens=cfg.max_tokens, max_body_bytes=cfg.max_body_bytes)
         # chat templates and tokenizers: a pool of their own, so the threads are a fixed number
         self.text_pool = ThreadPoolExecutor(cfg.tokenize_threads, thread_name_prefix="colibri-text")
+        self.bodies = memory.BodyBudget(cfg.max_body_bytes_in_flight)  # request bodies still arriving
 
     # ---- loading ------------------------------------------------------------------------------
     def load(self) -> None:
         from ..chat_template import ChatTemplate
         from ..engine import load
-        from ..sizes import available_memory, parse_size
 
         cfg = self.cfg
         try:
-            engine = load(cfg.model_dir, ram=cfg.ram, cache_slots=cfg.cache_slots, pin_gb=cfg.pin_gb,
-                          activations=cfg.activations, kv_cache=cfg.kv_cache, ray=cfg.ray, ray_options=cfg.ray_options)
+            engine = load(cfg.model_dir, cfg.engine)
             engine.tokenizer  # noqa: B018 — read tokenizer.json now, not on the first request
             self.template = ChatTemplate.from_dir(engine.model_dir)
             self.chat_text = ChatText(engine.tokenizer)
             self.context_length = engine.context_length
-            self.ram_budget = getattr(engine, "ram_budget", None) or (
-                parse_size(cfg.ram) if cfg.ram is not None else
-                None if cfg.cache_slots is not None else int(0.8 * available_memory()))
+            self.ram_budget = engine.split.budget or None  # none with --cache-slots alone
             vocab = engine.tokenizer.tok.get_vocab_size(with_added_tokens=True)
             self.limits = Limits(self.context_length, vocab, cfg.max_tokens, cfg.max_body_bytes)
             self.worker = Worker(engine, cfg.max_queue, on_turn=self.metrics.add_turn)
@@ -272,22 +262,40 @@ class Server:
 
 async def read_json(request: Request, server: Server) -> dict:
     """The body as a JSON object; larger than `max_body_bytes` (declared, or as it arrives, also when
-    chunked) is a 413 before more is read; a body that takes longer than `body_timeout` is a 408."""
-    limit = server.cfg.max_body_bytes
+    chunked) is a 413 before more is read; one that would take the bodies arriving on all connections
+    past `max_body_bytes_in_flight` (declared, or as it arrives) is a 503 with Retry-After, also
+    before more is read (memory.BodyBudget); a body that takes longer than `body_timeout` is a 408."""
+    limit, budget = server.cfg.max_body_bytes, server.bodies
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:  # refused before it is read
         raise ApiError(413, f"the request body is {declared} bytes; at most {limit} are accepted",
                        code="request_too_large", headers={"Connection": "close"})
 
-    async def read() -> bytes:
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"the request body is more than {limit} bytes; at most {limit} are accepted",
-                               code="request_too_large", headers={"Connection": "close"})
-            chunks.append(chunk)
-        return b"".join(chunks)
+    def busy() -> ApiError:  # made when raised: one kept in a local would be in a cycle with its own traceback
+        return ApiError(503, f"the server is receiving as many request body bytes at once as it holds "
+                        f"({budget.limit}); retry shortly", type="server_error", code="server_busy",
+                        headers={"Retry-After": "1", "Connection": "close"})
+
+    if declared.isdigit() and budget.held + int(declared) > budget.limit:
+        raise busy()
+    taken = 0  # bytes of the budget this body holds: what has arrived (a declared length held nothing)
+
+    async def read() -> bytearray:
+        nonlocal taken
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                if len(body) + len(chunk) > limit:
+                    raise ApiError(413, f"the request body is more than {limit} bytes; at most {limit} are accepted",
+                                   code="request_too_large", headers={"Connection": "close"})
+                if not budget.take(len(chunk)):
+                    raise busy()
+                taken += len(chunk)
+                body += chunk  # the chunk is freed at once: a body is held once, not as chunks and their join
+        except BaseException:  # refused, timed out, its client gone: the exception's frames, in a cycle with
+            body.clear()  # asyncio's task, would hold the bytes until the next garbage collection
+            raise
+        return body
 
     try:
         raw = await asyncio.wait_for(read(), server.cfg.body_timeout)
@@ -296,6 +304,8 @@ async def read_json(request: Request, server: Server) -> dict:
     except asyncio.TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {server.cfg.body_timeout:g} s",
                        code="request_timeout", headers={"Connection": "close"}) from None
+    finally:
+        budget.give(taken)
     return parse_json(raw)
 
 
@@ -309,10 +319,12 @@ async def wait_disconnect(request: Request) -> None:
 
 # ---- generation responses -----------------------------------------------------------------------
 def _usage(turn: dict) -> dict:
-    """OpenAI's usage block; drafted tokens go where OpenAI counts a prediction's tokens (Predicted
-    Outputs): accepted ones are part of the completion, rejected ones cost a forward but are not."""
+    """OpenAI's usage block; the prompt tokens the prefix cache served go where OpenAI counts cached
+    ones; drafted tokens where it counts a prediction's tokens (Predicted Outputs): accepted ones are
+    part of the completion, rejected ones cost a forward but are not."""
     return {"prompt_tokens": turn["prompt_tokens"], "completion_tokens": turn["completion_tokens"],
             "total_tokens": turn["prompt_tokens"] + turn["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": turn["cached_tokens"]},
             "completion_tokens_details": {"accepted_prediction_tokens": turn["draft_accepted"],
                                           "rejected_prediction_tokens": turn["draft_drafted"] - turn["draft_accepted"]}}
 

@@ -552,7 +552,8 @@ def sampling_fields(lim: Limits) -> dict[str, Spec]:
         "temperature": Number(0.0, 2.0, description="0: greedy (as are values below 1e-5); absent: "
                               "generation_config.json's, else 1."),
         "top_p": Number(0.0, 1.0, low_open=True, description="Nucleus sampling; absent: generation_config.json's, else 1."),
-        "top_k": Integer(-1, 1 << 31, "vLLM's extension: the k most likely tokens; 0 or -1: no cut."),
+        "top_k": Integer(-1, (1 << 31) - 1, "vLLM's extension: the k most likely tokens; 0 or -1: no cut (as "
+                         "is a k past the vocabulary)."),  # below 2**31, as engine.check_sampling bounds it
         "seed": Integer(-(1 << 63), (1 << 64) - 1, "Seed of the sampler: the same seed, the same answer; "
                         "-1 (or absent): random. A negative seed is taken modulo 2**64."),
         "stop": OneOfKinds(String(MAX_STOP_CHARS, 1),

@@ -6,8 +6,8 @@ replaces (one reference assignment) after loading, after every generated token a
 every job. A reader therefore sees one consistent moment, at most one token old, and never a
 picture torn in the middle of a forward pass or of a hot-store revision.
 
-Taking one costs a call of `engine.stats()` and a copy of the small per-layer tables: the cache and
-hot-store sets and the (E,) routing counts.
+Taking one costs a call of `engine.stats()`, of `ExpertStore.placement()` (the cache and hot-store
+sets per layer) and a copy of the (E,) routing counts.
 """
 from __future__ import annotations
 
@@ -35,31 +35,19 @@ class Snapshot:
     live: dict | None  # the running job: kind, prompt_tokens, tokens, started, first_token; None: idle
 
 
-def pinned(store) -> dict[int, frozenset[int]]:
-    """Pinned experts per layer, from a `store.pinned` of either form: {layer: experts} or a set of
-    (layer, expert) pairs (none: no hot-store)."""
-    p = getattr(store, "pinned", None)
-    if isinstance(p, dict):
-        return {int(layer): frozenset(int(e) for e in experts) for layer, experts in p.items()}
-    out: dict[int, set[int]] = {}
-    for layer, expert in p or ():
-        out.setdefault(int(layer), set()).add(int(expert))
-    return {layer: frozenset(experts) for layer, experts in out.items()}
-
-
 def take(engine, live: dict | None = None) -> Snapshot:
     """A snapshot of `engine`, on the thread that runs it (the worker), between two steps."""
-    store, c, probe = engine.store, engine.container, engine.probe
+    placement, c, probe = engine.store.placement(), engine.container, engine.probe  # placement: copies
     return Snapshot(
         stats=engine.stats(),
         architecture=engine.arch.name,
         layers=tuple(c.moe_layers),
         n_experts=c.n_experts,
         expert_nbytes=c.expert_nbytes,
-        cache_slots=store.slots,
+        cache_slots=placement.slots,
         resident_bytes=engine.resident_bytes,
-        cached={layer: frozenset(experts) for layer, experts in store.cache.items()},
-        pinned=pinned(store),
+        cached=placement.cached,
+        pinned=placement.pinned,
         routed={layer: counts.copy() for layer, counts in probe.routed.items()},
         latest=dict(probe.latest),  # its lists are replaced by each pass, never changed
         passes=probe.passes,

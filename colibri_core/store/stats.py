@@ -1,4 +1,4 @@
-"""The expert store's counters.
+"""The expert store's counters, and where its experts are (`Placement`).
 
 - ``expert_hits`` / ``expert_misses``: experts a layer needed that were resident (cached, pinned,
   or already being read by a prefetch) / that had to be read when the layer asked for them.
@@ -69,3 +69,12 @@ class StoreCounters:
                 for layer in layers
             },
         }
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which experts each MoE layer holds (`ExpertStore.placement`): what the server's dashboard draws."""
+
+    slots: int  # cache slots per layer
+    cached: dict[int, frozenset[int]]  # layer -> experts in its cache (some may still be being read)
+    pinned: dict[int, frozenset[int]]  # layer -> experts in the hot-store (some may be queued, not read yet)

@@ -18,10 +18,12 @@ a time while layers' reads are in flight, one per I/O thread while the disk is i
 reads them all at once and waits). A layer that needs a pinned expert not read yet reads it at once.
 
 The store is a passive cache: it knows no model, engine or plugin registry. It is handed the
-container, the eviction policy and what to read; it is told what will be needed. With remote shards
-(colibri_core/remote) it stays the cache in front of them: the MoE block asks it which experts are
-`resident`, has the others computed remotely and passes those as `skip`; `elsewhere` says which
-experts a live remote shard serves, so the lookahead never reads them from disk.
+container, the eviction policy and what to read; it is told what will be needed. It is asked for
+experts by the expert source (colibri_core/experts.py), which with remote shards
+(colibri_core/remote) keeps it the cache in front of them: the source asks it which experts are
+`resident`, has the others computed remotely and passes those as `skip`, tells the lookahead which
+experts a live shard serves (`Lookahead.elsewhere`: never read from disk ahead), and has it `fill`
+free slots with experts a shard computed.
 
 Placement changes speed only: every expert is handed to the kernels as the same QTensor views of
 its extent, verified (crc32 computed by the I/O thread against the trailer and the manifest, layer
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -42,7 +44,7 @@ from ..errors import ColibriError
 from . import mirror as mirror_mod
 from .io import IOPool
 from .policies import PolicyInfo
-from .stats import StoreCounters
+from .stats import Placement, StoreCounters
 from .usage import UsageHistory, hot_set, pin_value, warn
 
 # Router lookahead reads a single token's guess of a given rank (its router's first choice, second …)
@@ -75,6 +77,16 @@ class GuessRecord:
     def worth_reading(self, layer: int, rank: int) -> bool:
         right, guessed = self._counts.get((layer, rank), (0.0, 0.0))
         return (right + 2) / (guessed + 3) >= PREFETCH_MIN_PRECISION
+
+
+class Lookahead(NamedTuple):
+    """What a layer tells the store of a later MoE layer (router lookahead): `guess()` returns the ids
+    (T, k) that layer will likely need, each token's likeliest first, or None; the experts of that
+    layer in `elsewhere` are computed elsewhere (a live remote shard) and never read ahead here."""
+
+    layer: int
+    guess: Callable[[], np.ndarray | None]
+    elsewhere: frozenset = frozenset()
 
 
 @dataclass
@@ -114,8 +126,6 @@ class ExpertStore:
         self.slots = min(slots, container.n_experts)
         layers = tuple(container.moe_layers)
         self.layer_index = {layer: i for i, layer in enumerate(layers)}
-        self.elsewhere: dict[int, frozenset[int]] = {}  # layer -> experts a live remote shard computes
-        self.remote = None  # the remote shards in front of which this store is a cache (set by the engine)
         self.policies = {layer: policy.factory(slots=self.slots, n_experts=container.n_experts) for layer in layers}
         self.cache: dict[int, dict[int, _Entry]] = {layer: {} for layer in layers}
         self.pinned: dict[int, dict[int, _Entry]] = {layer: {} for layer in layers}
@@ -149,18 +159,18 @@ class ExpertStore:
             raise
 
     # ---- a layer's experts ---------------------------------------------------------------
-    def experts(self, layer: int, ids: np.ndarray, predict: tuple[int, Callable[[], np.ndarray | None]] | None = None,
-                skip=frozenset(), record: bool = True):
+    def experts(self, layer: int, ids: np.ndarray, predict: Lookahead | None = None, skip=frozenset(),
+                record: bool = True):
         """Yield {expert: (gate, up, down)} groups covering the batch union of `ids` (T, k).
 
         First the experts already resident, then the others as their reads arrive (each group: the
-        next to arrive and every other that has meanwhile). `predict` (later layer, guess): once
-        this layer's reads are queued, and unless every expert of that layer is resident already,
-        `guess()` returns the ids (T, k) it will likely need, each token's likeliest first (router
-        lookahead), and the store starts reading them. Call `next` only after computing the group
-        yielded before: its experts may then be evicted. Experts in `skip` are computed elsewhere
-        (remote shards): neither read nor counted; `record` False leaves the routing history alone
-        (a second call for the same tokens: the experts of a remote shard that failed; `get`).
+        next to arrive and every other that has meanwhile). `predict`: once this layer's reads are
+        queued, and unless every expert of that later layer is resident already, the store asks
+        for its guess and starts reading the guessed experts. Call `next` only after computing the
+        group yielded before: its experts may then be evicted. Experts in `skip` are computed
+        elsewhere (remote shards): neither read nor counted; `record` False leaves the routing
+        history alone (a second call for the same tokens: the experts of a remote shard that
+        failed; `get`).
         """
         c = self.counters
         self._reap_orphans()
@@ -208,7 +218,7 @@ class ExpertStore:
                 transient[e] = _Entry(read=self._submit(layer, e))
                 self._layer_reads.append(transient[e].read)
         if predict is not None and self.config.prefetch:
-            self._lookahead(*predict)  # queued behind this layer's reads
+            self._lookahead(predict)  # queued behind this layer's reads
         self._read_pinned()  # … and the hot-store behind both
         if ready:
             yield ready
@@ -243,7 +253,7 @@ class ExpertStore:
         finally:  # a pass that stopped early: reads of its own still in flight end as orphans
             self._orphans += [entry.read for entry in transient.values() if entry.read is not None]
 
-    def resident_table(self, layer: int, predict: tuple[int, Callable[[], np.ndarray | None]] | None = None):
+    def resident_table(self, layer: int, predict: Lookahead | None = None):
         """The C table (kernels.ExpertTable) of every expert of `layer` when the layer holds all of
         them, read, none a prefetch not yet used, with the lookahead `predict` started as `experts`
         does; else None (call `experts`, which does both). The caller then counts the routing it
@@ -265,7 +275,7 @@ class ExpertStore:
             table = self._tables[layer] = kernels.ExpertTable(
                 [self._tensors(layer, e, entry, stall=False) for e, entry in enumerate(entries)])
         if predict is not None and self.config.prefetch:
-            self._lookahead(*predict)
+            self._lookahead(predict)
         if self._pin_queue:
             self._read_pinned()
         return table
@@ -289,7 +299,7 @@ class ExpertStore:
     def fill(self, layer: int, experts) -> int:
         """Start reading `experts` (computed elsewhere this time: remote shards) into the layer's free
         cache slots, never evicting, so later tokens compute them here: the store as a cache in front
-        of the shards. Returns how many reads it started."""
+        of the shards (the expert source asks). Returns how many reads it started."""
         cache, pinned, n = self.cache[layer], self.pinned[layer], 0
         for e in sorted(experts):
             if len(cache) >= self.slots:
@@ -437,11 +447,13 @@ class ExpertStore:
         return True
 
     # ---- router lookahead ----------------------------------------------------------------
-    def _lookahead(self, nxt: int, guess: Callable[[], np.ndarray | None]) -> None:
-        """Start reading the experts `guess()` predicts MoE layer `nxt` will need."""
+    def _lookahead(self, predict: Lookahead) -> None:
+        """Start reading the experts `predict.guess()` says its layer will need (but those computed
+        `elsewhere`)."""
+        nxt = predict.layer
         if len(self.cache[nxt]) + len(self.pinned[nxt]) == self.container.n_experts:
             return  # every expert of that layer is resident: nothing to predict
-        ids = guess()
+        ids = predict.guess()
         if ids is None:
             return
         ids = np.asarray(ids)  # (T, k), each token's best first as the core's routers return them
@@ -452,8 +464,8 @@ class ExpertStore:
         votes = np.bincount(ids.ravel(), weights=rank_weights.ravel(), minlength=self.container.n_experts)
         order = np.argsort(-votes, kind="stable")[: np.count_nonzero(votes)].tolist()  # voted for, most first
         self._predicted[nxt] = set(order)
-        if self.elsewhere.get(nxt):  # computed by a live remote shard: nothing to read here
-            order = [e for e in order if e not in self.elsewhere[nxt]]
+        if predict.elsewhere:  # computed by a live remote shard: nothing to read here
+            order = [e for e in order if e not in predict.elsewhere]
         wanted = order[: self.slots]  # never more than the cache holds
         protected = set(wanted)
         cache, pinned = self.cache[nxt], self.pinned[nxt]
@@ -549,6 +561,13 @@ class ExpertStore:
         """Bytes the expert cache and the hot-store hold now (queued pinned experts not counted)."""
         nbytes = self.container.layer_expert_nbytes
         return sum((len(c) + self._pinned_read(layer)) * nbytes(layer) for layer, c in self.cache.items())
+
+    def placement(self) -> Placement:
+        """Which experts each MoE layer holds now (cached ones may still be being read, pinned ones
+        queued): a copy, safe to keep and to read from another thread."""
+        return Placement(slots=self.slots,
+                         cached={layer: frozenset(cache) for layer, cache in self.cache.items()},
+                         pinned={layer: frozenset(pinned) for layer, pinned in self.pinned.items()})
 
     def stats(self) -> dict:
         pinned = sum(len(p) for p in self.pinned.values())

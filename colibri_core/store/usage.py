@@ -14,9 +14,10 @@ whole, and the default share applies.
 
 written atomically (a temporary file renamed over the old one). A history from another model,
 another version, or a corrupt file (not JSON, nested too deeply, counts out of range, a checksum
-mismatch) is ignored with one warning, never half-used, and replaced at the next save; a model
-directory that cannot be written is warned about once and the engine goes on without saving. A
-save killed midway leaves the old file whole (and a temporary, removed by the next load).
+mismatch, larger than any history of the model: `max_file_bytes`, checked before it is read) is
+ignored with one warning, never half-used, and replaced at the next save; a model directory that
+cannot be written is warned about once and the engine goes on without saving. A save killed midway
+leaves the old file whole (and a temporary, removed by the next load).
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..fsio import remove_stale_temporaries, write_atomic
+from ..errors import ColibriError
+from ..fsio import read_bounded, remove_stale_temporaries, write_atomic
 
 USAGE_FILE = ".coli_usage"
 FORMAT = "colibri-usage"
@@ -41,6 +43,15 @@ MARGIN = 2  # … and at least this many more times
 PENDING = 4096  # recorded batches kept aside at most before they are summed (`record`)
 MAX_COUNT = 2**53  # a count beyond this is damage, not history (and int64 sums of such counts cannot overflow)
 TRACE_TOKENS = 256  # tokens of routing kept in order, per MoE layer (`pin_share` replays them)
+# the hot-store's default share of the expert budget once there is routing history: replaying the
+# bench workload (tools/sim_expert_cache.py), a second session with 3/4 pinned (by usage.pin_value)
+# reads 44 % (at 25 % of the experts) and 71 % (at 50 %) fewer experts per decoded token than cold
+# LRU; with 1/2 pinned by routing count, 7 % and 9 % fewer. Measured (BENCHMARKS.md, issue 3): 15 %
+# faster than cold at 50 %, but slower at 25 %, where the smaller cache makes misses wait for slots.
+# It is the largest share the history may choose: where routing is popular only for a while (a
+# prompt's own experts), a smaller hot-store and a larger cache miss less (BENCHMARKS.md, issue 21).
+PIN_SHARE = 0.75
+PIN_SHARES = (0.0, 0.25, 0.5, PIN_SHARE)  # the shares the routing history chooses among (`pin_share`)
 
 
 class ColibriWarning(UserWarning):
@@ -58,6 +69,13 @@ def model_fingerprint(container) -> str:
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
 
 
+def default_pinned(fit: int, moe_layers: int, top_k: int, share: float) -> int:
+    """Experts the default hot-store pins with `share` of a budget of `fit` experts: never so many
+    that a layer's cache would hold fewer than `top_k` (where the budget allows it). The budget
+    split (planning.split_budget) pins this many; `pin_share` replays the history against it."""
+    return min(int(fit * share), max(0, fit - moe_layers * top_k))
+
+
 def _count(c) -> bool:
     """A count the history can hold: an int from 0 to MAX_COUNT (so sums never overflow int64)."""
     return isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= MAX_COUNT
@@ -66,6 +84,17 @@ def _count(c) -> bool:
 def _json_crc(value: list) -> int:
     """crc32 of `value`'s compact JSON (the counts' and the trace's checksums)."""
     return zlib.crc32(json.dumps(value, separators=(",", ":")).encode())
+
+
+def max_file_bytes(layers: int, n_experts: int) -> int:
+    """The bound on a history file of a model with `layers` MoE layers of `n_experts`: twice the
+    largest one `_check` accepts written compactly (each count MAX_COUNT's 16 digits, each trace row
+    n_experts ids), plus 64 KiB for the fixed fields; a larger file is damage, refused unread.
+    61 layers of 256 experts: 33 MB; the tests' 2 layers of 8: 85 KB."""
+    id_bytes = len(str(n_experts)) + 1
+    counts = layers * n_experts * (len(str(MAX_COUNT)) + 1)
+    trace = layers * TRACE_TOKENS * (n_experts * id_bytes + 2)
+    return 2 * (counts + trace) + (64 << 10)
 
 
 def _trace_ok(trace, layers: int, n_experts: int) -> bool:
@@ -102,12 +131,12 @@ class UsageHistory:
         """Read the file if there is one; ignore it with one warning if it is not ours or damaged
         (the next save replaces it). Temporaries a killed save left beside it are removed."""
         remove_stale_temporaries(self.path)
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
+        if not self.path.exists():
             return
-        except OSError as e:
-            warn(f"ignoring routing history {self.path}: cannot read it ({e.strerror or e}); going on without it")
+        try:
+            data = read_bounded(self.path, max_file_bytes(len(self.moe_layers), self.n_experts))
+        except ColibriError as e:  # unreadable, or larger than any history of this model
+            warn(f"ignoring routing history: {e}; going on without it")
             return
         d, problem = self._check(data)
         if problem:
@@ -185,7 +214,7 @@ class UsageHistory:
         return [(past + new)[-TRACE_TOKENS:] for past, new in zip(self.past_trace, self.session_trace)]
 
     def pin_share(self, fit: int, top_k: int) -> float:
-        """The share of an expert budget of `fit` experts (of budget.PIN_SHARES) the hot-store should
+        """The share of an expert budget of `fit` experts (of PIN_SHARES) the hot-store should
         get: the one under which the trace, replayed out of sample, misses least (ties: the smaller).
 
         Each share's hot set is chosen as the store chooses it (`pin_value`, `hot_set`) from the
@@ -196,8 +225,6 @@ class UsageHistory:
         experts, from empty caches (the hot-store is read before the first prompt). 0.0 below
         MIN_HISTORY_TOKENS and where every expert fits; PIN_SHARE for a history from before traces.
         """
-        from .budget import PIN_SHARE, PIN_SHARES, default_pinned
-
         layers = len(self.moe_layers)
         if self.tokens < MIN_HISTORY_TOKENS or not layers <= fit < layers * self.n_experts:
             return 0.0  # no history yet, or every expert fits (or not one a layer: the split refuses it)

@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import plugins
 from ..engine import load
-from .oracle import Oracle, edit_config, one_torch_thread
+from .oracle import Oracle, edit_config, effective_lookahead, one_torch_thread
 from .trace import explain
 
 
@@ -120,15 +120,6 @@ def check_lookahead_predicts_routing(oracle: Oracle, ids: list[int]) -> None:
                 fail(check, f"layer {layer}, position {t}: predict on the layer's own residual stream gives experts "
                             f"{guess[t].tolist()}, the layer routed {routed[t].tolist()} (best first; "
                             f"{len(bad)} of {len(routed)} positions differ)")
-
-
-def effective_lookahead(model) -> dict[int, int]:
-    """{MoE layer: the layer its lookahead predicts}: `lookahead()`, or each router's successor."""
-    declared = model.lookahead()
-    if declared is not None:
-        return dict(declared)
-    layers = list(model.routers())
-    return dict(zip(layers, layers[1:]))
 
 
 def check_lookahead_active(oracle: Oracle, q: str) -> dict:
@@ -263,6 +254,94 @@ def check_short_forward_is_decode_exact(oracle: Oracle, q: str = "int4", n: int 
             nxt = ids[p + 1:p + 2]
             if not np.array_equal(model.forward(nxt, batched), model.forward(nxt, never)):
                 fail(check, f"after truncate({p + 1}) the next token's logits differ from a state fed only {p + 1} tokens")
+
+
+def check_one_forward_is_pieces(oracle: Oracle, q: str = "int4", chunk: int = 64) -> None:
+    """One forward over a long prompt (3·chunk + 7 tokens) gives, bit for bit, the logits and the
+    state of forwards cut at the multiples of `chunk` (a multiple of kernels.deltanet.BLOCK): the
+    engine prefills in one forward (each MoE layer reads its experts once), and the prefix cache
+    restores a state at such a multiple as if the prefill had stopped there."""
+    check = "one_forward_is_pieces"
+    ids = np.random.default_rng(11).integers(0, oracle.suite.hf_config.vocab_size, 3 * chunk + 7)
+    cuts = [*range(0, len(ids), chunk), len(ids)]
+    with load(oracle.container(q), activations="f32") as engine:
+        model = engine.model
+        whole, cut = model.new_state(), model.new_state()
+        together = model.forward(ids, whole)  # (T, V)
+        apart = np.concatenate([model.forward(ids[a:b], cut) for a, b in zip(cuts, cuts[1:])])
+        differ = np.flatnonzero((together != apart).any(axis=1))
+        if len(differ):
+            fail(check, f"position {int(differ[0])} of a {len(ids)}-token forward: its logits differ from forwards cut at "
+                        f"the multiples of {chunk} by up to {float(np.abs(together - apart).max()):.3g} (compute in blocks "
+                        f"aligned at absolute positions: see colibri_core.kernels.deltanet.BLOCK)")
+        a, b = whole.arrays(), cut.arrays()
+        differ = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not np.array_equal(a[k], b[k]))
+        if differ:
+            fail(check, f"after a {len(ids)}-token forward the state arrays {differ[:3]} differ from those of forwards cut "
+                        f"at the multiples of {chunk}")
+
+
+def check_prefix_cache_is_invisible(model_dir: Path, vocab_size: int, chunk: int = 32, new: int = 6) -> None:
+    """A prompt served from the prefix cache gives, bit for bit, the tokens and logits of a cold
+    prefill (the engine's `prefill_chunk` made `chunk`, so a short prompt crosses several boundaries):
+    a first prompt of 3·chunk + 5 tokens; a shorter one (its state cut at 2·chunk); one extending the
+    first (restored at 3·chunk, then prefilled across another boundary); one diverging from it
+    mid-way (restored at chunk). Greedy (the logits of the prompt's last token and of each step
+    compared) and sampled, with the number of prompt tokens the cache served as the rule says, and
+    the same drafts (a drafter reading the model's hidden states gets the cached prefix's back)."""
+    check = "prefix_cache"
+    rng = np.random.default_rng(7)
+    first = rng.integers(0, vocab_size, 3 * chunk + 5).tolist()
+    prompts = {  # name -> (prompt, tokens the cache should serve, after the ones before)
+        "the first prompt (nothing cached)": (first, 0),
+        "a shorter prompt (rows cut at 2·chunk)": (first[: 2 * chunk + 7], 2 * chunk),
+        "a prompt extending the first": (first + rng.integers(0, vocab_size, chunk + 4).tolist(), 3 * chunk),
+        "a prompt diverging mid-way": (first[: chunk + 10] + rng.integers(0, vocab_size, 2 * chunk).tolist(), chunk),
+    }
+
+    def run(engine, prompt) -> dict:
+        """The prompt greedy (tokens; the logits each was chosen from, (new, V); prompt tokens the
+        cache served), then sampled (served from the entry the greedy call left, where cached):
+        tokens and (drafted, accepted) tokens."""
+        seen, forward = [], engine.model.forward
+
+        def spy(ids, state, last_only=False):  # the last row of each forward: what the next token is chosen from
+            out = forward(ids, state, last_only=last_only)
+            seen.append(out[-1].copy())
+            return out
+
+        before = engine.stats()
+        engine.model.forward = spy
+        try:
+            greedy = engine.generate(prompt, new, stop_ids=(), draft="off")
+        finally:
+            del engine.model.forward
+        middle = engine.stats()
+        sampled = engine.generate(prompt, new, temperature=1.0, seed=3, stop_ids=())
+        after = engine.stats()
+        return {"greedy tokens": greedy, "logits": np.stack(seen[-new:]), "sampled tokens": sampled,
+                "cached": middle["prefix_cached_tokens"] - before["prefix_cached_tokens"],
+                "drafts": tuple(after[k] - middle[k] for k in ("draft_drafted", "draft_accepted"))}
+
+    with (load(model_dir, activations="f32", prefix_cache=0, prefill_chunk=chunk) as cold,
+          load(model_dir, activations="f32", prefix_cache="1GB", prefill_chunk=chunk) as warm):
+        for what, (prompt, expected) in prompts.items():
+            want, got = run(cold, prompt), run(warm, prompt)
+            what = f"{what} ({len(prompt)} tokens, prefill chunk {chunk})"
+            if got["cached"] != expected:
+                fail(check, f"{what}: the cache served {got['cached']} of its tokens, the rule says {expected}")
+            for name in ("greedy tokens", "sampled tokens"):
+                i = _first_difference(got[name], want[name])
+                if i is not None:
+                    fail(check, f"{what}: {name} differ from a cold prefill's at new token {i}: "
+                                f"{got[name][i:i + 1]} vs {want[name][i:i + 1]}")
+            differ = np.flatnonzero((got["logits"] != want["logits"]).any(axis=1))
+            if len(differ):
+                fail(check, f"{what}: the logits of new token {int(differ[0])} differ from a cold prefill's by up to "
+                            f"{float(np.abs(got['logits'] - want['logits']).max()):.3g}")
+            if got["drafts"] != want["drafts"]:
+                fail(check, f"{what}, sampled again from the cache: {got['drafts']} tokens (drafted, accepted), after a "
+                            f"cold prefill {want['drafts']}: a drafter did not get the cached prefix's hidden states")
 
 
 def check_moe_layers(oracle: Oracle, ids: list[int]) -> None:

@@ -19,12 +19,16 @@ from .sessions import check_failed_forward, check_kill_during_save, check_torn_s
 __all__ = ["ConformanceSuite", "DROP", "Oracle"]
 
 QUANTS = ("f32", "int8", "int4")
+# int8's checks are in the system tier (`-m "not system"` leaves them out): f32 (exact) and int4 (the
+# container the placement and session checks use too) are what a quick run checks
+QUANT_PARAMS = [pytest.param(q, marks=pytest.mark.system) if q == "int8" else q for q in QUANTS]
 
 # the names `unsupported` may give: every check a test of the suite runs through `_check`
 CHECKS = frozenset({*(f"{kind}_{q}" for kind in ("greedy", "logits") for q in QUANTS), "config_variants",
                     "container_round_trip", "kv_cache_floats", "leftover_tensor", "lookahead_active",
-                    "lookahead_predicts_routing", "missing_tensor", "moe_layers", "placement_invariance", "plan",
-                    "prefetch_invisible", "session", "short_forward_is_decode_exact", "state_round_trip"})
+                    "lookahead_predicts_routing", "missing_tensor", "moe_layers", "one_forward_is_pieces", "placement_invariance", "plan",
+                    "prefetch_invisible", "prefix_cache", "session", "short_forward_is_decode_exact",
+                    "state_round_trip"})
 
 
 class ConformanceSuite:
@@ -72,7 +76,7 @@ class ConformanceSuite:
             pytest.skip(reason=f"{type(self).__name__} declares {name} unsupported: {self.unsupported[name]}")
 
     # ---- agreement with the oracle ----------------------------------------------------------
-    @pytest.mark.parametrize("q", QUANTS)
+    @pytest.mark.parametrize("q", QUANT_PARAMS)
     def test_greedy_tokens(self, oracle: Oracle, q: str):
         """The whole greedy continuation (new_tokens) equals transformers'. A differing token is a tie
         only where the oracle's own top-1/top-2 gap is below rel_tol * max|logit|; the comparison then
@@ -80,7 +84,7 @@ class ConformanceSuite:
         self._check(f"greedy_{q}")
         checks.check_greedy(oracle, q, self.new_tokens, self.rel_tol)
 
-    @pytest.mark.parametrize("q", QUANTS)
+    @pytest.mark.parametrize("q", QUANT_PARAMS)
     def test_logits(self, oracle: Oracle, q: str):
         """Teacher-forced logits within rel_tol * max|logit| of transformers; a failure names the first
         layer and sub-block (attention, router input, router, experts) where colibri diverges."""
@@ -136,6 +140,18 @@ class ConformanceSuite:
         self._check("short_forward_is_decode_exact")
         checks.check_short_forward_is_decode_exact(oracle)
 
+    def test_one_forward_is_pieces(self, oracle: Oracle):
+        """One forward over a long prompt = forwards cut at the multiples of the prefill chunk, bit for
+        bit: logits and state (the prefill runs in one forward, the prefix cache restores at a cut)."""
+        self._check("one_forward_is_pieces")
+        checks.check_one_forward_is_pieces(oracle)
+
+    def test_prefix_cache_is_invisible(self, oracle: Oracle):
+        """A prompt served from the prefix cache (rows cut, fixed-size states restored at a boundary,
+        shorter, longer and diverging prompts) = a cold prefill: tokens and logits, bit for bit."""
+        self._check("prefix_cache")
+        checks.check_prefix_cache_is_invisible(oracle.container("int4"), self.hf_config.vocab_size)
+
     def test_config_variant(self, oracle: Oracle, config_variant: str, tmp_path):
         """A released-style config.json (`config_variants`) is read as the same model: same parsed config
         and layout, same transformers logits, and it converts and loads to bit-identical logits."""
@@ -150,6 +166,7 @@ class ConformanceSuite:
         self._check("session")
         check_torn_saves(oracle.container("int4"), tmp_path, oracle.prompt, self.hf_config.vocab_size)
 
+    @pytest.mark.system
     def test_session_kill_during_save(self, oracle: Oracle, tmp_path):
         """kill -9 in the middle of a save: the restart resumes from the last whole turn, token-identical."""
         self._check("session")
@@ -186,7 +203,7 @@ class ConformanceSuite:
         checks.check_kv_cache_floats(oracle)
 
     # ---- the container -----------------------------------------------------------------------
-    @pytest.mark.parametrize("q", QUANTS)
+    @pytest.mark.parametrize("q", QUANT_PARAMS)
     def test_container_round_trip(self, oracle: Oracle, q: str, tmp_path):
         """dequantize(container) == quantise-dequantise of every source tensor; fused == per-expert."""
         self._check("container_round_trip")

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -27,9 +27,6 @@ from .. import plugins
 from ..container import dequantize
 from ..convert import convert_checkpoint, read_config
 from .trace import Trace, engine_trace, oracle_trace
-
-if TYPE_CHECKING:
-    from .conformance import ConformanceSuite
 
 RUN_TOKENS = 16  # greedy tokens of each `engine_run`
 
@@ -70,10 +67,21 @@ def edit_config(config: dict, edits) -> dict:
     return out
 
 
-class Oracle:
-    """A tiny random `transformers` model, its checkpoint on disk, and its containers."""
+def effective_lookahead(model) -> dict[int, int]:
+    """{MoE layer: the layer its lookahead predicts}: `lookahead()`, or each router's successor."""
+    declared = model.lookahead()
+    if declared is not None:
+        return dict(declared)
+    layers = list(model.routers())
+    return dict(zip(layers, layers[1:]))
 
-    def __init__(self, suite: type[ConformanceSuite], root: Path):
+
+class Oracle:
+    """A tiny random `transformers` model, its checkpoint on disk, and its containers, built from a
+    `ConformanceSuite` subclass `suite` (its hf_config, seed, perturb_std, config_edits, …). The
+    kit's modules import in one direction: conformance → checks → oracle → trace."""
+
+    def __init__(self, suite: type, root: Path):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -201,7 +209,6 @@ class Oracle:
         {"logits": of the prompt twice, "tokens": RUN_TOKENS greedy tokens, "stats": engine.stats()
         after both, "lookahead": {MoE layer: the layer it predicts}}."""
         from ..engine import load
-        from .checks import effective_lookahead
 
         def run():
             with load(self.container(q), cache_slots=slots, prefetch=prefetch, activations="f32") as engine:

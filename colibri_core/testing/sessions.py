@@ -5,7 +5,6 @@ save loses only that turn, and a forward that fails midway (a read error, Ctrl-C
 session as it was."""
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -19,7 +18,7 @@ import numpy as np
 
 from ..engine import load
 from ..errors import ColibriError
-from ..kv.session import PAUSE_ENV, SessionFile, SessionWarning, session_path
+from ..kv.session import SessionFile, SessionWarning, session_path
 from ..store.io import IOPool
 
 NEW_TOKENS = 6
@@ -110,13 +109,45 @@ def check_torn_saves(model_dir: Path, work: Path, prompt: list[int], vocab: int)
     assert s.turns == 0 and s.ids == [] and "damaged" in s.notice
 
 
+# Python a child process runs first: after `pause_saves(seconds, fraction)` every session record it
+# writes (b"TURN"…) stops once `fraction` of it is on disk (flushed, fsync'd), says so on stderr and
+# sleeps `seconds`, so that a `kill -9` lands inside the save at that byte. It wraps the `open` that
+# colibri_core.kv.session calls: the engine itself has no such hook.
+PAUSE_SAVES = textwrap.dedent("""
+    import os, sys, time
+    import colibri_core.kv.session
+
+    class _PausedFile:
+        def __init__(self, f, seconds, fraction):
+            self.f, self.seconds, self.fraction = f, seconds, fraction
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+        def write(self, data):
+            if data[:4] != b"TURN":
+                return self.f.write(data)
+            cut = int(len(data) * self.fraction)
+            self.f.write(data[:cut])
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            print("colibri: session save paused", file=sys.stderr, flush=True)
+            time.sleep(self.seconds)
+            return self.f.write(data[cut:])
+
+    def pause_saves(seconds, fraction=0.5):
+        colibri_core.kv.session.open = lambda *args, **kw: _PausedFile(open(*args, **kw), seconds, fraction)
+""")
+
 _CHILD = textwrap.dedent("""
-    import os, sys
+    import sys
     from colibri_core.engine import load
     first, a1, extra, n = {first!r}, {a1!r}, {extra!r}, {n}
     with load(sys.argv[1]) as engine:
         assert engine.generate(first, n, stop_ids=(), session="s") == a1
-        os.environ[{env!r}] = "60"
+        pause_saves(60)
         engine.generate(first + a1 + extra, n, stop_ids=(), session="s")
     print("the save was not interrupted", file=sys.stderr)
 """)
@@ -129,9 +160,8 @@ def check_kill_during_save(model_dir: Path, work: Path, prompt: list[int], vocab
     model = work / "model-kill"
     shutil.copytree(model_dir, model)
     first, extra = _turns(prompt, vocab)
-    script = _CHILD.format(first=first, a1=a1_ref, extra=extra, n=NEW_TOKENS, env=PAUSE_ENV)
-    child = subprocess.Popen([sys.executable, "-c", script, str(model)], stderr=subprocess.PIPE, text=True,
-                             env={k: v for k, v in os.environ.items() if k != PAUSE_ENV})
+    script = PAUSE_SAVES + _CHILD.format(first=first, a1=a1_ref, extra=extra, n=NEW_TOKENS)
+    child = subprocess.Popen([sys.executable, "-c", script, str(model)], stderr=subprocess.PIPE, text=True)
     try:
         seen = []
         while not seen or ("session save paused" not in seen[-1] and seen[-1]):
@@ -202,19 +232,20 @@ def _fail_turn(engine, ids: list[int], session, after: int, error: str | BaseExc
 def check_failed_forward(model_dir: Path, work: Path, prompt: list[int], vocab: int) -> None:
     """A read error or Ctrl-C in the middle of a forward (the prompt's, a decode step's) leaves the
     session exactly as it was before the call, and continuing it gives the uninterrupted run's
-    tokens; `logits` leaves nothing behind either, and no failed turn ends (`store.end_turn`). A
+    tokens; `logits` leaves nothing behind either, and no failed turn ends (`store.end_turn`: the
+    routing history beside the model is not saved, nor the hot-store revised). A
     persistent session never saves a failed turn: a fresh engine resumes it from the last good one."""
     a1_ref, a2_ref = uninterrupted(model_dir, prompt, vocab)
     model = work / "model-faults"
     shutil.copytree(model_dir, model)
     first, extra = _turns(prompt, vocab)
     second = first + a1_ref + extra
-    with load(model, cache_slots=1, usage=False) as engine:  # one slot per layer: every forward reads
+    history = work / "faults.coli_usage"  # saved at each turn's end, and only then
+    with load(model, cache_slots=1, usage=history) as engine:  # one slot per layer: every forward reads
         s = engine.new_session()
         assert engine.generate(first, NEW_TOKENS, stop_ids=(), session=s) == a1_ref
         logits = engine.logits(second)
-        ended, end_turn = [], engine.store.end_turn
-        engine.store.end_turn = lambda: (ended.append(1), end_turn())
+        saved_history = history.read_bytes()
         _fail_turn(engine, first, engine.new_session(), 1)  # a fresh session stays fresh
         for after, error in ((0, INJECTED), (2, INJECTED), (2, KeyboardInterrupt())):
             _fail_turn(engine, second, s, after, error)
@@ -224,7 +255,7 @@ def check_failed_forward(model_dir: Path, work: Path, prompt: list[int], vocab: 
             raise AssertionError("a read failing in `logits` did not reach the caller")
         except ColibriError as e:
             assert INJECTED in str(e), f"another error than the injected one: {e}"
-        assert not ended, "a failed call ended its turn (store.end_turn: routing history, hot-store)"
+        assert history.read_bytes() == saved_history, "a failed call ended its turn (its routing history was saved)"
         assert engine.generate(second, NEW_TOKENS, stop_ids=(), session=s) == a2_ref, \
             "after failed forwards, the session's tokens differ from the uninterrupted run"
         assert np.array_equal(engine.logits(second), logits), "after a failed `logits`, the logits differ"

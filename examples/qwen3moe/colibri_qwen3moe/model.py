@@ -61,6 +61,8 @@ class Qwen3MoeConfig:
         experts = c["num_experts"] if "num_experts" in c else c["num_local_experts"]  # transformers 5 writes the latter
         dense, step = set(c.get("mlp_only_layers") or ()), c.get("decoder_sparse_step", 1)
         moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)  # as transformers
+        if not c.get("head_dim") and c["hidden_size"] % heads:  # head_dim = hidden_size / heads must be whole
+            raise ColibriError(f"hidden_size {c['hidden_size']} is not a multiple of num_attention_heads {heads}")
         if experts < 1 or not moe_layers:
             raise ColibriError("this Qwen3-MoE config has no layer with routed experts")
         return cls(
@@ -76,23 +78,6 @@ class Qwen3MoeConfig:
 
 
 LAYER = "model.layers.{layer}."  # every checkpoint name of layer `layer` starts so
-
-
-class State(kv.State):
-    """Per sequence: one KV cache per layer."""
-
-    def __init__(self, cfg: Qwen3MoeConfig):
-        self.caches = [KVCache(cfg.num_key_value_heads, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
-
-    @property
-    def length(self) -> int:
-        return self.caches[0].length
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        return kv.cache_arrays(self.caches)  # "layer.{i}.k", "layer.{i}.v": (length, Hkv, D)
-
-    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        kv.load_cache_arrays(self.caches, arrays)
 
 
 @dataclass
@@ -193,10 +178,13 @@ class Qwen3Moe(MoEModel):
         """Each MoE layer's router: softmax top-k on the post-attention RMSNorm of the residual stream."""
         return {i: L.router for i, L in enumerate(self.layers) if L.router is not None}
 
-    def new_state(self) -> State:
-        return State(self.cfg)
+    def new_state(self, kv_cache: str = "f32") -> kv.SequenceState:
+        """Per sequence: one KV cache per layer, "layer.{i}" (arrays "layer.{i}.k", "layer.{i}.v")."""
+        cfg = self.cfg
+        return kv.SequenceState({f"layer.{i}": KVCache(cfg.num_key_value_heads, cfg.head_dim, kv_cache)
+                                 for i in range(cfg.num_hidden_layers)})
 
-    def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
+    def forward(self, ids: np.ndarray, state: kv.SequenceState, last_only: bool = False) -> np.ndarray:
         cfg = self.cfg
         T, heads, kv_heads, D = len(ids), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         cos, sin = self.rope.cos_sin(np.arange(state.length, state.length + T))  # (T, D)
@@ -207,7 +195,7 @@ class Qwen3Moe(MoEModel):
             q, k, v = linears(x, L.qkv)  # (T, heads D), (T, Hkv D), (T, Hkv D): one kernel call
             q = apply_rotate_half(rms_norm(q.reshape(T, heads, D), L.q_norm, cfg.rms_norm_eps), cos, sin)
             k = apply_rotate_half(rms_norm(k.reshape(T, kv_heads, D), L.k_norm, cfg.rms_norm_eps), cos, sin)
-            attn = gqa_attention(q, k, v.reshape(T, kv_heads, D), state.caches[i], D ** -0.5)  # (T, heads D)
+            attn = gqa_attention(q, k, v.reshape(T, kv_heads, D), state[f"layer.{i}"], D ** -0.5)  # (T, heads D)
             h = h + linear(attn, L.o_proj)
             # ---- routed experts, or the dense MLP
             x = rms_norm(h, L.post_norm, cfg.rms_norm_eps)
@@ -216,6 +204,7 @@ class Qwen3Moe(MoEModel):
             else:
                 h = h + swiglu_mlp(x, *L.mlp)
             record(i, l_out=h)  # the residual stream after layer i: the kit names the first layer that differs
+        state.advance(T)  # the state now holds T more tokens
         if last_only:
             h = h[-1:]
         return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head)  # (T, V)

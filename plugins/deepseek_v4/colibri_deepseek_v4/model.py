@@ -198,8 +198,6 @@ COMPRESSOR = ("attn.compressor.wkv.weight", "attn.compressor.wgate.weight", "att
 INDEXER = ("attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wgate.weight", "attn.indexer.compressor.ape",
            "attn.indexer.compressor.norm.weight", "attn.indexer.wq_b.weight", "attn.indexer.weights_proj.weight")
 SHARED = ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight", "ffn.shared_experts.w2.weight")  # gate, up, down
-GLOBAL = ("model.embed_tokens.weight", "head.weight", "model.norm.weight", "model.hc_head.hc_fn",
-          "model.hc_head.hc_base", "model.hc_head.hc_scale")
 # transformers' internal names (a fused save_pretrained), per name without the layer prefix
 INTERNAL = {
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -273,55 +271,6 @@ def _shape(cfg: DeepseekV4Config, i: int, name: str) -> tuple[int, ...]:
         "ffn.shared_experts.w1.weight": (I, H), "ffn.shared_experts.w3.weight": (I, H),
         "ffn.shared_experts.w2.weight": (H, I),
     }[name]
-
-
-# ---- per-sequence state ------------------------------------------------------------------------
-class State(kv.State):
-    """Per layer: the sliding window's last K = V rows; on compressed layers the compressor's state
-    (entries, the unfinished window, the carried half-window) and on CSA layers the indexer's.
-    Everything a session needs to continue mid-window bit-identically."""
-
-    def __init__(self, model: DeepseekV4):
-        cfg = model.cfg
-        self.windows = [SlidingWindow(cfg.sliding_window, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
-        self.compressed = {i: L.compressor.new_state() for i, L in enumerate(model.layers) if L.compressor}
-        self.indexed = {i: L.indexer.compressor.new_state() for i, L in enumerate(model.layers) if L.indexer}
-        self._length = 0
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    def _named(self):
-        for i, s in self.compressed.items():
-            yield f"layer.{i}.compressor", s
-        for i, s in self.indexed.items():
-            yield f"layer.{i}.indexer", s
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        """"length" (1,) int64; "layer.i.window" (≤ window − 1, D); per compressor its entries, buffers
-        and carried half-window (`CompressorState.arrays`). None is modified by a later forward."""
-        out = {"length": np.array([self._length], np.int64)}
-        for i, w in enumerate(self.windows):
-            out[f"layer.{i}.window"] = w.rows
-        for prefix, s in self._named():
-            out.update(s.arrays(prefix))
-        return out
-
-    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        want = set(self.arrays())
-        if set(arrays) != want:
-            odd = sorted(set(arrays) ^ want)[0]
-            raise ValueError(f"state array {odd} is {'unexpected' if odd in arrays else 'missing'}: "
-                             "the state is not from this model")
-        for i, w in enumerate(self.windows):
-            rows = np.array(arrays[f"layer.{i}.window"], np.float32)
-            if rows.ndim != 2 or rows.shape[1] != w.rows.shape[1] or len(rows) >= w.window:
-                raise ValueError(f"state array layer.{i}.window has shape {list(rows.shape)}: not from this model")
-            w.rows = rows
-        for prefix, s in self._named():
-            s.load_arrays(prefix, arrays)
-        self._length = int(np.asarray(arrays["length"]).reshape(-1)[0])
 
 
 @dataclass
@@ -471,11 +420,23 @@ class DeepseekV4(MoEModel):
         sqrt-softplus top-k with bias, on the post-attention RMSNorm of the collapsed streams."""
         return {L.index: L.router for L in self.layers}
 
-    def new_state(self) -> State:
-        return State(self)
+    def new_state(self, kv_cache: str = "f32") -> kv.SequenceState:
+        """Per layer: the sliding window's last K = V rows ("layer.{i}"); on compressed layers the
+        compressor's state ("layer.{i}.compressor": entries, the unfinished window, the carried
+        half-window) and on CSA layers the indexer's ("layer.{i}.indexer"). Everything a session
+        needs to continue mid-window bit-identically; all fixed-size (no KV cache: `kv_cache` does
+        not apply)."""
+        cfg, parts = self.cfg, {}
+        for L in self.layers:
+            parts[f"layer.{L.index}"] = SlidingWindow(cfg.sliding_window, cfg.head_dim)
+            if L.compressor is not None:
+                parts[f"layer.{L.index}.compressor"] = L.compressor.new_state()
+            if L.indexer is not None:
+                parts[f"layer.{L.index}.indexer"] = L.indexer.compressor.new_state()
+        return kv.SequenceState(parts)
 
     # ---- the layer graph ---------------------------------------------------------------------
-    def _attention(self, L: Layer, x: np.ndarray, state: State, start: int) -> np.ndarray:
+    def _attention(self, L: Layer, x: np.ndarray, state: kv.SequenceState, start: int) -> np.ndarray:
         """Layer L's attention on x (T, H) of the tokens at start … start + T − 1 → (T, H)."""
         cfg = self.cfg
         T, heads, D = len(x), cfg.num_attention_heads, cfg.head_dim
@@ -486,19 +447,19 @@ class DeepseekV4(MoEModel):
         q = q / np.sqrt(np.mean(q * q, axis=-1, keepdims=True) + np.float32(cfg.rms_norm_eps))  # unweighted, per head
         q = rotate_tail_interleaved(q, cos, sin)  # (T, heads, D)
         kv = rotate_tail_interleaved(rms_norm(linear(x, L.wkv), L.kv_norm, cfg.rms_norm_eps)[:, None, :], cos, sin)[:, 0]
-        rows = state.windows[L.index].extend(kv)  # (R, D)
+        rows = state[f"layer.{L.index}"].extend(kv)  # (R, D)
         extra = mask = None
         if L.compressor is not None:
-            extra = L.compressor(x, state.compressed[L.index])  # (E, D)
+            extra = L.compressor(x, state[f"layer.{L.index}.compressor"])  # (E, D)
             if L.indexer is not None:
-                mask = L.indexer.select(x, q_residual, positions, cos, sin, state.indexed[L.index])
+                mask = L.indexer.select(x, q_residual, positions, cos, sin, state[f"layer.{L.index}.indexer"])
             else:
                 mask = visible_entries(positions, len(extra), L.compressor.rate)
         out = sink_attention(q, rows, start, cfg.sliding_window, extra, mask, L.sinks, D ** -0.5)  # (T, heads, D)
         out = rotate_tail_interleaved(out, cos, -sin)  # the values' rope rotated back at the query's position
         return linear(grouped_linear(out.reshape(T, cfg.o_groups, -1), L.wo_a), L.wo_b)  # (T, H)
 
-    def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
+    def forward(self, ids: np.ndarray, state: kv.SequenceState, last_only: bool = False) -> np.ndarray:
         cfg = self.cfg
         T, start, eps = len(ids), state.length, cfg.rms_norm_eps
         h = np.repeat(embed(ids, self.embed_tokens)[:, None, :], cfg.hc_mult, axis=1)  # (T, n, H): n streams
@@ -514,7 +475,7 @@ class DeepseekV4(MoEModel):
             out = self.moe(L.index, x, collapsed, ids, shared=L.shared)
             h = HyperConnection.expand(h, out, post, comb)
             record(L.index, l_out=h.reshape(T * cfg.hc_mult, -1))  # the streams after layer i (colibri_core.probe)
-        state._length += T
+        state.advance(T)
         if last_only:
             h = h[-1:]
         return linear(rms_norm(self.hc_head(h), self.norm, eps), self.head)  # (T, V)

@@ -172,45 +172,6 @@ def _shapes(cfg: Glm52Config, name: str) -> tuple[int, ...]:
     }[name]
 
 
-class State(kv.State):
-    """Per layer: the MLA cache (latent + rope key, 576 floats per token for GLM-5.2) and, on layers
-    that run their own indexer, the indexer keys (index_head_dim floats per token)."""
-
-    def __init__(self, cfg: Glm52Config, layers: range, dims: MLADims):
-        self.layers = layers
-        self.mla = {i: MLACache(dims) for i in layers}
-        full = [i for i in layers if (not cfg.mtp_shares_index if i >= cfg.num_hidden_layers
-                                      else cfg.indexer_types[i] == "full")]
-        self.index_keys = {i: Rows(cfg.index_head_dim) for i in full}
-
-    @property
-    def length(self) -> int:
-        return self.mla[self.layers[0]].length
-
-    def arrays(self) -> dict:
-        out = {}
-        for i, cache in self.mla.items():
-            out[f"layer.{i}.latent"], out[f"layer.{i}.k_rope"] = cache.latent.view(), cache.k_rope.view()
-        for i, keys in self.index_keys.items():
-            out[f"layer.{i}.index_k"] = keys.view()
-        return out
-
-    def load_arrays(self, arrays: dict) -> None:
-        for i, cache in self.mla.items():
-            cache.latent.append(arrays[f"layer.{i}.latent"])
-            cache.k_rope.append(arrays[f"layer.{i}.k_rope"])
-        for i, keys in self.index_keys.items():
-            keys.append(arrays[f"layer.{i}.index_k"])
-
-    def truncate(self, length: int) -> bool:
-        for cache in self.mla.values():
-            cache.latent.truncate(length)
-            cache.k_rope.truncate(length)
-        for keys in self.index_keys.values():
-            keys.truncate(length)
-        return True
-
-
 class Glm52(MoEModel):
     @classmethod
     def parse_config(cls, config: dict) -> Glm52Config:
@@ -272,8 +233,6 @@ class Glm52(MoEModel):
         self.lm_head = weights("lm_head.weight")  # (V, H)
         self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta)  # interleaved pairs on the rope dims
         self.dense_attention = False  # True: ignore the indexer (tests: DSA with every key == dense)
-        self.last_hidden = None  # the final-normalised hidden states of the last forward (T, H)
-        self.last_mtp_hidden = None  # the same of the last `mtp_forward` (T, H)
 
     def _layer(self, weights, i: int) -> dict:
         cfg = self.cfg
@@ -303,6 +262,11 @@ class Glm52(MoEModel):
             L["head_norm"] = w("shared_head.norm.weight")  # (H,)
         return L
 
+    @property
+    def has_mtp(self) -> bool:
+        """A checkpoint with num_nextn_predict_layers > 0 drafts with its MTP head."""
+        return bool(self.mtp)
+
     def routers(self) -> dict:
         """Every sparse layer, then the MTP layer: sigmoid scores + correction bias, group-limited,
         renormalised × routed_scaling_factor, on the post-attention RMSNorm of the residual."""
@@ -314,26 +278,37 @@ class Glm52(MoEModel):
         sparse = [L["layer"] for L in self.layers if "router" in L]
         return dict(zip(sparse, sparse[1:]))
 
-    def new_state(self) -> State:
-        return State(self.cfg, range(self.cfg.num_hidden_layers), self.dims)
+    def new_state(self, kv_cache: str = "f32") -> kv.SequenceState:
+        """The main layers' state (no KV cache: `kv_cache` does not apply to MLA latents)."""
+        return self._state(self.layers)
 
-    def new_mtp_state(self) -> State:
+    def new_mtp_state(self) -> kv.SequenceState:
         """State of the MTP layer (its own MLA cache and indexer keys)."""
         if not self.mtp:
             raise ColibriError("this GLM model has no MTP layer (num_nextn_predict_layers is 0)")
-        n = self.cfg.num_hidden_layers
-        return State(self.cfg, range(n, n + len(self.mtp)), self.dims)
+        return self._state(self.mtp)
+
+    def _state(self, layers: list[dict]) -> kv.SequenceState:
+        """Per layer, its MLA cache "layer.{i}" (latent + rope key, 576 floats per token for GLM-5.2)
+        and, where it runs its own indexer, the indexer keys "layer.{i}.index_k" (index_head_dim)."""
+        parts = {}
+        for L in layers:
+            parts[f"layer.{L['layer']}"] = MLACache(self.dims)
+            if L["indexer"] is not None:
+                parts[f"layer.{L['layer']}.index_k"] = Rows(self.cfg.index_head_dim)
+        return kv.SequenceState(parts)
 
     # ---- the layer graph ---------------------------------------------------------------------
-    def _decoder_layer(self, L: dict, h: np.ndarray, ids: np.ndarray, state: State, cos, sin, prev_keep):
+    def _decoder_layer(self, L: dict, h: np.ndarray, ids: np.ndarray, state: kv.SequenceState, cos, sin, prev_keep):
         """One decoder layer on h (T, H) of tokens `ids` (T,); returns (h, this layer's key selection)."""
         cfg, i = self.cfg, L["layer"]
         # ---- attention: MLA over the compressed cache, keys chosen by the DSA indexer
         x = rms_norm(h, L["input_norm"], cfg.rms_norm_eps)
-        attn, cache = L["attn"], state.mla[i]
+        attn, cache = L["attn"], state[f"layer.{i}"]
         q_resid, q_nope, q_rope = attn.query(x, cos, sin)
         attn.compress(x, cos, sin, cache)
-        keep = prev_keep if L["indexer"] is None else L["indexer"].select(x, q_resid, cos, sin, state.index_keys[i])
+        keep = prev_keep if L["indexer"] is None else L["indexer"].select(x, q_resid, cos, sin,
+                                                                          state[f"layer.{i}.index_k"])
         h = h + attn.attend(q_nope, q_rope, cache, None if self.dense_attention else keep)
         # ---- MLP: dense, or routed experts + the shared expert
         x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
@@ -341,7 +316,7 @@ class Glm52(MoEModel):
             return h + swiglu_mlp(x, *L["mlp"]), keep
         return h + self.moe(i, x, h, ids, shared=L["shared"]), keep
 
-    def hidden(self, ids: np.ndarray, state: State) -> np.ndarray:
+    def hidden(self, ids: np.ndarray, state: kv.SequenceState) -> np.ndarray:
         """The final-normalised hidden states (T, H) of new tokens `ids` (T,): what lm_head reads."""
         T = len(ids)
         cos, sin = self.rope.cos_sin(np.arange(state.length, state.length + T))  # (T, r)
@@ -350,16 +325,18 @@ class Glm52(MoEModel):
         for L in self.layers:
             h, keep = self._decoder_layer(L, h, ids, state, cos, sin, keep)
             record(L["layer"], l_out=h)  # the residual stream after this layer (colibri_core.probe)
+        state.advance(T)
         return rms_norm(h, self.norm, self.cfg.rms_norm_eps)
 
-    def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
+    def forward(self, ids: np.ndarray, state: kv.SequenceState, last_only: bool = False) -> np.ndarray:
         h = self.hidden(ids, state)
         self.last_hidden = h  # (T, H): the MTP head's input (colibri_core.drafting reads it after a forward)
         if last_only:
             h = h[-1:]
         return linear(h, self.lm_head)  # (T, V)
 
-    def mtp_forward(self, hidden: np.ndarray, next_ids: np.ndarray, state: State, keep: np.ndarray | None = None) -> np.ndarray:
+    def mtp_forward(self, hidden: np.ndarray, next_ids: np.ndarray, state: kv.SequenceState,
+                    keep: np.ndarray | None = None) -> np.ndarray:
         """The MTP head: logits (T, V) for token t+2 from the main model's hidden state at t.
 
         hidden (T, H): `hidden()` of the main model at positions state.length … + T (final-normalised,
@@ -377,6 +354,7 @@ class Glm52(MoEModel):
         e = rms_norm(embed(next_ids, self.embed_tokens), L["enorm"], eps)  # (T, H)
         x = linear(np.concatenate([e, rms_norm(hidden, L["hnorm"], eps)], axis=-1), L["eh_proj"])  # (T, H)
         x, _ = self._decoder_layer(L, x, next_ids, state, cos, sin, keep)
+        state.advance(T)
         x = rms_norm(x, L["head_norm"], eps)  # (T, H)
         self.last_mtp_hidden = x  # a chained draft's stand-in for the model's hidden state at t + 1
         return linear(x, self.lm_head)

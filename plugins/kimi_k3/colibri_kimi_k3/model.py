@@ -256,58 +256,6 @@ def aliases(cfg: KimiConfig) -> tuple[tuple[str, str, int | None, int | None], .
     return tuple(out)
 
 
-class State(kv.State):
-    """Per sequence: per KDA layer its conv window and recurrent state (fixed size), per MLA layer its
-    compressed cache (the normalised latent + the shared key part, per token)."""
-
-    def __init__(self, cfg: KimiConfig):
-        self.layers = [KDAState(cfg.kda) if t == KDA else MLACache(cfg.mla) for t in cfg.layer_types]
-        self._length = 0
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    def advance(self, n: int) -> None:
-        self._length += n
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        """"length" (1,) int64; per KDA layer "layer.i.conv" (K−1, 3 Hh dk) and "layer.i.recurrent"
-        (Hh, dk, dv) (copies: updated in place); per MLA layer "layer.i.latent" (length, c) and
-        "layer.i.k_rope" (length, r) (views: rows once written never change)."""
-        out = {"length": np.array([self._length], np.int64)}
-        for i, s in enumerate(self.layers):
-            if isinstance(s, KDAState):
-                out[f"layer.{i}.conv"], out[f"layer.{i}.recurrent"] = s.conv.copy(), s.recurrent.copy()
-            else:
-                out[f"layer.{i}.latent"], out[f"layer.{i}.k_rope"] = s.latent.view(), s.k_rope.view()
-        return out
-
-    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        """Restore `arrays()` output into this fresh state. Arrays of another model (other names or
-        shapes) raise ValueError naming the first mismatch, before anything is changed."""
-        want = {k: v.shape for k, v in self.arrays().items()}
-        if set(arrays) != set(want):
-            odd = sorted(set(arrays) ^ set(want))[0]
-            raise ValueError(f"state array {odd} is {'unexpected' if odd in arrays else 'missing'}: "
-                             "the state is not from this model")
-        length = int(np.asarray(arrays["length"]).reshape(-1)[0])
-        for name, shape in want.items():
-            if name.endswith((".latent", ".k_rope")):
-                shape = (length, *shape[1:])
-            if name != "length" and np.shape(arrays[name]) != shape:
-                raise ValueError(f"state array {name} has shape {list(np.shape(arrays[name]))}, this model needs "
-                                 f"{list(shape)} for {length} tokens: the state is not from this model")
-        for i, s in enumerate(self.layers):
-            if isinstance(s, KDAState):
-                s.load(np.asarray(arrays[f"layer.{i}.conv"], np.float32),
-                       np.asarray(arrays[f"layer.{i}.recurrent"], np.float32))
-            else:
-                s.latent.append(np.asarray(arrays[f"layer.{i}.latent"], np.float32))
-                s.k_rope.append(np.asarray(arrays[f"layer.{i}.k_rope"], np.float32))
-        self._length = length
-
-
 @dataclass
 class Layer:
     kind: str  # KDA | MLA_KIND
@@ -445,8 +393,13 @@ class KimiLinear(MoEModel):
         routed_scaling_factor, on the post-attention RMSNorm of the MoE sub-layer's input."""
         return {i: L.router for i, L in enumerate(self.layers) if L.router is not None}
 
-    def new_state(self) -> State:
-        return State(self.cfg)
+    def new_state(self, kv_cache: str = "f32") -> kv.SequenceState:
+        """Per layer "layer.{i}": a KDA layer's conv window + recurrent state (fixed size), an MLA
+        layer's compressed cache (the latent + the shared key part, per token; no KV cache, so
+        `kv_cache` does not apply)."""
+        cfg = self.cfg
+        return kv.SequenceState({f"layer.{i}": KDAState(cfg.kda) if t == KDA else MLACache(cfg.mla)
+                                 for i, t in enumerate(cfg.layer_types)})
 
     # ---- the layer graph ---------------------------------------------------------------------
     def _mix(self, x: np.ndarray, T: int, cos, sin, L: Layer, cache) -> np.ndarray:
@@ -474,7 +427,7 @@ class KimiLinear(MoEModel):
         u = self.moe(i, x, residual, ids, expert_input=linear(x, down))  # (T, Z)
         return linear(rms_norm(u, norm, LATENT_NORM_EPS), up) + L.shared(x)
 
-    def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
+    def forward(self, ids: np.ndarray, state: kv.SequenceState, last_only: bool = False) -> np.ndarray:
         cfg = self.cfg
         T = len(ids)
         cos, sin = (np.repeat(a, T, axis=0) for a in self._no_rotation)  # (T, r): NoPE
@@ -483,7 +436,7 @@ class KimiLinear(MoEModel):
             h = self._forward_k3(h, ids, state, cos, sin)
         else:
             for i, L in enumerate(self.layers):
-                h = h + self._mix(rms_norm(h, L.input_norm, cfg.rms_norm_eps), T, cos, sin, L, state.layers[i])
+                h = h + self._mix(rms_norm(h, L.input_norm, cfg.rms_norm_eps), T, cos, sin, L, state[f"layer.{i}"])
                 h = h + self._ffn(i, L, rms_norm(h, L.post_norm, cfg.rms_norm_eps), h, ids)
                 record(i, l_out=h)  # the residual stream after layer i (colibri_core.probe)
         state.advance(T)
@@ -491,7 +444,7 @@ class KimiLinear(MoEModel):
             h = h[-1:]
         return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head)  # (T, V)
 
-    def _forward_k3(self, h: np.ndarray, ids: np.ndarray, state: State, cos, sin) -> np.ndarray:
+    def _forward_k3(self, h: np.ndarray, ids: np.ndarray, state: kv.SequenceState, cos, sin) -> np.ndarray:
         """K3's attention residuals: each sub-layer reads attn_res_mix(blocks, prefix); its output
         adds to the prefix; every attn_res_block_size layers (layer 0: the embedding) the prefix is
         stored as a block and restarts from the next attention output. Returns the final norm's input."""
@@ -502,7 +455,7 @@ class KimiLinear(MoEModel):
                 blocks.append(prefix)
                 prefix = None
             x_in = attn_res_mix(blocks, prefix, *L.attn_res, eps)
-            a = self._mix(rms_norm(x_in, L.input_norm, eps), T, cos, sin, L, state.layers[i])
+            a = self._mix(rms_norm(x_in, L.input_norm, eps), T, cos, sin, L, state[f"layer.{i}"])
             prefix = a if prefix is None else prefix + a
             x_in = attn_res_mix(blocks, prefix, *L.mlp_res, eps)
             prefix = prefix + self._ffn(i, L, rms_norm(x_in, L.post_norm, eps), x_in, ids)

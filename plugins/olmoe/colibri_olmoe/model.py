@@ -47,6 +47,8 @@ class OlmoeConfig:
         if rope_type != "default":
             raise ColibriError(f"OLMoE with rope_type {rope_type!r} is not supported (only default RoPE)")
         heads = c["num_attention_heads"]
+        if not c.get("head_dim") and c["hidden_size"] % heads:  # head_dim = hidden_size / heads must be whole
+            raise ColibriError(f"hidden_size {c['hidden_size']} is not a multiple of num_attention_heads {heads}")
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
             num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
@@ -63,26 +65,6 @@ RESIDENT_PER_LAYER = (  # every non-expert tensor of one layer
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
     "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate.weight",
 )
-
-
-class State(kv.State):
-    def __init__(self, cfg: OlmoeConfig):
-        self.caches = [KVCache(cfg.num_key_value_heads, cfg.head_dim) for _ in range(cfg.num_hidden_layers)]
-
-    @property
-    def length(self) -> int:
-        return self.caches[0].length
-
-    def arrays(self) -> dict:
-        return kv.cache_arrays(self.caches)
-
-    def load_arrays(self, arrays: dict) -> None:
-        kv.load_cache_arrays(self.caches, arrays)
-
-    def truncate(self, length: int) -> bool:
-        for cache in self.caches:
-            cache.truncate(length)
-        return True
 
 
 class Olmoe(MoEModel):
@@ -156,25 +138,29 @@ class Olmoe(MoEModel):
         self.lm_head = weights("lm_head.weight")  # (V, H)
         self.rope = Rope(cfg.head_dim, cfg.rope_theta)
 
-    def new_state(self) -> State:
-        return State(self.cfg)
+    def new_state(self, kv_cache: str = "f32") -> kv.SequenceState:
+        """Per layer ("layer.{i}"), the KV cache."""
+        cfg = self.cfg
+        return kv.SequenceState({f"layer.{i}": KVCache(cfg.num_key_value_heads, cfg.head_dim, kv_cache)
+                                 for i in range(cfg.num_hidden_layers)})
 
     def routers(self) -> dict:
         """Every layer: softmax over all experts, top-k, on the post-attention RMSNorm of the residual."""
         return {i: L["router"] for i, L in enumerate(self.layers)}
 
-    def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
+    def forward(self, ids: np.ndarray, state: kv.SequenceState, last_only: bool = False) -> np.ndarray:
         cfg = self.cfg
         T = len(ids)
         cos, sin = self.rope.cos_sin(np.arange(state.length, state.length + T))  # (T, D)
         h = embed(ids, self.embed_tokens)  # (T, H)
         for i, L in enumerate(self.layers):
             # ---- attention: RMSNorm → q, k, v → q/k RMSNorm → clip → RoPE → GQA over the cache → o_proj, + h
-            h = gqa_block(L["attn"], h, state.caches[i], cos, sin)  # (T, H)
+            h = gqa_block(L["attn"], h, state[f"layer.{i}"], cos, sin)  # (T, H)
             # ---- routed experts
             x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
             h = h + self.moe(i, x, h, ids)
             record(i, l_out=h)  # the residual stream after layer i (for whoever debugs: colibri_core.probe)
+        state.advance(T)
         if last_only:
             h = h[-1:]
         return linear(rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head)  # (T, V)

@@ -85,6 +85,9 @@ class Qwen36Config:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ColibriError(f"Qwen3.6 with rope_type {rope_type!r} is not supported (only default)")
+        if not t.get("head_dim") and t["hidden_size"] % t["num_attention_heads"]:  # head_dim must be whole
+            raise ColibriError(f"hidden_size {t['hidden_size']} is not a multiple of num_attention_heads "
+                               f"{t['num_attention_heads']}")
         head_dim = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
         partial = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25))
         hk, hv = t["linear_num_key_heads"], t["linear_num_value_heads"]
@@ -159,58 +162,6 @@ def resident_shapes(cfg: Qwen36Config) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, H)
     return shapes
-
-
-class State(kv.State):
-    """Per sequence: a KV cache per gated attention layer, a conv + recurrent state per DeltaNet layer."""
-
-    def __init__(self, cfg: Qwen36Config):
-        self.layers = [DeltaNetState(cfg.deltanet) if kind == LINEAR
-                       else KVCache(cfg.num_key_value_heads, cfg.head_dim) for kind in cfg.layer_types]
-        self._length = 0
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    def advance(self, n: int) -> None:
-        self._length += n
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        """"length" (1,) int64; per attention layer "layer.i.k", "layer.i.v" (length, Hkv, D) (views:
-        rows already written never change); per DeltaNet layer "layer.i.conv" (K-1, channels) and
-        "layer.i.recurrent" (Hv, dk, dv) (copies: these change in place as tokens arrive)."""
-        out = {"length": np.array([self._length], np.int64)}
-        for i, s in enumerate(self.layers):
-            if isinstance(s, KVCache):
-                out[f"layer.{i}.k"], out[f"layer.{i}.v"] = s.view()
-            else:
-                out[f"layer.{i}.conv"], out[f"layer.{i}.recurrent"] = s.conv.copy(), s.recurrent.copy()
-        return out
-
-    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        """Restore `arrays()` output into this fresh state. Arrays of another model (other names or
-        shapes) raise ValueError naming the first mismatch, before anything is changed."""
-        want = {k: v.shape for k, v in self.arrays().items()}
-        if set(arrays) != set(want):
-            odd = sorted(set(arrays) ^ set(want))[0]
-            raise ValueError(f"state array {odd} is {'unexpected' if odd in arrays else 'missing'}: "
-                             "the state is not from this model")
-        length = int(np.asarray(arrays["length"]).reshape(-1)[0])
-        for name, shape in want.items():
-            got = np.shape(arrays[name])
-            if name.endswith((".k", ".v")):
-                shape = (length, *shape[1:])
-            if name != "length" and got != shape:
-                raise ValueError(f"state array {name} has shape {list(got)}, this model needs {list(shape)} "
-                                 f"for {length} tokens: the state is not from this model")
-        for i, s in enumerate(self.layers):
-            if isinstance(s, KVCache):
-                s.append(np.asarray(arrays[f"layer.{i}.k"], np.float32), np.asarray(arrays[f"layer.{i}.v"], np.float32))
-            else:
-                s.load(np.asarray(arrays[f"layer.{i}.conv"], np.float32),
-                       np.asarray(arrays[f"layer.{i}.recurrent"], np.float32))
-        self._length = length
 
 
 @dataclass
@@ -329,10 +280,16 @@ class Qwen36(MoEModel):
         """Every layer: softmax over all experts, top-k, always renormalised."""
         return {i: L.router for i, L in enumerate(self.layers)}
 
-    def new_state(self) -> State:
-        return State(self.cfg)
+    def new_state(self, kv_cache: str = "f32") -> kv.SequenceState:
+        """Per layer "layer.{i}": a Gated DeltaNet layer's conv + recurrent state (fixed size), a
+        gated attention layer's KV cache."""
+        cfg = self.cfg
+        return kv.SequenceState({
+            f"layer.{i}": DeltaNetState(cfg.deltanet) if kind == LINEAR
+            else KVCache(cfg.num_key_value_heads, cfg.head_dim, kv_cache)
+            for i, kind in enumerate(cfg.layer_types)})
 
-    def forward(self, ids: np.ndarray, state: State, last_only: bool = False) -> np.ndarray:
+    def forward(self, ids: np.ndarray, state: kv.SequenceState, last_only: bool = False) -> np.ndarray:
         cfg = self.cfg
         T = len(ids)
         cos, sin = self.rope.cos_sin(np.arange(state.length, state.length + T))  # (T, rotary_dim)
@@ -341,9 +298,9 @@ class Qwen36(MoEModel):
             # ---- token mixer: Gated DeltaNet or gated attention
             x = rms_norm_zero_centred(h, L.input_norm, cfg.rms_norm_eps)
             if L.kind == LINEAR:
-                h = h + L.mixer(x, state.layers[i])
+                h = h + L.mixer(x, state[f"layer.{i}"])
             else:
-                h = h + L.mixer(x, state.layers[i], cos, sin)
+                h = h + L.mixer(x, state[f"layer.{i}"], cos, sin)
             # ---- routed experts + gated shared expert
             x = rms_norm_zero_centred(h, L.post_norm, cfg.rms_norm_eps)
             h = h + self.moe(i, x, h, ids, shared=L.shared)
