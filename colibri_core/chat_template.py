@@ -16,7 +16,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import ColibriError
-from .fsio import read_json
+from .fsio import TEMPLATE_BYTES, TOKENIZER_BYTES, read_json, read_text
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -50,7 +50,7 @@ class ChatTemplate:
         model_dir = Path(model_dir)
         config, fix = {}, "restore it from the model's original files or reconvert the model"
         if (model_dir / "tokenizer_config.json").is_file():
-            config = read_json(model_dir / "tokenizer_config.json", fix)
+            config = read_json(model_dir / "tokenizer_config.json", fix, limit=TOKENIZER_BYTES)
             if not isinstance(config, dict):
                 raise ColibriError(f"{model_dir / 'tokenizer_config.json'} is not a JSON object: {fix}")
         special = {}
@@ -62,10 +62,7 @@ class ChatTemplate:
                 special[name] = tok
         path = model_dir / "chat_template.jinja"
         if path.is_file():
-            try:
-                return cls(path.read_bytes().decode("utf-8"), special, str(path))
-            except (OSError, UnicodeDecodeError) as e:
-                raise ColibriError(f"cannot read {path} ({' '.join(str(e).split())[:120]}): {fix}") from None
+            return cls(read_text(path, TEMPLATE_BYTES, "chat template", fix), special, str(path))
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates: take "default"
             source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),

@@ -51,7 +51,7 @@ def run_checks(model_dir: str | Path, deep: bool = False, ray: str | None = None
     from .container import Container
     from .container.native import NativeCheckpoint, is_checkpoint
     from .container.reader import MANIFEST
-    from .convert import parse_config
+    from .convert import generation_defaults, parse_config
 
     native = is_checkpoint(model_dir) and not (model_dir / MANIFEST).exists()  # run serves it as it is
     try:
@@ -62,6 +62,7 @@ def run_checks(model_dir: str | Path, deep: bool = False, ray: str | None = None
         elif arch is not None:  # read through the layout its config.json gives
             container = NativeCheckpoint(model_dir, model_cls.layout(parse_config(model_cls, config, model_dir)),
                                          arch.name)
+            generation_defaults(model_dir)  # its token ids, as `run` reads them (a container checksums the file)
             add("files", True, f"a checkpoint run as it is: every tensor the {arch.name} layout needs is there, "
                                f"every shard as long as its header says ({len(container.moe_layers)} MoE layers); "
                                f"it carries no checksums (`colibri convert` writes them)")

@@ -115,8 +115,9 @@ def core_pin() -> list[str]:
         return []
 
 
-def check_wheel(path: Path) -> None:
-    """A ColibriError (one line) unless `path` is a wheel of a colibri plugin that supports this colibri."""
+def check_wheel(path: Path, source: Path | None = None) -> None:
+    """A ColibriError (one line) unless `path` is a wheel of a colibri plugin that supports this
+    colibri; the message names `source` (the directory the wheel was built from) when given."""
     if path.suffix != ".whl":
         raise ColibriError(f"{path}: not a wheel (.whl) or a plugin directory")
     try:
@@ -131,17 +132,20 @@ def check_wheel(path: Path) -> None:
     except (zipfile.BadZipFile, OSError, UnicodeDecodeError) as e:
         raise ColibriError(f"{path}: not a readable wheel ({e})") from e
     dist = f"{meta['Name']} {meta['Version']}"
+    where = source or path
     if "[colibri]" not in groups:
-        raise ColibriError(f"{path}: {dist} is not a colibri plugin (no entry point in the group colibri)")
+        raise ColibriError(f"{where}: {dist} is not a colibri plugin (no entry point in the group colibri)")
     problem = version_problem(types.SimpleNamespace(requires=meta.get_all("Requires-Dist") or []))
     if problem:
-        raise ColibriError(f"{path}: {dist} {problem}")
+        raise ColibriError(f"{where}: {dist} {problem}")
 
 
 def check_plugin_dir(path: Path) -> None:
-    """A ColibriError (one line) unless the directory's pyproject.toml declares a colibri plugin (an
-    entry point in the group colibri) that supports this colibri. Left to pip: a project with no
-    pyproject.toml (setup.py), and every project under Python 3.10 (no tomllib)."""
+    """A ColibriError (one line) if the directory's pyproject.toml says, without anything of the
+    project being run, that it is no colibri plugin (no entry point in the group colibri) or not one
+    for this colibri. What it cannot tell (entry points left to setup.py: `dynamic`, or no
+    pyproject.toml; every project under Python 3.10, which has no tomllib) the check of the wheel
+    built from it tells (`check_wheel`)."""
     pyproject = path / "pyproject.toml"
     try:
         import tomllib

@@ -11,10 +11,15 @@
 A constraint is built for one generation from a JSON object (`{"type": "json_object"}`), a JSON
 schema, a Lark grammar (llguidance's dialect), a GBNF grammar (llama.cpp's, converted by llguidance)
 or a set of tools (`tool_calls`: the answer is text or tool calls in one fixed format, which
-`parse_tool_calls` reads back). A grammar that cannot be compiled is a `ColibriError` carrying the
-compiler's message. JSON is compact by default (no whitespace between tokens: a weak model cannot
-loop on blank lines, and the grammar then forces every key and separator); a schema may ask for
-other separators with llguidance's `"x-guidance"` options.
+`parse_tool_calls` reads back; each function's parameters are a schema of their own, so their
+`$ref`s resolve as a response_format's do). A grammar that cannot be compiled is a `ColibriError`
+carrying the compiler's message, and so is one llguidance cannot follow: a new constraint is followed
+up to the model's first choice (its first mask, the tokens it forces), which refuses at once a grammar
+whose every answer recurses without end (llguidance gives up at its item limit), and a limit met
+later is a `ColibriError` from `mask`/`advance`/`forced`, mid-answer. JSON is compact by default
+(no whitespace between tokens: a weak model cannot loop on blank lines, and the grammar then forces
+every key and separator); a schema may ask for other separators with llguidance's `"x-guidance"`
+options.
 
 End-of-sequence tokens (the model's `eos_token_id`) are allowed exactly where the grammar accepts;
 one consumed is kept here, not given to llguidance, so `rollback` undoes it like any other token.
@@ -29,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ColibriError
+from .fsio import GRAMMAR_BYTES, TOKENIZER_BYTES, read_text
 
 __all__ = ["Constraint", "Vocabulary", "TOOL_OPEN", "TOOL_CLOSE", "parse_tool_calls", "tool_prompt"]
 
@@ -69,15 +75,14 @@ class Vocabulary:
         path = Path(engine.model_dir) / "tokenizer.json"
         if not path.is_file():
             raise ColibriError(f"{engine.model_dir}: no tokenizer.json: structured output needs one")
-        size = getattr(getattr(engine.model, "cfg", None), "vocab_size", None)
-        size = size or engine.tokenizer.tok.get_vocab_size(with_added_tokens=True)
+        size = engine.model.vocab_size
         st = path.stat()
         eos = tuple(engine.generation.get("eos_token_id", []))
         return _vocabulary(str(path), st.st_mtime_ns, st.st_size, int(size), eos)
 
     @classmethod
     def from_file(cls, path: str | Path, vocab_size: int | None = None, eos_ids=()) -> Vocabulary:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_text(path, TOKENIZER_BYTES, fix="restore it from the model's original files or reconvert the model")
         v = cls(text, vocab_size or 0, eos_ids)
         if not vocab_size:
             v.vocab_size = v.n_tokens
@@ -102,6 +107,20 @@ class Constraint:
         self.eos_at: int | None = None  # index in history of the EOS that ended the grammar, if any
         self._mask: np.ndarray | None = None  # of the current state, until it changes
         self._bits = np.zeros(vocab.words, np.int32)
+        self._check_start()
+
+    def _check_start(self) -> None:
+        """Follow the fresh grammar as the engine will up to the model's first choice: the first mask,
+        then (on a copy) every token it forces and the mask after them. What llguidance cannot follow
+        there (a rule every sentence must recurse through forces tokens until its item limit; a
+        pattern no text matches) is refused now, not after the request is queued or streamed."""
+        self.mask()  # kept: the engine asks for it first
+        probe = self.matcher.deep_copy()
+        probe.try_consume_tokens(probe.compute_ff_tokens())
+        if not probe.is_error():
+            probe.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if probe.is_error():
+            raise self._failure(probe, "before the model's first choice")
 
     # ---- the kinds of grammar --------------------------------------------------------------------
     @classmethod
@@ -160,10 +179,7 @@ class Constraint:
     def from_file(cls, vocab: Vocabulary, path: str | Path, kind: str) -> Constraint:
         """`kind` "grammar" (Lark or GBNF: by extension .lark / .gbnf, else by content) or "json_schema"."""
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ColibriError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+        text = read_text(path, GRAMMAR_BYTES, "JSON schema" if kind == "json_schema" else "grammar")
         try:
             if kind == "json_schema":
                 return cls.json_schema(vocab, text)
@@ -186,6 +202,15 @@ class Constraint:
             if not functions:
                 raise ColibriError(f"tool_choice names the function {choice!r}, which is not among the tools")
             parallel = False
+        # each schema is also checked alone, as a response_format is: in the grammar the model's first
+        # choices (text or a call, a newline or not) come before it, and the check stops at a choice
+        for f in functions:
+            try:
+                cls.json_schema(vocab, f["parameters"])
+            except ColibriError as e:
+                raise ColibriError(f"the parameters of {f['name']!r}: {e}") from None
+        if answer is not None:
+            cls.json_schema(vocab, answer)
         call = " | ".join(f"call_{i}" for i in range(len(functions)))
         text = "TEXT" if answer is None else "answer"
         rules = [f'start: {text + " | calls" if choice == "auto" else "calls"}',
@@ -197,10 +222,11 @@ class Constraint:
         if answer is not None:
             rules.append(f"answer: %json {json.dumps(_with_options(answer))}")
         for i, f in enumerate(functions):
-            schema = _with_options({"type": "object", "properties": {"name": {"const": f["name"]},
-                                                                     "arguments": f["parameters"]},
-                                    "required": ["name", "arguments"], "additionalProperties": False})
-            rules.append(f'call_{i}: "{TOOL_OPEN}" NL? %json {json.dumps(schema)} NL? "{TOOL_CLOSE}"')
+            # the call's head is literal text and its parameters a schema of their own, so their "$ref"s
+            # ("#/$defs/…", "#") resolve against them as a response_format's do
+            head = json.dumps(f'{{"name":"{f["name"]}","arguments":')
+            rules.append(f'call_{i}: "{TOOL_OPEN}" NL? {head} %json {json.dumps(_with_options(f["parameters"]))} '
+                         f'"}}" NL? "{TOOL_CLOSE}"')
         return cls(vocab, _llg().LLMatcher.grammar_from_lark("\n".join(rules)), "tools' grammar")
 
     # ---- the protocol the engine calls -------------------------------------------------------------
@@ -212,6 +238,8 @@ class Constraint:
                 allowed = np.zeros(v.vocab_size, bool)
             else:
                 self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+                if self.matcher.is_error():
+                    raise self._failure(self.matcher)
                 allowed = np.unpackbits(self._bits.view(np.uint8), count=v.n_tokens, bitorder="little").view(bool)
                 if v.vocab_size != v.n_tokens:  # the model's output is wider (or narrower) than the tokenizer
                     n, allowed = min(v.n_tokens, v.vocab_size), allowed[:v.vocab_size]
@@ -221,15 +249,15 @@ class Constraint:
         return self._mask
 
     def advance(self, token: int) -> None:
-        """Consume `token`; a token the grammar does not allow now is a ValueError (nothing changes)."""
+        """Consume `token`; a token the grammar does not allow now is a ValueError (nothing changes), a
+        limit llguidance meets on an allowed one a ColibriError (the constraint is of no further use)."""
         token = int(token)
         if not (0 <= token < self.vocab.vocab_size and self.mask()[token]):
             raise ValueError(f"token {token} is not allowed by the {self.what} here")
         if token in self.vocab.eos_ids:
             self.eos_at = len(self.history)  # the end: kept here, llguidance is not told
-        elif not self.matcher.consume_token(token):
-            raise ValueError(f"token {token} is not allowed by the {self.what} here: "
-                             f"{_one_line(self.matcher.get_error())}")
+        elif not self.matcher.consume_token(token):  # allowed by the mask: llguidance gave up (a limit)
+            raise self._failure(self.matcher)
         self.history.append(token)
         self._mask = None
 
@@ -252,8 +280,11 @@ class Constraint:
         """The tokens the grammar forces next (llguidance's fast-forward tokens), [] if none."""
         if self.eos_at is not None or self.matcher.is_stopped():
             return []
+        forced = self.matcher.compute_ff_tokens()
+        if self.matcher.is_error():
+            raise self._failure(self.matcher)
         out = []
-        for t in self.matcher.compute_ff_tokens():
+        for t in forced:
             if t >= self.vocab.vocab_size:
                 break
             out.append(int(t))
@@ -267,6 +298,17 @@ class Constraint:
         """What was generated is a whole sentence of the grammar (it may still go on)."""
         return self.eos_at is not None or self.matcher.is_accepting()
 
+    def _failure(self, matcher, where: str | None = None) -> ColibriError:
+        """llguidance's error state (a grammar it cannot follow: its item or lexer limits) as one line."""
+        where = where or (f"after {len(self.history)} tokens" if self.history else "at its start")
+        message = _one_line(matcher.get_error())
+        if message in ("NoExtension", "NoExtensionBias"):  # a stop reason, alone
+            message = f"no text can continue it ({message})"
+        if "Too many items" in message:  # llguidance's hint (avoid short lexemes) is not the usual cause
+            message = (message.split("; try avoiding")[0] + ", as when every answer must recurse without end "
+                       "(a required property, a minItems array or a rule that refers back to itself)")
+        return ColibriError(f"the {self.what} cannot be followed {where}: {message}")
+
 
 def _with_options(schema: dict) -> dict:
     """A schema embedded in a Lark grammar, with JSON_OPTIONS unless it sets its own."""
@@ -277,7 +319,7 @@ def _one_line(message: str) -> str:
     """llguidance's message as one line: its lines once each, without the source excerpts and carets
     it draws under them."""
     keep = []
-    for line in message.splitlines():
+    for line in message.split("<state>")[0].splitlines():  # not the parser state dumped after it
         line = line.strip()
         if line and line not in keep and not re.fullmatch(r"\^+|\d+ \|.*", line):
             keep.append(line)

@@ -6,13 +6,14 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 
 from .errors import ColibriError
-from .fsio import read_json
+from .fsio import TOKENIZER_BYTES, read_text
 
 
 class Tokenizer:
     def __init__(self, path: str | Path):
+        text = read_text(path, TOKENIZER_BYTES, fix="restore it from the model's original files or reconvert the model")
         try:
-            self.tok = _HFTokenizer.from_file(str(path))
+            self.tok = _HFTokenizer.from_str(text)
         except Exception as e:
             why = " ".join(str(e).split())[:200]
             raise ColibriError(f"{path}: not a readable tokenizer.json ({why}): restore it from the model's "
@@ -52,17 +53,3 @@ class StreamDecoder:
         return delta
 
 
-def generation_defaults(model_dir: str | Path) -> dict:
-    """``generation_config.json`` as a dict ({} if absent); ``eos_token_id`` normalised to a list."""
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    fix = "restore it from the model's original files or reconvert the model"
-    cfg = read_json(path, fix)
-    eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
-    ok_id = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
-    if not isinstance(cfg, dict) or not (eos is None or ok_id(eos) or (isinstance(eos, list) and all(map(ok_id, eos)))):
-        what = "not a JSON object" if not isinstance(cfg, dict) else f"eos_token_id {eos!r}"[:80] + " is not token ids"
-        raise ColibriError(f"{path}: {what}: {fix}")
-    cfg["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    return cfg

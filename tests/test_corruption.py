@@ -6,12 +6,18 @@ and the tokens are the undamaged run's: never a traceback, never a wrong token; 
 --deep` fails naming the damaged container file.
 
 Also the traceback defects of issue 22: a deeply nested config.json (run, doctor, chat), a deeply
-nested `.coli_usage` or counts of 2**70 under a valid checksum (`colibri serve` must not exit).
+nested `.coli_usage` or counts of 2**70 under a valid checksum (`colibri serve` must not exit); and
+every file the engine reads whole, far larger than its bound (sparse: nothing is written): refused
+before it is read, in one line naming the file and the bound.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import tempfile
+import threading
 import warnings
 import zlib
 from pathlib import Path
@@ -19,11 +25,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from colibri_core import fsio
 from colibri_core.errors import ColibriError
 from colibri_core.kv.session import HEAD, session_path
+from colibri_core.sizes import format_bytes
 from colibri_core.store.usage import USAGE_FILE
 
-from conftest import colibri
+from conftest import COLIBRI, colibri
 
 PROMPT = "the quick brown"
 RUN = ["run", "--temperature", "0", "--max-tokens", "8", "--cache-slots", "8"]
@@ -88,6 +96,17 @@ def models(tmp_path_factory) -> dict:
         assert code == 0, error
         out["chat"][len(lines)] = text.split("> ")[-2]  # the last answer
     return out
+
+
+@pytest.fixture(scope="module")
+def fresh_history(models, tmp_path_factory) -> dict:
+    """The routing history that one run of PROMPT writes into a copy of ours that had none."""
+    m = tmp_path_factory.mktemp("fresh") / "m"
+    shutil.copytree(models["ours"], m)
+    (m / USAGE_FILE).unlink()
+    code, _, _, error, _ = cli(*RUN, "--model", m, PROMPT)
+    assert code == 0, error
+    return json.loads((m / USAGE_FILE).read_text())
 
 
 @pytest.fixture
@@ -210,7 +229,7 @@ def test_manifest_of_another_model_says_so(models, model):
 
 
 @pytest.mark.parametrize("damage", [*DAMAGE, "from another model", "nested", "huge counts"])
-def test_damaged_usage_history_is_ignored_with_one_warning(models, model, damage):
+def test_damaged_usage_history_is_ignored_with_one_warning(models, model, fresh_history, damage):
     path = model / USAGE_FILE
     if damage == "from another model":
         shutil.copyfile(models["other"] / USAGE_FILE, path)
@@ -228,7 +247,8 @@ def test_damaged_usage_history_is_ignored_with_one_warning(models, model, damage
     assert text == models["text"]
     ours = [w for w in caught if "routing history" in w]
     assert len(ours) == 1 and str(path) in ours[0] and "ignoring" in ours[0], caught
-    assert json.loads(path.read_text())["tokens"] > 0  # replaced by this run's history
+    replaced = json.loads(path.read_text())  # by this run's history alone: nothing of the damaged one kept
+    assert (replaced["tokens"], replaced["counts"]) == (fresh_history["tokens"], fresh_history["counts"])
 
 
 @pytest.mark.parametrize("damage", [*DAMAGE, "from another model", "cut in its last turn"])
@@ -328,3 +348,92 @@ def test_serve_survives_a_nested_routing_history(model):
         assert log.count("ignoring routing history") == 1 and "Traceback" not in log, log
     finally:
         server.stop()
+
+
+# ------------------------------------------------------------------ files larger than the engine reads
+HUGE = 1 << 30  # a sparse file's size: once read whole, 1-2 GB of RSS
+PEAK_RSS = 512 << 20  # what a refusal may take: a run of the tiny model peaks near 70 MB
+
+
+def measured(*args, timeout: float = 120) -> tuple[int, str, int]:
+    """`colibri ARGS` in a subprocess: (exit code, its stderr, its peak RSS in bytes)."""
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([*COLIBRI, *map(str, args)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=err)
+        killer = threading.Timer(timeout, proc.kill)  # a bound on waiting (the FIFO case: an open that never returns)
+        killer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            killer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        return proc.returncode, err.read().decode(), usage.ru_maxrss * 1024
+
+
+def unlist(model: Path, rel: str) -> None:
+    """Take `rel` out of the manifest's file list (its size and checksum no longer checked first)."""
+    m = yaml.safe_load((model / "colibri.yaml").read_text())
+    del m["files"][rel]
+    (model / "colibri.yaml").write_text(yaml.safe_dump(m, sort_keys=False))  # edited: no checksum line
+
+
+def sparse(path: Path, size: int = HUGE) -> None:
+    with open(path, "wb") as f:
+        f.truncate(size)
+
+
+@pytest.mark.parametrize("rel,bound,args", [
+    ("colibri.yaml", fsio.MANIFEST_BYTES, ["run", PROMPT]),
+    ("tokenizer.json", fsio.TOKENIZER_BYTES, ["run", PROMPT]),
+    ("tokenizer_config.json", fsio.TOKENIZER_BYTES, ["run", "--chat", PROMPT]),
+    ("generation_config.json", fsio.CONFIG_BYTES, ["run", PROMPT]),
+    ("chat_template.jinja", fsio.TEMPLATE_BYTES, ["run", "--chat", PROMPT]),
+    ("big.lark", fsio.GRAMMAR_BYTES, ["run", "--grammar", "{model}/big.lark", PROMPT]),
+    ("big.json", fsio.GRAMMAR_BYTES, ["run", "--json-schema", "{model}/big.json", PROMPT]),
+])
+def test_a_file_past_its_bound_is_refused_unread(model, rel, bound, args):
+    if rel in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        unlist(model, rel)
+    sparse(model / rel)
+    code, err, peak = measured(*[a.format(model=model) for a in args], "--model", model)
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert rel in err and f"is {format_bytes(HUGE)}, more than the {format_bytes(bound)}" in err, err
+    assert peak < PEAK_RSS, f"{peak >> 20} MiB to refuse a {HUGE >> 20} MiB {rel}"
+
+
+def test_a_source_config_past_its_bound_is_refused_unread(tmp_path):
+    src = tmp_path / "hf"
+    src.mkdir()
+    sparse(src / "config.json")
+    code, err, peak = measured("convert", src, tmp_path / "out")
+    assert code == 1 and err.count("\n") == 1 and "config.json" in err and format_bytes(fsio.CONFIG_BYTES) in err, err
+    assert peak < PEAK_RSS, f"{peak >> 20} MiB to refuse a {HUGE >> 20} MiB config.json"
+
+
+def test_a_routing_history_past_its_bound_is_ignored_unread(model):
+    sparse(model / USAGE_FILE)
+    code, err, peak = measured(*RUN, "--model", model, PROMPT)
+    warned = [line for line in err.splitlines() if "routing history" in line]
+    assert code == 0 and len(warned) == 1 and USAGE_FILE in warned[0] and "more than the" in warned[0], err
+    assert peak < PEAK_RSS, f"{peak >> 20} MiB to ignore a {HUGE >> 20} MiB {USAGE_FILE}"
+
+
+def test_a_schema_from_a_fifo_nobody_writes_is_one_line(model, tmp_path):
+    """A FIFO nobody writes (read as it was, the open never returned) reads as empty: not a schema, in
+    one line; a device (/dev/zero, read as it was, grew the process until the kernel killed it) is
+    cut at the bound (test_io, in-process)."""
+    os.mkfifo(tmp_path / "schema.json")
+    code, err, _ = measured("run", "--json-schema", tmp_path / "schema.json", "--model", model, PROMPT, timeout=60)
+    assert code == 1 and err.count("\n") == 1 and "schema.json" in err, err
+
+
+def test_a_session_header_past_its_bound_is_refused(models, model):
+    """A session file whose header (under a valid checksum) is longer than a header may be: refused
+    before its JSON is parsed, and the chat starts fresh."""
+    path = session_path(model, "s")
+    ident = b" " * fsio.SESSION_HEADER_BYTES + b"{}"
+    path.write_bytes(HEAD.pack(b"COLISESS", 1, len(ident)) + ident + zlib.crc32(ident).to_bytes(4, "little"))
+    code, text, err, error, _ = cli(*CHAT, "--model", model, "--session", "s", stdin="brown fox\n")
+    assert code == 0 and "damaged header" in err and str(fsio.SESSION_HEADER_BYTES) in err, (err, error)
+    assert text.split("> ")[-2] == models["chat"][1]

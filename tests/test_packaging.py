@@ -208,30 +208,59 @@ def test_install_checks_a_wheel_first(tmp_path):
     plugins.check_wheel(wheel(tmp_path / "ok.whl", "colibri-ok", "1.0", ["colibri>=0.1,<0.2"]))
 
 
-def invoke(monkeypatch, *args):
-    """Run the CLI in-process with pip replaced: the pip command lines it would run."""
+def invoke(monkeypatch, *args, plugin=True):
+    """Run the CLI in-process with pip replaced: the pip command lines it would run, the throwaway
+    wheel directory written TMP. A build writes the wheel of a plugin (plugin=False: of a project
+    that is none)."""
     from typer.testing import CliRunner
 
     from colibri_core import cli
 
     calls = []
+
+    def build(argv, **kw):
+        calls.append(argv)
+        wheel(Path(argv[argv.index("--wheel-dir") + 1]) / "x-1.0-py3-none-any.whl", "x", "1.0", plugin=plugin)
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(cli.subprocess, "run", build)
     monkeypatch.setattr(cli.subprocess, "call", lambda argv: calls.append(argv) or 0)
     monkeypatch.chdir(REPO)
     r = CliRunner().invoke(cli.app, list(args))
-    return r, calls
+    tmp = calls[0][calls[0].index("--wheel-dir") + 1] if calls and "wheel" in calls[0] else None
+    return r, [[a.replace(tmp, "TMP") if tmp else a for a in argv] for argv in calls]
 
 
 PIN = f"colibri=={colibri_core.__version__}"  # installing a plugin never changes colibri
+PIP = [sys.executable, "-m", "pip"]  # colibri's own python: pip installs into colibri's environment
+
+
+def built(directory: str) -> list[str]:
+    return [*PIP, "wheel", "--no-deps", "--use-pep517", "--wheel-dir", "TMP", str(REPO / directory)]
 
 
 @pytest.mark.parametrize("args, want", [
-    (["glm52"], [str(REPO / "plugins" / "glm52"), PIN]),  # the short name of a shipped plugin
-    (["plugins/olmoe"], [str(REPO / "plugins" / "olmoe"), PIN]),
+    (["glm52"], [built("plugins/glm52"), [*PIP, "install", "TMP/x-1.0-py3-none-any.whl", PIN]]),  # a short name
+    (["colibri_olmoe"], [built("plugins/olmoe"), [*PIP, "install", "TMP/x-1.0-py3-none-any.whl", PIN]]),
+    (["plugins/olmoe"], [built("plugins/olmoe"), [*PIP, "install", "TMP/x-1.0-py3-none-any.whl", PIN]]),
+    (["-e", "colibri-qwen36"], [built("plugins/qwen36"), [*PIP, "install", "-e", str(REPO / "plugins/qwen36"), PIN]]),
+    (["--editable", "examples/qwen3moe"], [built("examples/qwen3moe"),
+                                           [*PIP, "install", "-e", str(REPO / "examples/qwen3moe"), PIN]]),
 ])
-def test_install_pins_colibri(monkeypatch, args, want):
+def test_install_builds_checks_then_installs_pinning_colibri(monkeypatch, args, want):
+    """A directory (a shipped plugin's name: its directory in this checkout) is built into a wheel,
+    which is installed (-e: the directory) once checked; pip runs with colibri's python."""
     r, calls = invoke(monkeypatch, "install", *args)
     assert r.exit_code == 0, r.output
-    assert calls == [[sys.executable, "-m", "pip", "install", *want]]
+    assert calls == want
+
+
+def test_install_installs_nothing_when_the_built_wheel_is_no_plugin(monkeypatch):
+    for args in (["plugins/olmoe"], ["-e", "plugins/olmoe"]):
+        r, calls = invoke(monkeypatch, "install", *args, plugin=False)
+        assert r.exit_code == 1 and calls == [built("plugins/olmoe")]
+        assert str(r.exception) == (f"{REPO / 'plugins' / 'olmoe'}: x 1.0 is not a colibri plugin (no entry point "
+                                    "in the group colibri)")
 
 
 def test_install_by_name_without_a_checkout_asks_pip(monkeypatch, tmp_path):
@@ -239,7 +268,7 @@ def test_install_by_name_without_a_checkout_asks_pip(monkeypatch, tmp_path):
     monkeypatch.setattr(plugins, "REPOSITORY", tmp_path)
     r, calls = invoke(monkeypatch, "install", "colibri-glm52")
     assert r.exit_code == 0, r.output
-    assert calls == [[sys.executable, "-m", "pip", "install", "colibri-glm52", PIN]]
+    assert calls == [[*PIP, "install", "colibri-glm52", PIN]]
     r, calls = invoke(monkeypatch, "install", "-e", "colibri-glm52")
     assert r.exit_code == 1 and "colibri-glm52's source is not beside this colibri" in str(r.exception)
 
@@ -248,7 +277,7 @@ def test_uninstall(monkeypatch):
     for name in ("colibri-olmoe", "olmoe", "colibri_olmoe"):
         r, calls = invoke(monkeypatch, "uninstall", name)
         assert r.exit_code == 0, r.output
-        assert calls == [[sys.executable, "-m", "pip", "uninstall", "--yes", "colibri-olmoe"]]
+        assert calls == [[*PIP, "uninstall", "--yes", "colibri-olmoe"]]
     r, calls = invoke(monkeypatch, "uninstall", "colibri")
     assert calls == [] and "to remove colibri itself" in str(r.exception)
     r, calls = invoke(monkeypatch, "uninstall", "colibri-nope")

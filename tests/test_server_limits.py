@@ -11,6 +11,7 @@ import urllib.parse
 import pytest
 
 from colibri_core.chat_template import ChatTemplate
+from colibri_core.errors import ColibriError
 from colibri_core.server import ServerConfig, bind, create_app, header_timeout_protocol
 from live_server import LiveServer, get, post
 
@@ -177,23 +178,29 @@ def test_bodies_over_the_limit_are_refused_before_they_are_read(server):
 
 
 # ---- slow clients (in-process, with short timeouts) ----------------------------------------------------
-@pytest.fixture(scope="module")
-def quick(tiny_model):
+def in_process(cfg: ServerConfig):
+    """Serve `cfg` on a thread of this process; yields (its URL, its `Server`) until closed."""
     import uvicorn
 
     sock = bind("127.0.0.1", 0)
     url = "http://127.0.0.1:%d" % sock.getsockname()[1]
-    app = create_app(ServerConfig(tiny_model, body_timeout=1.0, header_timeout=1.0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=header_timeout_protocol(1.0)))
+    app = create_app(cfg)
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=header_timeout_protocol(cfg.header_timeout)))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
     while get(url + "/health")[0] != 200:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    yield url
+    yield url, app.state.server
     uv.should_exit = True
     thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def quick(tiny_model):
+    for url, _ in in_process(ServerConfig(tiny_model, body_timeout=1.0, header_timeout=1.0)):
+        yield url
 
 
 def connect(url):
@@ -247,3 +254,112 @@ def test_a_kept_alive_connection_is_served_request_after_request(quick):
         time.sleep(0.3)
     assert socks[0] is socks[-1]  # one connection throughout
     conn.close()
+
+
+# ---- many large bodies at once ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def budgeted(tiny_model):
+    """A server that holds 1 MiB bodies, at most 2 MiB of them arriving at once."""
+    yield from in_process(ServerConfig(tiny_model, max_body_bytes=1 << 20, max_body_bytes_in_flight=2 << 20))
+
+
+def head(length: int) -> bytes:
+    return (b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n" % length)
+
+
+def wait_for(condition, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds  # a bound on waiting, not a performance assertion
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_bodies_past_the_in_flight_budget_are_refused_at_once(budgeted):
+    """Two bodies arriving hold the budget; a third request is a 503 with Retry-After at once, by its
+    declared length or (chunked) by its first chunk; what a body held is given back when it is read
+    or its client goes."""
+    url, server = budgeted
+    body = json.dumps({"content": "the quick brown fox"}).encode().ljust(1 << 20)  # 1 MiB, spaces after the JSON
+    with connect(url) as a, connect(url) as b:
+        for s in (a, b):
+            s.sendall(head(len(body)) + body[:-100])  # all but 100 bytes
+        wait_for(lambda: server.bodies.held == 2 * (len(body) - 100))
+        for ask in (head(1000), b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                                b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (1000, b" " * 1000)):
+            with connect(url) as c:
+                t = time.monotonic()
+                c.sendall(ask)
+                reply = read_reply(c)
+            assert reply.startswith(b"HTTP/1.1 503") and b"server_busy" in reply, reply
+            assert b"\r\nretry-after: 1\r\n" in reply.lower() and time.monotonic() - t < 5, reply
+        a.sendall(body[-100:])  # the first body whole: read, and its bytes given back
+        assert read_reply(a).startswith(b"HTTP/1.1 200")
+        wait_for(lambda: server.bodies.held == len(body) - 100)
+        status, _, _ = post(url + "/tokenize", {"content": "room again"})
+        assert status == 200
+    wait_for(lambda: server.bodies.held == 0)  # the second client went: its bytes are given back
+
+
+def test_an_in_flight_budget_below_one_body_is_refused(tiny_model):
+    with pytest.raises(ColibriError, match="max_body_bytes_in_flight .* is less than max_body_bytes"):
+        ServerConfig(tiny_model, max_body_bytes=16 << 20, max_body_bytes_in_flight=8 << 20)
+
+
+BURST = 40  # connections at once
+DECLARED, SENT = 16 << 20, 15 << 20  # each declares a 16 MiB body (the per-request limit) and sends 15 MiB of it
+BURST_BOUND = 160 << 20  # the RSS a burst may add: twice the in-flight budget (64 MiB; the bodies, and uvicorn's
+# buffers and each bytearray's growth along the way), + 32 MiB
+SETTLED_BOUND = 32 << 20  # what it may leave behind, once its connections have closed
+
+
+@pytest.mark.system
+def test_a_burst_of_large_bodies_is_bounded_and_its_memory_returns(tiny_model):
+    """40 connections each sending 15 MiB of a 16 MiB body at once: the server holds at most its
+    in-flight budget of them (past it, each is refused at once), and its RSS returns near idle after."""
+    server = LiveServer("serve", tiny_model)
+    try:
+        assert call(server, "/tokenize", {"content": "warm up"})[0] == 200
+        time.sleep(1.5)  # the worker's idle trim after its first turn
+        idle = server.rss_bytes()
+        peak, stop = [idle], threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                peak[0] = max(peak[0], server.rss_bytes())
+                time.sleep(0.02)
+
+        def send(sock):
+            try:
+                sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % DECLARED)
+                for _ in range(SENT >> 20):
+                    sock.sendall(b" " * (1 << 20))
+            except OSError:  # refused: the server answered and closed
+                pass
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        socks = [connect(server.url) for _ in range(BURST)]
+        senders = [threading.Thread(target=send, args=(s,)) for s in socks]
+        t = time.monotonic()
+        for s in senders:
+            s.start()
+        for s in senders:
+            s.join()
+        sent_in = time.monotonic() - t
+        time.sleep(1.0)  # all of it arrived: what the server holds now is what it keeps
+        for s in socks:
+            s.close()
+        time.sleep(3.0)
+        stop.set()
+        sampler.join()
+        settled = server.rss_bytes()
+        print(f"burst: idle {idle >> 20} MiB, peak {peak[0] >> 20} MiB, settled {settled >> 20} MiB, "
+              f"sent in {sent_in:.1f} s")
+        assert peak[0] - idle < BURST_BOUND, (idle >> 20, peak[0] >> 20)
+        assert settled - idle < SETTLED_BOUND, (idle >> 20, settled >> 20)
+        assert call(server, "/tokenize", {"content": "still serving"})[0] == 200
+    finally:
+        server.stop()
+    assert "Traceback" not in server.text_log(), server.text_log()

@@ -4,6 +4,7 @@ a foreign web page's text/plain POST), --allow-origin and CORS, static files onl
 own directory (path traversal), no request reading or writing a path of the caller's choosing, and
 no response disclosing where the model lives.
 """
+import asyncio
 import http.client
 import json
 import mimetypes
@@ -17,6 +18,7 @@ import pytest
 
 from colibri_core.server import ServerConfig, bind, create_app
 from colibri_core.server.app import STATIC
+from colibri_core.server.security import Guard, Policy
 from conftest import colibri
 from live_server import LiveServer, get, post
 
@@ -155,6 +157,57 @@ def test_foreign_host_and_origin_are_refused(open_server):
         status, resp_headers, _ = request(url, "POST", "/v1/completions", {"prompt": "a", "max_tokens": 1}, headers)
         assert status == 200, headers
         assert "access-control-allow-origin" not in resp_headers  # no CORS for anyone by default
+
+
+def raw_request(url: str, head: str) -> tuple[int, bytes]:
+    """A request whose header lines are sent exactly as written (http.client sends a header once)."""
+    u = urllib.parse.urlsplit(url)
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+        sock.sendall(f"{head}Connection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+@pytest.mark.parametrize("twice", [
+    f"Authorization: Bearer {KEY}\r\nAuthorization: Bearer wrong\r\n",
+    f"Authorization: Bearer wrong\r\nAuthorization: Bearer {KEY}\r\n",
+    f"Authorization: Bearer {KEY}\r\nOrigin: http://127.0.0.1\r\norigin: http://evil.example\r\n",
+], ids=["authorization", "authorization-last-right", "origin"])
+def test_a_header_the_checks_read_sent_twice_is_refused(web_with_key, twice):
+    """Whichever copy the server read (the last), a proxy in front may have checked the other one.
+    (Two Host headers never reach the app here: uvicorn's HTTP parser refuses them; the guard's own
+    check, for servers that pass them on, is tested below.)"""
+    for path in ("/v1/models", "/health"):
+        status, body = raw_request(web_with_key.url, f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{twice}")
+        error = json.loads(body)["error"]
+        assert status == 400 and error["code"] == "duplicate_header", body
+        assert error["type"] == "invalid_request_error" and "header is sent 2 times" in error["message"]
+    once = f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+    assert raw_request(web_with_key.url, once)[0] == 200
+
+
+@pytest.mark.parametrize("name", ["Host", "Origin", "Authorization"])
+def test_the_guard_refuses_two_of_a_header_it_reads(name):
+    """The guard as an ASGI app, given what an HTTP server that keeps duplicate headers passes on."""
+    async def app(scope, receive, send):
+        raise AssertionError("the request went past the guard")
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [(b"host", b"127.0.0.1"), (b"authorization", f"Bearer {KEY}".encode()), (b"origin", b"http://127.0.0.1")]
+    headers.append((name.lower().encode(), b"evil.example" if name == "Host" else b"http://evil.example"))
+    scope = {"type": "http", "method": "GET", "path": "/v1/models", "headers": headers}
+    asyncio.run(Guard(app, Policy(KEY), dashboard=False)(scope, None, send))
+    error = json.loads(sent[1]["body"])["error"]
+    assert sent[0]["status"] == 400 and error == {"message": f"the {name} header is sent 2 times; send it once",
+                                                  "type": "invalid_request_error", "param": None,
+                                                  "code": "duplicate_header"}
 
 
 def test_allow_origin_opens_cors_for_that_origin_only(tiny_model):

@@ -20,10 +20,11 @@ import re
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from colibri_core.demo import demo_model
-from live_server import LiveServer, post
+from live_server import LiveServer, Stream, post
 
 N_SCHEMAS = 50
 MAX_BOUND = 700  # the demo model's context is 1024 tokens; the prompt takes ~20
@@ -35,6 +36,12 @@ WEATHER = {"type": "function", "function": {
 CLOCK = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
                                                                         "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Ur of the Chaldees?"}]
+# every answer nests without end; DEEP: the same, after a first choice the model makes
+ENDLESS = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
+           "$ref": "#/$defs/n"}
+DEEP = {"$defs": ENDLESS["$defs"], "type": "object",
+        "properties": {"a": {"type": "boolean"}, "b": {"$ref": "#/$defs/n"}},
+        "required": ["a", "b"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
@@ -272,12 +279,61 @@ def test_completions_take_response_format_and_grammar(client, model):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "tools[0].function.name"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "only function tools"),
     ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+    # compiled by llguidance, which then gives up while forcing the first tokens: every answer nests forever
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": ENDLESS}}}, "response_format",
+     "the JSON schema cannot be followed before the model's first choice: parser error: Too many items"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "array", "items": {"$ref": "#"}, "minItems": 1}}}}, "response_format", "Too many items"),
+    ({"grammar": 'root ::= "(" root ")"'}, "grammar", "the GBNF grammar cannot be followed"),
+    ({"grammar": 'start: "(" start ")"'}, "grammar", "the Lark grammar cannot be followed"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ENDLESS}}]}, "tools",
+     "the parameters of 'f': the JSON schema cannot be followed"),
 ])
 def test_what_cannot_be_compiled_is_a_400_in_openais_shape(server, body, param, message):
     status, _, raw = post(server.url + "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, **body})
     error = json.loads(raw)["error"]
     assert status == 400 and error["type"] == "invalid_request_error" and error["param"] == param, error
     assert message in error["message"] and "\n" not in error["message"]
+
+
+def test_a_grammar_that_cannot_be_followed_is_a_400_before_a_stream_begins(server):
+    body = {"messages": ASK, "max_tokens": 4, "stream": True, "grammar": 'root ::= "(" root ")"'}
+    status, _, raw = post(server.url + "/v1/chat/completions", body)
+    assert status == 400 and json.loads(raw)["error"]["type"] == "invalid_request_error", raw  # JSON, not events
+
+
+def test_a_grammar_given_up_on_mid_answer_is_a_clean_error(server):
+    """A boolean first (the model's choice), then a required recursion without end: llguidance gives up
+    mid-answer. A one-line server_error, streamed or not; no traceback in the log (the fixture)."""
+    body = {"messages": ASK, "max_tokens": 60, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": DEEP}}}
+    status, _, raw = post(server.url + "/v1/chat/completions", body)
+    error = json.loads(raw)["error"]
+    assert status == 500 and error["code"] == "generation_failed", raw
+    assert error["message"].startswith("the JSON schema cannot be followed after ") and "\n" not in error["message"]
+    s = Stream(server.url + "/v1/chat/completions", {**body, "stream": True})
+    *_, last, done = s.events()
+    s.close()
+    assert json.loads(last)["error"]["message"] == error["message"] and done == "[DONE]"
+
+
+def test_a_pydantic_tool_with_defs_round_trips(client, model):
+    """openai.pydantic_function_tool puts a nested model in "$defs", referred to as "#/$defs/Addr"."""
+
+    class Addr(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=12)
+
+    class Ship(pydantic.BaseModel):
+        to: Addr
+        gift: bool
+
+    tool = openai.pydantic_function_tool(Ship, name="ship")
+    assert "$defs" in tool["function"]["parameters"]
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[tool], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=80)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "ship"
+    Ship.model_validate_json(call.function.arguments)
 
 
 def test_the_openai_client_sees_a_bad_schema_as_bad_request(client, model):

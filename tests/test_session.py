@@ -3,6 +3,7 @@ append-only deltas; then the engine and `colibri chat --session` on the tiny OLM
 import json
 import os
 import shutil
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -122,6 +123,91 @@ def test_refused_files_are_moved_aside_and_start_fresh(tmp_path):
     assert "moved it to s.coli_session.bad1" in r.notice, r.notice
     assert path.with_name("s.coli_session.bad").read_bytes() == b"garbage" * 10
     assert path.with_name("s.coli_session.bad1").read_bytes() == b"rubbish" * 10
+
+
+def three_turns(tmp_path):
+    """A session of three turns: its file's bytes, where each turn's record ends (0: the header's
+    end) and the session (ids, rows, rec, meta) after each turn (0: none)."""
+    s = toy_session(tmp_path)
+    ends, after = [], [([], None, None, {})]
+    for ids in ([1, 2, 3], [4, 5], [6, 7, 8, 9]):
+        turn(s, ids)
+        ends.append(s.file.path.stat().st_size)
+        after.append((list(s.ids), s.state.rows.copy(), s.state.rec.copy(), s.meta))
+    whole = s.file.path.read_bytes()
+    return whole, [HEAD.size + HEAD.unpack_from(whole)[2] + 4, *ends], after
+
+
+def set_aside(path):
+    """The files session file `path`'s damage was kept in."""
+    return sorted(p for p in path.parent.iterdir() if p.name.startswith((path.name + ".bad", path.name + ".torn")))
+
+
+@pytest.mark.parametrize("damage", ["a flipped bit", "a cut"])
+def test_no_whole_turn_is_lost_to_damage_at_any_byte(tmp_path, monkeypatch, damage):
+    """One bit flipped at every byte of a 3-turn session file (bit i % 8 of byte i: each bit position
+    once over a record's 8-byte length), or the file cut at every byte: the session resumes at
+    the last whole turn before the damage, every byte of the damaged file is kept (a whole copy in
+    .bad, or the file's whole turns plus the dropped bytes in .torn), named in a one-line notice,
+    and they still are after the next save. Damage with a whole turn after it is never taken for an
+    unfinished save. Every flip is noticed: the header and each record's payload are under a crc32
+    (which finds every single-bit error), and a flip in a record's own header (magic, length,
+    checksum) breaks that record."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # what is kept, not when it is durable: 3x faster
+    whole, ends, after = three_turns(tmp_path)
+    path = session_path(tmp_path, "s")
+    seen = Counter()
+    for i in range(len(whole)):
+        damaged = bytes([*whole[:i], whole[i] ^ 1 << i % 8, *whole[i + 1:]]) if damage == "a flipped bit" else whole[:i]
+        k = sum(end <= i for end in ends[1:])  # the whole turns before byte i
+        path.write_bytes(damaged)
+        r = toy_session(tmp_path)
+        ids, rows, rec, meta = after[k]
+        assert r.turns == k and r.ids == ids and r.meta == meta, (i, r.notice)
+        assert np.array_equal(r.state.rows, rows) and np.array_equal(r.state.rec, rec) if k else r.state.length == 0
+        aside = set_aside(path)
+        if damage == "a cut" and i in ends:  # a cut between turns: a whole file of k turns (or none)
+            assert r.notice is None and not aside, (i, r.notice)
+            continue
+        assert r.notice and len(r.notice.splitlines()) == 1 and len(aside) == 1 and aside[0].name in r.notice, \
+            (i, r.notice, aside)
+        kept, torn = aside[0].read_bytes(), aside[0].name.endswith(".torn")
+        if i < ends[0] or (damage == "a flipped bit" and k < 2):  # the header, or a whole turn after the damage
+            assert not torn, (i, r.notice)
+        elif damage == "a cut":
+            assert torn, (i, r.notice)
+        assert ("unfinished" in r.notice) == torn, (i, r.notice)
+
+        def every_byte_kept():
+            return (path.read_bytes()[:ends[k]] + kept if torn else kept) == damaged
+
+        assert every_byte_kept(), (i, r.notice)
+        turn(r, [99])
+        again = toy_session(tmp_path)
+        assert again.notice is None and again.turns == k + 1 and again.ids == ids + [99], (i, again.notice)
+        assert set_aside(path) == aside and aside[0].read_bytes() == kept and every_byte_kept(), i
+        seen["torn" if torn else "bad"] += 1
+        aside[0].unlink()
+    assert seen["bad"] and seen["torn"], seen
+
+
+def test_a_flipped_bit_in_a_middle_turns_length_keeps_the_turns_after_it(tmp_path):
+    """A flipped bit in turn 2's length makes its record run past the end of the file, as an
+    unfinished save's does; but turn 3 after it is whole, so this is damage: the file is kept whole,
+    the session resumes after turn 1, and the next save deletes nothing."""
+    whole, ends, after = three_turns(tmp_path)
+    path = session_path(tmp_path, "s")
+    damaged = bytearray(whole)
+    damaged[ends[1] + 4 + 3] ^= 0x10  # the length's fourth byte: 2**28 bytes more
+    path.write_bytes(bytes(damaged))
+    r = toy_session(tmp_path)
+    assert r.notice == (f"session s: the saved file is damaged at byte {ends[1]} (the record of turn 2 runs past "
+                        "the end of the file) and holds whole turns after it; kept it whole as s.coli_session.bad; "
+                        "resuming after turn 1")
+    assert r.turns == 1 and r.ids == after[1][0] and path.read_bytes() == whole[:ends[1]]
+    turn(r, [99])
+    assert toy_session(tmp_path).ids == [1, 2, 3, 99]
+    assert path.with_name("s.coli_session.bad").read_bytes() == bytes(damaged)
 
 
 def test_session_names(tmp_path):

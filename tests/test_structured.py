@@ -227,6 +227,29 @@ def test_tool_calls_arguments_follow_the_parameters(vocab):
         walk(c, ids_of(vocab, f'{TOOL_OPEN}{{"name":"get_weather","arguments":{{"city":"Ur","unit":"k"'))
 
 
+def test_tool_parameters_with_defs_resolve_as_a_response_format_does(vocab):
+    """pydantic (and openai.pydantic_function_tool) put nested models in "$defs" and refer to them
+    with "#/$defs/…": resolved against the parameters, as for a response_format, not refused."""
+    addr = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+            "additionalProperties": False}
+    params = {"$defs": {"Addr": addr}, "type": "object", "properties": {"to": {"$ref": "#/$defs/Addr"},
+                                                                        "more": {"$ref": "#"}},
+              "required": ["to"], "additionalProperties": False}
+    ship = [{"type": "function", "function": {"name": "ship", "parameters": params}}]
+    c = Constraint.tool_calls(vocab, ship, "required", parallel=False)
+    walk(c, c.forced() + ids_of(vocab, '{"name":"ship","arguments":'))
+    assert text_of(vocab, c.forced()) == '{"to":{"city":"'
+    walk(c, c.forced())
+    at = len(c.history)
+    with pytest.raises(ValueError):  # Addr's own bound, from "$defs"
+        walk(c, ids_of(vocab, "Babylonia"))
+    c.rollback(len(c.history) - at)
+    walk(c, ids_of(vocab, 'Ur"},"more":{"to":{"city":"Ai"}}}}' + TOOL_CLOSE))
+    assert c.accepting()
+    (call,) = parse_tool_calls(text_of(vocab, c.history))
+    jsonschema.validate(call["arguments"], params)
+
+
 def test_parse_tool_calls():
     assert parse_tool_calls("hello") is None
     assert parse_tool_calls(f'{TOOL_OPEN}{{"name":"f","arguments":{{"a":1}}') is None  # cut short
@@ -339,6 +362,63 @@ def test_run_refuses_a_grammar_it_cannot_compile_in_one_line(tmp_path):
                                                  'compiled: at 1(8): unknown name: "foo"')
     r = colibri("run", "x", "--grammar", tmp_path / "bad.lark", "--json-schema", tmp_path / "bad.lark")
     assert r.returncode == 1 and "not both" in r.stderr
+
+
+# every answer recurses without end: llguidance compiles these, then gives up at its item limit while
+# forcing the first tokens; refused when the constraint is built, not mid-answer
+ENDLESS = [
+    ("JSON schema", {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                     "required": ["next"]}}, "$ref": "#/$defs/n"}),
+    ("JSON schema", {"type": "array", "items": {"$ref": "#"}, "minItems": 1}),
+    ("GBNF grammar", 'root ::= "(" root ")"'),
+    ("Lark grammar", 'start: "(" start ")"'),
+]
+
+
+@pytest.mark.parametrize("what, source", ENDLESS)
+def test_a_grammar_the_engine_cannot_follow_is_refused_when_built(vocab, what, source):
+    with pytest.raises(ColibriError) as e:
+        Constraint.json_schema(vocab, source) if isinstance(source, dict) else Constraint.grammar(vocab, source)
+    message = str(e.value)
+    assert message.startswith(f"the {what} cannot be followed before the model's first choice: ")
+    assert "Too many items" in message and "recurse without end" in message and "\n" not in message
+
+
+def test_a_tool_whose_arguments_never_end_is_refused_when_built(vocab):
+    endless = {"type": "function", "function": {"name": "f", "parameters": ENDLESS[0][1]}}
+    with pytest.raises(ColibriError, match="^the parameters of 'f': the JSON schema cannot be followed .*Too many"):
+        Constraint.tool_calls(vocab, [endless], "required")
+
+
+def test_a_grammar_no_text_matches_is_refused_when_built(vocab):
+    with pytest.raises(ColibriError, match="^the Lark grammar cannot be followed at its start: no text can continue"):
+        Constraint.lark(vocab, r"start: /[^\x00-\U0010ffff]/")
+
+
+# the first choice (a boolean) is free; the endless recursion comes after it
+DEEP = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
+        "type": "object", "properties": {"a": {"type": "boolean"}, "b": {"$ref": "#/$defs/n"}},
+        "required": ["a", "b"], "additionalProperties": False}
+
+
+def test_a_grammar_the_engine_gives_up_on_mid_answer_is_a_one_line_error(vocab):
+    c = Constraint.json_schema(vocab, DEEP)
+    walk(c, c.forced())
+    with pytest.raises(ColibriError, match=r"the JSON schema cannot be followed after \d+ tokens: .*Too many items"):
+        for _ in range(8):  # a choice (the lowest id allowed), then what it forces
+            walk(c, [int(np.flatnonzero(c.mask())[0])])
+            walk(c, c.forced())
+
+
+def test_run_refuses_an_endless_grammar_in_one_line_and_ends_a_failing_one_in_one_line(tmp_path):
+    (tmp_path / "nest.gbnf").write_text('root ::= "(" root ")"\n')
+    r = colibri("run", "x", "--grammar", tmp_path / "nest.gbnf")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"colibri: error: {tmp_path / 'nest.gbnf'}: the GBNF grammar cannot be followed ")
+    (tmp_path / "deep.json").write_text(json.dumps(DEEP))
+    r = colibri("run", "x", "--json-schema", tmp_path / "deep.json", "--temperature", "0")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("colibri: error: the JSON schema cannot be followed after ")
 
 
 def test_grammar_drafts_give_the_tokens_of_decoding_without_drafts(engine, vocab):

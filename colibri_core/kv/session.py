@@ -23,20 +23,26 @@ the previous record of the same state are stored as the new rows (``append``); a
 new conversation, a prompt that rewrote history) starts the file over: written beside it and
 renamed over it, so the file stays one snapshot plus the turns since. Token ids are the array
 ``__ids__``. A record is written with one append and fsync'd; the last complete record is the
-session. A torn last record (a crash or ``kill -9`` mid-save) is dropped on load and the session
-resumes from the turn before. A file from another model or format version, or one damaged
-anywhere else, is refused with a one-line notice, moved aside (``NAME.coli_session.bad``, nothing
-is deleted) and the session starts fresh.
+session.
+
+Nothing is deleted. A file that breaks off after some whole turns resumes from the last of them,
+with a one-line notice, once every byte past them is kept: a crash or ``kill -9`` mid-save leaves
+one unfinished record at the end, and nothing whole after the break (no record passes its checksum
+there), so those bytes alone go to ``NAME.coli_session.torn``; bytes that still hold a whole record
+after the break (a flipped bit in a record's length, magic or data, turns after it) are damage, and
+the whole file is copied to ``NAME.coli_session.bad``. The file is then cut back to its whole
+turns. A file from another model or format version, or with a damaged header, is moved aside
+(``NAME.coli_session.bad``) and the session starts fresh. A file set aside never replaces an
+earlier one (``.bad1``, ``.torn1``, … after it).
 """
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import os
 import re
 import struct
-import sys
-import time
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ColibriError
-from ..fsio import fsync_dir
+from ..fsio import SESSION_HEADER_BYTES, fsync_dir
 
 MAGIC = b"COLISESS"
 FORMAT_VERSION = 1
@@ -55,9 +61,6 @@ HEAD = struct.Struct("<8sII")  # magic, version, json length
 RECORD = struct.Struct("<4sQI")  # magic, payload length, payload crc32
 RECORD_MAGIC = b"TURN"
 IDS = "__ids__"
-# Test hook: "SECONDS[@FRACTION]": sleep that long once FRACTION (default 0.5) of a record is written
-# and flushed, so a test can `kill -9` a save in progress at a chosen byte. Never set it otherwise.
-PAUSE_ENV = "COLIBRI_SESSION_WRITE_PAUSE"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -91,7 +94,9 @@ class SessionFile:
 
     # ---- reading ----------------------------------------------------------------------------
     def load(self) -> Saved | None:
-        """The last complete turn, or None (no file, or a file refused: see `notice`)."""
+        """The last whole turn, or None (no file, or a file refused: see `notice`). A file that breaks
+        off after its whole turns is resumed from them, its other bytes kept first (module
+        docstring): the file is then cut back to its whole turns, so loading it again is quiet."""
         try:  # a fresh save (written beside the file, then renamed) that a kill cut short
             self.path.with_name(self.path.name + ".tmp").unlink(missing_ok=True)
         except OSError:
@@ -103,17 +108,33 @@ class SessionFile:
         except OSError as e:
             raise ColibriError(f"cannot read session file {self.path}: {e.strerror}") from None
         try:
-            return self._parse(data)
-        except _Refused as e:
-            self._move_aside(str(e))
+            try:
+                arrays, meta, turns, end, why = self._parse(data)
+            except _Refused as e:
+                self._move_aside(str(e))
+                return None
+            if why is not None:
+                self._keep_past(data, end, turns, why)
+        except OSError as e:
+            raise ColibriError(f"cannot set aside the damaged part of session file {self.path}: "
+                               f"{e.strerror or e}") from None
+        self._end = end
+        self._shapes = {k: v.shape for k, v in arrays.items()}
+        if IDS not in arrays:  # no record
             return None
+        ids = arrays.pop(IDS)
+        return Saved([int(i) for i in ids], arrays, meta, turns)
 
-    def _parse(self, data: bytes) -> Saved | None:
+    def _parse(self, data: bytes) -> tuple[dict, dict, int, int, str | None]:
+        """The state (arrays), meta and turn count of the file's last whole record, the offset just
+        past that record, and why the file breaks off there (None: it ends there)."""
         if len(data) < HEAD.size or data[:8] != MAGIC:
             raise _Refused("is not a colibri session file (or its header is damaged)")
         _, version, n = HEAD.unpack_from(data)
         if version != FORMAT_VERSION:
             raise _Refused(f"has session format version {version}, this colibri reads version {FORMAT_VERSION}")
+        if n > SESSION_HEADER_BYTES:  # checked before its JSON is parsed: a model's identity is a few hundred bytes
+            raise _Refused(f"has a damaged header ({n} bytes, more than the {SESSION_HEADER_BYTES} a header may be)")
         end = HEAD.size + n + 4
         if len(data) < end or zlib.crc32(data[HEAD.size: HEAD.size + n]) != struct.unpack_from("<I", data, end - 4)[0]:
             raise _Refused("has a damaged header")
@@ -129,50 +150,56 @@ class SessionFile:
         arrays: dict[str, np.ndarray] = {}
         meta, turns, pos = {}, 0, end
         while pos < len(data):
-            if len(data) - pos < RECORD.size:
-                return self._torn(data, pos, arrays, meta, turns)
-            magic, size, crc = RECORD.unpack_from(data, pos)
-            if magic != RECORD_MAGIC:
-                raise _Refused(f"is damaged at byte {pos} (turn {turns + 1})")
-            start = pos + RECORD.size
-            if start + size > len(data):
-                return self._torn(data, pos, arrays, meta, turns)
-            payload = data[start: start + size]
-            if zlib.crc32(payload) != crc:
-                if start + size == len(data):  # the last record: an unfinished save of its bytes
-                    return self._torn(data, pos, arrays, meta, turns, "it fails its checksum")
-                raise _Refused(f"is damaged at byte {pos} (turn {turns + 1} fails its checksum)")
+            payload, why = _record(data, pos)
+            if payload is None:
+                return arrays, meta, turns, pos, why
             try:
-                meta, turn = _apply(payload, arrays)
+                arrays, meta, turn = _apply(payload, arrays)
             except (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError, RecursionError,
                     struct.error) as e:
-                why = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())[:120]
-                raise _Refused(f"has an unreadable turn {turns + 1} ({why})") from None
-            turns, pos = (turns + 1 if turn is None else turn), start + size
-        self._end = pos
-        self._shapes = {k: v.shape for k, v in arrays.items()}
-        return self._saved(arrays, meta, turns)
+                detail = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())[:120]
+                return arrays, meta, turns, pos, f"is unreadable ({detail})"
+            turns, pos = (turns + 1 if turn is None else turn), pos + RECORD.size + len(payload)
+        return arrays, meta, turns, pos, None
 
-    def _torn(self, data: bytes, pos: int, arrays, meta, turns, why: str = "interrupted") -> Saved | None:
+    def _keep_past(self, data: bytes, end: int, turns: int, why: str) -> None:
+        """Keep the bytes of `data` past its whole turns (`end`), then cut the file back to them:
+        damage (a whole record after the break) keeps a copy of the whole file in NAME.bad, a torn
+        save its own bytes in NAME.torn. `why`: what is wrong with the record at `end`."""
         where = f"resuming after turn {turns}" if turns else "starting fresh"
-        self.notice = (f"session {self.path.stem}: dropped an unfinished last save ({len(data) - pos} bytes, "
-                       f"{why}); {where}")
-        self._end = pos
-        self._shapes = {k: v.shape for k, v in arrays.items()}
-        return self._saved(arrays, meta, turns)
+        if _whole_record_from(data, end):
+            kept = self._write_aside(data, ".bad")
+            self.notice = (f"session {self.path.stem}: the saved file is damaged at byte {end} (the record of turn "
+                           f"{turns + 1} {why}) and holds whole turns after it; kept it whole as {kept.name}; {where}")
+        else:
+            kept = self._write_aside(data[end:], ".torn")
+            self.notice = (f"session {self.path.stem}: dropped an unfinished last save ({len(data) - end} bytes: its "
+                           f"record {why}); kept them in {kept.name}; {where}")
+        with open(self.path, "r+b") as f:
+            f.truncate(end)
+            os.fsync(f.fileno())
 
-    @staticmethod
-    def _saved(arrays, meta, turns) -> Saved | None:
-        if IDS not in arrays:  # no record
-            return None
-        ids = arrays.pop(IDS)
-        return Saved([int(i) for i in ids], arrays, meta, turns)
+    def _aside_names(self, suffix: str):
+        """NAME.coli_session`suffix`, then `suffix`1, `suffix`2, …: a file set aside never replaces an earlier one."""
+        yield self.path.with_name(self.path.name + suffix)
+        for n in itertools.count(1):
+            yield self.path.with_name(f"{self.path.name}{suffix}{n}")
+
+    def _write_aside(self, data: bytes, suffix: str) -> Path:
+        """Write `data` to the first free name of `_aside_names(suffix)` (fsync'd); that path."""
+        for path in self._aside_names(suffix):
+            try:
+                with open(path, "xb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except FileExistsError:
+                continue
+            fsync_dir(self.path.parent)
+            return path
 
     def _move_aside(self, why: str) -> None:
-        bad = self.path.with_name(self.path.name + ".bad")
-        n = 1
-        while bad.exists():  # an earlier refused file stays as it was: nothing is deleted
-            bad, n = self.path.with_name(f"{self.path.name}.bad{n}"), n + 1
+        bad = next(p for p in self._aside_names(".bad") if not p.exists())
         os.replace(self.path, bad)
         self.notice = f"session {self.path.stem}: the saved file {why}; moved it to {bad.name} and started fresh"
         self._end, self._shapes = 0, {}
@@ -222,19 +249,9 @@ class SessionFile:
                 ident = json.dumps(self.identity, sort_keys=True).encode()
                 f.write(HEAD.pack(MAGIC, FORMAT_VERSION, len(ident)) + ident + struct.pack("<I", zlib.crc32(ident)))
             else:
-                f.truncate(self._end)  # drop a torn tail before appending after it
+                f.truncate(self._end)  # drop what a save of ours that failed partway left (`load` kept any other tail)
                 f.seek(self._end)
-            pause, _, fraction = (os.environ.get(PAUSE_ENV) or "").partition("@")
-            if pause and float(pause):
-                cut = int(len(record) * float(fraction or 0.5))
-                f.write(record[:cut])
-                f.flush()
-                os.fsync(f.fileno())
-                print(f"colibri: session save paused ({PAUSE_ENV})", file=sys.stderr, flush=True)
-                time.sleep(float(pause))
-                f.write(record[cut:])
-            else:
-                f.write(record)
+            f.write(record)
             f.flush()
             os.fsync(f.fileno())
             self._end = f.tell()
@@ -247,11 +264,49 @@ class _Refused(Exception):
     """A session file that must not be used (another model, another version, damaged)."""
 
 
-def _apply(payload: bytes, arrays: dict[str, np.ndarray]) -> tuple[dict, int | None]:
-    """Apply one record's payload to `arrays` (in place); returns its meta and turn number (None in
-    files written before records were numbered)."""
+def _record(data: bytes, pos: int) -> tuple[memoryview | None, str]:
+    """The payload of the record at `pos` when it is whole (its checksum holds), else None and what
+    is wrong with it."""
+    if len(data) - pos < RECORD.size:
+        return None, "is cut short"
+    magic, size, crc = RECORD.unpack_from(data, pos)
+    if magic != RECORD_MAGIC:
+        return None, "has a damaged header"
+    start = pos + RECORD.size
+    if size > len(data) - start:
+        return None, "runs past the end of the file"
+    payload = memoryview(data)[start: start + size]
+    if zlib.crc32(payload) != crc:
+        return None, "fails its checksum"
+    return payload, ""
+
+
+def _whole_record_from(data: bytes, pos: int) -> bool:
+    """Whether the bytes from the broken record at `pos` on still hold a whole record: that record's
+    own payload running to the end of the file under its checksum (its length or magic damaged), or
+    a later record header whose payload passes its checksum. A save cut short holds neither: it
+    writes one record at the end of the file, front to back, so it leaves a strict prefix of it."""
+    view = memoryview(data)
+    if len(data) - pos >= RECORD.size and zlib.crc32(view[pos + RECORD.size:]) == RECORD.unpack_from(data, pos)[2]:
+        return True
+    at = data.find(RECORD_MAGIC, pos + 1)
+    while at >= 0:
+        if len(data) - at >= RECORD.size:
+            _, size, crc = RECORD.unpack_from(data, at)
+            start = at + RECORD.size
+            if 4 <= size <= len(data) - start and zlib.crc32(view[start: start + size]) == crc:
+                return True
+        at = data.find(RECORD_MAGIC, at + 1)
+    return False
+
+
+def _apply(payload: memoryview, arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict, int | None]:
+    """The arrays after one record's payload is applied to `arrays` (left as they are: a record
+    that fails halfway leaves the turn before whole), its meta and its turn number (None in files
+    written before records were numbered)."""
+    arrays = dict(arrays)
     (n,) = struct.unpack_from("<I", payload)
-    head = json.loads(payload[4: 4 + n])
+    head = json.loads(bytes(payload[4: 4 + n]))
     base = 4 + n
     names = set()
     for e in head["arrays"]:
@@ -276,9 +331,7 @@ def _apply(payload: bytes, arrays: dict[str, np.ndarray]) -> tuple[dict, int | N
     turn, meta = head.get("turn"), head["meta"]
     if not isinstance(meta, dict) or not (turn is None or (isinstance(turn, int) and 0 <= turn < 2**53)):
         raise ValueError("a bad meta or turn number")
-    return meta, turn
-
-
+    return arrays, meta, turn
 
 
 class SessionWarning(UserWarning):

@@ -12,6 +12,8 @@ Every request passes through `Guard`, an ASGI middleware in front of every route
   `Authorization: Bearer KEY`; the dashboard's pages (which a browser cannot send a header for) take
   a cookie set by its login form instead, holding a MAC of the key, never the key, and sent by the
   browser only to this site (SameSite=Strict, HttpOnly).
+- **One of each**: a request with two Host, Origin or Authorization headers is a 400, since a proxy
+  in front may have checked the one this server would not read.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import urllib.parse
 COOKIE = "colibri_key"
 LOOPBACK_NAMES = ("localhost",)
 PREFLIGHT_HEADERS = "Authorization, Content-Type"  # allowed when a preflight names none
+SINGLE = ("host", "origin", "authorization")  # the headers the checks read: one of each, or none
 HEADER_LIST = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+(\s*,\s*[!#$%&'*+.^_`|~0-9A-Za-z-]+)*")  # RFC 9110 tokens
 
 
@@ -167,6 +170,11 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        names = [k.decode("latin-1").lower() for k, _ in scope["headers"]]
+        for name in SINGLE:
+            if names.count(name) > 1:
+                return await self._json(send, 400, f"the {name.title()} header is sent {names.count(name)} times; "
+                                        f"send it once", "duplicate_header")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         path, method = scope["path"], scope["method"]
         host, origin = headers.get("host"), headers.get("origin")

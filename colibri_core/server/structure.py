@@ -2,14 +2,15 @@
 calls back out of the answer in OpenAI's shape.
 
 The constraint (colibri_core/structured.py) is built before the request is queued, off the event
-loop, so a schema or grammar that cannot be compiled is a 400 with the compiler's message and never
-costs a queue slot. Tools are passed to the chat template; a template that ignores them (its
-rendering is the same with and without) gets a system message describing them and the call format
-instead, and earlier assistant calls are written into their messages in that format, so the model
-sees its own calls. Calls come back as `<tool_call>{"name", "arguments"}</tool_call>`, forced by the
-grammar, and are answered as `tool_calls` (finish_reason "tool_calls"), whole or streamed as
-OpenAI streams them: each call's id and name once its name is written, then its arguments as they
-are.
+loop, and followed up to the model's first choice, so a schema, grammar or tool that cannot be
+compiled, or that the grammar engine cannot follow (every answer recursing without end), is a 400
+naming it, streamed or not, and never costs a queue slot. Tools are passed to the chat template; a
+template that ignores them (its rendering is the same with and without) gets a system message
+describing them and the call format instead, and earlier assistant calls are written into their
+messages in that format, so the model sees its own calls. Calls come back as
+`<tool_call>{"name", "arguments"}</tool_call>`, forced by the grammar, and are answered as
+`tool_calls` (finish_reason "tool_calls"), whole or streamed as OpenAI streams them: each call's id
+and name once its name is written, then its arguments as they are.
 """
 from __future__ import annotations
 

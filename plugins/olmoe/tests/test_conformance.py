@@ -20,7 +20,7 @@ class TestTinyOlmoe(ConformanceSuite):
     hf_config = OlmoeConfig(
         vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
-        initializer_range=0.1, max_position_embeddings=256,
+        initializer_range=0.1, max_position_embeddings=256, eos_token_id=2,  # an id in the tiny vocabulary
     )
     config_variants = {"olmoe_1b_7b_0924": released_0924}
 
@@ -31,6 +31,7 @@ class TestTinyOlmoeWide(ConformanceSuite):
         vocab_size=320, hidden_size=96, intermediate_size=72, num_hidden_layers=2,
         num_attention_heads=6, num_key_value_heads=2, num_experts=12, num_experts_per_tok=3,
         norm_topk_prob=True, clip_qkv=3.0, initializer_range=0.1, max_position_embeddings=256,
+        eos_token_id=2,  # an id in the tiny vocabulary
     )
     config_variants = {"olmoe_1b_7b_0924": released_0924}
 
