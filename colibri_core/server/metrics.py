@@ -150,6 +150,11 @@ def prometheus(metrics: Metrics, stats: dict | None, queue: dict, model: str) ->
         "draft_forced_tokens": ("colibri_draft_forced_tokens_total", "counter", "Tokens a grammar forced, drafted and accepted."),
         "draft_acceptance": ("colibri_draft_acceptance_ratio", "gauge", "Accepted over drafted tokens."),
         "tokens_per_forward": ("colibri_tokens_per_forward", "gauge", "Generated tokens per forward pass (above 1 with accepted drafts)."),
+        "prefix_cache_hits": ("colibri_prefix_cache_hits_total", "counter", "Prompts started from a cached prefix."),
+        "prefix_cached_tokens": ("colibri_prefix_cached_tokens_total", "counter", "Prompt tokens restored from the prefix cache instead of prefilled."),
+        "prefix_cache_bytes": ("colibri_prefix_cache_bytes", "gauge", "Bytes of states the prefix cache holds."),
+        "prefix_cache_entries": ("colibri_prefix_cache_entries", "gauge", "Prompts whose states the prefix cache holds."),
+        "prefix_cache_budget": ("colibri_prefix_cache_budget_bytes", "gauge", "The prefix cache's byte budget (0: off)."),
     }
     for key, value in sorted(stats.items()):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or key == "time_to_first_token":

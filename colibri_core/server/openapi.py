@@ -16,6 +16,9 @@ ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
          "properties": {**{k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                        "prompt_tokens_details": {  # prompt tokens the prefix cache served (colibri_core/prefix.py)
+                            "type": "object", "required": ["cached_tokens"],
+                            "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}},
                         "completion_tokens_details": {  # speculative decoding's drafts, as OpenAI's Predicted Outputs
                             "type": "object", "required": ["accepted_prediction_tokens", "rejected_prediction_tokens"],
                             "properties": {k: {"type": "integer", "minimum": 0}

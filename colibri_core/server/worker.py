@@ -252,6 +252,8 @@ class Worker:
             # speculative decoding: tokens drafted, and those of them the model accepted
             "draft_drafted": after.get("draft_drafted", 0) - before.get("draft_drafted", 0),
             "draft_accepted": after.get("draft_accepted", 0) - before.get("draft_accepted", 0),
+            # prompt tokens restored from the prefix cache, not prefilled (colibri_core/prefix.py)
+            "cached_tokens": after.get("prefix_cached_tokens", 0) - before.get("prefix_cached_tokens", 0),
             "finished_at": time.time(),
             # tokens generated after the client went away (the one in flight when it did): at most 1
             "tokens_after_cancel": None if job.tokens_at_cancel is None else n - job.tokens_at_cancel,
