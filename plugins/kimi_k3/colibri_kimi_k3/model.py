@@ -14,7 +14,7 @@ conformance suite). A hybrid: `layer_types` (or `linear_attn_config.kda_layers` 
 
 Final RMSNorm, lm_head.
 
-Kimi K3 keeps that skeleton and changes five things (ARCHITECTURES.md, "Kimi K3"; no transformers
+Kimi K3 keeps that skeleton and changes five things (the project's architecture notes, "Kimi K3"; no transformers
 class implements K3, see the plugin's README for what each part is verified against):
   - attention residuals: each sub-layer reads a softmax mix of the stored block outputs and the
     running prefix instead of the plain residual stream (`colibri_core.layers.attn_res`);

@@ -1,4 +1,4 @@
-"""Kimi K3 in float64 NumPy, written from the published description (ARCHITECTURES.md, "Kimi K3")
+"""Kimi K3 in float64 NumPy, written from the published description (the project's architecture notes, "Kimi K3")
 and nothing of colibri's: the check of the parts no `transformers` class implements (attention
 residuals, the latent MoE) and of the whole model. Plus a tiny random K3 checkpoint in the official
 layout (`language_model.` prefix, `text_config`), with float or MXFP4 experts.
@@ -294,7 +294,7 @@ class Reference:
         return rms(h, self.p("norm.weight"), eps) @ self.w["language_model.lm_head.weight"].T
 
 
-# The flagship's shape, for planning (ARCHITECTURES.md, "Kimi K3"): 93 layers = 69 KDA (96 heads of 128)
+# The flagship's shape, for planning (the project's architecture notes, "Kimi K3"): 93 layers = 69 KDA (96 heads of 128)
 # + 24 MLA (96 heads, 128 + 64 query/key, 128 value, latent 512 + 64), hidden 7168, 896 experts top-16
 # on a 3584-wide latent, expert width 3072, 2 shared. Not published and assumed here: the MLA layers'
 # places (every 4th, and the last), q_lora_rank, the dense layer's width, the vocabulary.

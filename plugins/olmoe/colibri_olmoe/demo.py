@@ -1,7 +1,7 @@
 """A random-weight OLMoE checkpoint in Hugging Face format, written with NumPy alone (no torch).
 
-Used for the bundled demo model (tools/make_demo_model.py) and by tests that need a real
-container without the `transformers` oracle. The weights are random: the text it generates is
+Used by tests and tools (tools/train_demo.py, tests/conftest.py) that need a real container without the
+`transformers` oracle. The weights are random: the text it generates is
 not language, but every code path of the engine (routing, streaming experts, caching) is real.
 """
 from __future__ import annotations
