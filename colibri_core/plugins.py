@@ -34,6 +34,7 @@ from packaging.version import Version
 
 from . import __version__, hookspecs
 from .errors import ColibriError
+from .fsio import CONFIG_BYTES, read_text
 from .hookspecs import Architecture
 
 # The plugin distributions shipped in this repository, by their directory in it: what
@@ -154,8 +155,8 @@ def check_plugin_dir(path: Path) -> None:
     if not pyproject.is_file():
         return
     try:
-        project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        project = tomllib.loads(read_text(pyproject, CONFIG_BYTES)).get("project", {})
+    except tomllib.TOMLDecodeError as e:
         raise ColibriError(f"{pyproject}: cannot read it ({e})") from None
     name = f"{project.get('name', path.name)} {project.get('version', '')}".strip()
     if "colibri" not in project.get("entry-points", {}) and "entry-points" not in project.get("dynamic", []):

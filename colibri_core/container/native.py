@@ -22,7 +22,6 @@ samples of its bytes. `colibri convert` turns the directory into a checksummed c
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import numpy as np
 from .. import quant
 from ..arena import Arena
 from ..errors import ColibriError
+from ..fsio import CONFIG_BYTES, read_bounded, read_json
 from ..layout import PROJS, ContainerLayout
 from .reader import SafetensorsFile
 from .writer import Checkpoint
@@ -69,10 +69,7 @@ class NativeCheckpoint:
         self.layout = layout
         ckpt = Checkpoint(self.path)
         self._ckpt = ckpt
-        try:
-            self.config = json.loads((self.path / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError) as e:
-            raise ColibriError(f"{self.path}: cannot parse config.json ({' '.join(str(e).split())})") from None
+        self.config = read_json(self.path / "config.json", "restore it from the model's original files")
         for st in ckpt.files.values():
             end = max((off + n for _, _, off, n in st.tensors.values()), default=st.data_start)
             if st.path.stat().st_size < end:
@@ -255,7 +252,7 @@ class NativeCheckpoint:
     # -- identity, files
 
     def _fingerprint(self) -> str:
-        h = hashlib.sha256((self.path / "config.json").read_bytes())
+        h = hashlib.sha256(read_bounded(self.path / "config.json", CONFIG_BYTES))
         for name, st in sorted(self._ckpt.files.items()):
             size = st.path.stat().st_size
             h.update(f"{name}:{size}:".encode())

@@ -31,7 +31,7 @@ import yaml
 
 from .. import quant as q
 from ..errors import ColibriError
-from ..fsio import fsync_dir, write_atomic
+from ..fsio import CONFIG_BYTES, TOKENIZER_BYTES, fsync_dir, read_text, write_atomic
 from ..layout import PROJS, ContainerLayout
 from .reader import (
     ARRAY, COPIED_FILES, EXTENT_ALIGN, FORMAT, FORMAT_VERSION, MANIFEST, READABLE_DTYPES, RESIDENT_FILE,
@@ -76,7 +76,7 @@ class Checkpoint:
         weight_map = None
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                weight_map = json.loads(read_text(index, TOKENIZER_BYTES))["weight_map"]  # ~MBs for 100k tensors
                 names = sorted(set(weight_map.values()))
             except RecursionError:
                 raise ColibriError(f"cannot read {index}: nested too deeply") from None
@@ -136,10 +136,10 @@ class Checkpoint:
     def block_size(self) -> tuple[int, int]:
         """fp8 block scale size (rows, cols): config.json quantization_config.weight_block_size, or 128×128."""
         try:
-            cfg = json.loads((self.path / "config.json").read_text(encoding="utf-8"))
+            cfg = json.loads(read_text(self.path / "config.json", CONFIG_BYTES))
             size = (cfg.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
             return int(size[0]), int(size[1])
-        except (OSError, ValueError, TypeError, IndexError, AttributeError, RecursionError):
+        except (ColibriError, ValueError, TypeError, IndexError, AttributeError, RecursionError):
             return 128, 128
 
     def scales_of(self, name: str) -> str | None:
@@ -422,8 +422,8 @@ class _Staging:
                 raise ColibriError(f"{path} exists and is not a colibri staging directory: remove it or "
                                    "choose another destination")
             try:
-                rec = json.loads((path / PROGRESS).read_text(encoding="utf-8"))
-            except (OSError, ValueError, RecursionError):
+                rec = json.loads(read_text(path / PROGRESS, CONFIG_BYTES))
+            except (ColibriError, ValueError, RecursionError):
                 rec = None
             if isinstance(rec, dict) and rec.get("key") == key and isinstance(rec.get("files"), dict):
                 n = len(rec["files"])
