@@ -401,3 +401,183 @@ def test_auto_with_a_response_format_is_valid_json_or_calls(client, model):
         else:
             assert r.choices[0].finish_reason == "stop"
             jsonschema.validate(json.loads(m.content), schema)
+
+
+# ---- recursion-heavy schemas, grammars and tools, fuzzed ---------------------------------------------------
+# Generated with a fixed seed, each with an oracle of what it allows: "clean" (every part that an answer can
+# reach has a finite value: any prefix can be finished), "endless" (no answer at all: every value nests
+# without end) or "trap" (answers exist, but some choice leads into a part that has none). The contract: a
+# clean constraint is a finished answer or a 400; one without end may also fail when the model walks into it,
+# a one-line 500 "generation_failed" (streamed: a server_error event), as llguidance gives up only then.
+FUZZ_CASES = 200
+LEAVES = [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "boolean"}, {"type": "null"},
+          {"enum": ["ark", "dove"]}, {"type": "string", "maxLength": 4}]
+TERMINALS = ["(", ")", "[", "]", "a", "b", "x", ",", "0"]
+
+
+def fuzz_schema(rng: random.Random, refs: list[str], depth: int = 0, kind: str | None = None) -> dict:
+    """A random schema node whose `$ref`s point at `refs` ("#" or "#/$defs/NAME")."""
+    kind = kind or rng.choices(["leaf", "ref", "object", "array", "anyOf"],
+                               [3, 3, 3, 2, 2] if depth < 4 else [1, 1, 0, 0, 0])[0]
+    if kind == "leaf":
+        return dict(rng.choice(LEAVES))
+    if kind == "ref":
+        return {"$ref": rng.choice(refs)}
+    if kind == "object":
+        keys = rng.sample(KEYS, rng.randint(1, 3))
+        return {"type": "object", "properties": {k: fuzz_schema(rng, refs, depth + 1) for k in keys},
+                "required": [k for k in keys if rng.random() < 0.5], "additionalProperties": False}
+    if kind == "array":
+        least = rng.choice([0, 0, 1, 2])
+        return {"type": "array", "items": fuzz_schema(rng, refs, depth + 1), "minItems": least,
+                "maxItems": least + rng.randint(0, 3)}
+    return {"anyOf": [fuzz_schema(rng, refs, depth + 1) for _ in range(rng.randint(2, 3))]}
+
+
+def recursive_schema(rng: random.Random, root: str | None = None) -> dict:
+    """A root schema with 0–2 `$defs`, refs anywhere (cycles through "#" and the defs), sometimes
+    wrapped in a chain of 4–18 required objects (deep nesting; past the body's depth bound: a 400)."""
+    names = rng.sample(["n", "tree", "Node", "pair"], rng.randint(0, 2))
+    refs = ["#"] + [f"#/$defs/{n}" for n in names]
+    schema = fuzz_schema(rng, refs, 0, root or rng.choice(["object", "array", "anyOf"]))
+    if rng.random() < 0.25:
+        for _ in range(rng.randint(4, 18)):
+            schema = {"type": "object", "properties": {"d": schema}, "required": ["d"], "additionalProperties": False}
+    if names:  # at the root, where "#/$defs/…" points
+        schema["$defs"] = {n: fuzz_schema(rng, refs, 1) for n in names}
+    return schema
+
+
+def schema_class(schema: dict) -> str:
+    """"clean", "endless" or "trap" (see above), by the least fixpoint of which refs have a finite value."""
+    targets = {"#": schema, **{f"#/$defs/{n}": s for n, s in schema.get("$defs", {}).items()}}
+
+    def finite(s: dict, known: set) -> bool:
+        if "$ref" in s:
+            return s["$ref"] in known
+        if "anyOf" in s:
+            return any(finite(a, known) for a in s["anyOf"])
+        if s.get("type") == "object":
+            return all(finite(s["properties"][k], known) for k in s["required"])
+        if s.get("type") == "array":
+            return s["minItems"] == 0 or finite(s["items"], known)
+        return True
+
+    known: set = set()
+    while (more := {t for t, s in targets.items() if finite(s, known)}) != known:
+        known = more
+
+    def nodes(s: dict):
+        yield s
+        for child in [*s.get("properties", {}).values(), *s.get("anyOf", []), *s.get("$defs", {}).values()]:
+            yield from nodes(child)
+        if "items" in s:
+            yield from nodes(s["items"])
+
+    if "#" not in known:
+        return "endless"
+    return "clean" if all(finite(s, known) for s in nodes(schema)) else "trap"
+
+
+def recursive_grammar(rng: random.Random) -> tuple[list[list[list[tuple]]], str]:
+    """Rules (rule 0 the start) as alternatives of items ("t", text) or ("r", rule, "" | "*" | "?" | "+"),
+    half of the time one of the classic recursions; and its class, as for schemas."""
+    classic = rng.choice([None, None, None, [[[("t", "("), ("r", 0, ""), ("t", ")")]]],
+                          [[[("t", "("), ("r", 0, ""), ("t", ")")], [("t", "x")]]],
+                          [[[("r", 0, ""), ("t", "a")], [("t", "a")]]],
+                          [[[("t", "["), ("r", 0, "*"), ("t", "]")]]]])
+    rules = classic or [[[("t", rng.choice(TERMINALS)) if rng.random() < 0.55 else
+                          ("r", rng.randrange(n), rng.choice(["", "", "*", "?", "+"]))
+                          for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 3))]
+                        for n in [rng.randint(1, 4)] for _ in range(n)]
+    known: set = set()
+    while (more := {i for i, alts in enumerate(rules) if any(
+            all(it[0] == "t" or it[2] in ("*", "?") or it[1] in known for it in alt) for alt in alts)}) != known:
+        known = more
+    reached, todo = {0}, [0]
+    while todo:
+        for alt in rules[todo.pop()]:
+            for it in alt:
+                if it[0] == "r" and it[1] not in reached:
+                    reached.add(it[1])
+                    todo.append(it[1])
+    return rules, "endless" if 0 not in known else "clean" if reached <= known else "trap"
+
+
+def grammar_text(rules, dialect: str) -> str:
+    """GBNF (`root ::= …`) or Lark (`start: …`)."""
+    name = (lambda i: "root" if i == 0 else f"r{i}") if dialect == "gbnf" else (lambda i: "start" if i == 0 else f"r{i}")
+    sep = " ::= " if dialect == "gbnf" else ": "
+    item = lambda it: json.dumps(it[1]) if it[0] == "t" else name(it[1]) + it[2]
+    return "\n".join(name(i) + sep + " | ".join(" ".join(map(item, alt)) for alt in alts) for i, alts in enumerate(rules))
+
+
+def fuzz_case(rng: random.Random, i: int) -> tuple[str, dict, str, str]:
+    """(what, the request body, its endpoint, its class)."""
+    what = rng.choice(["response_format", "response_format", "gbnf", "lark", "tools"])
+    chat = what == "tools" or rng.random() < 0.6
+    body = {"max_tokens": rng.randint(8, 32), "stream": rng.random() < 0.5, "seed": i,
+            "temperature": rng.choice([0.0, 1.0])}
+    if what == "response_format":
+        schema = recursive_schema(rng)
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": f"r{i}", "schema": schema}}
+        kind = schema_class(schema)
+    elif what == "tools":
+        params = [recursive_schema(rng, "object") for _ in range(rng.choice([1, 1, 2]))]
+        body["tools"] = [{"type": "function", "function": {"name": f"f{j}", "parameters": p}} for j, p in enumerate(params)]
+        body["tool_choice"] = rng.choice(["auto", "required", {"type": "function", "function": {"name": "f0"}}])
+        classes = {schema_class(p) for p in params}
+        kind = "endless" if "endless" in classes else "trap" if "trap" in classes else "clean"
+    else:
+        rules, kind = recursive_grammar(rng)
+        body["grammar"] = grammar_text(rules, what)
+    if chat:
+        return what, {"messages": [{"role": "user", "content": "Build it."}], **body}, "/v1/chat/completions", kind
+    return what, {"prompt": "And God said", **body}, "/v1/completions", kind
+
+
+def test_fuzz_case_classes_are_what_they_say():
+    assert schema_class(ENDLESS) == schema_class(DEEP) == "endless"
+    assert schema_class({**DEEP, "required": ["a"]}) == "trap"
+    assert schema_class({"type": "array", "items": {"$ref": "#"}, "minItems": 0, "maxItems": 2}) == "clean"
+    assert schema_class({"type": "array", "items": {"$ref": "#"}, "minItems": 1, "maxItems": 2}) == "endless"
+    assert recursive_grammar(random.Random(0))[1] in ("clean", "endless", "trap")
+    rng = random.Random(54)
+    made = [fuzz_case(rng, i) for i in range(FUZZ_CASES)]
+    counts = {(w, k): sum(c[0] == w and c[3] == k for c in made) for w in ("response_format", "tools") for k in
+              ("clean", "endless", "trap")}
+    assert all(n >= 3 for n in counts.values()), counts  # every kind of case occurs
+    assert sum('"d"' in json.dumps(c[1]) for c in made) >= 20  # deep nesting
+    assert sum("gbnf" == c[0] for c in made) >= 20 and sum("lark" == c[0] for c in made) >= 20
+
+
+@pytest.mark.system
+def test_recursive_schemas_grammars_and_tools_are_answered_or_refused(server):
+    """Every case: a finished answer (200) or a 400 invalid_request_error in one line, streamed or not;
+    never a 5xx, but the one-line generation_failed of a constraint without end; no traceback."""
+    rng, seen = random.Random(54), {}
+    for i in range(FUZZ_CASES):
+        what, body, path, kind = fuzz_case(rng, i)
+        status, _, raw = post(server.url + path, body, timeout=120)
+        text = raw.decode()
+        if status == 200 and body["stream"]:
+            events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]", (i, body, text)
+            chunks = [json.loads(e) for e in events[:-1]]
+            errors = [c["error"] for c in chunks if "error" in c]
+            finish = [ch["finish_reason"] for c in chunks for ch in c.get("choices", []) if ch.get("finish_reason")]
+            outcome = "500 mid-stream" if errors else "200"
+            assert (errors and kind != "clean" and errors[0]["code"] == "generation_failed") or (not errors and finish), \
+                (i, kind, body, text)
+        elif status == 200:
+            outcome = "200"
+            assert json.loads(raw)["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls"), (i, body, text)
+        else:
+            error = json.loads(raw)["error"]
+            outcome = str(status)
+            assert "\n" not in error["message"], (i, body, error)
+            assert (status == 400 and error["type"] == "invalid_request_error") or \
+                (status == 500 and kind != "clean" and error["code"] == "generation_failed"), (i, kind, body, error)
+        seen[(kind, outcome)] = seen.get((kind, outcome), 0) + 1
+    print(f"\n{FUZZ_CASES} requests (seed 54):", ", ".join(f"{k} {o}: {n}" for (k, o), n in sorted(seen.items())))
+    assert "Traceback" not in server.text_log() and "internal error" not in server.text_log(), server.text_log()
