@@ -35,7 +35,7 @@ from .kv.session import PersistentSession, SessionWarning, session_path
 from .kv.session import lock as lock_session
 from .model import MoEModel, Weights
 from .options import EngineOptions
-from .prefix import DEFAULT_SHARE, PrefixCache, pieces
+from .prefix import DEFAULT_SHARE, PrefixCache
 from .probe import Probe
 from .sizes import available_memory, parse_size
 from .store import ExpertStore
@@ -226,27 +226,27 @@ class Engine:
         return out
 
     def logits(self, ids) -> np.ndarray:
-        """Teacher-forced logits, float32 (len(ids), vocab), computed in the prefill's pieces (`_pieces`):
-        the last row is bit for bit what `stream` samples the first new token from."""
+        """Teacher-forced logits, float32 (len(ids), vocab), in one forward: the last row is bit for bit
+        what `stream` samples the first new token from (`_pieces`: cut or not, the same bits)."""
         ids = np.asarray(self._token_ids(ids), np.int64)
         if not self._busy.acquire(blocking=False):
             raise ColibriError(BUSY)
         try:
-            state = self.new_state()
-            out = np.concatenate([self.model.forward(ids[a:b], state) for a, b in self._pieces(0, len(ids))])
+            out = self.model.forward(ids, self.new_state())
             self.store.end_turn()
         finally:
             self._busy.release()
         return out
 
-    def _pieces(self, start: int, end: int) -> list[tuple[int, int]]:
-        """The forwards that feed positions start … end − 1: cut at the multiples of the prefill chunk,
-        so the state at each multiple has the same bits whatever the prompt goes on with (what makes
-        a cached prefix equal a cold prefill: prefix.py); a forward of at most EXACT_BATCH tokens
-        computes each position exactly as alone wherever it starts, and stays whole."""
-        if end - start <= EXACT_BATCH:
-            return [(start, end)]
-        return pieces(start, end, self.prefix_cache.chunk)
+    @staticmethod
+    def _pieces(start: int, end: int, capture) -> list[tuple[int, int]]:
+        """The forwards that feed positions start … end − 1: one (each MoE layer reads the union of its
+        tokens' experts once), cut only where `capture` snapshots fixed-size state parts (`Capture.stops`:
+        none for a state of rows, else a few, at chunk × 2^k and the last boundary). Cut or not, every
+        position gets the same bits: the layers compute in blocks aligned at absolute positions
+        (kernels.deltanet.BLOCK), so a prefix restored at a boundary equals a cold prefill (prefix.py)."""
+        cuts = [start, *(capture.stops(start, end) if capture is not None else ()), end]
+        return list(zip(cuts, cuts[1:]))
 
     def _feed(self, session: Session, ids: list[int], last_only: bool = True, capture=None) -> np.ndarray:
         """Bring `session` to `ids` (reusing the longest prefix it holds), in `_pieces`; logits of the
@@ -257,7 +257,7 @@ class Engine:
         if not (n < len(ids) and ids[:n] == session.ids):
             session.state, session.ids, n = self.new_state(), [], 0
         out = []
-        for start, end in self._pieces(n, len(ids)):
+        for start, end in self._pieces(n, len(ids), capture):
             with self.probe.listening():
                 out.append(self.model.forward(np.asarray(ids[start:end], np.int64), session.state,
                                               last_only=last_only))

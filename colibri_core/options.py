@@ -86,7 +86,8 @@ class EngineOptions:
     prefix_cache: int | str | None = _option(None, "--prefix-cache", "RAM for the states of recent prompts, so a "
                                              "prompt sharing a prefix with one is prefilled only past it, e.g. 2GB "
                                              "(default: a tenth of --ram, beside it; 0: off).", cli=Optional[str])
-    # tokens per prefill piece: pieces end at its multiples, cached or not (a test makes it small)
+    # tokens between the boundaries the prefix cache keeps states at: a multiple of 64
+    # (kernels.deltanet.BLOCK; a test makes it small)
     prefill_chunk: int = _option(PREFILL_CHUNK, None, "")
 
     def __post_init__(self):

@@ -5,17 +5,19 @@ reused bit for bit.
     cache = PrefixCache(budget=2 << 30, chunk=256)
     hit = cache.lookup(prompt)                    # None, or (entry, b): the state of prompt[:b] is held
     cache.restore(hit, state)                     # a fresh state now holds prompt[:b]
-    capture = cache.capture(state, prompt, hit)   # the engine calls capture.reached(p) during prefill
-    cache.insert(capture)                         # after the prefill
+    capture = cache.capture(state, prompt, hit)   # the prefill stops at capture.stops(start, end), and
+    cache.insert(capture)                         # calls capture.fed(start, end, hidden) after each forward
 
 Why positions are aligned. A forward of more than `kernels.deltanet.EXACT_BATCH` tokens uses chunked
-recurrences and block-wise attention whose bits depend on where the forward began, so a state is
-reusable at position p only where every request computes positions < p with the very same forwards.
-The engine therefore prefills every prompt (cached or not, with the cache on or off) in pieces cut
-at the absolute multiples of `chunk` (`pieces`), and a cold prefill is exactly the prefill that
-restores a boundary and goes on from there. A boundary b (a multiple of `chunk`) reached by whole
-pieces is such a point; nothing else is (the state at a turn's end was decoded token by token, which
-no cold prefill of the longer prompt that continues it repeats, so it is never kept).
+recurrences and block-wise attention; their blocks are aligned at the absolute multiples of
+`kernels.deltanet.BLOCK`, each over exactly the keys up to its own end, so a position's bits depend
+only on the tokens before its block's end: a forward cut at multiples of BLOCK gives the bits of one
+forward. A boundary b (a multiple of `chunk`, itself a multiple of BLOCK) is therefore a point where
+the state of a cold prefill of the whole prompt equals the state of a prefill of prompt[:b], and a
+cold prefill is exactly the prefill that restores b and goes on from there. Nothing else is such a
+point (the state at a turn's end was decoded token by token, which no cold prefill of the longer
+prompt that continues it repeats, so it is never kept). The engine prefills in one forward (each MoE
+layer reads its experts once), stopping only where a fixed-size part is snapshotted (`Capture.stops`).
 
 What an entry holds (`Entry`), by state kind (kv/state.py): per-token rows (KV caches, MLA latents,
 indexer keys) as views of the prompt's state, cut to any boundary when restored; fixed-size parts
@@ -36,18 +38,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import ColibriError
+from .kernels.deltanet import BLOCK
 from .kv.state import LENGTH, SequenceState
 
-__all__ = ["DEFAULT_SHARE", "PREFILL_CHUNK", "Capture", "Entry", "PrefixCache", "pieces"]
+__all__ = ["DEFAULT_SHARE", "PREFILL_CHUNK", "Capture", "Entry", "PrefixCache"]
 
-PREFILL_CHUNK = 256  # tokens per prefill piece: pieces end at the absolute multiples of it
+PREFILL_CHUNK = 256  # tokens between the boundaries a state is kept at: a multiple of BLOCK
 DEFAULT_SHARE = 0.1  # the cache's default budget: this share of the engine's RAM budget, beside it
-
-
-def pieces(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
-    """[start, end) cut at every multiple of `chunk`: [(start, end), …] in order."""
-    cuts = [start, *range((start // chunk + 1) * chunk, end, chunk), end]
-    return list(zip(cuts, cuts[1:]))
 
 
 def _kept(boundaries, last: int, chunk: int) -> list[int]:
@@ -82,8 +80,8 @@ class Entry:
 
 
 class Capture:
-    """What the prefill of one prompt leaves for the cache: the engine calls `fed` after each piece;
-    `PrefixCache.insert` makes an entry of it."""
+    """What the prefill of one prompt leaves for the cache: the engine stops its forwards at `stops`
+    and calls `fed` after each; `PrefixCache.insert` makes an entry of it."""
 
     def __init__(self, state: SequenceState, prompt: list[int], chunk: int, inherited: dict[int, dict],
                  hidden: list[np.ndarray] | None):
@@ -97,11 +95,19 @@ class Capture:
         self.snapshots = dict(inherited)  # boundary -> fixed-size arrays ({} for a state of rows)
         self.hidden = hidden  # (T, H) rows of the positions fed so far, in order; None: not kept
 
+    def stops(self, start: int, end: int) -> list[int]:
+        """The boundaries strictly between start and end where a prefill of positions start … end − 1
+        stops for `reached` to snapshot the fixed-size parts: none for a state of rows only (its rows
+        are cut to any boundary afterwards), else the few an entry keeps (`_kept`)."""
+        if self._fixed is None:
+            return []
+        return _kept(range((start // self.chunk + 1) * self.chunk, end, self.chunk), len(self.tokens), self.chunk)
+
     def fed(self, start: int, end: int, hidden: np.ndarray | None) -> None:
         """The forward of positions start … end − 1 ran; `hidden` (T, H) its final hidden states."""
         if self.hidden is not None and hidden is not None:
             self.hidden.append(hidden)
-        if start % self.chunk == 0 and end % self.chunk == 0:  # a whole piece
+        if start % self.chunk == 0 and end % self.chunk == 0:  # from a boundary to a boundary
             self.reached(end)
 
     def reached(self, boundary: int) -> None:
@@ -134,6 +140,8 @@ class PrefixCache:
     """Entries by token prefix, least recently used first out, under `budget` bytes (0: off)."""
 
     def __init__(self, budget: int, chunk: int = PREFILL_CHUNK):
+        if chunk % BLOCK:  # a boundary inside a block: the state there depends on the tokens after it
+            raise ColibriError(f"prefill_chunk must be a multiple of {BLOCK} (the layers' aligned block), got {chunk}")
         self.budget, self.chunk = budget, chunk
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # id -> entry, least recently used first
         self._buffers: dict[int, list] = {}  # id(root) -> [root, entries holding it]

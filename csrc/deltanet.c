@@ -380,9 +380,16 @@ int deltanet_block(float *out, const float *x, int T, const DeltaNetBlock *b, fl
                 g[j] = b->neg_a[h] * (y > 20.0f ? y : log1pf(coli_expf(y)));
             }
         }
-        status = T <= b->exact_batch
-                     ? gated_delta_rule_recurrent(o, state, q, k, v, g, beta, T, hk, hv, dk, dv)
-                     : gated_delta_rule_chunked(o, state, q, k, v, g, beta, T, hk, hv, dk, dv, b->chunk);
+        // chunked, the chunks from the first token (absolute where the forward starts at a multiple
+        // of `chunk`), a last chunk of at most exact_batch tokens recurrent: a forward cut at multiples
+        // of `chunk` gets the bits of one forward (the prefix cache restores a state at such a cut)
+        const int tail = T % b->chunk, head = T <= b->exact_batch ? 0 : (tail <= b->exact_batch ? T - tail : T);
+        if (head > 0) status = gated_delta_rule_chunked(o, state, q, k, v, g, beta, head, hk, hv, dk, dv, b->chunk);
+        if (status == COLI_OK && head < T) {
+            const size_t h0 = (size_t)head;
+            status = gated_delta_rule_recurrent(o + h0 * nv, state, q + h0 * nk, k + h0 * nk, v + h0 * nv,
+                                                g + h0 * hv, beta + h0 * hv, T - head, hk, hv, dk, dv);
+        }
     }
     if (status == COLI_OK) status = rms_norm(o, o, b->norm, T * hv, dv, b->eps);
     if (status == COLI_OK) {

@@ -71,7 +71,8 @@ int kda_recurrent(float *out, float *state, const float *q, const float *k, cons
 //   [q | k | v] = causal_conv1d(mixed, conv, conv_state, SiLU)
 //   β = 1 / (1 + exp(−b));  g = neg_a · softplus(a + dt_bias)     (softplus(y) = y above 20, else
 //                                                                   log1p(exp(y)); exp: coli_expf)
-//   o = the gated delta rule (recurrent for T <= exact_batch, else chunked by `chunk`)
+//   o = the gated delta rule (recurrent for T <= exact_batch, else chunked by `chunk`, a last chunk
+//       of at most exact_batch tokens recurrent: the bits of a forward cut there)
 //   o = rms_norm(o per value head, norm) · silu(z),  silu(z) = z / (1 + exp(−z))
 //   out = o out_projᵀ                                            (matmul, arithmetic `act`)
 // out: f32 [T, hidden] (written); x: f32 [T, hidden]; conv_state: f32 [conv_kernel - 1, channels]

@@ -1,4 +1,4 @@
-"""The prefix cache (colibri_core/prefix.py): aligned prefill pieces, what an entry keeps, eviction
+"""The prefix cache (colibri_core/prefix.py): where a prefill stops, what an entry keeps, eviction
 under the budget, and the engine serving prompts from it with the bits of a cold prefill."""
 import importlib.util
 import time
@@ -12,14 +12,8 @@ from colibri_core.errors import ColibriError
 from colibri_core.kv import SequenceState
 from colibri_core.kv.cache import KVCache
 from colibri_core.layers.sink_attention import SlidingWindow
-from colibri_core.prefix import PrefixCache, pieces
+from colibri_core.prefix import PrefixCache
 from colibri_core.testing.checks import check_prefix_cache_is_invisible
-
-
-def test_pieces_end_at_the_multiples_of_the_chunk():
-    assert pieces(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert pieces(6, 13, 4) == [(6, 8), (8, 12), (12, 13)]
-    assert pieces(8, 12, 4) == [(8, 12)]
 
 
 def _state() -> SequenceState:
@@ -27,7 +21,7 @@ def _state() -> SequenceState:
     return SequenceState({"layer.0": KVCache(1, 2), "layer.1": SlidingWindow(3, 2)})
 
 
-def _feed(state: SequenceState, tokens, capture=None, chunk: int = 2) -> None:
+def _feed(state: SequenceState, tokens, capture=None, chunk: int = 64) -> None:
     """A stand-in forward: each token's row is (token, token), fed one by one."""
     for t in tokens:
         row = np.full((1, 1, 2), t, np.float32)
@@ -39,43 +33,46 @@ def _feed(state: SequenceState, tokens, capture=None, chunk: int = 2) -> None:
 
 
 def test_an_entry_keeps_the_last_and_power_of_two_boundaries_and_restores_them():
-    cache = PrefixCache(budget=1 << 20, chunk=2)
-    prompt = list(range(1, 24))  # 23 tokens: boundaries 2 … 22
+    cache = PrefixCache(budget=1 << 20, chunk=64)
+    prompt = list(range(1, 11 * 64 + 24))  # 727 tokens: boundaries 64 … 704
     state = _state()
     capture = cache.capture(state, prompt, None)
+    # a prefill stops only where a snapshot is taken: the power-of-two boundaries and the last one
+    assert capture.stops(0, len(prompt)) == [64, 128, 256, 512, 704] and capture.stops(128, 600) == [256, 512]
     _feed(state, prompt, capture)
     cache.insert(capture)
     (entry,) = cache.entries.values()
-    assert sorted(entry.fixed) == [2, 4, 8, 16, 22] and len(entry.tokens) == 22
-    # a prompt sharing 13 tokens is restored at 8 (the last kept boundary within them), as fed
-    hit = cache.lookup(prompt[:13] + [99, 98])
-    assert hit[1] == 8
+    assert sorted(entry.fixed) == [64, 128, 256, 512, 704] and len(entry.tokens) == 704
+    # a prompt sharing 416 tokens is restored at 256 (the last kept boundary within them), as fed
+    hit = cache.lookup(prompt[:416] + [99, 98])
+    assert hit[1] == 256
     restored, fed = _state(), _state()
     cache.restore(hit, restored)
-    _feed(fed, prompt[:8])
+    _feed(fed, prompt[:256])
     a, b = restored.arrays(), fed.arrays()
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-    assert cache.lookup(prompt)[1] == 22 and cache.lookup(prompt[:22])[1] == 16  # a token is always left to feed
+    assert cache.lookup(prompt)[1] == 704 and cache.lookup(prompt[:704])[1] == 512  # a token is always left to feed
     assert cache.lookup([7] + prompt) is None
 
 
 def test_rows_only_entries_restore_at_every_boundary():
-    cache = PrefixCache(budget=1 << 20, chunk=4)
+    cache = PrefixCache(budget=1 << 20, chunk=64)
     state = SequenceState({"layer.0": KVCache(1, 2)})
-    prompt = list(range(1, 19))
+    prompt = list(range(1, 289))
     capture = cache.capture(state, prompt, None)
+    assert capture.stops(0, len(prompt)) == []  # rows are cut to any boundary afterwards: one forward
     rows = np.repeat(np.asarray(prompt, np.float32), 2).reshape(-1, 1, 2)  # token t's row: (t, t)
     state["layer.0"].append(rows, rows)
     state.advance(len(prompt))
     cache.insert(capture)
-    assert [cache.lookup(prompt[:n] + [0])[1] for n in (5, 9, 13, 18)] == [4, 8, 12, 16]
+    assert [cache.lookup(prompt[:n] + [0])[1] for n in (80, 144, 208, 288)] == [64, 128, 192, 256]
     restored = SequenceState({"layer.0": KVCache(1, 2)})
-    cache.restore(cache.lookup(prompt[:11] + [0]), restored)
-    assert restored.length == 8 and restored.arrays()["layer.0.k"][:, 0, 0].tolist() == prompt[:8]
+    cache.restore(cache.lookup(prompt[:176] + [0]), restored)
+    assert restored.length == 128 and restored.arrays()["layer.0.k"][:, 0, 0].tolist() == prompt[:128]
 
 
 def _insert(cache: PrefixCache, prompt) -> None:
-    state = SequenceState({"layer.0": KVCache(1, 256)})  # its own 64-row buffers
+    state = SequenceState({"layer.0": KVCache(1, 256, capacity=512)})  # its own 512-row buffers
     capture = cache.capture(state, prompt, cache.lookup(prompt))
     for t in prompt:
         row = np.full((1, 1, 256), t, np.float32)
@@ -85,16 +82,16 @@ def _insert(cache: PrefixCache, prompt) -> None:
 
 
 def test_extended_entries_are_replaced_and_the_least_recent_evicted_under_the_budget():
-    one = 2 * 64 * 256 * 4  # an entry's bytes: keys and values of 64 rows of 256 floats
-    cache = PrefixCache(budget=2 * one, chunk=4)
-    _insert(cache, [1] * 10)
-    _insert(cache, [1] * 20)  # extends the first: it replaces it
-    assert [len(e.tokens) for e in cache.entries.values()] == [20] and cache.nbytes == one
-    _insert(cache, [1] * 12)  # a prefix of what is held: nothing new
+    one = 2 * 512 * 256 * 4  # an entry's bytes: keys and values of 512 rows of 256 floats
+    cache = PrefixCache(budget=2 * one, chunk=64)
+    _insert(cache, [1] * 160)
+    _insert(cache, [1] * 320)  # extends the first: it replaces it
+    assert [len(e.tokens) for e in cache.entries.values()] == [320] and cache.nbytes == one
+    _insert(cache, [1] * 192)  # a prefix of what is held: nothing new
     assert len(cache.entries) == 1
-    _insert(cache, [2] * 10)
-    cache.restore(cache.lookup([1] * 30), SequenceState({"layer.0": KVCache(1, 256)}))  # [1] * 20: the most recent
-    _insert(cache, [3] * 10)  # over the budget: [2]*10, the least recently used, goes
+    _insert(cache, [2] * 160)
+    cache.restore(cache.lookup([1] * 480), SequenceState({"layer.0": KVCache(1, 256)}))  # [1] * 320: the most recent
+    _insert(cache, [3] * 160)  # over the budget: [2]*160, the least recently used, goes
     assert sorted(int(e.tokens[0]) for e in cache.entries.values()) == [1, 3] and cache.nbytes == 2 * one
     cache.clear()
     assert cache.nbytes == 0 and not cache.entries
@@ -119,7 +116,7 @@ def test_lookup_is_fast_for_hundreds_of_entries():
 
 
 def test_the_engine_serves_prompts_from_the_cache_with_the_bits_of_a_cold_prefill(tiny_model):
-    check_prefix_cache_is_invisible(tiny_model, vocab_size=300, chunk=32)
+    check_prefix_cache_is_invisible(tiny_model, vocab_size=300)
 
 
 def test_an_mtp_head_drafts_after_a_restore_as_after_a_cold_prefill(tmp_path):
@@ -134,30 +131,31 @@ def test_an_mtp_head_drafts_after_a_restore_as_after_a_cold_prefill(tmp_path):
     with load(model_dir) as engine:
         assert engine.model.has_mtp
         vocab = engine.model.vocab_size
-    check_prefix_cache_is_invisible(model_dir, vocab, chunk=32)
+    check_prefix_cache_is_invisible(model_dir, vocab)
 
 
 def test_only_calls_without_a_session_use_the_cache_and_stats_count_it(tiny_model):
     prompt = list(np.random.default_rng(1).integers(3, 300, 100))
-    with load(tiny_model, prefill_chunk=32, prefix_cache="64MB") as engine:
+    with load(tiny_model, prefill_chunk=64, prefix_cache="64MB") as engine:
         session = engine.new_session()
         engine.generate(prompt, 2, stop_ids=(), session=session)
         assert engine.stats()["prefix_cache_entries"] == 0
         engine.generate(prompt, 2, stop_ids=())
         engine.generate(prompt + [5, 6], 2, stop_ids=())
         s = engine.stats()
-        assert (s["prefix_cache_hits"], s["prefix_cached_tokens"], s["prefix_cache_entries"]) == (1, 96, 1)
+        assert (s["prefix_cache_hits"], s["prefix_cached_tokens"], s["prefix_cache_entries"]) == (1, 64, 1)
         assert 0 < s["prefix_cache_bytes"] <= s["prefix_cache_budget"] == 64_000_000
-    with load(tiny_model, prefill_chunk=32, prefix_cache=0) as engine:
+    with load(tiny_model, prefill_chunk=64, prefix_cache=0) as engine:
         engine.generate(prompt, 2, stop_ids=())
         engine.generate(prompt, 2, stop_ids=())
         assert engine.stats()["prefix_cached_tokens"] == 0 and engine.stats()["prefix_cache_bytes"] == 0
 
 
-def test_prefill_pieces_are_aligned_for_every_prompt(tiny_model, monkeypatch):
-    """Cold prompts, continued sessions and teacher-forced logits all cut their forwards at the
-    multiples of the chunk; a forward of at most EXACT_BATCH tokens stays whole."""
-    with load(tiny_model, prefill_chunk=32) as engine:
+def test_a_prefill_is_one_forward(tiny_model, monkeypatch):
+    """Cold prompts (cache on or off), continued sessions and teacher-forced logits each run one
+    forward (the layers' aligned blocks give the bits of forwards cut at the boundaries): each MoE
+    layer reads its experts once. The tiny model's state is rows only: nothing to snapshot."""
+    with load(tiny_model, prefill_chunk=64) as engine:
         fed = []
         forward = engine.model.forward
 
@@ -166,13 +164,22 @@ def test_prefill_pieces_are_aligned_for_every_prompt(tiny_model, monkeypatch):
             return forward(ids, state, **kw)
 
         monkeypatch.setattr(engine.model, "forward", counted)
-        engine.logits(list(range(3, 73)))
-        assert fed == [(0, 32), (32, 64), (64, 70)]
+        engine.logits(list(range(3, 203)))
+        assert fed == [(0, 200)]
+        fed.clear()
+        engine.generate(list(range(3, 203)), 1, stop_ids=())
+        engine.generate(list(range(3, 203)) + [5], 1, stop_ids=())  # restored at 192
+        assert fed == [(0, 200), (192, 201)]
         fed.clear()
         session = engine.new_session()
         engine.generate(list(range(3, 43)), 1, stop_ids=(), session=session)
-        engine.generate(session.ids + list(range(3, 60)), 1, stop_ids=(), session=session)
-        assert fed == [(0, 32), (32, 40), (40, 64), (64, 96), (96, 97)]
+        engine.generate(session.ids + list(range(3, 160)), 1, stop_ids=(), session=session)
+        assert fed == [(0, 40), (40, 197)]
+
+
+def test_a_prefill_chunk_inside_a_block_is_refused(tiny_model):
+    with pytest.raises(ColibriError, match="multiple of 64"):
+        load(tiny_model, prefill_chunk=32)
 
 
 @pytest.mark.parametrize("bad", ["lots", -1])

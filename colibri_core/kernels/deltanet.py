@@ -22,6 +22,25 @@ CHUNK = 64  # tokens per chunk in the chunked form (as the reference implementat
 # form here, per-query attention in the layers): speculative drafts are verified in one forward
 # and must give the very bits decoding them one by one gives.
 EXACT_BATCH = 16
+# A longer forward computes in blocks of BLOCK: attention's query blocks aligned at its absolute
+# multiples (`query_blocks`), each over exactly the keys up to its own end (never masked later ones:
+# they would change the sums' bits), a block's part of at most EXACT_BATCH tokens one query at a
+# time; the chunked rule's chunks from the forward's first token, a last one of at most EXACT_BATCH
+# tokens recurrent. A forward starting at a multiple of BLOCK then gives every position the bits of
+# forwards cut at multiples of BLOCK (the prefix cache restores a state at such a cut: prefix.py).
+BLOCK = CHUNK
+
+
+def query_blocks(start: int, n: int) -> list[tuple[int, int]]:
+    """The queries of a forward of n tokens from position `start`, in the groups an attention computes
+    together: [(i, j), …] offsets in the forward, cut at the absolute multiples of BLOCK, a block's
+    part of at most EXACT_BATCH tokens one query at a time. Each group attends to exactly the keys
+    before position start + j (BLOCK)."""
+    cuts = [0, *range(BLOCK - start % BLOCK, n, BLOCK), n]
+    groups = []
+    for a, b in zip(cuts, cuts[1:]):
+        groups += [(t, t + 1) for t in range(a, b)] if b - a <= EXACT_BATCH else [(a, b)]
+    return groups
 
 
 def causal_conv1d(x: np.ndarray, weight: np.ndarray, state: np.ndarray, silu: bool = True) -> np.ndarray:
@@ -45,7 +64,8 @@ def gated_delta_rule(q, k, v, g, beta, state: np.ndarray, form: str = "auto", ch
 
     `form`: "recurrent" (token by token), "chunked" (chunks of `chunk` tokens), or "auto":
     recurrent up to EXACT_BATCH tokens (decode, a verified draft: the bits of one token at a time),
-    chunked for more (prefill). Returns float32 (n, Hv, dv).
+    chunked for more (prefill), a last chunk of at most EXACT_BATCH tokens recurrent (so a prefill
+    cut at multiples of CHUNK gets the bits of one: BLOCK). Returns float32 (n, Hv, dv).
     """
     n, hk, dk = _array(q, 3, "gated_delta_rule: q").shape
     _, hv, dv = _array(v, 3, "gated_delta_rule: v").shape
@@ -57,7 +77,12 @@ def gated_delta_rule(q, k, v, g, beta, state: np.ndarray, form: str = "auto", ch
             raise ValueError(f"gated_delta_rule: {name} must be [{n}, {hv}], got {list(a.shape)}")
     _state(state, (hv, dk, dv), "gated_delta_rule: state")
     if form == "auto":
-        form = "recurrent" if n <= EXACT_BATCH else "chunked"
+        head = 0 if n <= EXACT_BATCH else n - n % chunk if n % chunk <= EXACT_BATCH else n  # chunked tokens
+        if 0 < head < n:
+            first, rest = [x[:head] for x in (q, k, v, g, beta)], [x[head:] for x in (q, k, v, g, beta)]
+            return np.concatenate([gated_delta_rule(*first, state, "chunked", chunk),
+                                   gated_delta_rule(*rest, state, "recurrent")])
+        form = "recurrent" if head == 0 else "chunked"
     q, k, v, g, beta = (np.ascontiguousarray(a) for a in (q, k, v, g, beta))
     out = np.empty((n, hv, dv), np.float32)
     args = (_floats(out, True), _floats(state, True), _floats(q), _floats(k), _floats(v), _floats(g),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.deltanet import query_blocks
 from ..kv.cache import Rows
 from .linear import linear
 from .norm import rms_norm
@@ -126,9 +127,12 @@ class CompressedIndexer:
         if E == 0:
             return np.zeros((T, 0), bool)
         q = rotate_tail_interleaved(linear(q_residual, self.wq_b).reshape(T, self.heads, self.head_dim), cos, sin)
-        scores = np.maximum(np.matmul(q, keys.T), 0) * np.float32(self.head_dim ** -0.5)  # (T, heads, E)
         w = linear(x, self.weights_proj) * np.float32(self.heads ** -0.5)  # (T, heads)
-        index = (scores * w[:, :, None]).sum(axis=1)  # (T, E)
+        index = np.zeros((T, E), np.float32)  # (T, E); the entries a block cannot see yet stay 0, never chosen
+        for a, b in query_blocks(int(positions[0]), T):  # as attention's blocks: bits whatever the forward's cut
+            n = min(E, (int(positions[b - 1]) + 1) // self.compressor.rate)  # the entries its last query sees
+            scores = np.maximum(np.matmul(q[a:b], keys[:n].T), 0) * np.float32(self.head_dim ** -0.5)  # (b-a, heads, n)
+            index[a:b, :n] = (scores * w[a:b, :, None]).sum(axis=1)
         visible = visible_entries(positions, E, self.compressor.rate)
         chosen = topk(np.where(visible, index, -np.inf), min(self.topk, E))  # (T, k)
         keep = np.zeros((T, E), bool)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.deltanet import query_blocks
 from ..kv.cache import Rows
 from .linear import linear
-from .mla import QUERY_BLOCK
 from .rope import apply_interleaved
 
 __all__ = ["Indexer"]
@@ -64,22 +64,21 @@ class Indexer:
         """Interleaved RoPE on the first rope_dim dims of x (T, heads, D)."""
         return np.concatenate([apply_interleaved(x[..., : self.rope_dim], cos, sin), x[..., self.rope_dim:]], axis=-1)
 
-    def scores(self, x: np.ndarray, q_resid: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: Rows) -> np.ndarray:
-        """Append the T new tokens' keys to `keys`; index scores (T, S) of the new queries over all keys."""
+    def select(self, x: np.ndarray, q_resid: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: Rows) -> np.ndarray:
+        """Append the T new tokens' keys to `keys`; keep (T, S) bool: each new query's `topk` best
+        causal keys by index score (`select_topk`)."""
         T = len(x)
         k = layer_norm(linear(x, self.wk), self.k_norm_weight, self.k_norm_bias, self.eps)  # (T, D)
         keys.append(self._rope(k[:, None], cos, sin)[:, 0])
         q = self._rope(linear(q_resid, self.wq_b).reshape(T, self.n_heads, self.head_dim), cos, sin)  # (T, nh, D)
         w = linear(x, self.weights_proj) * np.float32(self.n_heads ** -0.5)  # (T, nh)
         k = keys.view()  # (S, D)
-        out = np.empty((T, k.shape[0]), np.float32)  # (T, S)
-        for a in range(0, T, QUERY_BLOCK):  # bounded scratch (block, nh, S) for long prefills
-            s = np.matmul(q[a : a + QUERY_BLOCK], k.T) * np.float32(self.head_dim ** -0.5)  # (block, nh, S)
+        start = len(k) - T  # the first query's position
+        keep = np.zeros((T, len(k)), bool)  # (T, S); a block's later keys are future ones, never kept
+        # as attention's blocks (mla.py): bits whatever the forward's cut, scratch (block, nh, keys)
+        for a, b in query_blocks(start, T):
+            end = start + b
+            s = np.matmul(q[a:b], k[:end].T) * np.float32(self.head_dim ** -0.5)  # (block, nh, end)
             np.maximum(s, 0, out=s)  # ReLU
-            out[a : a + QUERY_BLOCK] = np.matmul(w[a : a + QUERY_BLOCK, None, :], s)[:, 0]
-        return out
-
-    def select(self, x: np.ndarray, q_resid: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: Rows) -> np.ndarray:
-        """keep (T, S) bool for the T new queries (see `select_topk`)."""
-        scores = self.scores(x, q_resid, cos, sin, keys)
-        return select_topk(scores, keys.length - len(x), self.topk)
+            keep[a:b, :end] = select_topk(np.matmul(w[a:b, None, :], s)[:, 0], start + a, self.topk)
+        return keep

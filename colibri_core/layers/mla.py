@@ -23,7 +23,7 @@ import numpy as np
 
 from ..kv.cache import Rows
 from .. import kernels
-from ..kernels.deltanet import EXACT_BATCH  # a short forward: every query computed as if alone
+from ..kernels.deltanet import BLOCK, query_blocks  # aligned query blocks: the bits of any cut of the forward
 from ..quant import QTensor
 from .linear import linear
 from .norm import rms_norm
@@ -31,8 +31,7 @@ from .rope import apply_interleaved
 
 __all__ = ["MLA", "MLACache", "MLADims"]
 
-QUERY_BLOCK = 256  # queries attended at once (bounds the (heads, block, S) scores of a long prefill)
-
+QUERY_BLOCK = BLOCK  # the most queries attended at once (bounds the (heads, block, S) scores of a long prefill)
 
 @dataclass(frozen=True)
 class MLADims:
@@ -128,18 +127,14 @@ class MLA:
         d = self.d
         T = q_nope.shape[0]
         latent, k_rope = cache.latent.view(), cache.k_rope.view()  # (S, c), (S, r)
-        S = latent.shape[0]
+        start = latent.shape[0] - T  # the first query's position
         out = np.empty((T, d.heads, d.v_head_dim), np.float32)  # (T, heads, v)
-        if T <= EXACT_BATCH:  # each query over exactly its own keys: the bits it gets alone (a verified draft)
-            for t in range(T):
-                end = S - T + t + 1
-                out[t:t + 1] = self._attend_block(q_nope[t:t + 1], q_rope[t:t + 1], latent[:end], k_rope[:end],
-                                                  end - 1, None if keep is None else keep[t:t + 1, :end])
-        else:
-            for a in range(0, T, QUERY_BLOCK):  # bounded scratch for long prefills: (heads, block, S)
-                b = min(T, a + QUERY_BLOCK)
-                out[a:b] = self._attend_block(q_nope[a:b], q_rope[a:b], latent, k_rope, S - T + a,
-                                              None if keep is None else keep[a:b])
+        # aligned blocks (bounded scratch (heads, block, keys)), each over exactly the keys up to its
+        # end, a few queries each alone: a query's bits never depend on where the forward began or ends
+        for a, b in query_blocks(start, T):
+            end = start + b
+            out[a:b] = self._attend_block(q_nope[a:b], q_rope[a:b], latent[:end], k_rope[:end], start + a,
+                                          None if keep is None else keep[a:b, :end])
         out = out.reshape(T, d.heads * d.v_head_dim)
         return linear(out if gate is None else out * gate, self.o_proj)
 

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.deltanet import EXACT_BATCH  # a short forward: every query computed as if alone
+from ..kernels.deltanet import query_blocks  # aligned query blocks: the bits of any cut of the forward
 from ..probe import timed
 from .linear import linear
 
 __all__ = ["SlidingWindow", "sink_attention", "grouped_linear", "split_rows"]
-
-QUERY_BLOCK = 64  # queries per block: bounds the (block, heads, keys) logits of a long prefill
-
 
 class SlidingWindow:
     """The last `window - 1` K=V rows of one layer (what the next query can still see), replaced —
@@ -55,35 +52,29 @@ def sink_attention(q: np.ndarray, rows: np.ndarray, start: int, window: int, ext
     the last T of them the new tokens'; extra (E, D) compressed entries with extra_mask (T, E) (None:
     none); sinks (heads,). Returns (T, heads, D): softmax over [q·k · scale …, sink] of the visible
     keys, the sink's share dropped, times the values."""
-    T, heads, _ = q.shape
-    R = len(rows)
-    row_pos = start + T - R + np.arange(R)  # (R,) position of each window row
-    keys = rows if extra is None else np.concatenate([rows, extra])  # (R + E, D)
+    T = len(q)
+    first = start + T - len(rows)  # the position of rows[0]
     out = np.empty(q.shape, np.float32)
     sink = np.asarray(sinks, np.float32)[None, :, None]  # (1, heads, 1)
-    if T <= EXACT_BATCH:  # each query over exactly the keys it sees: the bits it gets alone (a verified draft)
-        for t in range(T):
-            last = R - T + t  # the row of the query's own token
-            seen = rows[max(last - window + 1, 0):last + 1]
-            if extra is not None:
-                seen = np.concatenate([seen, extra[np.flatnonzero(extra_mask[t])]])
-            logits = np.matmul(q[t:t + 1], seen.T) * np.float32(scale)  # (1, heads, n)
-            top = np.maximum(logits.max(axis=-1, keepdims=True), sink)
-            e = np.exp(logits - top)
-            out[t:t + 1] = np.matmul(e / (e.sum(axis=-1, keepdims=True) + np.exp(sink - top)), seen)
-        return out
-    for t0 in range(0, T, QUERY_BLOCK):
-        t1 = min(t0 + QUERY_BLOCK, T)
-        pos = start + np.arange(t0, t1)  # (b,)
-        mask = (row_pos[None, :] <= pos[:, None]) & (row_pos[None, :] > pos[:, None] - window)  # (b, R)
+    # aligned blocks, each over exactly the keys its queries may see from the block's first query's
+    # window to its last query's extra entry, a few queries each alone: a query's bits never depend
+    # on where the forward began or ends (kernels.deltanet.BLOCK)
+    for a, b in query_blocks(start, T):
+        lo, hi = max(start + a - window + 1 - first, 0), start + b - first  # the rows seen: rows[lo:hi]
+        pos, row_pos = start + np.arange(a, b), first + np.arange(lo, hi)  # (n,), (hi - lo,)
+        mask = (row_pos[None, :] <= pos[:, None]) & (row_pos[None, :] > pos[:, None] - window)  # (n, hi - lo)
+        keys = rows[lo:hi]
         if extra is not None:
-            mask = np.concatenate([mask, extra_mask[t0:t1]], axis=1)  # (b, R + E)
-        logits = np.matmul(q[t0:t1], keys.T) * np.float32(scale)  # (b, heads, R + E)
+            seen = np.flatnonzero(extra_mask[a:b].any(axis=0))
+            n = int(seen[-1]) + 1 if len(seen) else 0  # the entries up to the last one seen
+            keys = np.concatenate([keys, extra[:n]])  # (hi - lo + n, D)
+            mask = np.concatenate([mask, extra_mask[a:b, :n]], axis=1)
+        logits = np.matmul(q[a:b], keys.T) * np.float32(scale)  # (n, heads, keys)
         logits = np.where(mask[:, None, :], logits, np.float32(-np.inf))
-        top = np.maximum(logits.max(axis=-1, keepdims=True), sink)  # (b, heads, 1)
+        top = np.maximum(logits.max(axis=-1, keepdims=True), sink)  # (n, heads, 1)
         e = np.exp(logits - top)
         total = e.sum(axis=-1, keepdims=True) + np.exp(sink - top)
-        out[t0:t1] = np.matmul(e / total, keys)
+        out[a:b] = np.matmul(e / total, keys)
     return out
 
 

@@ -260,28 +260,29 @@ def check_one_forward_is_pieces(oracle: Oracle, q: str = "int4", chunk: int = 64
     """One forward over a long prompt (3·chunk + 7 tokens) gives, bit for bit, the logits and the
     state of forwards cut at the multiples of `chunk` (a multiple of kernels.deltanet.BLOCK): the
     engine prefills in one forward (each MoE layer reads its experts once), and the prefix cache
-    restores a state at such a multiple as if the prefill had stopped there."""
+    restores a state at such a multiple as if the prefill had stopped there). In both arithmetics."""
     check = "one_forward_is_pieces"
     ids = np.random.default_rng(11).integers(0, oracle.suite.hf_config.vocab_size, 3 * chunk + 7)
     cuts = [*range(0, len(ids), chunk), len(ids)]
-    with load(oracle.container(q), activations="f32") as engine:
-        model = engine.model
-        whole, cut = model.new_state(), model.new_state()
-        together = model.forward(ids, whole)  # (T, V)
-        apart = np.concatenate([model.forward(ids[a:b], cut) for a, b in zip(cuts, cuts[1:])])
+    for activations in ("f32", "int8"):
+        with load(oracle.container(q), activations=activations) as engine:
+            model = engine.model
+            whole, cut = model.new_state(), model.new_state()
+            together = model.forward(ids, whole)  # (T, V)
+            apart = np.concatenate([model.forward(ids[a:b], cut) for a, b in zip(cuts, cuts[1:])])
+        where = f"{activations} activations, a {len(ids)}-token forward against forwards cut at the multiples of {chunk}"
         differ = np.flatnonzero((together != apart).any(axis=1))
         if len(differ):
-            fail(check, f"position {int(differ[0])} of a {len(ids)}-token forward: its logits differ from forwards cut at "
-                        f"the multiples of {chunk} by up to {float(np.abs(together - apart).max()):.3g} (compute in blocks "
-                        f"aligned at absolute positions: see colibri_core.kernels.deltanet.BLOCK)")
+            fail(check, f"{where}: the logits of position {int(differ[0])} differ by up to "
+                        f"{float(np.abs(together - apart).max()):.3g} (compute in blocks aligned at absolute positions, "
+                        f"each over the keys up to its end: colibri_core.kernels.deltanet.BLOCK)")
         a, b = whole.arrays(), cut.arrays()
         differ = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not np.array_equal(a[k], b[k]))
         if differ:
-            fail(check, f"after a {len(ids)}-token forward the state arrays {differ[:3]} differ from those of forwards cut "
-                        f"at the multiples of {chunk}")
+            fail(check, f"{where}: the state arrays {differ[:3]} differ after the prompt")
 
 
-def check_prefix_cache_is_invisible(model_dir: Path, vocab_size: int, chunk: int = 32, new: int = 6) -> None:
+def check_prefix_cache_is_invisible(model_dir: Path, vocab_size: int, chunk: int = 64, new: int = 6) -> None:
     """A prompt served from the prefix cache gives, bit for bit, the tokens and logits of a cold
     prefill (the engine's `prefill_chunk` made `chunk`, so a short prompt crosses several boundaries):
     a first prompt of 3·chunk + 5 tokens; a shorter one (its state cut at 2·chunk); one extending the

@@ -26,9 +26,9 @@ QUANT_PARAMS = [pytest.param(q, marks=pytest.mark.system) if q == "int8" else q 
 # the names `unsupported` may give: every check a test of the suite runs through `_check`
 CHECKS = frozenset({*(f"{kind}_{q}" for kind in ("greedy", "logits") for q in QUANTS), "config_variants",
                     "container_round_trip", "kv_cache_floats", "leftover_tensor", "lookahead_active",
-                    "lookahead_predicts_routing", "missing_tensor", "moe_layers", "one_forward_is_pieces", "placement_invariance", "plan",
-                    "prefetch_invisible", "prefix_cache", "session", "short_forward_is_decode_exact",
-                    "state_round_trip"})
+                    "lookahead_predicts_routing", "missing_tensor", "moe_layers", "one_forward_is_pieces",
+                    "placement_invariance", "plan", "prefetch_invisible", "prefix_cache", "session",
+                    "short_forward_is_decode_exact", "state_round_trip"})
 
 
 class ConformanceSuite:
