@@ -19,7 +19,7 @@ from .linear import linear, linears
 from .norm import rms_norm_zero_centred
 from .rope import apply_rotate_half
 
-__all__ = ["GatedAttention"]
+__all__ = ["GatedAttention", "sigmoid"]
 
 
 def apply_partial_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -1,6 +1,7 @@
 """colibri plugin for the Kimi linear-attention family: Kimi-Linear (`KimiLinearForCausalLM`,
-model_type ``kimi_linear``) and Kimi K3 on top of it. Registration only: the model lives in
-model.py and is imported when a Kimi model is converted or loaded."""
+model_type ``kimi_linear``) and Kimi K3, each architecture with its own class in model.py
+(`KimiLinear`, `KimiK3`: the same blocks, each its own config, tensors and layer graph).
+Registration only: model.py is imported when a Kimi model is converted or loaded."""
 from colibri_core.hookspecs import Architecture, hookimpl
 
 

@@ -35,7 +35,7 @@ def close(got: np.ndarray, want: np.ndarray, what: str, rel=1e-5):
 
 
 def k3_model(**text):
-    """A KimiK3 without weights: its config (the tiny K3's, edited) and its layer methods."""
+    """A KimiK3 without weights: its config (the tiny K3's, edited) and its layer builder."""
     model = object.__new__(KimiK3)
     model.cfg = KimiK3.parse_config({"text_config": {**TINY_K3, **text}})
     return model
@@ -81,11 +81,9 @@ def test_kda_lower_bound_and_full_rank_gate_match_glm5_next(x):
     model = k3_model()
     layer = model._layer(weights(model.cfg, sd, 1), 1)
     xs = f32(x)[0]
-    got = model._mix(xs, T, None, None, layer, KDAState(model.cfg.kda))
-    close(got, want, "KDA prefill vs glm5_next (its chunked form)")
+    close(layer.mixer(xs, KDAState(model.cfg.kda)), want, "KDA prefill vs glm5_next (its chunked form)")
     state = KDAState(model.cfg.kda)  # prefill 66 tokens, then decode one by one
-    parts = [model._mix(xs[:66], 66, None, None, layer, state)]
-    parts += [model._mix(xs[t:t + 1], 1, None, None, layer, state) for t in range(66, T)]
+    parts = [layer.mixer(xs[:66], state)] + [layer.mixer(xs[t:t + 1], state) for t in range(66, T)]
     close(np.concatenate(parts), want, "KDA prefill + decode vs glm5_next")
 
 
@@ -117,13 +115,10 @@ def test_gated_mla_matches_kimi_linear_attention_with_an_output_gate(x):
     sd["self_attn.g_proj.weight"] = f32(g_proj.weight)
     model = k3_model()
     layer = model._layer(weights(model.cfg, sd, 3), 3)
-    r = c["qk_rope_head_dim"]
-    ones, zeros = np.ones((T, r), np.float32), np.zeros((T, r), np.float32)
     xs = f32(x)[0]
-    close(model._mix(xs, T, ones, zeros, layer, MLACache(model.cfg.mla)), want, "gated MLA prefill vs kimi_linear")
+    close(layer.mixer(xs, MLACache(model.cfg.mla)), want, "gated MLA prefill vs kimi_linear")
     cache = MLACache(model.cfg.mla)
-    parts = [model._mix(xs[:50], 50, ones[:50], zeros[:50], layer, cache)]
-    parts += [model._mix(xs[t:t + 1], 1, ones[:1], zeros[:1], layer, cache) for t in range(50, T)]
+    parts = [layer.mixer(xs[:50], cache)] + [layer.mixer(xs[t:t + 1], cache) for t in range(50, T)]
     close(np.concatenate(parts), want, "gated MLA prefill + decode vs kimi_linear")
 
 
@@ -150,9 +145,7 @@ def test_situ_glu_matches_inkling2_softcapped_swiglu():
 def weights(cfg, sd: dict, i: int):
     """Layer i's tensors by checkpoint name: the oracle's (`sd`, by name within the layer), and zeros
     of the right shape for those the test does not look at (norms, the MLP)."""
-    from colibri_kimi_k3.model import resident_shapes
-
-    shapes = resident_shapes(cfg)
+    shapes = KimiK3.resident_shapes(cfg)
 
     def get(name):
         local = name.split(f"layers.{i}.", 1)[1]
