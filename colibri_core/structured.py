@@ -13,10 +13,13 @@ schema, a Lark grammar (llguidance's dialect), a GBNF grammar (llama.cpp's, conv
 or a set of tools (`tool_calls`: the answer is text or tool calls in one fixed format, which
 `parse_tool_calls` reads back; each function's parameters are a schema of their own, so their
 `$ref`s resolve as a response_format's do). A grammar that cannot be compiled is a `ColibriError`
-carrying the compiler's message, and so is one llguidance cannot follow: a new constraint is followed
-up to the model's first choice (its first mask, the tokens it forces), which refuses at once a grammar
-whose every answer recurses without end (llguidance gives up at its item limit), and a limit met
-later is a `ColibriError` from `mask`/`advance`/`forced`, mid-answer. JSON is compact by default
+carrying the compiler's message, and so is one llguidance cannot follow. A JSON schema or GBNF grammar
+with a part an answer can reach but no finite answer can finish (a recursion without end: llguidance
+would give up at its item limit only once the model walks into it) is refused when built, naming the
+part (`endless_schema_part`, `endless_gbnf_rule`); then every new constraint is followed up to the
+model's first choice (its first mask, the tokens it forces), which also refuses a Lark grammar whose
+every answer recurses, and a limit met later is a `ColibriError` from `mask`/`advance`/`forced`,
+mid-answer. JSON is compact by default
 (no whitespace between tokens: a weak model cannot loop on blank lines, and the grammar then forces
 every key and separator); a schema may ask for other separators with llguidance's `"x-guidance"`
 options.
@@ -30,6 +33,7 @@ import functools
 import json
 import re
 from pathlib import Path
+from urllib.parse import unquote
 
 import numpy as np
 
@@ -141,6 +145,8 @@ class Constraint:
             schema = {}
         if not isinstance(schema, dict):
             raise ColibriError(f"the JSON schema must be an object, not {type(schema).__name__}")
+        if why := endless_schema_part(schema):
+            raise ColibriError(f"the JSON schema cannot be followed: {why}")
         try:
             grammar = _llg().LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except (ValueError, TypeError) as e:
@@ -161,6 +167,8 @@ class Constraint:
             lark = gbnf_to_lark(text)
         except Exception as e:  # GbnfToLarkError, and plain Exceptions for unknown rules
             raise ColibriError(f"the GBNF grammar cannot be compiled: {_one_line(str(e))}") from None
+        if why := endless_gbnf_rule(text):
+            raise ColibriError(f"the GBNF grammar cannot be followed: {why}")
         return cls(vocab, _llg().LLMatcher.grammar_from_lark(lark), "GBNF grammar")
 
     @classmethod
@@ -324,6 +332,213 @@ def _one_line(message: str) -> str:
         if line and line not in keep and not re.fullmatch(r"\^+|\d+ \|.*", line):
             keep.append(line)
     return " ".join(" ".join(keep).split())[:600]
+
+
+# ---- what no finite answer can finish ---------------------------------------------------------------------
+# llguidance follows a schema or grammar lazily: a part that recurses without end (an object whose required
+# property nests it again, a rule every alternative of which refers back to itself) is met only when an
+# answer enters it, and then as its item limit, mid-answer. So every part an answer can reach is checked
+# here first, by the least fixpoint of which parts have a finite value ("productive" nonterminals).
+class _Finite:
+    """An AND/OR graph: a node is finite when all its parts are ("all"; none: a leaf) or any is ("any").
+    `solve` finds the least fixpoint in time linear in the edges (each part counts down its parents)."""
+
+    def __init__(self):
+        self.kind: list[str] = []
+        self.parts: list[list[int]] = []
+
+    def add(self, kind: str = "all", parts=()) -> int:
+        self.kind.append(kind)
+        self.parts.append(list(parts))
+        return len(self.kind) - 1
+
+    def solve(self) -> list[bool]:
+        parents: list[list[int]] = [[] for _ in self.kind]
+        need = []
+        for i, (kind, parts) in enumerate(zip(self.kind, self.parts)):
+            for p in parts:
+                parents[p].append(i)
+            need.append(len(parts) if kind == "all" else 1)
+        finite = [False] * len(need)
+        todo = [i for i, n in enumerate(need) if n == 0]
+        while todo:
+            i = todo.pop()
+            finite[i] = True
+            for p in parents[i]:
+                if need[p] > 0:
+                    need[p] -= 1
+                    if need[p] == 0:
+                        todo.append(p)
+        return finite
+
+    def cycle(self, start: int, finite: list[bool], names: dict[int, str]) -> str:
+        """The first named node met twice from `start` down its parts that are not finite (every part of
+        an "any" node, some part of an "all" one): where the recursion closes."""
+        seen, i = set(), start
+        while not (i in names and i in seen):
+            if i in names:
+                seen.add(i)
+            i = next(p for p in self.parts[i] if not finite[p])
+        return names[i]
+
+
+def _endless(graph: _Finite, names: dict[int, str], root: int, reach: dict[int, list[int]], none: str) -> str | None:
+    """The first node (in document order) that an answer can reach from `root`, down `reach`, with no
+    finite value (`none` says so), and where it recurses: None if every one has one."""
+    finite = graph.solve()
+    seen, todo = {root}, [root]
+    while todo:
+        i = todo.pop()
+        if not finite[i]:
+            return f"{names[i]}: {none} (it recurses without end through {graph.cycle(i, finite, names)})"
+        for child in reversed(reach.get(i, [])):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return None
+
+
+SCHEMA_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+COMBINATORS = {"$ref", "allOf", "anyOf", "oneOf"}
+# keywords that constrain no object or array (annotations, bounds of numbers and strings): a schema with
+# only these and the modelled ones below has no restriction on which of its parts an answer may enter
+INERT = {"$schema", "$id", "$comment", "$defs", "definitions", "title", "description", "default", "examples",
+         "deprecated", "readOnly", "writeOnly", "x-guidance", "minimum", "maximum", "exclusiveMinimum",
+         "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format", "contentEncoding",
+         "contentMediaType", "uniqueItems"}
+MODELLED = COMBINATORS | {"type", "properties", "required", "additionalProperties", "items", "prefixItems",
+                          "minItems", "maxItems", "enum", "const"}
+
+
+def endless_schema_part(schema: dict) -> str | None:
+    """Why a JSON schema cannot be followed: the JSON pointer of the first part an answer can reach that
+    no finite JSON answers ("#/properties/b: … recurses without end through #/$defs/n"), or None.
+
+    A part is finite when its `$ref` target, every `allOf` part, some `anyOf`/`oneOf` branch and one of
+    its types are: an object when each required property's schema is, an array when the items its
+    `minItems` needs are, anything else always. These are necessary conditions whatever other keywords
+    say, so "not finite" is never wrong; what is not modelled (another keyword, a `$ref` that is not
+    local, a required key not in `properties`) counts as finite. An answer reaches a finite part's
+    properties, `additionalProperties`, items up to `maxItems`, branches and `$ref` target, except where
+    a keyword not modelled here, or one beside a `$ref`/`allOf`/`anyOf`/`oneOf`, might forbid them:
+    there the search stops (a schema is never refused for a part no answer may reach)."""
+    graph, names, reach = _Finite(), {}, {}
+    ids: dict[str, int] = {}
+    todo: list[tuple[object, str]] = []
+
+    def at(s, ptr: str) -> int:  # the node of the part at `ptr` (built later, from `todo`)
+        if ptr not in ids:
+            ids[ptr] = graph.add()
+            names[ids[ptr]] = ptr
+            todo.append((s, ptr))
+        return ids[ptr]
+
+    def target(ref) -> int | None:  # a local "$ref" ("#", "#/$defs/n"): its node
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            return None
+        s, tokens = schema, [unquote(t).replace("~1", "/").replace("~0", "~") for t in ref[2:].split("/")]
+        for token in tokens if ref != "#" else []:
+            if isinstance(s, dict) and token in s:
+                s = s[token]
+            elif isinstance(s, list) and token.isdigit() and int(token) < len(s):
+                s = s[int(token)]
+            else:
+                return None  # llguidance says what is wrong with it
+        return at(s, "#" + "".join("/" + _escape(t) for t in tokens) if ref != "#" else "#")
+
+    root = at(schema, "#")
+    while todo:
+        s, ptr = todo.pop()
+        node = ids[ptr]
+        if not isinstance(s, dict) or "enum" in s or "const" in s:
+            continue  # true, false, literal values: finite, and nothing to enter
+        if "$id" in s and ptr != "#":
+            return None  # a new base for "#…" refs: not modelled here
+        parts, enters = [], []
+        if (ref := target(s.get("$ref"))) is not None:
+            parts.append(ref)
+            enters.append(ref)
+        for key in ("allOf", "anyOf", "oneOf"):
+            branches = s.get(key)
+            if isinstance(branches, list) and branches:
+                nodes = [at(b, f"{ptr}/{key}/{i}") for i, b in enumerate(branches)]
+                parts += nodes if key == "allOf" else [graph.add("any", nodes)]
+                enters += nodes
+        types = s.get("type", SCHEMA_TYPES)
+        types = [types] if isinstance(types, str) else types if isinstance(types, list) and types else SCHEMA_TYPES
+        props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+        required = s.get("required") if isinstance(s.get("required"), list) else []
+        items, prefix = s.get("items"), s.get("prefixItems") if isinstance(s.get("prefixItems"), list) else []
+        least, most = (max(s[k], 0) if type(s.get(k)) is int else None for k in ("minItems", "maxItems"))
+        one_of_types = []
+        for t in types:
+            if t == "object":
+                one_of_types.append(graph.add("all", [at(props[k], f"{ptr}/properties/{_escape(k)}")
+                                                       for k in required if isinstance(k, str) and k in props]))
+                enters += [at(v, f"{ptr}/properties/{_escape(k)}") for k, v in props.items()]
+                if isinstance(s.get("additionalProperties"), dict):
+                    enters.append(at(s["additionalProperties"], f"{ptr}/additionalProperties"))
+            elif t == "array":
+                n = least or 0
+                needed = [at(p, f"{ptr}/prefixItems/{i}") for i, p in enumerate(prefix[:n])]
+                if n > len(prefix) and isinstance(items, dict):
+                    needed.append(at(items, f"{ptr}/items"))
+                one_of_types.append(graph.add("all", needed))
+                upto = len(prefix) if most is None else min(most, len(prefix))
+                enters += [at(p, f"{ptr}/prefixItems/{i}") for i, p in enumerate(prefix[:upto])]
+                if isinstance(items, dict) and (most is None or most > len(prefix)):
+                    enters.append(at(items, f"{ptr}/items"))
+            else:
+                one_of_types.append(graph.add())
+        parts.append(graph.add("any", one_of_types))
+        graph.parts[node] = parts
+        keys = set(s) - INERT
+        parts_of_all = len(s["allOf"]) if isinstance(s.get("allOf"), list) else 0
+        merged = keys & COMBINATORS and (len(keys) > 1 or parts_of_all > 1)  # whose parts restrict each other
+        if keys <= MODELLED and not isinstance(items, list) and not merged:  # else: not searched (see above)
+            reach[node] = enters
+    return _endless(graph, names, root, reach, "no finite JSON answers it")
+
+
+def _escape(key: str) -> str:
+    """A key as a JSON pointer token."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def endless_gbnf_rule(text: str) -> str | None:
+    """Why a GBNF grammar cannot be followed: the first rule an answer can reach (from `root`, down every
+    alternative) that no finite text matches, and where it recurses ("rule 'loop': … through rule
+    'loop'"), or None. A rule matches finite text when one of its alternatives does: every item of it
+    (a literal or a character class always, a rule if it does, a repetition if it may be empty)."""
+    from llguidance.gbnf_to_lark import (AlternativeNode, GrammarParser, RepetitionNode, RuleRefNode,
+                                         SequenceNode)
+
+    rules = GrammarParser().parse(text)  # llguidance's own parser (gbnf_to_lark has accepted the text)
+    graph, reach = _Finite(), {}
+    ids = {name: graph.add() for name in rules}
+    names = {i: f"rule {name!r}" for name, i in ids.items()}
+
+    def node(n, refs: list[int]) -> int:  # the node of one piece of a rule; `refs`: the rules it names
+        if isinstance(n, RuleRefNode):
+            if n.name in ids:
+                refs.append(ids[n.name])
+                return ids[n.name]
+            return graph.add()
+        if isinstance(n, RepetitionNode):
+            if n.max_times == 0:
+                return graph.add()
+            inner = node(n.node, refs)
+            return graph.add() if n.min_times == 0 else inner
+        if isinstance(n, SequenceNode):
+            return graph.add("all", [node(c, refs) for c in n.nodes])
+        if isinstance(n, AlternativeNode):
+            return graph.add("any", [node(c, refs) for c in n.alternatives])
+        return graph.add()  # a literal or a character class
+
+    for name, rule in rules.items():
+        reach[ids[name]] = []
+        graph.parts[ids[name]] = [node(rule.alternatives, reach[ids[name]])]
+    return _endless(graph, names, ids["root"], reach, "no finite text matches it")
 
 
 # ---- tools --------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import pydantic
 import pytest
 
 from colibri_core.demo import demo_model
+from colibri_core.structured import endless_gbnf_rule, endless_schema_part
 from live_server import LiveServer, Stream, post
 
 N_SCHEMAS = 50
@@ -36,12 +37,14 @@ WEATHER = {"type": "function", "function": {
 CLOCK = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
                                                                         "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Ur of the Chaldees?"}]
-# every answer nests without end; DEEP: the same, after a first choice the model makes
+# every answer nests without end; DEEP: the same, after a first choice the model makes; TRAP: answers exist,
+# but "b", which the model may choose to write, nests without end
 ENDLESS = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
            "$ref": "#/$defs/n"}
 DEEP = {"$defs": ENDLESS["$defs"], "type": "object",
         "properties": {"a": {"type": "boolean"}, "b": {"$ref": "#/$defs/n"}},
         "required": ["a", "b"], "additionalProperties": False}
+TRAP = {**DEEP, "required": ["a"]}
 
 
 @pytest.fixture(scope="module")
@@ -279,15 +282,22 @@ def test_completions_take_response_format_and_grammar(client, model):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", "tools[0].function.name"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "only function tools"),
     ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
-    # compiled by llguidance, which then gives up while forcing the first tokens: every answer nests forever
+    # every answer, or one the model may choose, nests without end: found when the constraint is built
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": ENDLESS}}}, "response_format",
-     "the JSON schema cannot be followed before the model's first choice: parser error: Too many items"),
+     "the JSON schema cannot be followed: #: no finite JSON answers it (it recurses without end through #/$defs/n)"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
-        "type": "array", "items": {"$ref": "#"}, "minItems": 1}}}}, "response_format", "Too many items"),
-    ({"grammar": 'root ::= "(" root ")"'}, "grammar", "the GBNF grammar cannot be followed"),
-    ({"grammar": 'start: "(" start ")"'}, "grammar", "the Lark grammar cannot be followed"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ENDLESS}}]}, "tools",
-     "the parameters of 'f': the JSON schema cannot be followed"),
+        "type": "array", "items": {"$ref": "#"}, "minItems": 1}}}}, "response_format", "#: no finite JSON answers it"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": DEEP}}}, "response_format",
+     "#: no finite JSON answers it"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": TRAP}}}, "response_format",
+     "the JSON schema cannot be followed: #/properties/b: no finite JSON answers it"),
+    ({"grammar": 'root ::= "(" root ")"'}, "grammar", "the GBNF grammar cannot be followed: rule 'root': no finite text"),
+    ({"grammar": 'root ::= "x" | "(" loop\nloop ::= "(" loop'}, "grammar", "rule 'loop': no finite text matches it"),
+    # a Lark grammar is not analysed: llguidance gives up on it while forcing the first tokens
+    ({"grammar": 'start: "(" start ")"'}, "grammar", "the Lark grammar cannot be followed before the model's first "
+                                                     "choice: parser error: Too many items"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": TRAP}}]}, "tools",
+     "the parameters of 'f': the JSON schema cannot be followed: #/properties/b: "),
 ])
 def test_what_cannot_be_compiled_is_a_400_in_openais_shape(server, body, param, message):
     status, _, raw = post(server.url + "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, **body})
@@ -303,14 +313,14 @@ def test_a_grammar_that_cannot_be_followed_is_a_400_before_a_stream_begins(serve
 
 
 def test_a_grammar_given_up_on_mid_answer_is_a_clean_error(server):
-    """A boolean first (the model's choice), then a required recursion without end: llguidance gives up
-    mid-answer. A one-line server_error, streamed or not; no traceback in the log (the fixture)."""
-    body = {"messages": ASK, "max_tokens": 60, "temperature": 0,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": DEEP}}}
+    """A Lark grammar (not analysed before it runs): "a" or "b" first (the model's choice), then a
+    recursion without end: llguidance gives up mid-answer. A one-line server_error, streamed or not; no
+    traceback in the log (the fixture)."""
+    body = {"messages": ASK, "max_tokens": 60, "temperature": 0, "grammar": 'start: ("a" | "b") loop\nloop: "(" loop'}
     status, _, raw = post(server.url + "/v1/chat/completions", body)
     error = json.loads(raw)["error"]
     assert status == 500 and error["code"] == "generation_failed", raw
-    assert error["message"].startswith("the JSON schema cannot be followed after ") and "\n" not in error["message"]
+    assert error["message"].startswith("the Lark grammar cannot be followed after ") and "\n" not in error["message"]
     s = Stream(server.url + "/v1/chat/completions", {**body, "stream": True})
     *_, last, done = s.events()
     s.close()
@@ -407,8 +417,10 @@ def test_auto_with_a_response_format_is_valid_json_or_calls(client, model):
 # Generated with a fixed seed, each with an oracle of what it allows: "clean" (every part that an answer can
 # reach has a finite value: any prefix can be finished), "endless" (no answer at all: every value nests
 # without end) or "trap" (answers exist, but some choice leads into a part that has none). The contract: a
-# clean constraint is a finished answer or a 400; one without end may also fail when the model walks into it,
-# a one-line 500 "generation_failed" (streamed: a server_error event), as llguidance gives up only then.
+# clean constraint is a finished answer or a 400; a schema, tool or GBNF grammar without end is a 400 naming
+# the part (colibri_core/structured.py finds it before the request is queued); a Lark grammar without end
+# (not analysed there) may also fail when the model walks into it, a one-line 500 "generation_failed"
+# (streamed: a server_error event), as llguidance gives up only then.
 FUZZ_CASES = 200
 LEAVES = [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "boolean"}, {"type": "null"},
           {"enum": ["ark", "dove"]}, {"type": "string", "maxLength": 4}]
@@ -467,16 +479,19 @@ def schema_class(schema: dict) -> str:
     while (more := {t for t, s in targets.items() if finite(s, known)}) != known:
         known = more
 
-    def nodes(s: dict):
+    def nodes(s: dict, refs: set):  # the parts an answer can enter (not the items of an array of none)
         yield s
-        for child in [*s.get("properties", {}).values(), *s.get("anyOf", []), *s.get("$defs", {}).values()]:
-            yield from nodes(child)
-        if "items" in s:
-            yield from nodes(s["items"])
+        if "$ref" in s and s["$ref"] not in refs:
+            refs.add(s["$ref"])
+            yield from nodes(targets[s["$ref"]], refs)
+        for child in [*s.get("properties", {}).values(), *s.get("anyOf", [])]:
+            yield from nodes(child, refs)
+        if "items" in s and s["maxItems"] > 0:
+            yield from nodes(s["items"], refs)
 
     if "#" not in known:
         return "endless"
-    return "clean" if all(finite(s, known) for s in nodes(schema)) else "trap"
+    return "clean" if all(finite(s, known) for s in nodes(schema, {"#"})) else "trap"
 
 
 def recursive_grammar(rng: random.Random) -> tuple[list[list[list[tuple]]], str]:
@@ -551,15 +566,36 @@ def test_fuzz_case_classes_are_what_they_say():
     assert sum("gbnf" == c[0] for c in made) >= 20 and sum("lark" == c[0] for c in made) >= 20
 
 
+def test_the_engine_refuses_exactly_the_fuzz_cases_without_end():
+    """structured.py's check (a fixpoint of its own, over every JSON schema keyword it models) agrees
+    with the labeller above on every schema, tool and GBNF grammar of the fuzz, and on ten times more."""
+    rng = random.Random(54)
+    for i in range(FUZZ_CASES * 10):
+        what, body, _, kind = fuzz_case(rng, i)
+        if what == "response_format":
+            why = endless_schema_part(body["response_format"]["json_schema"]["schema"])
+        elif what == "tools":
+            why = next(filter(None, (endless_schema_part(t["function"]["parameters"]) for t in body["tools"])), None)
+        elif what == "gbnf":
+            why = endless_gbnf_rule(body["grammar"])
+        else:
+            continue
+        assert (why is None) == (kind == "clean"), (i, kind, why, body)
+
+
 @pytest.mark.system
 def test_recursive_schemas_grammars_and_tools_are_answered_or_refused(server):
     """Every case: a finished answer (200) or a 400 invalid_request_error in one line, streamed or not;
-    never a 5xx, but the one-line generation_failed of a constraint without end; no traceback."""
+    a 400 naming the part without end for every schema, tool or GBNF grammar that has one; never a 5xx,
+    but the one-line generation_failed of a Lark grammar without end; no traceback."""
     rng, seen = random.Random(54), {}
     for i in range(FUZZ_CASES):
         what, body, path, kind = fuzz_case(rng, i)
         status, _, raw = post(server.url + path, body, timeout=120)
         text = raw.decode()
+        if kind != "clean" and what != "lark":  # refused: no end (or a body nested too deep, a prompt too long)
+            assert status == 400 and re.search(r"no finite (JSON answers|text matches) it|nested more|context length",
+                                               json.loads(raw)["error"]["message"]), (i, kind, body, text)
         if status == 200 and body["stream"]:
             events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
             assert events[-1] == "[DONE]", (i, body, text)
@@ -567,7 +603,8 @@ def test_recursive_schemas_grammars_and_tools_are_answered_or_refused(server):
             errors = [c["error"] for c in chunks if "error" in c]
             finish = [ch["finish_reason"] for c in chunks for ch in c.get("choices", []) if ch.get("finish_reason")]
             outcome = "500 mid-stream" if errors else "200"
-            assert (errors and kind != "clean" and errors[0]["code"] == "generation_failed") or (not errors and finish), \
+            assert (errors and kind != "clean" and what == "lark" and errors[0]["code"] == "generation_failed") or \
+                (not errors and finish), \
                 (i, kind, body, text)
         elif status == 200:
             outcome = "200"
@@ -577,7 +614,8 @@ def test_recursive_schemas_grammars_and_tools_are_answered_or_refused(server):
             outcome = str(status)
             assert "\n" not in error["message"], (i, body, error)
             assert (status == 400 and error["type"] == "invalid_request_error") or \
-                (status == 500 and kind != "clean" and error["code"] == "generation_failed"), (i, kind, body, error)
+                (status == 500 and kind != "clean" and what == "lark" and error["code"] == "generation_failed"), \
+                (i, kind, body, error)
         seen[(kind, outcome)] = seen.get((kind, outcome), 0) + 1
     print(f"\n{FUZZ_CASES} requests (seed 54):", ", ".join(f"{k} {o}: {n}" for (k, o), n in sorted(seen.items())))
     assert "Traceback" not in server.text_log() and "internal error" not in server.text_log(), server.text_log()

@@ -364,30 +364,107 @@ def test_run_refuses_a_grammar_it_cannot_compile_in_one_line(tmp_path):
     assert r.returncode == 1 and "not both" in r.stderr
 
 
-# every answer recurses without end: llguidance compiles these, then gives up at its item limit while
-# forcing the first tokens; refused when the constraint is built, not mid-answer
+# every answer recurses without end, or one the model may choose does: refused when the constraint is built,
+# naming the part no finite answer finishes and where its recursion closes, not mid-answer
+N = {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}  # nests for ever
 ENDLESS = [
-    ("JSON schema", {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
-                                     "required": ["next"]}}, "$ref": "#/$defs/n"}),
-    ("JSON schema", {"type": "array", "items": {"$ref": "#"}, "minItems": 1}),
-    ("GBNF grammar", 'root ::= "(" root ")"'),
-    ("Lark grammar", 'start: "(" start ")"'),
+    ({"$defs": {"n": N}, "$ref": "#/$defs/n"}, "#: no finite JSON answers it (it recurses without end through #/$defs/n)"),
+    ({"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+     "#: no finite JSON answers it (it recurses without end through #)"),
+    # the first choice (a boolean) is free; the recursion comes after it
+    ({"$defs": {"n": N}, "type": "object", "properties": {"a": {"type": "boolean"}, "b": {"$ref": "#/$defs/n"}},
+      "required": ["a", "b"]}, "#: no finite JSON answers it (it recurses without end through #/$defs/n)"),
+    # traps: answers exist, but a choice (an optional property, extra properties, an array's items, a branch,
+    # a nested model's property) leads into a part that has none
+    ({"$defs": {"n": N}, "type": "object", "properties": {"a": {"type": "boolean"}, "b": {"$ref": "#/$defs/n"}},
+      "required": ["a"]}, "#/properties/b: no finite JSON answers it (it recurses without end through #/$defs/n)"),
+    ({"$defs": {"n": N}, "type": "object", "additionalProperties": {"$ref": "#/$defs/n"}}, "#/additionalProperties: "),
+    ({"$defs": {"n": N}, "type": "array", "items": {"$ref": "#/$defs/n"}}, "#/items: "),
+    ({"$defs": {"n": N}, "anyOf": [{"type": "null"}, {"$ref": "#/$defs/n"}]}, "#/anyOf/1: "),
+    ({"$defs": {"a/b": {"$ref": "#/$defs/n"}, "n": N,
+                "Box": {"type": "object", "properties": {"in": {"$ref": "#/$defs/a~1b"}}}}, "$ref": "#/$defs/Box"},
+     "#/$defs/Box/properties/in: no finite JSON answers it (it recurses without end through #/$defs/n)"),
 ]
 
 
-@pytest.mark.parametrize("what, source", ENDLESS)
-def test_a_grammar_the_engine_cannot_follow_is_refused_when_built(vocab, what, source):
+@pytest.mark.parametrize("schema, message", ENDLESS)
+def test_a_schema_with_a_part_no_finite_answer_finishes_is_refused_when_built(vocab, schema, message):
     with pytest.raises(ColibriError) as e:
-        Constraint.json_schema(vocab, source) if isinstance(source, dict) else Constraint.grammar(vocab, source)
+        Constraint.json_schema(vocab, schema)
+    assert str(e.value).startswith(f"the JSON schema cannot be followed: {message}"), str(e.value)
+
+
+@pytest.mark.parametrize("schema", [
+    # recursion with a way out everywhere: optional, an array that may be empty, a branch, through "#"
+    {"$defs": {"Node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}},
+                        "required": ["kids"]}}, "$ref": "#/$defs/Node"},
+    {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["next"]},
+    # unreachable: an unused definition, items of an array of none, a property a sibling forbids
+    {"$defs": {"n": N}, "type": "object", "properties": {"a": {"type": "boolean"}}},
+    {"$defs": {"n": N}, "type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 0},
+    {"$defs": {"n": N}, "type": "object", "allOf": [{"properties": {"b": {"$ref": "#/$defs/n"}}}],
+     "properties": {"b": False}},
+    {"$defs": {"n": N}, "type": "object", "properties": {"b": {"$ref": "#/$defs/n"}},
+     "patternProperties": {"^b$": False}},
+    # without a "type", a required property does not make it an object: any number answers it
+    {"properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+])
+def test_a_schema_every_reachable_part_of_which_can_end_is_accepted(vocab, schema):
+    Constraint.json_schema(vocab, schema)
+
+
+def test_pydantic_and_openai_schemas_with_defs_are_accepted(vocab):
+    import openai
+    import pydantic
+
+    class Addr(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=12)
+
+    class Tree(pydantic.BaseModel):
+        name: str
+        at: Addr | None = None
+        kids: list[Tree] = []
+
+    Tree.model_rebuild()
+    schema = Tree.model_json_schema()
+    assert "$defs" in schema and "anyOf" in json.dumps(schema)
+    Constraint.json_schema(vocab, schema)
+    Constraint.tool_calls(vocab, [openai.pydantic_function_tool(Tree, name="plant")], "required")
+
+
+@pytest.mark.parametrize("source, message", [
+    ('root ::= "(" root ")"', "rule 'root': no finite text matches it (it recurses without end through rule 'root')"),
+    ('root ::= "x" | "(" loop\nloop ::= "(" loop', "rule 'loop': no finite text matches it (it recurses without end "
+                                                  "through rule 'loop')"),
+    ('root ::= "x" | a\na ::= "(" b+\nb ::= a ")"', "rule 'a': no finite text matches it (it recurses without end "
+                                                 "through rule 'a')"),
+])
+def test_a_gbnf_grammar_with_a_rule_no_finite_text_matches_is_refused_when_built(vocab, source, message):
+    with pytest.raises(ColibriError) as e:
+        Constraint.grammar(vocab, source)
+    assert str(e.value) == f"the GBNF grammar cannot be followed: {message}"
+
+
+@pytest.mark.parametrize("source", ['root ::= "(" root ")" | "x"', 'root ::= "[" root* "]"',
+                                    'root ::= "x" | loop?\nloop ::= "a" | "(" loop ")"'])
+def test_a_gbnf_grammar_whose_rules_all_end_is_accepted(vocab, source):
+    Constraint.gbnf(vocab, source)
+
+
+def test_an_endless_lark_grammar_is_refused_by_llguidance_before_the_first_choice(vocab):
+    """Lark grammars are not analysed here (llguidance gives Python no parse of them): one whose every
+    answer recurses is refused as llguidance meets its item limit while forcing the first tokens."""
+    with pytest.raises(ColibriError) as e:
+        Constraint.lark(vocab, 'start: "(" start ")"')
     message = str(e.value)
-    assert message.startswith(f"the {what} cannot be followed before the model's first choice: ")
+    assert message.startswith("the Lark grammar cannot be followed before the model's first choice: ")
     assert "Too many items" in message and "recurse without end" in message and "\n" not in message
 
 
 def test_a_tool_whose_arguments_never_end_is_refused_when_built(vocab):
-    endless = {"type": "function", "function": {"name": "f", "parameters": ENDLESS[0][1]}}
-    with pytest.raises(ColibriError, match="^the parameters of 'f': the JSON schema cannot be followed .*Too many"):
-        Constraint.tool_calls(vocab, [endless], "required")
+    endless = {"type": "function", "function": {"name": "f", "parameters": ENDLESS[3][0]}}
+    with pytest.raises(ColibriError, match=r"^the parameters of 'f': the JSON schema cannot be followed: #/properties/b: "):
+        Constraint.tool_calls(vocab, [WEATHER[0], endless], "auto")
 
 
 def test_a_grammar_no_text_matches_is_refused_when_built(vocab):
@@ -395,30 +472,28 @@ def test_a_grammar_no_text_matches_is_refused_when_built(vocab):
         Constraint.lark(vocab, r"start: /[^\x00-\U0010ffff]/")
 
 
-# the first choice (a boolean) is free; the endless recursion comes after it
-DEEP = {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
-        "type": "object", "properties": {"a": {"type": "boolean"}, "b": {"$ref": "#/$defs/n"}},
-        "required": ["a", "b"], "additionalProperties": False}
+# not analysed (Lark): the first choice ("a" or "b") is free, the endless recursion comes after it
+MIDWAY = 'start: ("a" | "b") loop\nloop: "(" loop\n'
 
 
 def test_a_grammar_the_engine_gives_up_on_mid_answer_is_a_one_line_error(vocab):
-    c = Constraint.json_schema(vocab, DEEP)
+    c = Constraint.lark(vocab, MIDWAY)
     walk(c, c.forced())
-    with pytest.raises(ColibriError, match=r"the JSON schema cannot be followed after \d+ tokens: .*Too many items"):
+    with pytest.raises(ColibriError, match=r"the Lark grammar cannot be followed after \d+ tokens: .*Too many items"):
         for _ in range(8):  # a choice (the lowest id allowed), then what it forces
             walk(c, [int(np.flatnonzero(c.mask())[0])])
             walk(c, c.forced())
 
 
 def test_run_refuses_an_endless_grammar_in_one_line_and_ends_a_failing_one_in_one_line(tmp_path):
-    (tmp_path / "nest.gbnf").write_text('root ::= "(" root ")"\n')
+    (tmp_path / "nest.gbnf").write_text('root ::= "x" | "(" loop\nloop ::= "(" loop\n')
     r = colibri("run", "x", "--grammar", tmp_path / "nest.gbnf")
     assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert r.stderr.startswith(f"colibri: error: {tmp_path / 'nest.gbnf'}: the GBNF grammar cannot be followed ")
-    (tmp_path / "deep.json").write_text(json.dumps(DEEP))
-    r = colibri("run", "x", "--json-schema", tmp_path / "deep.json", "--temperature", "0")
+    assert r.stderr.startswith(f"colibri: error: {tmp_path / 'nest.gbnf'}: the GBNF grammar cannot be followed: rule 'loop'")
+    (tmp_path / "midway.lark").write_text(MIDWAY)
+    r = colibri("run", "x", "--grammar", tmp_path / "midway.lark", "--temperature", "0")
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("colibri: error: the JSON schema cannot be followed after ")
+    assert r.stderr.strip().splitlines()[-1].startswith("colibri: error: the Lark grammar cannot be followed after ")
 
 
 def test_grammar_drafts_give_the_tokens_of_decoding_without_drafts(engine, vocab):

@@ -2,9 +2,10 @@
 calls back out of the answer in OpenAI's shape.
 
 The constraint (colibri_core/structured.py) is built before the request is queued, off the event
-loop, and followed up to the model's first choice, so a schema, grammar or tool that cannot be
-compiled, or that the grammar engine cannot follow (every answer recursing without end), is a 400
-naming it, streamed or not, and never costs a queue slot. Tools are passed to the chat template; a
+loop: a JSON schema or GBNF grammar with a part no finite answer can finish (a recursion without
+end, reached at once or after a choice) is refused by name, and every constraint is followed up to
+the model's first choice, so what cannot be compiled or followed is a 400 naming it, streamed or
+not, and never costs a queue slot. Tools are passed to the chat template; a
 template that ignores them (its rendering is the same with and without) gets a system message
 describing them and the call format instead, and earlier assistant calls are written into their
 messages in that format, so the model sees its own calls. Calls come back as
