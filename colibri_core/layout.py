@@ -8,13 +8,14 @@ in the checkpoint, or one the layout expects and the checkpoint lacks, is a conv
 """
 from __future__ import annotations
 
+import math
 import numbers
 import re
 from dataclasses import dataclass, field
 
 from .errors import ColibriError
 
-__all__ = ["ContainerLayout", "ExpertNames"]
+__all__ = ["ContainerLayout", "ExpertMath", "ExpertNames", "EXPERT_ACTIVATIONS"]
 
 PROJS = ("gate", "up", "down")  # storage order inside one expert's extent
 PRECISION = ("f32", "int8", "int4")  # most precise first
@@ -23,6 +24,47 @@ PRECISION = ("f32", "int8", "int4")  # most precise first
 def more_precise(a: str, b: str) -> str:
     """The more precise of two quantisation kinds."""
     return min(a, b, key=PRECISION.index)
+
+
+# the routed experts' gated units h = glu(g, u), g = gate x, u = up x, computed in C on every tier
+# (colibri_core.kernels.reference.gated_unit defines each)
+EXPERT_ACTIVATIONS = {
+    "swiglu": "silu(min(g, L)) · clip(u, -L, L); no limit: the plain SwiGLU (DeepSeek V4: L = 10)",
+    "swiglu_oai": "GPT-OSS's (clip(u, -L, L) + 1) · g' σ(alpha g'), g' = min(g, L) (L 7.0, alpha 1.702 by default)",
+    "geglu_tanh": "gelu_tanh(g) · u, the tanh GELU (transformers' gelu_pytorch_tanh)",
+    "situ": "Kimi K3's SiTU-GLU 4 tanh(g/4) σ(g) · 25 tanh(u/25)",
+}
+_CLAMPED = ("swiglu", "swiglu_oai")  # the gated units with a clamp limit
+GPT_OSS_LIMIT, GPT_OSS_ALPHA = 7.0, 1.702  # swiglu_oai's defaults: transformers' GptOssExperts
+
+
+@dataclass(frozen=True)
+class ExpertMath:
+    """The routed experts' gated unit, as a plugin declares it (`ContainerLayout.expert_activation`,
+    `swiglu_limit`, `swiglu_alpha`): `activation` one of EXPERT_ACTIVATIONS, `limit` the clamp L of
+    "swiglu" / "swiglu_oai" (None: none; "swiglu_oai": 7.0), `alpha` "swiglu_oai"'s sigmoid slope
+    (None: 1.702). A ColibriError (one line) for math the kernels do not compute."""
+
+    activation: str = "swiglu"
+    limit: float | None = None
+    alpha: float | None = None
+
+    def __post_init__(self) -> None:
+        a, limit, alpha = self.activation, self.limit, self.alpha
+        if a not in EXPERT_ACTIVATIONS:
+            raise ColibriError(f"unknown expert activation {a!r} (colibri computes {', '.join(EXPERT_ACTIVATIONS)})")
+        if limit is not None and a not in _CLAMPED:
+            raise ColibriError(f"the expert activation {a!r} has no clamp: swiglu_limit must be None, got {limit!r}")
+        if alpha is not None and a != "swiglu_oai":
+            raise ColibriError(f"swiglu_alpha goes with the expert activation 'swiglu_oai' only, not {a!r}")
+        if a == "swiglu_oai":  # GPT-OSS's constants unless the plugin declares others
+            object.__setattr__(self, "limit", GPT_OSS_LIMIT if limit is None else limit)
+            object.__setattr__(self, "alpha", GPT_OSS_ALPHA if alpha is None else alpha)
+        for what, value in (("swiglu_limit", self.limit), ("swiglu_alpha", self.alpha)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                      or not math.isfinite(value) or (what == "swiglu_limit" and value <= 0)):
+                raise ColibriError(f"the experts' {what} must be a finite{' positive' * (what == 'swiglu_limit')} "
+                                   f"number, got {repr(value)[:40]}")
 
 
 @dataclass(frozen=True)
@@ -59,11 +101,14 @@ class ContainerLayout:
     # (layer, kind): that layer's experts are stored at least this precisely whatever --quant says
     # (f32 > int8 > int4), e.g. GLM's MTP layer keeps int8 experts in an int4 container
     expert_min_kind: tuple[tuple[int, str], ...] = field(default=())
-    # the experts' SwiGLU clamp: silu(min(gate x, L)) · clip(up x, -L, L) (DeepSeek V4: 10); None: none
+    # the experts' clamp L of "swiglu" / "swiglu_oai" (DeepSeek V4: 10; GPT-OSS: 7); None: none
+    # ("swiglu_oai": 7.0). With expert_activation and swiglu_alpha: `expert_math`
     swiglu_limit: float | None = None
-    # the experts' gated unit: "swiglu" (silu(gate x) · up x) or "situ" (Kimi K3's SiTU-GLU,
-    # 4 tanh(g/4) σ(g) · 25 tanh(u/25); colibri_core.layers.situ)
+    # the experts' gated unit, one of EXPERT_ACTIVATIONS: "swiglu" (the default), "swiglu_oai"
+    # (GPT-OSS), "geglu_tanh", "situ" (Kimi K3)
     expert_activation: str = "swiglu"
+    # "swiglu_oai"'s sigmoid slope (None: GPT-OSS's 1.702); None for the other activations
+    swiglu_alpha: float | None = None
     # how the official release stores its weights, for running and planning it without conversion:
     # (regex, kind) of the resident matrices it holds in a native kind ("fp8"; the others are widened
     # to float32 in RAM) and its experts' kind ("fp4" | "fp8"; None: the plugin declares no release)
@@ -87,6 +132,12 @@ class ContainerLayout:
                                f"{self.n_experts} routed experts of a layer: top-k must be 1..{self.n_experts}")
         if not self.moe_layers:
             raise ColibriError("the model's config gives no layer of routed experts (colibri runs MoE models)")
+        ExpertMath(self.expert_activation, self.swiglu_limit, self.swiglu_alpha)  # checked: one line if bad
+
+    @property
+    def expert_math(self) -> ExpertMath:
+        """The routed experts' gated unit declared by `expert_activation`, `swiglu_limit`, `swiglu_alpha`."""
+        return ExpertMath(self.expert_activation, self.swiglu_limit, self.swiglu_alpha)
 
     def stays_f32(self, name: str, ndim: int) -> bool:
         """True if resident tensor `name` is kept float32 (all 1-D tensors are)."""

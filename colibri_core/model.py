@@ -172,5 +172,6 @@ class MoEModel:
         `forward`; never override it."""
         if self._moe is None:
             layout = self.layout(self.cfg)
-            self._moe = MoE(self.store, self.routers(), self.lookahead(), layout.swiglu_limit, layout.expert_activation)
+            self._moe = MoE(self.store, self.routers(), self.lookahead(), layout.swiglu_limit, layout.expert_activation,
+                            layout.swiglu_alpha)
         return self._moe(layer, x, residual, token_ids, expert_input, shared)

@@ -56,7 +56,6 @@ enum {
     ACT_F32 = 0,    // float32 activations (exact mode)
     ACT_Q8 = 1,     // activations quantised to int8 per block (fast mode)
     Q8_BLOCK = 64,  // columns per activation block in ACT_Q8
-    GLU_SITU = 16,  // OR'ed into expert_ffn / moe_experts' act: Kimi K3's SiTU-GLU instead of SwiGLU
 };
 
 // Status codes returned by the kernels.
@@ -152,37 +151,57 @@ int threads_set(int n);
 // ----------------------------------------------------------------------------
 // expert_ffn.c — routed experts, fused
 
-// out = down( silu(min(gate x, limit)) * clamp(up x, -limit, limit) ), silu(a) = a / (1 + exp(-a));
-// limit > 0, INFINITY for the plain SwiGLU (DeepSeek V4 clamps at swiglu_limit = 10). With GLU_SITU
-// OR'ed into act the gated unit is Kimi K3's SiTU-GLU instead, 4 tanh(g/4) σ(g) · 25 tanh(u/25) (limit
-// unused). The [n, inter] intermediate lives in a scratch buffer owned by this call.
+// The experts' gated unit h = glu(g, u) on g = gate x + gate_bias, u = up x + up_bias (f32 elementwise;
+// colibri_core/kernels/reference.py `gated_unit` is the NumPy definition of each):
+enum {
+    GLU_SWIGLU = 0,      // silu(min(g, L)) · clamp(u, -L, L), silu(a) = a / (1 + exp(-a)) (DeepSeek V4: L = 10)
+    GLU_SWIGLU_OAI = 1,  // (clamp(u, -L, L) + 1) · g' / (1 + exp(-alpha g')), g' = min(g, L) (GPT-OSS)
+    GLU_GEGLU_TANH = 2,  // gelu_tanh(g) · u = g / (1 + exp(-2 c (g + 0.044715 g³))) · u, c = √(2/π)
+    GLU_SITU = 3,        // Kimi K3's SiTU-GLU: 4 tanh(g/4) σ(g) · 25 tanh(u/25)
+};
+
+typedef struct {
+    int glu;      // GLU_*
+    float limit;  // the clamp L of GLU_SWIGLU / GLU_SWIGLU_OAI: > 0, INFINITY for none; unused by the others
+    float alpha;  // GLU_SWIGLU_OAI's sigmoid slope (GPT-OSS: 1.702); unused by the others
+} ExpertMath;
+
+// out = down( glu(gate x + gate_bias, up x + up_bias) ) + down_bias, exp being coli_expf (the same
+// bits on every code path). bias: NULL (no biases) or gate_bias f32 [inter], up_bias f32 [inter],
+// down_bias f32 [hidden] at 0, 1, 2, each NULL for none. The [n, inter] intermediate lives in a
+// scratch buffer owned by this call.
 // out: f32 [n, hidden] (written); gate, up: QMatrix [inter, hidden]; down: QMatrix [hidden, inter];
-// x: f32 [n, hidden]. Returns COLI_OK, COLI_EINVAL (shapes/kinds) or COLI_ENOMEM.
-int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix *down,
-               const float *x, int n, int act, float limit);
+// x: f32 [n, hidden]; act ACT_F32 | ACT_Q8. Returns COLI_OK, COLI_EINVAL (shapes/kinds/math) or COLI_ENOMEM.
+int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix *down, const float *const *bias,
+               const float *x, int n, int act, const ExpertMath *math);
 
 // Many experts of one MoE layer in one call, each exactly as expert_ffn computes it.
 // Slots are the flat (token, rank) positions t * k + r of the (T, k) routing table `ids`.
 // outs: f32 [T * k, hidden]: every slot whose expert is in `experts` is written, others untouched;
 // x: f32 [T, hidden]; mats: 3 * n_experts matrices, gate, up, down of experts[e] at 3e, 3e+1, 3e+2;
-// ids: int64 [T, k] expert of each slot; experts: int64 [n_experts] (distinct).
+// bias: NULL or 3 * n_experts vectors (NULL entries: none), experts[e]'s at 3e, 3e+1, 3e+2 as in
+// expert_ffn; ids: int64 [T, k] expert of each slot; experts: int64 [n_experts] (distinct).
 int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
-                int n_experts, const int64_t *ids, const int64_t *experts, int act, float limit);
+                const float *const *bias, int n_experts, const int64_t *ids, const int64_t *experts, int act,
+                const ExpertMath *math);
 
 // The same with the slots already grouped: those of expert e are slots[start[e] .. start[e+1]).
 int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
-                      int n_experts, const int32_t *slots, const int32_t *start, int act, float limit);
+                      const float *const *bias, int n_experts, const int32_t *slots, const int32_t *start, int act,
+                      const ExpertMath *math);
 
 // A whole MoE layer whose experts are all at hand, in one call: moe_experts over the batch union of
 // ids (ascending) into a scratch (T, k, hidden), then moe_combine into out — the same bits as those
-// two calls. table: 3 * n_table matrices, expert e's gate, up, down at 3e, 3e+1, 3e+2; ids: int64
-// [T, k] in 0 .. n_table-1; weights: f32 [T, k]; out: f32 [T, hidden]. shared (NULL: none): the
-// gate, up, down of an always-on expert, run in the same phases as one more rank after the k
-// routed ones, weighted by shared_scale [T] (NULL: 1) — the bits of moe_block without it, plus
+// two calls. table: 3 * n_table matrices, expert e's gate, up, down at 3e, 3e+1, 3e+2; table_bias:
+// NULL or their 3 * n_table bias vectors as moe_experts' bias; ids: int64 [T, k] in 0 .. n_table-1;
+// weights: f32 [T, k]; out: f32 [T, hidden]. shared (NULL: none): the gate, up, down of an always-on
+// expert (shared_bias: NULL or its 3 bias vectors), run in the same phases as one more rank after
+// the k routed ones, weighted by shared_scale [T] (NULL: 1) — the bits of moe_block without it, plus
 // shared_scale[t] · expert_ffn(shared, x[t]).
-int moe_block(float *out, const float *x, int T, int k, int hidden, const QMatrix *const *table, int n_table,
-              const int64_t *ids, const float *weights, const QMatrix *const *shared, const float *shared_scale,
-              int act, float limit);
+int moe_block(float *out, const float *x, int T, int k, int hidden, const QMatrix *const *table,
+              const float *const *table_bias, int n_table, const int64_t *ids, const float *weights,
+              const QMatrix *const *shared, const float *const *shared_bias, const float *shared_scale, int act,
+              const ExpertMath *math);
 
 // moe_block with the layer's softmax router in the same call (OLMoE's, Qwen's, Mixtral's MoE layer):
 // logits = matmul(router, x), then softmax_topk(logits, k, renormalize) into ids and weights, then
@@ -190,8 +209,9 @@ int moe_block(float *out, const float *x, int T, int k, int hidden, const QMatri
 // router: QMatrix [n_table, hidden]; ids: int64 [T, k] and weights: f32 [T, k] (written: the routing,
 // for the caller's bookkeeping); the other arguments as moe_block's.
 int moe_block_softmax(float *out, int64_t *ids, float *weights, const float *x, int T, int k, int hidden,
-                      const QMatrix *router, int renormalize, const QMatrix *const *table, int n_table,
-                      const QMatrix *const *shared, const float *shared_scale, int act, float limit);
+                      const QMatrix *router, int renormalize, const QMatrix *const *table,
+                      const float *const *table_bias, int n_table, const QMatrix *const *shared,
+                      const float *const *shared_bias, const float *shared_scale, int act, const ExpertMath *math);
 
 // out[t] = Σ_r weights[t, r] · outs[t, r], summed in rank order (out = o0 w0; out += o_r w_r).
 // out: f32 [T, hidden]; outs: f32 [T, k, hidden]; weights: f32 [T, k].

@@ -1,7 +1,7 @@
-// expert_ffn.c — routed experts' SwiGLU feed-forward, fused, many experts per call:
-//   out = down( silu(min(gate x, L)) * clamp(up x, -L, L) ),  silu(a) = a / (1 + exp(-a)) (exp: coli_expf),
-// L the clamp limit (DeepSeek V4's swiglu_limit; INFINITY: no clamp, the plain SwiGLU); with GLU_SITU
-// in act, Kimi K3's SiTU-GLU  down( 4 tanh(g/4) σ(g) · 25 tanh(u/25) )  instead.
+// expert_ffn.c — routed experts' gated feed-forward, fused, many experts per call:
+//   out = down( glu(gate x + gate_bias, up x + up_bias) ) + down_bias
+// glu one of the kinds of ExpertMath (colibri.h): SwiGLU clamped at L or not (DeepSeek V4), GPT-OSS's
+// SwiGLU with alpha and +1, GeGLU (tanh GELU), Kimi K3's SiTU-GLU; each bias optional (GPT-OSS).
 //
 // One call runs every expert of an MoE layer that is ready (moe_experts), in two parallel phases:
 //   1. gate and up rows of every expert, for that expert's tokens, read together: the gated
@@ -18,9 +18,10 @@
 
 typedef struct {
     const QMatrix *gate, *up, *down;
+    const float *bg, *bu, *bd;  // gate_bias, up_bias [inter], down_bias [hidden] (NULL: none)
     int n;              // tokens routed to this expert
     int32_t *tok;       // [n] token (row of x) of each
-    float *h;           // [n, inter] silu(gate x) * (up x)
+    float *h;           // [n, inter] glu(gate x, up x)
     float *g;           // [n, inter] scratch: gate x
     float **grow, **hrow;  // [n] rows of g and h, for rows_fn
     Acts h_acts;        // h laid out for down
@@ -33,15 +34,58 @@ static float situ(float g, float u) {
     return (tanhf(g / 4.0f) * 4.0f) * (1.0f / (1.0f + expf(-g))) * (tanhf(u / 25.0f) * 25.0f);
 }
 
+// GPT-OSS's SwiGLU: (clamp(u, -L, L) + 1) · g' σ(alpha g'), g' = min(g, L); NaN stays NaN.
+static float swiglu_oai(float g, float u, float limit, float alpha) {
+    if (g > limit) g = limit;
+    if (u > limit) u = limit;
+    if (u < -limit) u = -limit;
+    return (u + 1.0f) * (g / (1.0f + coli_expf(-(alpha * g))));
+}
+
+// GELU, tanh approximation (gelu_pytorch_tanh), · u: 0.5 g (1 + tanh(z)) = g σ(2z), z = √(2/π)(g + 0.044715 g³).
+static float geglu_tanh(float g, float u) {
+    float z = 0.7978845608f * (g + 0.044715f * (g * g * g));
+    return g / (1.0f + coli_expf(-(2.0f * z))) * u;
+}
+
+// h[i] = glu(g[i], h[i]) for i < n, in place: the gated unit `m` (the SwiGLU in 8 lanes where `simd`).
+static void glu_rows(const ExpertMath *m, float *h, const float *g, int n, int simd) {
+    switch (m->glu) {
+    case GLU_SWIGLU:
+        swiglu_rows(h, g, h, n, m->limit, simd);
+        break;
+    case GLU_SWIGLU_OAI:
+        for (int i = 0; i < n; i++) h[i] = swiglu_oai(g[i], h[i], m->limit, m->alpha);
+        break;
+    case GLU_GEGLU_TANH:
+        for (int i = 0; i < n; i++) h[i] = geglu_tanh(g[i], h[i]);
+        break;
+    default:  // GLU_SITU
+        for (int i = 0; i < n; i++) h[i] = situ(g[i], h[i]);
+        break;
+    }
+}
+
+static int math_check(const ExpertMath *m) {
+    if (m == NULL || m->glu < GLU_SWIGLU || m->glu > GLU_SITU || !(m->limit > 0)) return COLI_EINVAL;
+    if (m->glu == GLU_SWIGLU_OAI && !isfinite(m->alpha)) return COLI_EINVAL;
+    return COLI_OK;
+}
+
+// y[i] += b[i] for i in r0..r1 (b NULL: nothing): a bias after its matmul, on the task's rows.
+static void add_bias(float *y, const float *b, int r0, int r1) {
+    if (b == NULL) return;
+    for (int i = r0; i < r1; i++) y[i] += b[i];
+}
+
 typedef struct {
     const Path *path;
     int act;
-    float limit;        // SwiGLU clamp (INFINITY: none)
+    const ExpertMath *math;  // the gated unit
     Expert *e;          // [n_experts]
     int n_experts;
     const Acts *x_acts; // [QKIND_COUNT]: x laid out per weight kind
     int *first;         // [n_experts + 1] first task of each expert in the current phase
-    int situ;           // the gated unit: SiTU-GLU (GLU_SITU) instead of SwiGLU
 } MoeJob;
 
 static int find_expert(const MoeJob *m, int task) {
@@ -78,11 +122,9 @@ static void gate_up_task(void *ctx, int task) {
     }
     for (int i = 0; i < e->n; i++) {
         float *g = e->grow[i], *h = e->hrow[i];
-        if (m->situ) {
-            for (int r = r0; r < r1; r++) h[r] = situ(g[r], h[r]);
-        } else {
-            swiglu_rows(h + r0, g + r0, h + r0, r1 - r0, m->limit, m->path != &PATH_PORTABLE);
-        }
+        add_bias(g, e->bg, r0, r1);
+        add_bias(h, e->bu, r0, r1);
+        glu_rows(m->math, h + r0, g + r0, r1 - r0, m->path != &PATH_PORTABLE);
     }
 }
 
@@ -93,8 +135,9 @@ static void down_task(void *ctx, int task) {
     RowsJob j = {path_dot(m->path, e->down->kind, e->h_acts.act), path_rows(m->path, e->down->kind, e->h_acts.act, e->n),
                  e->down, &e->h_acts, e->n, NULL, e->yrow};
     int hidden = e->down->rows;
-    int r0 = (task - m->first[ei]) * e->per_down;
-    rows_run(&j, r0, r0 + e->per_down < hidden ? r0 + e->per_down : hidden);
+    int r0 = (task - m->first[ei]) * e->per_down, r1 = r0 + e->per_down < hidden ? r0 + e->per_down : hidden;
+    rows_run(&j, r0, r1);
+    for (int i = 0; i < e->n; i++) add_bias(e->yrow[i], e->bd, r0, r1);
 }
 
 static void run_phase(MoeJob *m, void (*fn)(void *, int)) {
@@ -119,10 +162,9 @@ static int check_expert(const QMatrix *gate, const QMatrix *up, const QMatrix *d
 }
 
 int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
-                      int n_experts, const int32_t *slots, const int32_t *start, int act, float limit) {
-    const int use_situ = (act & GLU_SITU) != 0;
-    act &= ~GLU_SITU;
-    if (T < 0 || k < 1 || hidden < 0 || n_experts < 0 || (act != ACT_F32 && act != ACT_Q8) || !(limit > 0)) {
+                      const float *const *bias, int n_experts, const int32_t *slots, const int32_t *start, int act,
+                      const ExpertMath *math) {
+    if (T < 0 || k < 1 || hidden < 0 || n_experts < 0 || (act != ACT_F32 && act != ACT_Q8) || math_check(math) != COLI_OK) {
         return COLI_EINVAL;
     }
     if (n_experts == 0) return COLI_OK;
@@ -141,8 +183,7 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
         return COLI_OK;
     }
 
-    MoeJob m = {path_current(), act, limit, NULL, n_experts, NULL, NULL};
-    m.situ = use_situ;
+    MoeJob m = {path_current(), act, math, NULL, n_experts, NULL, NULL};
     Acts x_acts[QKIND_COUNT];
     int have[QKIND_COUNT] = {0};
     int status = COLI_OK;
@@ -166,6 +207,11 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
         E->gate = mats[3 * e];
         E->up = mats[3 * e + 1];
         E->down = mats[3 * e + 2];
+        if (bias != NULL) {
+            E->bg = bias[3 * e];
+            E->bu = bias[3 * e + 1];
+            E->bd = bias[3 * e + 2];
+        }
         int kind = E->gate->kind;
         if (!have[kind]) {
             status = acts_prepare(&x_acts[kind], x, T, hidden, kind, act);
@@ -198,22 +244,25 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
     m.x_acts = x_acts;
     m.first = first;
 
-    // ---- phase 1: h = silu(min(gate x, L)) * clamp(up x, ±L), every expert
+    // ---- phase 1: h = glu(gate x + gate_bias, up x + up_bias), every expert
     if (status == COLI_OK) {
         for (int e = 0; e < n_experts; e++) {
             first[e + 1] = first[e] + (ex[e].n > 0 && ex[e].gate->rows > 0 ? (ex[e].gate->rows + ex[e].per_up - 1) / ex[e].per_up : 0);
         }
         run_phase(&m, gate_up_task);
     }
-    // ---- phase 2: outs[slot] = down h, every expert
+    // ---- phase 2: outs[slot] = down h + down_bias, every expert
     for (int e = 0; e < n_experts && status == COLI_OK; e++) {
         status = acts_prepare(&ex[e].h_acts, ex[e].h, ex[e].n, ex[e].gate->rows, ex[e].down->kind, act);
     }
     if (status == COLI_OK) {
         for (int e = 0; e < n_experts; e++) {
             first[e + 1] = first[e] + (ex[e].n > 0 ? (hidden + ex[e].per_down - 1) / ex[e].per_down : 0);
-            if (ex[e].n > 0 && ex[e].gate->rows == 0) {  // inter 0: down of nothing is zero
-                for (int i = 0; i < ex[e].n; i++) memset(ex[e].yrow[i], 0, (size_t)hidden * sizeof(float));
+            if (ex[e].n > 0 && ex[e].gate->rows == 0) {  // inter 0: down of nothing is zero (+ down_bias)
+                for (int i = 0; i < ex[e].n; i++) {
+                    memset(ex[e].yrow[i], 0, (size_t)hidden * sizeof(float));
+                    add_bias(ex[e].yrow[i], ex[e].bd, 0, hidden);
+                }
                 first[e + 1] = first[e];
             }
         }
@@ -234,8 +283,8 @@ int moe_experts_slots(float *outs, const float *x, int T, int k, int hidden, con
     return status;
 }
 
-int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix *down,
-               const float *x, int n, int act, float limit) {
+int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix *down, const float *const *bias,
+               const float *x, int n, int act, const ExpertMath *math) {
     if (n < 0 || gate == NULL) return COLI_EINVAL;
     if (check_expert(gate, up, down, gate->cols) != COLI_OK) return COLI_EINVAL;
     int32_t *slots = malloc(((size_t)n + 1) * sizeof *slots);
@@ -243,13 +292,14 @@ int expert_ffn(float *out, const QMatrix *gate, const QMatrix *up, const QMatrix
     for (int i = 0; i < n; i++) slots[i] = i;
     int32_t start[2] = {0, n};
     const QMatrix *mats[3] = {gate, up, down};
-    int status = moe_experts_slots(out, x, n, 1, gate->cols, mats, 1, slots, start, act, limit);
+    int status = moe_experts_slots(out, x, n, 1, gate->cols, mats, bias, 1, slots, start, act, math);
     free(slots);
     return status;
 }
 
 int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMatrix *const *mats,
-                int n_experts, const int64_t *ids, const int64_t *experts, int act, float limit) {
+                const float *const *bias, int n_experts, const int64_t *ids, const int64_t *experts, int act,
+                const ExpertMath *math) {
     if (T < 0 || k < 1 || n_experts < 0) return COLI_EINVAL;
     size_t nslots = (size_t)T * (size_t)k;
     int32_t *slots = malloc((nslots + 1) * sizeof *slots);
@@ -268,15 +318,16 @@ int moe_experts(float *outs, const float *x, int T, int k, int hidden, const QMa
         }
     }
     start[n_experts] = at;
-    int status = moe_experts_slots(outs, x, T, k, hidden, mats, n_experts, slots, start, act, limit);
+    int status = moe_experts_slots(outs, x, T, k, hidden, mats, bias, n_experts, slots, start, act, math);
     free(slots);
     free(start);
     return status;
 }
 
-int moe_block(float *out, const float *x, int T, int k, int hidden, const QMatrix *const *table, int n_table,
-              const int64_t *ids, const float *weights, const QMatrix *const *shared, const float *shared_scale,
-              int act, float limit) {
+int moe_block(float *out, const float *x, int T, int k, int hidden, const QMatrix *const *table,
+              const float *const *table_bias, int n_table, const int64_t *ids, const float *weights,
+              const QMatrix *const *shared, const float *const *shared_bias, const float *shared_scale, int act,
+              const ExpertMath *math) {
     if (T < 0 || k < 1 || hidden < 0 || n_table < 1) return COLI_EINVAL;
     size_t nslots = (size_t)T * (size_t)k;
     for (size_t s = 0; s < nslots; s++) {
@@ -289,9 +340,10 @@ int moe_block(float *out, const float *x, int T, int k, int hidden, const QMatri
     int64_t *ids_s = malloc((nks + 1) * sizeof *ids_s);  // [T, ks]
     float *weights_s = malloc((nks + 1) * sizeof *weights_s);  // [T, ks]
     const QMatrix **mats = malloc((3 * nks + 1) * sizeof *mats);
+    const float **bias = calloc(3 * nks + 1, sizeof *bias);  // [3 * n] of the union (NULL entries: none)
     float *outs = malloc((nks * (size_t)hidden + 1) * sizeof *outs);
     int status = used == NULL || experts == NULL || ids_s == NULL || weights_s == NULL || mats == NULL ||
-                 outs == NULL ? COLI_ENOMEM : COLI_OK;
+                 bias == NULL || outs == NULL ? COLI_ENOMEM : COLI_OK;
     if (status == COLI_OK) {
         for (size_t t = 0; t < (size_t)T; t++) {
             memcpy(ids_s + t * ks, ids + t * k, (size_t)k * sizeof *ids);
@@ -306,15 +358,21 @@ int moe_block(float *out, const float *x, int T, int k, int hidden, const QMatri
         for (int e = 0; e < n_table; e++) {
             if (!used[e]) continue;
             experts[n] = e;
-            for (int m = 0; m < 3; m++) mats[3 * n + m] = table[3 * e + m];
+            for (int m = 0; m < 3; m++) {
+                mats[3 * n + m] = table[3 * e + m];
+                if (table_bias != NULL) bias[3 * n + m] = table_bias[3 * e + m];
+            }
             n++;
         }
         if (shared != NULL) {
             experts[n] = n_table;
-            for (int m = 0; m < 3; m++) mats[3 * n + m] = shared[m];
+            for (int m = 0; m < 3; m++) {
+                mats[3 * n + m] = shared[m];
+                if (shared_bias != NULL) bias[3 * n + m] = shared_bias[m];
+            }
             n++;
         }
-        status = moe_experts(outs, x, T, ks, hidden, mats, n, ids_s, experts, act, limit);
+        status = moe_experts(outs, x, T, ks, hidden, mats, bias, n, ids_s, experts, act, math);
     }
     if (status == COLI_OK) status = moe_combine(out, outs, weights_s, T, ks, hidden);
     free(used);
@@ -322,23 +380,26 @@ int moe_block(float *out, const float *x, int T, int k, int hidden, const QMatri
     free(ids_s);
     free(weights_s);
     free(mats);
+    free(bias);
     free(outs);
     return status;
 }
 
 int moe_block_softmax(float *out, int64_t *ids, float *weights, const float *x, int T, int k, int hidden,
-                      const QMatrix *router, int renormalize, const QMatrix *const *table, int n_table,
-                      const QMatrix *const *shared, const float *shared_scale, int act, float limit) {
+                      const QMatrix *router, int renormalize, const QMatrix *const *table,
+                      const float *const *table_bias, int n_table, const QMatrix *const *shared,
+                      const float *const *shared_bias, const float *shared_scale, int act, const ExpertMath *math) {
     if (T < 0 || k < 1 || k > n_table || hidden < 0 || router == NULL || router->rows != n_table || router->cols != hidden) {
         return COLI_EINVAL;
     }
     float *logits = malloc(((size_t)T * (size_t)n_table + 1) * sizeof *logits);  // [T, n_table]
     if (logits == NULL) return COLI_ENOMEM;
-    int status = matmul(logits, router, x, T, act & ~GLU_SITU);
+    int status = matmul(logits, router, x, T, act);
     if (status == COLI_OK) status = softmax_topk(weights, ids, logits, T, n_table, k, renormalize);
     free(logits);
     if (status != COLI_OK) return status;
-    return moe_block(out, x, T, k, hidden, table, n_table, ids, weights, shared, shared_scale, act, limit);
+    return moe_block(out, x, T, k, hidden, table, table_bias, n_table, ids, weights, shared, shared_bias, shared_scale,
+                     act, math);
 }
 
 int moe_combine(float *out, const float *outs, const float *weights, int T, int k, int hidden) {

@@ -821,3 +821,120 @@ def test_expert_ffn_swiglu_limit_clamps_gate_and_up(kind, act):
         assert_same_bits(outs[:, r], y, "moe_experts vs expert_ffn")
     with pytest.raises(ValueError, match="positive"):
         kernels.expert_ffn(gate, up, down, x, act, limit=0.0)
+
+
+# ----------------------------------------------------------------------------
+# The experts' gated units and biases (csrc/colibri.h ExpertMath): every kind, every path, every placement
+
+GATED = [("swiglu", None, None), ("swiglu", 0.7, None), ("swiglu_oai", 7.0, 1.702), ("swiglu_oai", 0.7, 1.702),
+         ("geglu_tanh", None, None), ("situ", None, None)]  # (glu, limit, alpha)
+
+
+def expert_biases(rng, inter, hidden):
+    """(gate_bias, up_bias, down_bias) float32, large enough to move every gated unit visibly."""
+    return tuple((2 * rng.standard_normal(n)).astype(np.float32) for n in (inter, inter, hidden))
+
+
+def test_gated_units_are_their_float64_definitions():
+    """The float32 references against the models' own formulas in float64: transformers' GPT-OSS
+    experts, gelu_pytorch_tanh, DeepSeek V4's clamp, Kimi K3's SiTU."""
+    g = np.concatenate([np.linspace(-12, 12, 2001), [0.0, -0.0, 1e-30, -200, 200, np.inf, -np.inf]]).astype(np.float32)
+    u = np.roll(g, 777)
+    g64, u64 = g.astype(np.float64), u.astype(np.float64)
+    sig = lambda a: 1 / (1 + np.exp(-a))  # noqa: E731
+    with np.errstate(over="ignore", invalid="ignore"):
+        gc, uc = np.minimum(g64, 7.0), np.clip(u64, -7.0, 7.0)
+        z = np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64**3)
+        gu = np.nan_to_num(np.abs(g64 * u64), nan=0.0, posinf=0.0)  # |g u| where finite (clamped units: finite w)
+        want = {  # (glu, limit, alpha): (the definition, the argument of its exp)
+            ("swiglu", np.inf, None): (g64 * sig(g64) * u64, g64),
+            ("swiglu", 7.0, None): (gc * sig(gc) * uc, gc),
+            ("swiglu_oai", 7.0, 1.702): ((uc + 1) * (gc * sig(1.702 * gc)), 1.702 * gc),
+            ("geglu_tanh", np.inf, None): (0.5 * g64 * (1 + np.tanh(z)) * u64, 2 * z),
+            ("situ", np.inf, None): (4 * np.tanh(g64 / 4) * sig(g64) * 25 * np.tanh(u64 / 25), g64),
+        }
+    for (glu, limit, alpha), (w, arg) in want.items():
+        got = reference.gated_unit(glu, g, u, limit, alpha)
+        assert got.dtype == np.float32 and np.array_equal(np.isnan(got), np.isnan(w)), glu
+        f = np.isfinite(w)
+        # float32 roundings, the exp's argument's amplified (|arg| ulps), and float64's own cancellation
+        # in 1 + tanh(z) for z << 0
+        bound = 1e-6 * (2 + np.minimum(np.abs(arg[f]), 100)) * np.abs(w[f]) + 1e-15 * gu[f]
+        assert np.all(np.abs(got[f] - w[f]) <= bound), glu
+
+
+@pytest.mark.parametrize("kind,act", MODES)
+@pytest.mark.parametrize("glu,limit,alpha", GATED)
+def test_expert_ffn_gated_units_and_biases_match_reference(simd_path, kind, act, glu, limit, alpha):
+    """Each gated unit, with and without biases, against the NumPy reference on awkward sizes; a
+    limit or a bias that changes nothing would be caught (the results must differ)."""
+    rng = np.random.default_rng([GATED.index((glu, limit, alpha)), KINDS.index(kind)])
+    hidden, inter = 130, 63
+    gate, up, down = (random_weights(rng, inter, hidden, kind), random_weights(rng, inter, hidden, kind),
+                      random_weights(rng, hidden, inter, kind))
+    bias = expert_biases(rng, inter, hidden)
+    x = random_x(rng, 5, hidden, scale=0.5)
+    kw = dict(limit=limit, glu=glu, alpha=alpha)
+    ref_kw = dict(limit=np.inf if limit is None else limit, glu=glu, alpha=alpha)
+    plain = kernels.expert_ffn(gate, up, down, x, act, **kw)
+    for b in (None, bias, (None, bias[1], None)):
+        got = kernels.expert_ffn(gate, up, down, x, act, bias=b, **kw)
+        want = reference.expert_ffn(gate, up, down, x, act, bias=b, **ref_kw)
+        # int8: a last-bit difference in exp (NumPy's vs C's) may move h across a quantisation step
+        tol = (1e-5 if act == "f32" else 2e-3) * np.abs(want).max()
+        assert np.abs(got - want).max() <= tol, f"bias {b is not None}: off by {np.abs(got - want).max():.3g}"
+        if b is not None:
+            assert not np.allclose(got, plain, rtol=1e-3, atol=0)
+    zero = tuple(np.zeros_like(a) for a in bias)
+    assert np.array_equal(kernels.expert_ffn(gate, up, down, x, act, bias=zero, **kw), plain)
+
+
+@pytest.mark.parametrize("kind,act", MODES)
+@pytest.mark.parametrize("glu,limit,alpha", GATED)
+def test_gated_units_with_biases_are_the_same_bits_wherever_an_expert_runs(kind, act, glu, limit, alpha, thread_counts):
+    """Placement never changes a result: an expert alone (expert_ffn), batched with others
+    (moe_experts: streamed, or a Ray shard), in the resident one-call layer (moe_block) and as its
+    shared expert give the same bits — on every code path and thread count."""
+    rng = np.random.default_rng(37)
+    E, T, k, hidden, inter = 5, 6, 2, 130, 72
+    experts = expert_set(rng, E, hidden, inter, kind)
+    biases = {e: expert_biases(rng, inter, hidden) for e in range(E)}
+    biases[3] = (None, biases[3][1], None)  # one expert with an up bias only
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)])  # (T, k)
+    x, w = random_x(rng, T, hidden), rng.random((T, k)).astype(np.float32)
+    kw = dict(limit=limit, glu=glu, alpha=alpha)
+    alone = np.stack([[kernels.expert_ffn(*experts[ids[t, r]], x[t:t + 1], act, bias=biases[ids[t, r]], **kw)[0]
+                       for r in range(k)] for t in range(T)])  # (T, k, H)
+    table = kernels.ExpertTable([experts[e] for e in range(E)], [biases[e] for e in range(E)])
+    shared = kernels.ExpertTable([experts[0]], [biases[0]])
+    shared_alone = kernels.expert_ffn(*experts[0], x, act, bias=biases[0], **kw)  # (T, H)
+    for path, n in itertools.product(supported_paths(), thread_counts):
+        kernels.set_simd(path)
+        kernels.set_threads(n)
+        outs = np.zeros((T, k, hidden), np.float32)
+        kernels.moe_experts(outs, x, ids, {e: experts[e] for e in (4, 1, 3, 0, 2)}, act, biases=biases, **kw)
+        assert_same_bits(outs, alone, f"moe_experts, {path}, {n} threads")
+        routed = kernels.moe_block(x, ids, w, table, act, **kw)
+        assert_same_bits(routed, kernels.moe_combine(alone, w), f"moe_block, {path}, {n} threads")
+        got = kernels.moe_block(x, ids, w, table, act, shared=shared, **kw)
+        assert_same_bits(got, routed + shared_alone, f"shared expert, {path}, {n} threads")
+    kernels.set_simd("auto")
+
+
+def test_expert_math_rejects_what_it_cannot_compute():
+    rng = np.random.default_rng(1)
+    gate, up = (quant.quantize(rng.standard_normal((5, 3)), "int8") for _ in range(2))
+    down = quant.quantize(rng.standard_normal((3, 5)), "int8")
+    x = np.ones((2, 3), np.float32)
+    for kw, message in [(dict(glu="gelu"), "unknown gated unit 'gelu'"),
+                        (dict(glu="swiglu_oai", limit=7.0), "alpha .* 'swiglu_oai' only"),
+                        (dict(glu="swiglu", alpha=1.702), "alpha .* 'swiglu_oai' only"),
+                        (dict(glu="swiglu_oai", alpha=float("nan")), "alpha .* 'swiglu_oai' only"),
+                        (dict(glu="geglu_tanh", limit=7.0), "'geglu_tanh' has no clamp limit"),
+                        (dict(glu="swiglu", limit=-1.0), "limit must be positive"),
+                        (dict(bias=(np.zeros(5), np.zeros(5), np.zeros(4))), r"down_bias must be \(3,\), got \[4\]"),
+                        (dict(bias=(np.zeros(5), np.zeros(5))), "are \\(gate_bias, up_bias, down_bias\\)")]:
+        with pytest.raises(ValueError, match=message):
+            kernels.expert_ffn(gate, up, down, x, **kw)
+    with pytest.raises(ValueError, match="2 biases for 1 experts"):
+        kernels.ExpertTable([(gate, up, down)], [None, None])

@@ -6,6 +6,7 @@
     y = kernels.matmul_t(w, x)                 # x f32 [n, w.rows] -> f32 [n, w.cols] = x @ dequant(w)
     wf = kernels.dequantize(w)                 # f32 [w.rows, w.cols], bit for bit quant.dequantize(w)
     y = kernels.expert_ffn(gate, up, down, x)  # x f32 [n, H] -> f32 [n, H] = down(silu(gate x) * (up x))
+    y = kernels.expert_ffn(gate, up, down, x, glu="swiglu_oai", limit=7.0, alpha=1.702, bias=(bg, bu, bd))  # GLUS
     kernels.moe_experts(outs, x, ids, experts) # every ready expert of an MoE layer in one call
     y = kernels.moe_block(x, ids, weights, kernels.ExpertTable(all_experts))  # a whole MoE layer, experts at hand
     h = kernels.AttnBlock(norm, wq, wk, wv, wo, heads=…, …)(h, cos, sin, k_cache, v_cache, start)  # attention sub-block
@@ -54,11 +55,14 @@ except ImportError as e:  # pragma: no cover - only without a build
     ) from e
 
 __all__ = ["AttnBlock", "matmul", "matmul_multi", "matmul_each", "matmul_t", "matmul_t_each", "dequantize", "expert_ffn", "moe_experts", "moe_combine", "moe_block", "moe_block_softmax", "ExpertTable", "softmax_topk", "exp", "rms_norm", "rope_rotate_half", "attention",
-           "ACTIVATIONS", "check_activations", "weights_act",
+           "ACTIVATIONS", "check_activations", "weights_act", "GLUS",
            "simd", "set_simd", "simd_supported", "SIMD_PATHS", "threads", "set_threads", "reference"]
 
 SIMD_PATHS = ("portable", "avx2", "avx512")
 ACTIVATIONS = ("f32", "int8")
+# the experts' gated units (csrc/colibri.h ExpertMath; `reference.gated_unit` defines each)
+GLUS = {"swiglu": lib.GLU_SWIGLU, "swiglu_oai": lib.GLU_SWIGLU_OAI, "geglu_tanh": lib.GLU_GEGLU_TANH, "situ": lib.GLU_SITU}
+_CLAMPED = ("swiglu", "swiglu_oai")  # the gated units with a clamp limit
 _ACT_CODES = {"f32": lib.ACT_F32, "int8": lib.ACT_Q8}
 _ACT_KINDS = ("int8", "int4", "fp4")  # the weight kinds whose products the "int8" arithmetic changes
 _KIND_CODES = {"f32": lib.QKIND_F32, "int8": lib.QKIND_INT8, "int4": lib.QKIND_INT4, "fp8": lib.QKIND_FP8,
@@ -124,11 +128,21 @@ def _act_code(act: str | None, weights=()) -> int:
     return _ACT_CODES[check_activations(act if act is not None else weights_act(weights))]
 
 
-def _glu_code(glu: str) -> int:
-    """The gated unit of the expert kernels: "swiglu" (0) or "situ" (GLU_SITU, Kimi K3)."""
-    if glu not in ("swiglu", "situ"):
-        raise ValueError(f"unknown gated unit {glu!r}: 'swiglu' or 'situ'")
-    return lib.GLU_SITU if glu == "situ" else 0
+@functools.lru_cache(maxsize=64)  # a model has one or two; the struct stays alive in the cache
+def _math(glu: str, limit: float | None, alpha: float | None):
+    """The C ``ExpertMath *`` of a gated unit (GLUS): `limit` the clamp of "swiglu" / "swiglu_oai"
+    (None: none; else positive), `alpha` the sigmoid slope "swiglu_oai" needs; the others take neither."""
+    if glu not in GLUS:
+        raise ValueError(f"unknown gated unit {glu!r} (expected one of {', '.join(GLUS)})")
+    if limit is not None and glu not in _CLAMPED:
+        raise ValueError(f"the gated unit {glu!r} has no clamp limit (got {limit!r})")
+    if limit is not None and not limit > 0:
+        raise ValueError(f"SwiGLU limit must be positive, got {limit!r}")
+    if (glu == "swiglu_oai") != (alpha is not None) or (alpha is not None and not math.isfinite(alpha)):
+        raise ValueError(f"an alpha (a finite number) goes with 'swiglu_oai' only; got {alpha!r} for {glu!r}")
+    m = ffi.new("ExpertMath *")
+    m.glu, m.limit, m.alpha = GLUS[glu], math.inf if limit is None else float(limit), 0.0 if alpha is None else alpha
+    return m
 
 
 def _check_environment() -> None:
@@ -230,29 +244,37 @@ def dequantize(w: QTensor) -> np.ndarray:
 
 
 def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: str | None = None,
-               limit: float | None = None, glu: str = "swiglu") -> np.ndarray:
-    """``down(silu(min(gate x, limit)) * clip(up x, ±limit))``, ``silu(a) = a / (1 + exp(-a))``, fused
-    in one C call; limit None: the plain SwiGLU. `glu` "situ": Kimi K3's SiTU-GLU
-    ``down(4 tanh(g/4) σ(g) · 25 tanh(u/25))`` instead (limit unused; reference `layers.situ`).
+               limit: float | None = None, glu: str = "swiglu", alpha: float | None = None,
+               bias: tuple | None = None) -> np.ndarray:
+    """``down(glu(gate x + gate_bias, up x + up_bias)) + down_bias`` fused in one C call, `glu` one of
+    GLUS (`reference.gated_unit` defines each): "swiglu" ``silu(min(g, limit)) · clip(u, ±limit)`` (limit
+    None: the plain SwiGLU), "swiglu_oai" GPT-OSS's ``(clip(u, ±limit) + 1) · g' σ(alpha g')`` with
+    ``g' = min(g, limit)``, "geglu_tanh" ``gelu_tanh(g) · u``, "situ" Kimi K3's SiTU-GLU. `bias`:
+    None, or (gate_bias ``(I,)``, up_bias ``(I,)``, down_bias ``(H,)``) float32, each None for none.
 
     gate, up: ``[I, H]``; down: ``[H, I]``, all of one kind; x float32 ``[n, H]`` -> float32 ``[n, H]``.
     """
     _check_expert(gate, up, down)
     gm, um, dm = _qmatrix(gate, "gate"), _qmatrix(up, "up"), _qmatrix(down, "down")
+    keep: list = []
+    bias_c = _biases([bias], [gate.rows], gate.cols, keep)
     x = _activations(x, gate.cols, "expert_ffn: x")
     n = x.shape[0]
     out = np.zeros((n, gate.cols), np.float32)
+    m = _math(glu, limit, alpha)
     if n == 0 or gate.cols == 0:
         return out
-    code = _act_code(act, (gate, up, down)) | _glu_code(glu)
-    _check(lib.expert_ffn(_floats(out, writable=True), gm, um, dm, _floats(x), n, code, _limit(limit)), "expert_ffn")
+    _check(lib.expert_ffn(_floats(out, writable=True), gm, um, dm, bias_c, _floats(x), n, _act_code(act, (gate, up, down)),
+                          m), "expert_ffn")
     return out
 
 
 def moe_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, act: str | None = None,
-                limit: float | None = None, glu: str = "swiglu") -> None:
-    """Every expert of `experts` ({expert id: (gate, up, down)}) in one C call, SwiGLU clamped at
-    `limit` (or SiTU-GLU, `glu` "situ") as in `expert_ffn`.
+                limit: float | None = None, glu: str = "swiglu", alpha: float | None = None,
+                biases: dict | None = None) -> None:
+    """Every expert of `experts` ({expert id: (gate, up, down)}) in one C call, with the gated unit
+    `glu`, `limit`, `alpha` and each expert's biases (`biases` {expert id: (gate_bias, up_bias,
+    down_bias)}; an expert it lacks has none) as in `expert_ffn`.
 
     outs float32 ``(T, k, H)``, C-contiguous: ``outs[t, r] = expert_ffn(*experts[ids[t, r]], x[t])``
     for every slot (t, r) whose expert is in `experts`; other slots are left as they are.
@@ -276,10 +298,13 @@ def moe_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict,
     mats = []
     for gate, up, down in experts.values():
         mats += (_qmatrix(gate, "gate"), _qmatrix(up, "up"), _qmatrix(down, "down"))
+    keep: list = []
+    bias_c = ffi.NULL if not biases else _biases([biases.get(e) for e in experts],
+                                                 [ffn[0].rows for ffn in experts.values()], hidden, keep)
     code = _act_code(act, [w for ffn in experts.values() for w in ffn])
-    status = lib.moe_experts(_floats(outs, writable=True), _floats(x), T, k, hidden, ffi.new("QMatrix *[]", mats),
-                             len(keys), ffi.from_buffer("int64_t[]", ids), ffi.from_buffer("int64_t[]", keys),
-                             code | _glu_code(glu), _limit(limit))
+    status = lib.moe_experts(_floats(outs, writable=True), _floats(x), T, k, hidden, ffi.new("QMatrix *[]", mats), bias_c,
+                             len(keys), ffi.from_buffer("int64_t[]", ids), ffi.from_buffer("int64_t[]", keys), code,
+                             _math(glu, limit, alpha))
     if status == lib.COLI_EINVAL:
         for gate, up, down in experts.values():
             _check_expert(gate, up, down, hidden)
@@ -288,11 +313,14 @@ def moe_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict,
 
 class ExpertTable:
     """Every expert of one MoE layer as a C table for `moe_block`: experts[e] = (gate, up, down)
-    for e = 0 .. E-1, checked once (one kind per expert, the layer's shapes), kept alive here."""
+    for e = 0 .. E-1, checked once (one kind per expert, the layer's shapes), kept alive here;
+    `biases` None, or biases[e] expert e's (gate_bias, up_bias, down_bias) as `expert_ffn`'s `bias`."""
 
-    def __init__(self, experts: list[tuple[QTensor, QTensor, QTensor]]):
+    def __init__(self, experts: list[tuple[QTensor, QTensor, QTensor]], biases: list | None = None):
         if not experts:
             raise ValueError("ExpertTable: no experts")
+        if biases is not None and len(biases) != len(experts):
+            raise ValueError(f"ExpertTable: {len(biases)} biases for {len(experts)} experts")
         hidden = experts[0][0].cols
         mats = []
         for gate, up, down in experts:
@@ -300,12 +328,14 @@ class ExpertTable:
             mats += (_qmatrix(gate, "gate"), _qmatrix(up, "up"), _qmatrix(down, "down"))
         self.hidden, self.n = hidden, len(experts)
         self.act = weights_act([w for ffn in experts for w in ffn])  # the arithmetic `moe_block` uses by default
-        self._c, self._keep = ffi.new("QMatrix *[]", mats), experts
+        self._keep: list = [experts]
+        self._bias = ffi.NULL if biases is None else _biases(biases, [ffn[0].rows for ffn in experts], hidden, self._keep)
+        self._c = ffi.new("QMatrix *[]", mats)
 
 
 def moe_block(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, table: ExpertTable, act: str | None = None,
               limit: float | None = None, glu: str = "swiglu", shared: ExpertTable | None = None,
-              shared_scale: np.ndarray | None = None) -> np.ndarray:
+              shared_scale: np.ndarray | None = None, alpha: float | None = None) -> np.ndarray:
     """A whole MoE layer whose experts are all in `table`, in one C call: ``Σ_rank weights[t, r] ·
     expert_ffn(*table[ids[t, r]], x[t])``, the same bits as `moe_experts` over the batch union
     then `moe_combine`. x float32 (T, H); ids integer (T, k) in 0 .. E-1; weights (T, k) → (T, H).
@@ -319,18 +349,20 @@ def moe_block(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, table: Expert
     T = x.shape[0]
     if ids.ndim != 2 or ids.shape[0] != T or weights.shape != ids.shape:
         raise ValueError(f"moe_block: ids and weights must be ({T}, k), got {list(ids.shape)}, {list(weights.shape)}")
-    shared_c, scale_c = _shared_expert(shared, shared_scale, table, T)
+    shared_c, bias_c, scale_c = _shared_expert(shared, shared_scale, table, T)
     out = np.empty((T, table.hidden), np.float32)
+    m = _math(glu, limit, alpha)
     if T and table.hidden:
-        _check(lib.moe_block(_floats(out, writable=True), _floats(x), T, ids.shape[1], table.hidden, table._c, table.n,
-                             ffi.from_buffer("int64_t[]", ids), _floats(weights), shared_c, scale_c,
-                             _act_code(act or table.act) | _glu_code(glu), _limit(limit)), "moe_block")
+        _check(lib.moe_block(_floats(out, writable=True), _floats(x), T, ids.shape[1], table.hidden, table._c, table._bias,
+                             table.n, ffi.from_buffer("int64_t[]", ids), _floats(weights), shared_c, bias_c, scale_c,
+                             _act_code(act or table.act), m), "moe_block")
     return out
 
 
 def moe_block_softmax(x: np.ndarray, router: QTensor, k: int, renormalize: bool, table: ExpertTable,
                       act: str | None = None, limit: float | None = None, glu: str = "swiglu",
-                      shared: ExpertTable | None = None, shared_scale: np.ndarray | None = None):
+                      shared: ExpertTable | None = None, shared_scale: np.ndarray | None = None,
+                      alpha: float | None = None):
     """`moe_block` with the layer's softmax router in the same C call: logits = `matmul(router, x)`,
     `softmax_topk(logits, k, renormalize)`, then `moe_block` over that routing — the bits of the
     three calls. router (E, H) with E = table.n. Returns out (T, H), weights float32 (T, k) and ids
@@ -340,29 +372,30 @@ def moe_block_softmax(x: np.ndarray, router: QTensor, k: int, renormalize: bool,
     if (router.rows, router.cols) != (table.n, table.hidden) or not 1 <= k <= table.n:
         raise ValueError(f"moe_block_softmax: router must be [{table.n}, {table.hidden}] with 1 <= k <= {table.n}, "
                          f"got [{router.rows}, {router.cols}], k {k}")
-    shared_c, scale_c = _shared_expert(shared, shared_scale, table, T)
+    shared_c, bias_c, scale_c = _shared_expert(shared, shared_scale, table, T)
     out, weights, ids = np.empty((T, table.hidden), np.float32), np.empty((T, k), np.float32), np.empty((T, k), np.int64)
+    m = _math(glu, limit, alpha)
     if T:
         _check(lib.moe_block_softmax(_floats(out, writable=True), ffi.from_buffer("int64_t[]", ids, require_writable=True),
                                      _floats(weights, writable=True), _floats(x), T, k, table.hidden,
-                                     _qmatrix(router, "router"), int(renormalize), table._c, table.n, shared_c, scale_c,
-                                     _act_code(act or table.act) | _glu_code(glu), _limit(limit)), "moe_block_softmax")
+                                     _qmatrix(router, "router"), int(renormalize), table._c, table._bias, table.n,
+                                     shared_c, bias_c, scale_c, _act_code(act or table.act), m), "moe_block_softmax")
     return out, weights, ids
 
 
 def _shared_expert(shared: ExpertTable | None, scale: np.ndarray | None, table: ExpertTable, T: int):
-    """C arguments (table, scales) for a shared expert run inside `moe_block` (NULL, NULL: none)."""
+    """C arguments (table, biases, scales) for a shared expert run inside `moe_block` (NULL: none)."""
     if shared is None:
-        return ffi.NULL, ffi.NULL
+        return ffi.NULL, ffi.NULL, ffi.NULL
     if shared.n != 1 or shared.hidden != table.hidden:
         raise ValueError(f"moe_block: shared must be a table of one expert of width {table.hidden}, "
                          f"got {shared.n} of {shared.hidden}")
     if scale is None:
-        return shared._c, ffi.NULL
+        return shared._c, shared._bias, ffi.NULL
     scale = np.ascontiguousarray(scale, np.float32)
     if scale.shape != (T,):
         raise ValueError(f"moe_block: shared_scale must be ({T},), got {list(scale.shape)}")
-    return shared._c, _floats(scale)
+    return shared._c, shared._bias, _floats(scale)
 
 
 def moe_combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -540,13 +573,28 @@ def _vector(a, n: int, name: str) -> np.ndarray:
     return a
 
 
-def _limit(limit: float | None) -> float:
-    """The C kernels' SwiGLU clamp: inf for none; a limit must be positive."""
-    if limit is None:
-        return math.inf
-    if not limit > 0:
-        raise ValueError(f"SwiGLU limit must be positive, got {limit!r}")
-    return float(limit)
+def _biases(biases: list, inters: list[int], hidden: int, keep: list):
+    """A C ``float *[3 * len(biases)]`` of the experts' (gate_bias (I,), up_bias (I,), down_bias
+    (hidden,)) float32 vectors, I each expert's width in `inters`, NULL where an expert or one of its
+    vectors is None; the arrays are kept alive in `keep`. NULL for no bias at all."""
+    if all(b is None for b in biases):
+        return ffi.NULL
+    ptrs = []
+    for b, inter in zip(biases, inters):
+        if b is not None and len(b) != 3:
+            raise ValueError(f"expert biases are (gate_bias, up_bias, down_bias), got {len(b)} arrays")
+        for name, a, n in zip(("gate_bias", "up_bias", "down_bias"), b or (None,) * 3, (inter, inter, hidden)):
+            if a is None:
+                ptrs.append(ffi.NULL)
+                continue
+            a = np.ascontiguousarray(a, np.float32)
+            if a.shape != (n,):
+                raise ValueError(f"expert {name} must be ({n},), got {list(a.shape)}")
+            ptrs.append(ffi.from_buffer("float[]", a) if n else ffi.NULL)
+            keep += (a, ptrs[-1])
+    c = ffi.new("float *[]", ptrs)
+    keep.append(c)
+    return c
 
 
 def _check_expert(gate: QTensor, up: QTensor, down: QTensor, hidden: int | None = None) -> None:

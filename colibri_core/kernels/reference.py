@@ -21,8 +21,9 @@ operations, so for `matmul` the C kernels (every code path) must agree **bit for
   ``L[g % 8] += float(isum[g]) * (2^(s - 128) * xs[g // 2])`` (isum of v = 2·e2m1), ``y = tree8(L)``.
   f32 and fp8 weights take the f32 arithmetic whatever ``act``.
 
-``expert_ffn`` applies ``silu(a) = a / (1 + exp(-a))``; NumPy's float32 ``exp`` and C's ``expf``
-may differ in the last bit, so C and reference agree within float32 rounding there. The numbers
+``expert_ffn`` applies a gated unit (`gated_unit`: SwiGLU, GPT-OSS's SwiGLU, GeGLU, SiTU-GLU) built on
+``exp`` and ``tanh``; NumPy's float32 ``exp`` / ``tanh`` and C's may differ in the last bit, so C and
+reference agree within float32 rounding there. The numbers
 come from `colibri_core.quant` (`int4_values`), the one definition of the formats;
 tests/test_kernels.py also checks these references against float64 ``x @ dequantize(w).T``.
 """
@@ -166,14 +167,44 @@ def silu(a: np.ndarray) -> np.ndarray:
         return a / (np.float32(1) + np.exp(-a))
 
 
+def gated_unit(kind: str, g: np.ndarray, u: np.ndarray, limit: float = np.inf, alpha: float | None = None) -> np.ndarray:
+    """The experts' gated unit h = glu(g, u) elementwise in float32, g = gate x, u = up x (csrc/colibri.h
+    ExpertMath), ``clamp`` keeping a NaN:
+
+    - "swiglu": ``silu(min(g, limit)) · clamp(u, ±limit)`` (limit inf: the plain SwiGLU; DeepSeek V4: 10)
+    - "swiglu_oai": GPT-OSS's ``(clamp(u, ±limit) + 1) · g' / (1 + exp(-alpha g'))``, ``g' = min(g, limit)``
+    - "geglu_tanh": ``gelu_tanh(g) · u`` (`gelu_pytorch_tanh`) as ``g / (1 + exp(-2z)) · u``,
+      ``z = √(2/π)(g + 0.044715 g³)`` (``0.5 (1 + tanh z) = σ(2z)``)
+    - "situ": Kimi K3's ``4 tanh(g/4) σ(g) · 25 tanh(u/25)`` (`layers.situ`)
+    """
+    g, u, one, lim = np.asarray(g, np.float32), np.asarray(u, np.float32), np.float32(1), np.float32(limit)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if kind in ("swiglu", "swiglu_oai"):
+            g = np.where(g > lim, lim, g)
+            u = np.where(u > lim, lim, np.where(u < -lim, -lim, u))
+            if kind == "swiglu":
+                return silu(g) * u
+            return (u + one) * (g / (one + np.exp(-(np.float32(alpha) * g))))
+        if kind == "geglu_tanh":
+            z = np.float32(0.7978845608) * (g + np.float32(0.044715) * (g * g * g))
+            return g / (one + np.exp(-(np.float32(2) * z))) * u
+        if kind == "situ":
+            return (np.tanh(g / np.float32(4)) * np.float32(4)) * (one / (one + np.exp(-g))) * (np.tanh(u / np.float32(25)) * np.float32(25))
+    raise ValueError(f"unknown gated unit {kind!r}")
+
+
 def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, act: str = "f32",
-               limit: float = np.inf) -> np.ndarray:
-    """``down(silu(min(gate x, limit)) * clip(up x, -limit, limit))``: x float32 ``[n, H]`` -> float32
-    ``[n, H]``; gate, up ``[I, H]``, down ``[H, I]``; limit inf: the plain SwiGLU."""
-    lim = np.float32(limit)
+               limit: float = np.inf, glu: str = "swiglu", alpha: float | None = None,
+               bias: tuple | None = None) -> np.ndarray:
+    """``down(glu(gate x + gate_bias, up x + up_bias)) + down_bias``: x float32 ``[n, H]`` -> float32
+    ``[n, H]``; gate, up ``[I, H]``, down ``[H, I]``; `bias` None or (gate_bias, up_bias, down_bias),
+    each None for none; `glu`, `limit`, `alpha` as `gated_unit`'s."""
+    gb, ub, db = bias or (None, None, None)
     g, u = matmul(gate, x, act), matmul(up, x, act)  # [n, I] each
-    h = silu(np.where(g > lim, lim, g)) * np.where(u > lim, lim, np.where(u < -lim, -lim, u))
-    return matmul(down, h, act)
+    g = g if gb is None else g + np.asarray(gb, np.float32)
+    u = u if ub is None else u + np.asarray(ub, np.float32)
+    y = matmul(down, gated_unit(glu, g, u, limit, alpha), act)  # [n, H]
+    return y if db is None else y + np.asarray(db, np.float32)
 
 
 def exact(w: QTensor, x: np.ndarray, act: str = "f32") -> np.ndarray:

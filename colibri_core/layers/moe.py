@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import kernels
 from ..errors import ColibriError
+from ..layout import ExpertMath
 from ..probe import listening, record, route, timed
 from ..quant import QTensor
 from .router import Router, SoftmaxTopK
@@ -23,34 +24,27 @@ from .shared_expert import SharedExpert
 
 
 def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, limit: float | None = None,
-                glu: str = "swiglu", act: str | None = None) -> None:
+                glu: str = "swiglu", act: str | None = None, alpha: float | None = None) -> None:
     """Fill the slots of `experts` ({expert id: (gate, up, down)}) in outs (T, k, H).
 
-    outs[t, r] = FFN_{ids[t, r]}(x[t]) for every (t, r) routed to one of `experts`: SwiGLU, clamped
-    at `limit` if given, or (`glu` "situ") Kimi K3's SiTU-GLU (`layers.situ`; no clamp), in the
-    activation arithmetic `act` (None: the weights' own, `QTensor.act`). Each row is computed
-    independently of the others, so batching never changes a result.
+    outs[t, r] = FFN_{ids[t, r]}(x[t]) for every (t, r) routed to one of `experts`, with the gated
+    unit `glu` (`kernels.GLUS`: "swiglu" clamped at `limit` if given, "swiglu_oai" with `limit` and
+    `alpha`, "geglu_tanh", "situ"), in the activation arithmetic `act` (None: the weights' own,
+    `QTensor.act`). Each row is computed independently of the others, so batching never changes a
+    result.
     """
-    kernels.moe_experts(outs, x, ids, experts, act, limit, glu)  # one C call: every expert, every slot, threads inside
+    kernels.moe_experts(outs, x, ids, experts, act, limit, glu, alpha)  # one C call: every expert, every slot, threads inside
 
 
 @dataclass(frozen=True)
-class ExpertFFN:
+class ExpertFFN(ExpertMath):
     """The routed experts' math, the block's to choose and the same wherever an expert runs (the
-    expert source computes local experts with it and sends its fields to remote shards):
-    `activation` the gated unit (`ContainerLayout.expert_activation`), `limit` the SwiGLU clamp
-    (`ContainerLayout.swiglu_limit`)."""
-
-    activation: str = "swiglu"
-    limit: float | None = None
-
-    def __post_init__(self):
-        if self.activation not in ("swiglu", "situ"):
-            raise ColibriError(f"unknown expert activation {self.activation!r} (colibri runs 'swiglu' and 'situ')")
+    expert source computes local experts with it and sends its fields to remote shards): the
+    layout's `ExpertMath` (`activation`, `limit`, `alpha`), checked there, computed in C."""
 
     def __call__(self, outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict) -> None:
         """`run_experts` with this math: the slots of `experts` in outs (T, k, H)."""
-        run_experts(outs, x, ids, experts, self.limit, self.activation)
+        run_experts(outs, x, ids, experts, self.limit, self.activation, alpha=self.alpha)
 
 
 def combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -65,17 +59,17 @@ class MoE:
     `store` the expert source (`colibri_core.experts.ExpertSource`, the model's `store`): the one
     object asked for a layer's experts; `routers` {layer: Router} in the order the forward pass runs
     them; `lookahead` {layer: the MoE layer whose experts it predicts} (by default each layer's
-    successor in `routers`); `swiglu_limit` the experts' SwiGLU clamp and `activation` their gated
-    unit ("swiglu", or "situ", Kimi K3's SiTU-GLU): `ExpertFFN`.
+    successor in `routers`); `activation` the experts' gated unit, `swiglu_limit` its clamp and
+    `swiglu_alpha` GPT-OSS's slope (the layout's `expert_math`): `ExpertFFN`.
     """
 
     def __init__(self, store, routers: dict[int, Router], lookahead: dict[int, int] | None = None,
-                 swiglu_limit: float | None = None, activation: str = "swiglu"):
+                 swiglu_limit: float | None = None, activation: str = "swiglu", swiglu_alpha: float | None = None):
         for layer, router in routers.items():
             if not isinstance(router, Router):
                 raise ColibriError(f"MoE layer {layer}: the model declared a {type(router).__name__}, not a colibri Router")
         layers = list(routers)
-        self.ffn = ExpertFFN(activation, swiglu_limit)
+        self.ffn = ExpertFFN(activation, swiglu_limit, swiglu_alpha)
         self.experts, self.routers = store, routers
         self.lookahead = dict(zip(layers, layers[1:])) if lookahead is None else dict(lookahead)
 
@@ -107,7 +101,7 @@ class MoE:
         table = self.experts.resident_table(layer, predict)
         if table is not None:  # the layer holds all its experts: the experts and their weighted sum, one C call
             fused = shared is not None and self._fuses(shared, expert_input)
-            kw = dict(limit=self.ffn.limit, glu=self.ffn.activation)
+            kw = dict(limit=self.ffn.limit, glu=self.ffn.activation, alpha=self.ffn.alpha)
             if fused:
                 kw.update(shared=shared.table, shared_scale=shared.scale(x))
             if expert_input is None and type(router) is SoftmaxTopK and isinstance(router.weight, QTensor):
