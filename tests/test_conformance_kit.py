@@ -1,7 +1,10 @@
 """The conformance kit checks itself: on a deliberately broken plugin — OLMoE served under another
 architecture name, broken in one place at a time — each stricter check fails, and its message names
-the check, the layer and the position. Also: a conversion that fails is reported as itself, for
-every test that asks for that quantisation. One tiny oracle (3 layers, 4 experts) for the module."""
+the check, the layer and the position. Also: transformers' routers are found through the plugin's
+(renamed, they are still compared; a declared router found nowhere fails loudly); a layout that
+names its experts only fused round-trips; a conversion that fails is reported as itself, for every
+test that asks for that quantisation. One tiny oracle (3 layers, 4 experts) for the module."""
+import dataclasses
 import types
 
 import numpy as np
@@ -14,21 +17,37 @@ from colibri_core.layers.attention import gqa_attention
 from colibri_core.layers.norm import rms_norm
 from colibri_core.layers.rope import apply_rotate_half
 from colibri_core.layers.router import SoftmaxTopK
+from colibri_core.layout import ExpertNames
 from colibri_core.model import embed, linear, linears
 from colibri_core.probe import record
+from colibri_core.container import dequantize as dequantize_container
 from colibri_core.quant import dequantize
 from colibri_core.testing import ConformanceSuite, checks
 from colibri_core.testing.oracle import Oracle
 from colibri_olmoe.model import Olmoe
 
 ARCH = "olmoe_broken_for_the_kit"
+FUSED_ARCH = "olmoe_fused_only_for_the_kit"
+
+
+class ShiftedExperts(SoftmaxTopK):
+    """Routes with the checkpoint's gate, then sends each token to the next experts (e ↦ e + 1 mod E)."""
+
+    def __init__(self, router: SoftmaxTopK, n_experts: int):
+        super().__init__(router.weight, router.k, router.renormalize, input=router.input)
+        self.n_experts = n_experts
+
+    def route(self, x, token_ids):
+        weights, ids = super().route(x, token_ids)
+        return weights, (ids + 1) % self.n_experts
 
 
 class BrokenOlmoe(Olmoe):
     """OLMoE with one fault, chosen by `BrokenOlmoe.fault` (None: none):
 
     - "q_norm": layer 1 skips its q-norm (attention);
-    - "router": layer 2 routes with its gate's rows reversed (the wrong experts);
+    - "router": layer 2 routes to the wrong experts (the checkpoint's gate, its choice shifted);
+    - "router_weight": layer 2's router holds its gate with the rows reversed (no tensor of the model);
     - "weights": layer 2 renormalises its top-k weights (the right experts, the wrong weights);
     - "predict": layer 1's declared router predicts from the raw residual stream (no norm);
     - "lookahead": layer 2's lookahead predicts layer 0, which runs before it;
@@ -41,6 +60,8 @@ class BrokenOlmoe(Olmoe):
         out = super().routers()
         cfg = self.cfg
         if self.fault == "router":
+            out[2] = ShiftedExperts(out[2], cfg.num_experts)
+        elif self.fault == "router_weight":
             r = out[2]
             out[2] = SoftmaxTopK(np.ascontiguousarray(dequantize(r.weight)[::-1]), r.k, r.renormalize, input=r.input)
         elif self.fault == "weights":
@@ -92,24 +113,47 @@ class BrokenSuite(ConformanceSuite):  # not collected (no Test prefix): the test
     new_tokens = 8
 
 
+class FusedOnlyOlmoe(Olmoe):
+    """OLMoE whose layout names its experts only fused ((E, 2I, H) gate_up, (E, H, I) down), as for a
+    model whose checkpoints never held per-expert tensors."""
+
+    @classmethod
+    def layout(cls, cfg):
+        layout = super().layout(cfg)
+        fused = ExpertNames(per_expert={}, fused_gate_up=layout.experts.fused_gate_up, fused_down=layout.experts.fused_down)
+        return dataclasses.replace(layout, experts=fused)
+
+
+class FusedOnlySuite(BrokenSuite):
+    config_edits = {"architectures": ["FusedOnlyOlmoeForCausalLM"]}  # served by FusedOnlyOlmoe
+
+
 @hookimpl
 def colibri_register_architectures(register):
-    register(Architecture(name=ARCH, hf_architectures=("BrokenOlmoeForCausalLM",), model_types=(),
-                          model=f"{__name__}:BrokenOlmoe"))
+    for name, cls in ((ARCH, "BrokenOlmoe"), (FUSED_ARCH, "FusedOnlyOlmoe")):
+        register(Architecture(name=name, hf_architectures=(f"{cls}ForCausalLM",), model_types=(),
+                              model=f"{__name__}:{cls}"))
 
 
 @pytest.fixture(scope="module")
-def oracle(tmp_path_factory):
+def registered():
+    """This module's plugins (BrokenOlmoe, FusedOnlyOlmoe), registered while its tests run."""
     reg = plugins.registry()
     module = types.ModuleType("colibri_broken_olmoe")
     module.colibri_register_architectures = colibri_register_architectures
     reg.add("broken-olmoe", "colibri-broken-olmoe", "0.0", module)
     try:
-        yield Oracle(BrokenSuite, tmp_path_factory.mktemp("broken"))
+        yield
     finally:
         reg.pm.unregister(module)
         reg.plugins.pop("broken-olmoe", None)
         reg.architectures.pop(ARCH, None)
+        reg.architectures.pop(FUSED_ARCH, None)
+
+
+@pytest.fixture(scope="module")
+def oracle(registered, tmp_path_factory):
+    return Oracle(BrokenSuite, tmp_path_factory.mktemp("broken"))
 
 
 @pytest.fixture
@@ -155,6 +199,48 @@ def test_wrong_experts_are_named_as_the_router(oracle, fault):
     message = failure(checks.check_logits, oracle, "f32", oracle.logits_ids, BrokenSuite.rel_tol)
     assert "first divergence: layer 2, router (the experts chosen): colibri routes to experts" in message
     assert " at position " in message
+
+
+def _routed_by_router(self, hidden_states):  # OlmoeSparseMoeBlock.forward, through `self.router`
+    B, T, H = hidden_states.shape
+    flat = hidden_states.view(-1, H)  # (T, H)
+    _, weights, ids = self.router(flat)
+    return self.experts(flat, ids, weights).reshape(B, T, H)
+
+
+def test_a_router_at_another_module_name_is_still_compared(oracle, fault, monkeypatch):
+    """transformers' routers renamed `mlp.router` (GPT-OSS's name) in the module tree and the forward:
+    found through the plugin's declared routers (their weights), so routing is still compared, and a
+    router sending tokens to the wrong experts is named as the router."""
+    fault(None)
+    for layer in oracle.model.model.layers:
+        block = layer.mlp
+        modules = dict(block._modules)
+        modules["router"] = modules.pop("gate")
+        monkeypatch.setattr(block, "_modules", modules)
+        monkeypatch.setattr(block, "forward", types.MethodType(_routed_by_router, block))
+    monkeypatch.setattr(oracle, "_memo", {})  # the oracle's passes again, on the renamed model
+    assert not [name for name, _ in oracle.model.named_modules() if name.endswith(".gate")]
+    assert oracle.routers().modules == {i: f"model.layers.{i}.mlp.router" for i in range(3)}
+    checks.check_moe_layers(oracle, oracle.logits_ids)
+    ref = oracle.trace("f32", oracle.logits_ids)
+    assert ref.layers("ffn_moe_ids") == ref.layers("ffn_inp") == ref.layers("ffn_norm") == [0, 1, 2]
+    fault("router")
+    message = failure(checks.check_logits, oracle, "f32", oracle.logits_ids, BrokenSuite.rel_tol)
+    assert "first divergence: layer 2, router (the experts chosen): colibri routes to experts" in message
+
+
+def test_a_declared_router_found_nowhere_fails_loudly(oracle, fault):
+    """A router whose weight is no tensor of transformers' model (its rows reversed): its routing cannot
+    be compared, so moe_layers fails at its layer, and the logits check blames the router or the
+    experts there, never saying that routing agrees."""
+    fault("router_weight")
+    message = failure(checks.check_moe_layers, oracle, oracle.logits_ids)
+    assert message.startswith("moe_layers: layer 2: transformers' routing cannot be compared: its router's weight "
+                              "(4, 32), by which the kit finds transformers' router, equals no parameter of "
+                              "transformers' model")
+    message = failure(checks.check_logits, oracle, "f32", oracle.logits_ids, BrokenSuite.rel_tol)
+    assert "first divergence: layer 2, router or experts (transformers' routing was not recorded here: " in message
 
 
 def test_wrong_expert_weights_are_named_as_the_router(oracle, fault):
@@ -248,3 +334,25 @@ def test_an_unsupported_name_that_is_no_check_fails_loudly():
     with pytest.raises(pytest.skip.Exception, match="declares plan unsupported: why"):
         Suite()._check("plan")
     assert "moe_layers" in CHECKS and "greedy_int4" in CHECKS
+
+
+def test_a_layout_naming_only_fused_experts_round_trips(registered, tmp_path_factory, tmp_path, monkeypatch):
+    """A plugin whose layout names its experts only fused converts the oracle's fused save, and each of
+    its tensors round-trips (fused (E, 2I, H) / (E, H, I), quantised per row); a container whose fused
+    gate_up comes back with gate and up swapped fails, naming the tensor."""
+    oracle = Oracle(FusedOnlySuite, tmp_path_factory.mktemp("fused-only"))
+    assert oracle.checkpoint == oracle.fused_checkpoint
+    for q in ("f32", "int4"):
+        checks.check_container_round_trip(oracle, q, tmp_path / q)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+
+    def swapped(model_dir):
+        out = dequantize_container(model_dir)
+        gate, up = np.split(out[name], 2, axis=1)  # (E, I, H) each
+        out[name] = np.concatenate([up, gate], axis=1)
+        return out
+
+    monkeypatch.setattr(checks, "dequantize", swapped)
+    message = failure(checks.check_container_round_trip, oracle, "int4", tmp_path / "swapped")
+    assert message.startswith(f"container_round_trip: at int4, from hf-fused/: {name} [4, 32, 32] differs after "
+                              "the round trip by up to ")

@@ -17,6 +17,8 @@ from colibri_core.kernels import _act_code, _activations, _check, _floats, _qmat
 from colibri_core.kernels._colibri_kernels import ffi, lib
 from colibri_core.quant import QTensor, quantize
 
+__all__ = ["EXACT_BATCH", "BLOCK", "query_blocks"]  # public (docs/plugins.md): what a plugin's own attention needs
+
 CHUNK = 64  # tokens per chunk in the chunked form (as the reference implementations use)
 # A forward of at most this many tokens computes each exactly as if it came alone (the recurrent
 # form here, per-query attention in the layers): speculative drafts are verified in one forward

@@ -7,10 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .. import quant
-from ..container import Container, dequantize
 from ..convert import read_config
-from ..engine import load
 from ..errors import ColibriError
 from . import checks
 from .oracle import DROP, Oracle
@@ -205,31 +202,10 @@ class ConformanceSuite:
     # ---- the container -----------------------------------------------------------------------
     @pytest.mark.parametrize("q", QUANT_PARAMS)
     def test_container_round_trip(self, oracle: Oracle, q: str, tmp_path):
-        """dequantize(container) == quantise-dequantise of every source tensor; fused == per-expert."""
+        """dequantize(container) == quantise-dequantise of every source tensor, for each checkpoint form
+        the layout reads (per-expert, fused, or fused only); the forms' containers compute the same."""
         self._check("container_round_trip")
-        from safetensors import safe_open
-
-        got = dequantize(oracle.container(q))
-        source = {}
-        for f in sorted(oracle.checkpoint.glob("*.safetensors")):
-            with safe_open(f, "np") as st:
-                source.update({k: st.get_tensor(k) for k in st.keys()})
-        want_names = {k for k in source if not oracle.layout.ignored(k)}
-        assert set(got) == want_names, (f"container_round_trip at {q}: tensors only in the container "
-                                        f"{sorted(set(got) - want_names)[:5]}, only in the checkpoint "
-                                        f"{sorted(want_names - set(got))[:5]}")
-        for name, w in got.items():
-            resident_f32 = name in oracle.layout.resident and oracle.layout.stays_f32(name, source[name].ndim)
-            want = source[name] if q == "f32" or resident_f32 else quant.dequantize(quant.quantize(source[name], q))
-            assert np.array_equal(w, want.astype(np.float32)), f"{name} differs after the round trip at {q}"
-        oracle.convert(oracle.fused_checkpoint, tmp_path / "fused", q)
-        fused = dequantize(tmp_path / "fused")
-        assert Container(tmp_path / "fused").resident().keys() == Container(oracle.container(q)).resident().keys(), \
-            f"container_round_trip at {q}: the fused checkpoint's container holds other resident tensors"
-        with load(tmp_path / "fused", activations="f32") as a, load(oracle.container(q), activations="f32") as b:
-            assert np.array_equal(a.logits(oracle.prompt), b.logits(oracle.prompt)), "fused and per-expert containers differ"
-        assert sum(v.size for v in fused.values()) == sum(v.size for v in got.values()), \
-            f"container_round_trip at {q}: the fused checkpoint's container holds another number of weights"
+        checks.check_container_round_trip(oracle, q, tmp_path)
 
     def test_missing_tensor_is_an_error(self, oracle: Oracle, tmp_path):
         self._check("missing_tensor")

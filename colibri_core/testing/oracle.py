@@ -7,8 +7,10 @@ the oracle never runs the same thing twice).
   `colibri_core.dequantize(container)`). A conversion that fails is remembered: every later call
   for that quantisation raises the same error (the real one), and nothing is left on disk that a
   later call could trip over (``oracle-int4`` is created only once its weights exist).
-- `trace(q, ids)`: the oracle's teacher-forced logits and its per-layer intermediates (see
-  `colibri_core.testing.trace`); `engine_trace(q, ids)`: the same from colibri.
+- `routers()`: transformers' router modules, found through the routers the plugin declares (never
+  by a module name: `colibri_core.testing.trace.find_routers`).
+- `trace(q, ids)`: the oracle's teacher-forced logits and its per-layer intermediates, hooked at
+  those routers (see `colibri_core.testing.trace`); `engine_trace(q, ids)`: the same from colibri.
 - `hf_greedy(q, n)`: the oracle's greedy continuation of the prompt.
 - `engine_run(q, slots, prefetch)`: logits, 16 greedy tokens and the stats of colibri at a cache size.
 """
@@ -26,7 +28,7 @@ import numpy as np
 from .. import plugins
 from ..container import dequantize
 from ..convert import convert_checkpoint, read_config
-from .trace import Trace, engine_trace, oracle_trace
+from .trace import OracleRouters, Trace, engine_trace, find_routers, oracle_trace
 
 RUN_TOKENS = 16  # greedy tokens of each `engine_run`
 
@@ -97,18 +99,21 @@ class Oracle:
                         p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * suite.perturb_std)
                 suite.prepare_model(model)  # e.g. a hash table of distinct experts (a buffer, not perturbed)
         self.model = model.eval()
-        self.checkpoint = root / "hf"
-        self.fused_checkpoint = root / "hf-fused"
-        model.save_pretrained(self.checkpoint)
-        model.save_pretrained(self.fused_checkpoint, save_original_format=False)
+        saved, fused = root / "hf", root / "hf-fused"  # transformers' save, and its fused-experts save
+        model.save_pretrained(saved)
+        model.save_pretrained(fused, save_original_format=False)
         if suite.config_edits:  # e.g. another `architectures` name (a test serving a variant plugin)
-            for d in (self.checkpoint, self.fused_checkpoint):
+            for d in (saved, fused):
                 config = json.loads((d / "config.json").read_text())
                 (d / "config.json").write_text(json.dumps(edit_config(config, suite.config_edits), indent=2))
         registry = plugins.registry()
-        config = read_config(self.checkpoint)
+        config = read_config(saved)
         self.model_class = registry.model_class(registry.resolve(config))
         self.layout = self.model_class.layout(self.model_class.parse_config(config))
+        # the checkpoint every check converts: transformers' own save, or the fused save where the
+        # layout names the experts only fused ((E, 2I, H) gate_up, (E, H, I) down)
+        self.checkpoint = saved if self.layout.experts.per_expert else fused
+        self.fused_checkpoint = fused
         rng = np.random.default_rng(suite.seed)
         self.prompt = [int(i) for i in rng.integers(0, suite.hf_config.vocab_size, suite.prompt_tokens)]
         self._containers: dict[str, Path] = {}
@@ -187,14 +192,28 @@ class Oracle:
 
         return self.memo(("hf_greedy", q, n), run)
 
+    def routers(self) -> OracleRouters:
+        """transformers' router modules, found from the routers the plugin declares on the f32
+        container (memoised with colibri's passes: a test that changes the plugin looks again)."""
+        from ..engine import load
+
+        def find():
+            with load(self.container("f32"), activations="f32") as engine:
+                return find_routers(self.model, engine.model.routers())
+
+        return self.memo(("engine_routers",), find)
+
     def trace(self, q: str, ids: list[int]) -> Trace:
-        """The oracle's teacher-forced logits (len(ids), V) and per-layer intermediates on ids."""
+        """The oracle's teacher-forced logits (len(ids), V) and per-layer intermediates on ids,
+        hooked at `routers()` (found on the f32 model; the oracle at q is the same class)."""
+        routers = self.routers()
+
         def run():
             model = self.oracle(q)
             with one_torch_thread():
-                return oracle_trace(model, ids)
+                return oracle_trace(model, ids, routers)
 
-        return self.memo(("trace", q, tuple(ids)), run)
+        return self.memo(("trace", q, tuple(ids), routers.key()), run)
 
     def hf_logits(self, q: str, ids: list[int]) -> np.ndarray:
         return self.trace(q, ids).logits
