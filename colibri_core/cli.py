@@ -550,14 +550,15 @@ def plan(
     ray: Optional[str] = typer.Option(None, "--ray", envvar="COLIBRI_RAY", help="Also place the experts on this Ray "
                                       "cluster's other nodes: which experts live where, RAM per node, calls per token."),
     ray_split: str = RaySplitOpt,
+    prefix_cache: Optional[str] = cli_option("prefix_cache"),
 ):
-    """Show how a model fits a RAM budget: resident bytes, experts, the budget split, expected bytes
-    read per token and the floor times from this machine's measured disk and memory bandwidth
-    (--ray: and the placement of the experts on a Ray cluster)."""
+    """Show how a model fits a RAM budget: resident bytes, experts, the budget split, the prefix
+    cache beside it, expected bytes read per token and the floor times from this machine's measured
+    disk and memory bandwidth (--ray: and the placement of the experts on a Ray cluster)."""
     from . import planning
 
     p = planning.report(model, config, quant, ram=ram, pin_gb=pin_gb, context=context, kv_cache=kv_cache or "f32",
-                        disk_bw=disk_bw, mem_bw=mem_bw, ray=ray, ray_split=ray_split)
+                        disk_bw=disk_bw, mem_bw=mem_bw, ray=ray, ray_split=ray_split, prefix_cache=prefix_cache)
     print(json.dumps(p, indent=2) if as_json else planning.format_report(p))
 
 

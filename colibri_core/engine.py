@@ -35,9 +35,8 @@ from .kv.session import PersistentSession, SessionWarning, session_path
 from .kv.session import lock as lock_session
 from .model import MoEModel, Weights
 from .options import EngineOptions
-from .prefix import DEFAULT_SHARE, PrefixCache
+from .prefix import DIRNAME as PREFIX_DIRNAME, PrefixCache
 from .probe import Probe
-from .sizes import available_memory, parse_size
 from .store import ExpertStore
 from .store.usage import UsageHistory
 from .tokenizer import Tokenizer
@@ -147,10 +146,15 @@ class Engine:
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_seconds": 0.0,
                          "decode_seconds": 0.0, "time_to_first_token": 0.0,
                          "prefix_cache_hits": 0, "prefix_cached_tokens": 0}  # prompts, and their tokens, restored
-        # the states of recent prompts (prefix.py), beside the budget: calls without a session use it
-        cache_budget = (parse_size(options.prefix_cache) if options.prefix_cache is not None
-                        else int(DEFAULT_SHARE * (self.split.budget or 0.8 * available_memory())))
-        self.prefix_cache = PrefixCache(cache_budget, options.prefill_chunk)
+        # the states of recent prompts (prefix.py), beside the budget, sized as `colibri plan` shows:
+        # calls without a session use it; evicted ones spill beside the model, bound to what sets a
+        # state's bits (the session identity, the arithmetic, the plugin's version)
+        c = self.container
+        identity = {"architecture": c.architecture, "fingerprint": c.manifest["source"]["fingerprint"],
+                    "quant": c.quant, "activations": self.activations, "kv_cache": self.kv_cache,
+                    "plugin": f"{self.arch.plugin} {self.arch.version}"}
+        self.prefix_cache = PrefixCache(planning.prefix_cache_budget(options.prefix_cache, self.split.budget),
+                                        options.prefill_chunk, self.sessions_dir / PREFIX_DIRNAME, identity)
 
     def _split(self, ram, cache_slots, pin_gb, history: UsageHistory | None, top_k: int) -> planning.Split:
         """The budget split (planning.split, the rule `colibri plan` shows): the state grows beside
@@ -483,6 +487,8 @@ class Engine:
         }
 
     def close(self) -> None:
+        if getattr(self, "prefix_cache", None) is not None:
+            self.prefix_cache.close()  # its entries spill to disk, found again by the next engine
         if self.experts is not None:
             self.experts.close()  # the remote shards
         if self.store is not None:

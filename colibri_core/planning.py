@@ -25,6 +25,11 @@ The split of a RAM budget (`split_budget`):
   experts' worth in all) to the reads a layer has beyond its slots (`transient_experts`), so that
   a token's experts are read at once instead of one at a time as slots free up.
 
+Beside the budget, the prefix cache (prefix.py: the states of recent prompts) holds up to
+`prefix_cache_budget` bytes: --prefix-cache as given, else `prefix.DEFAULT_SHARE` of the budget. The
+engine sizes its cache with this function and `plan` shows it, so what a server holds is what was
+planned: the budget plus the prefix cache (plus the state, where it grows beside the budget).
+
 The machine: disk bandwidth (`disk_bandwidth`, read as the store reads) and memory bandwidth
 (`memory_bandwidth`, read as the kernels read; `colibri bench kernels` times its kernels against
 the same probe).
@@ -58,6 +63,7 @@ from .errors import ColibriError
 from .fsio import read_json
 from .kv.cache import KV_CACHES, check_cache_type
 from .options import check_pin_gb
+from .prefix import DEFAULT_SHARE
 from .remote import cluster_nodes
 from .remote.placement import SPLITS, cluster_plan
 from .sizes import available_memory, format_bytes, parse_size
@@ -217,6 +223,23 @@ def split_budget(budget: int, dense: int, state: int, expert_nbytes: int, moe_la
                  slots >= n_experts, transient, pin_share if pin_bytes is None and pinned else 0.0)
 
 
+def default_budget() -> int:
+    """The RAM budget where none is given: 80 % of the memory available now."""
+    return int(0.8 * available_memory())
+
+
+def prefix_cache_budget(size: int | str | None, budget: int) -> int:
+    """Bytes the prefix cache may hold beside the RAM `budget` (a `Split`'s; 0 where --cache-slots
+    sized the cache instead): `size` as given (bytes or "2GB"; 0: off), else `DEFAULT_SHARE` of the
+    budget (of `default_budget()` where there is none). The engine's cache and `plan` use this."""
+    if size is None:
+        return int(DEFAULT_SHARE * (budget or default_budget()))
+    nbytes = parse_size(size)
+    if nbytes < 0:
+        raise ColibriError(f"--prefix-cache must be 0 (off) or more, got {size}")
+    return nbytes
+
+
 def split(ram: int | str | None, dense: int, expert_nbytes: int, moe_layers: int, n_experts: int, top_k: int,
           state: int = 0, pin_gb: float | None = None, history: UsageHistory | None = None,
           cache_slots: int | None = None) -> Split:
@@ -233,7 +256,7 @@ def split(ram: int | str | None, dense: int, expert_nbytes: int, moe_layers: int
         pinned = 0 if slots >= n_experts else int((pin_bytes or 0) // expert_nbytes)
         return Split(0, dense, state, slots, slots * moe_layers * expert_nbytes, pinned, pinned * expert_nbytes,
                      slots >= n_experts, max(0, top_k - slots))
-    budget = parse_size(ram) if ram is not None else int(0.8 * available_memory())
+    budget = parse_size(ram) if ram is not None else default_budget()
     fit = experts_fit(budget, dense, state, expert_nbytes)
     share = history.pin_share(fit, top_k) if history is not None and pin_bytes is None else 0.0
     return split_budget(budget, dense, state, expert_nbytes, moe_layers, n_experts, pin_bytes, share, top_k)
@@ -363,10 +386,12 @@ def sizes_from_config(config_path: str | Path, quant_kind: str, kv_cache: str = 
 
 
 def make_plan(sizes: ModelSizes, ram: int | str | None, context: int, pin_gb: float | None,
-              history: UsageHistory | None, disk_bw: float, mem_bw: float) -> dict:
-    """The split of `ram` with `context` tokens of state reserved, expected bytes read per token, and
-    floor times (seconds per token); `history`: the model's routing history, which chooses the
-    hot-store's share, or None."""
+              history: UsageHistory | None, disk_bw: float, mem_bw: float,
+              prefix_cache: int | str | None = None) -> dict:
+    """The split of `ram` with `context` tokens of state reserved, the prefix cache beside it
+    (`prefix_cache`: its size, None for the default share), expected bytes read per token, and floor
+    times (seconds per token); `history`: the model's routing history, which chooses the hot-store's
+    share, or None."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 0:  # 0: no state, as the engine splits
         raise ColibriError(f"--context must be a number of tokens (0 or more), got {context!r}")
     s = split(ram, sizes.dense_bytes, sizes.expert_nbytes, sizes.moe_layers, sizes.n_experts, sizes.top_k,
@@ -384,6 +409,8 @@ def make_plan(sizes: ModelSizes, ram: int | str | None, context: int, pin_gb: fl
         "experts_bytes_total": sizes.experts_total * sizes.expert_nbytes,
         "context_tokens": context,
         "split": s.as_dict(),
+        "prefix_cache": {"bytes": prefix_cache_budget(prefix_cache, s.budget), "default_share":
+                         DEFAULT_SHARE if prefix_cache is None else None},  # beside the budget
         "resident_expert_share": resident_share,
         "expected_bytes_read_per_token": read_per_token,
         "bytes_touched_per_token": touched,
@@ -395,16 +422,20 @@ def make_plan(sizes: ModelSizes, ram: int | str | None, context: int, pin_gb: fl
 
 def report(model: Path | None = None, config: Path | None = None, quant: str = "int4", ram: int | str | None = None,
            pin_gb: float | None = None, context: int = 0, kv_cache: str = "f32", disk_bw: int | str | None = None,
-           mem_bw: int | str | None = None, ray: str | None = None, ray_split: str = "expert") -> dict:
+           mem_bw: int | str | None = None, ray: str | None = None, ray_split: str = "expert",
+           prefix_cache: int | str | None = None) -> dict:
     """`colibri plan` as JSON: the sizes of a converted directory `model` (or a checkpoint run as it
     is) or of a `config` alone at `quant`, the split of `ram` with `context` tokens of state
-    reserved, and the floors at `disk_bw` / `mem_bw` (bytes/s, or "2GB"; default: measured here, the
+    reserved, the prefix cache beside it (`prefix_cache` bytes or "2GB"; default: its share of the
+    budget), and the floors at `disk_bw` / `mem_bw` (bytes/s, or "2GB"; default: measured here, the
     disk on the model's expert files or where its config lies). `ray`: a cluster to place the
     experts on, cut `ray_split`."""
     if (model is None) == (config is None):
         raise ColibriError("plan needs exactly one of --model DIR or --config config.json")
     if ray is not None and ray_split not in SPLITS:
         raise ColibriError(f"--ray-split must be one of {', '.join(SPLITS)}, got {ray_split!r}")
+    if prefix_cache is not None:  # a mistake is one line before anything is measured
+        prefix_cache_budget(prefix_cache, 0)
     if model is not None and is_checkpoint(model) and not (Path(model) / MANIFEST).exists():
         config, quant, model = Path(model) / "config.json", NATIVE, None  # a checkpoint run as it is
     # the sizes first: an unknown KV cache type or quantisation is one line before anything is measured
@@ -425,7 +456,8 @@ def report(model: Path | None = None, config: Path | None = None, quant: str = "
         disk, direct = disk_bandwidth_at(Path(config).resolve().parent)
     memory = float(parse_size(mem_bw)) if mem_bw is not None else memory_bandwidth()
     out = {"source": str(model if model is not None else config), **out,
-           **make_plan(sizes, ram, context, pin_gb, history, disk, memory), "disk_bandwidth_direct": direct}
+           **make_plan(sizes, ram, context, pin_gb, history, disk, memory, prefix_cache),
+           "disk_bandwidth_direct": direct}
     if ray is not None:
         out["ray"] = ray_placement(ray, ray_split, sizes)
     return out
@@ -437,6 +469,15 @@ def ray_placement(address: str, split: str, sizes: ModelSizes) -> dict:
     _, _, nodes = cluster_nodes(address)
     return {"address": address, **cluster_plan(nodes, range(sizes.moe_layers), sizes.n_experts, sizes.expert_nbytes,
                                                sizes.top_k, split)}
+
+
+def prefix_line(cache: dict) -> str:
+    """The prefix cache's part of `format_report`: its bytes and where the size came from."""
+    if not cache["bytes"]:
+        return "off (--prefix-cache 0)"
+    why = (f"{100 * cache['default_share']:g}% of the budget; --prefix-cache SIZE to change it"
+           if cache["default_share"] is not None else "--prefix-cache")
+    return f"{format_bytes(cache['bytes'])} (states of recent prompts: {why})"
 
 
 def format_report(p: dict) -> str:
@@ -465,6 +506,7 @@ def format_report(p: dict) -> str:
                      f"({sp['transient_experts']} experts a layer reads at once beyond its slots)")
     lines += [
         f"  experts resident           {100 * p['resident_expert_share']:.1f}%",
+        f"  prefix cache, beside it    {prefix_line(p['prefix_cache'])}",
         f"per token: expected read {fb(p['expected_bytes_read_per_token'])} (uniform routing; skew and pinning "
         f"read less), touched in RAM {fb(p['bytes_touched_per_token'])}",
         f"machine: disk {fb(p['disk_bandwidth'])}/s "

@@ -29,28 +29,81 @@ extends is dropped for it. Entries are evicted least recently used first once th
 
 The index is a list scanned with one vectorised comparison per entry: for 500 entries of 8,192
 tokens a lookup takes about 9 ms on one core, next to a prefill of seconds (a radix tree would pay
-off at many thousands of entries). Disk spill and restart are not here yet.
+off at many thousands of entries).
+
+On disk (`Disk`, given a directory). An entry evicted from RAM, and every entry when the cache
+closes, is written to MODEL/.prefix_cache/ID/HASH.coli_prefix: a session file (kv/session.py's
+format and writer, so checksummed and atomic: a temporary file, fsync, rename) with one record whose
+arrays are the entry's (its tokens as the ids, its rows cut to them, each snapshot as "@B/NAME", the
+hidden states as "__hidden__") and whose meta names its boundaries. ID hashes the identity the
+header holds (the model's architecture, source fingerprint and quantisation, the arithmetic, the
+plugin and colibri versions, the prefill chunk: whatever changes a state's bits), so engines of
+other settings keep their own entries. A new cache indexes the files of its ID from their first
+bytes (header, the record's JSON, the ids) and reads an entry's arrays only when a prompt hits it,
+checking every checksum then; a file that is foreign, cut short or damaged is deleted with one
+`PrefixCacheWarning`, never used. The files of every ID together stay under the disk budget, the
+least recently used (by modification time: a hit touches its file) deleted first; an entry whose
+tokens another extends is deleted once that one is written.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import struct
+import time
+import warnings
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+from . import __version__
 from .errors import ColibriError
+from .fsio import SESSION_HEADER_BYTES
 from .kernels.deltanet import BLOCK
+from .kv.session import FORMAT_VERSION, HEAD, IDS, MAGIC, RECORD, RECORD_MAGIC, SessionFile, _Refused
 from .kv.state import LENGTH, SequenceState
 
-__all__ = ["DEFAULT_SHARE", "PREFILL_CHUNK", "Capture", "Entry", "PrefixCache"]
+__all__ = ["DEFAULT_SHARE", "DIRNAME", "PREFILL_CHUNK", "Capture", "Disk", "Entry", "PrefixCache",
+           "PrefixCacheWarning"]
 
 PREFILL_CHUNK = 256  # tokens between the boundaries a state is kept at: a multiple of BLOCK
 DEFAULT_SHARE = 0.1  # the cache's default budget: this share of the engine's RAM budget, beside it
+DIRNAME = ".prefix_cache"  # beside the model (or the demo's state dir), as sessions are
+SUFFIX = ".coli_prefix"
+HIDDEN = "__hidden__"  # an entry file's array of hidden states (an MTP drafter's input)
+
+
+class PrefixCacheWarning(UserWarning):
+    """A spilled entry was not used (foreign, cut short, damaged) or could not be written."""
 
 
 def _kept(boundaries, last: int, chunk: int) -> list[int]:
     """The boundaries whose fixed-size snapshots an entry keeps: `last`, and chunk × 2^k."""
     return sorted(b for b in set(boundaries) if b == last or (b // chunk) & (b // chunk - 1) == 0)
+
+
+def _usable(tokens: np.ndarray, boundaries, shared: int, chunk: int) -> int:
+    """The furthest position ≤ `shared` a state of `tokens` can be restored at (0: none): any
+    boundary for rows only (`boundaries` None), else the furthest of those snapshotted."""
+    if boundaries is None:
+        return min(shared, len(tokens)) // chunk * chunk
+    return max((b for b in boundaries if b <= shared), default=0)
+
+
+def _shared(tokens: np.ndarray, ids: np.ndarray) -> int:
+    """How many leading tokens `ids` shares with `tokens`, leaving ids' last token out (its logits
+    choose the first new token)."""
+    n = min(len(tokens), len(ids) - 1)
+    differ = np.flatnonzero(tokens[:n] != ids[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def _extends(longer: np.ndarray, shorter: np.ndarray) -> bool:
+    return len(longer) >= len(shorter) and np.array_equal(longer[: len(shorter)], shorter)
 
 
 def _root(a: np.ndarray) -> np.ndarray:
@@ -74,9 +127,7 @@ class Entry:
 
     def usable(self, shared: int, chunk: int) -> int:
         """The furthest position ≤ `shared` this entry's state can be restored at (0: none)."""
-        if self.fixed is None:
-            return min(shared, len(self.tokens)) // chunk * chunk
-        return max((b for b in self.fixed if b <= shared), default=0)
+        return _usable(self.tokens, self.fixed, shared, chunk)
 
 
 class Capture:
@@ -137,30 +188,45 @@ class Capture:
 
 
 class PrefixCache:
-    """Entries by token prefix, least recently used first out, under `budget` bytes (0: off)."""
+    """Entries by token prefix, least recently used first out, under `budget` bytes (0: off); with a
+    `directory`, evicted entries spill there (`Disk`, under `disk_budget` bytes: by default the RAM
+    budget) and are found again by a later cache of the same `identity` (the model's; the prefill
+    chunk and colibri's version are added)."""
 
-    def __init__(self, budget: int, chunk: int = PREFILL_CHUNK):
+    def __init__(self, budget: int, chunk: int = PREFILL_CHUNK, directory: Path | None = None,
+                 identity: dict | None = None, disk_budget: int | None = None):
         if chunk % BLOCK:  # a boundary inside a block: the state there depends on the tokens after it
             raise ColibriError(f"prefill_chunk must be a multiple of {BLOCK} (the layers' aligned block), got {chunk}")
         self.budget, self.chunk = budget, chunk
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # id -> entry, least recently used first
         self._buffers: dict[int, list] = {}  # id(root) -> [root, entries holding it]
         self.nbytes = 0
+        self.disk = None
+        if budget and directory is not None:
+            identity = {**(identity or {}), "colibri": __version__, "prefill_chunk": chunk}
+            self.disk = Disk(Path(directory), identity, budget if disk_budget is None else disk_budget)
 
     def lookup(self, prompt: list[int]) -> tuple[Entry, int] | None:
         """The entry and boundary b restoring the most of `prompt`: prompt[:b] is held, and b leaves
-        at least one token to feed (its logits choose the first new token). None: no such entry."""
-        if not self.budget or not self.entries:
+        at least one token to feed (its logits choose the first new token). None: no such entry.
+        An entry on disk restoring more than any in RAM is read (and kept in RAM, budget allowing)."""
+        if not self.budget:
             return None
         ids = np.asarray(prompt, np.int64)
         best = None
         for entry in self.entries.values():
-            n = min(len(entry.tokens), len(ids) - 1)
-            differ = np.flatnonzero(entry.tokens[:n] != ids[:n])
-            shared = int(differ[0]) if len(differ) else n
-            b = entry.usable(shared, self.chunk)
+            b = entry.usable(_shared(entry.tokens, ids), self.chunk)
             if b and (best is None or b > best[1]):
                 best = entry, b
+        while self.disk is not None:  # a spilled entry that fails its checks is deleted: try the next best
+            spilled, b = max(((s, s.usable(_shared(s.tokens, ids), self.chunk)) for s in self.disk.spilled.values()),
+                             key=lambda hit: hit[1], default=(None, 0))
+            if b <= (best[1] if best else 0):
+                break
+            entry = self.disk.load(spilled)
+            if entry is not None:
+                self._add(entry)
+                return entry, b
         return best
 
     def restore(self, hit: tuple[Entry, int], state: SequenceState) -> np.ndarray | None:
@@ -171,7 +237,8 @@ class PrefixCache:
         if entry.fixed is not None:
             arrays.update(entry.fixed[b])
         state.load_arrays(arrays)  # copies the rows: the entry's stay as they are
-        self.entries.move_to_end(id(entry))
+        if id(entry) in self.entries:  # else read from disk and larger than the RAM budget: not kept
+            self.entries.move_to_end(id(entry))
         return None if entry.hidden is None else entry.hidden[:b]
 
     def capture(self, state, prompt: list[int], hit: tuple[Entry, int] | None,
@@ -191,18 +258,20 @@ class PrefixCache:
         return Capture(state, prompt, self.chunk, inherited, rows)
 
     def insert(self, capture: Capture) -> None:
-        """Keep what `capture` holds, unless an entry already extends it; drop the entries it extends
-        (their snapshots up to where it was restored are its own), then the least recently used while
-        over budget (an entry larger than the whole budget is not kept)."""
+        """Keep what `capture` holds (`_add`)."""
         entry = capture.entry()
-        if entry is None:
-            return
+        if entry is not None:
+            self._add(entry)
+
+    def _add(self, entry: Entry) -> None:
+        """Keep `entry`, unless an entry already extends it; drop the entries it extends (their
+        snapshots up to where it was restored are its own), then spill the least recently used
+        while over budget (an entry larger than the whole budget is not kept in RAM)."""
         for old in list(self.entries.values()):
-            n, m = len(old.tokens), len(entry.tokens)
-            if n >= m and np.array_equal(old.tokens[:m], entry.tokens):
+            if _extends(old.tokens, entry.tokens):
                 self.entries.move_to_end(id(old))
                 return
-            if np.array_equal(old.tokens, entry.tokens[:n]):
+            if _extends(entry.tokens, old.tokens):
                 self._drop(old)
         self.entries[id(entry)] = entry
         for root in entry.roots:
@@ -210,7 +279,10 @@ class PrefixCache:
             self.nbytes += root.nbytes if held[1] == 0 else 0
             held[1] += 1
         while self.nbytes > self.budget and self.entries:
-            self._drop(next(iter(self.entries.values())))
+            old = next(iter(self.entries.values()))
+            if self.disk is not None:
+                self.disk.spill(old)
+            self._drop(old)
 
     def _drop(self, entry: Entry) -> None:
         del self.entries[id(entry)]
@@ -221,11 +293,219 @@ class PrefixCache:
                 del self._buffers[id(root)]
                 self.nbytes -= root.nbytes
 
-    def clear(self) -> None:
-        """Forget every entry."""
+    def close(self) -> None:
+        """Spill every entry (the least recent first: the files' times keep the order), then forget them."""
         for entry in list(self.entries.values()):
+            if self.disk is not None:
+                self.disk.spill(entry)
             self._drop(entry)
 
+    def clear(self) -> None:
+        """Forget every entry, in RAM and on disk."""
+        for entry in list(self.entries.values()):
+            self._drop(entry)
+        if self.disk is not None:
+            self.disk.clear()
+
     def stats(self) -> dict:
+        disk = self.disk
         return {"prefix_cache_bytes": self.nbytes, "prefix_cache_entries": len(self.entries),
-                "prefix_cache_budget": self.budget}
+                "prefix_cache_budget": self.budget,
+                "prefix_cache_disk_hits": 0 if disk is None else disk.hits,  # prompts restored from a spilled entry
+                "prefix_cache_disk_bytes": 0 if disk is None else disk.nbytes}
+
+
+@dataclass(eq=False)
+class Spilled:
+    """An entry on disk as the first bytes of its file tell it; its arrays are read on a hit."""
+
+    path: Path
+    tokens: np.ndarray  # (R,) int64
+    fixed: list[int] | None  # the boundaries it keeps snapshots at (None: rows only)
+    nbytes: int  # the file's size
+
+    def usable(self, shared: int, chunk: int) -> int:
+        return _usable(self.tokens, self.fixed, shared, chunk)
+
+
+class _Damaged(Exception):
+    """A spilled entry that must not be used: the message says why."""
+
+
+class Disk:
+    """The entries spilled under `root`/ID (module docstring): `spilled` indexes this identity's
+    files by name; `budget` bounds the bytes of every identity's files together."""
+
+    def __init__(self, root: Path, identity: dict, budget: int):
+        self.root, self.identity, self.budget = root, identity, budget
+        self.dir = root / hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+        self.hits = 0
+        self.writable = True  # False after a write failed (a read-only model directory): warned once
+        self.spilled: dict[str, Spilled] = {}
+        for tmp in self.dir.glob(f"*{SUFFIX}.tmp"):  # a write a kill cut short (SessionFile's temporary)
+            tmp.unlink(missing_ok=True)
+        for path in sorted(self.dir.glob(f"*{SUFFIX}")):
+            try:
+                self.spilled[path.name] = self._peek(path)
+            except _Damaged as e:
+                self._discard(path, str(e))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.spilled.values())
+
+    def _peek(self, path: Path) -> Spilled:
+        """The entry in `path` from its first bytes (the session header, the record's JSON, the ids),
+        its length checked against the file's size; checksums are checked when it is read (`load`)."""
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                magic, version, n = HEAD.unpack(_read(f, HEAD.size))
+                if magic != MAGIC or version != FORMAT_VERSION or n > SESSION_HEADER_BYTES:
+                    raise _Damaged("is not a prefix cache file of this colibri (or its header is damaged)")
+                identity, (crc,) = _read(f, n), struct.unpack("<I", _read(f, 4))
+                if zlib.crc32(identity) != crc:
+                    raise _Damaged("has a damaged header")
+                identity = json.loads(identity)
+                if identity != self.identity:
+                    differ = sorted(k for k in identity.keys() | self.identity.keys()
+                                    if identity.get(k) != self.identity.get(k))
+                    raise _Damaged(f"was written by another model or with other settings ({', '.join(differ)} differ)")
+                magic, length, _ = RECORD.unpack(_read(f, RECORD.size))
+                if magic != RECORD_MAGIC or f.tell() + length != size:
+                    raise _Damaged("is cut short" if f.tell() + length > size else "has a damaged record header")
+                (m,) = struct.unpack("<I", _read(f, 4))
+                head = json.loads(_read(f, min(m, length)))
+                ids = head["arrays"][0]  # SessionFile.append writes the ids first, at offset 0
+                if ids["name"] != IDS or ids["offset"] != 0:
+                    raise _Damaged("has no token ids first")
+                tokens = np.frombuffer(_read(f, ids["nbytes"]), np.dtype(ids["dtype"])).astype(np.int64)
+                fixed = head["meta"]["boundaries"]
+        except OSError as e:
+            raise _Damaged(f"is unreadable ({e.strerror or e})") from None
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError, struct.error) as e:
+            raise _Damaged(f"is damaged ({type(e).__name__})") from None
+        if not len(tokens) or len(tokens) % self.identity["prefill_chunk"]:
+            raise _Damaged(f"holds {len(tokens)} tokens, not a multiple of the prefill chunk")
+        return Spilled(path, tokens, None if fixed is None else [int(b) for b in fixed], size)
+
+    def load(self, spilled: Spilled) -> Entry | None:
+        """The spilled entry, read whole with every checksum checked (kv/session.py's reader), its
+        file touched (the most recently used); None, the file deleted with a warning, if it is not
+        whole or not this model's."""
+        try:
+            try:
+                data = spilled.path.read_bytes()
+            except OSError as e:
+                raise _Damaged(f"is unreadable ({e.strerror or e})") from None
+            try:
+                arrays, meta, _, _, why = SessionFile(spilled.path, self.identity)._parse(data)
+            except _Refused as e:
+                raise _Damaged(str(e)) from None
+            if why is not None or IDS not in arrays:
+                raise _Damaged(why or "holds no record")
+            entry = _entry(arrays, meta)
+            if not np.array_equal(entry.tokens, spilled.tokens):
+                raise _Damaged("holds other tokens than its header says")
+        except _Damaged as e:
+            self._discard(spilled.path, str(e))
+            return None
+        self._touch(spilled.path)
+        self.hits += 1
+        return entry
+
+    def spill(self, entry: Entry) -> None:
+        """Write `entry` (unless a spilled entry holds its tokens or extends them, or it is larger
+        than the budget); delete the spilled entries it extends, then the least recently used files
+        while over budget."""
+        if not self.writable or any(_extends(s.tokens, entry.tokens) for s in self.spilled.values()):
+            return
+        arrays = {name: a[: len(entry.tokens)] for name, a in entry.rows.items()}
+        for b, snapshot in (entry.fixed or {}).items():
+            arrays.update((f"@{b}/{name}", a) for name, a in snapshot.items())
+        if entry.hidden is not None:
+            arrays[HIDDEN] = entry.hidden
+        if sum(a.nbytes for a in arrays.values()) > self.budget:
+            return
+        path = self.dir / (hashlib.sha256(entry.tokens.tobytes()).hexdigest()[:32] + SUFFIX)
+        meta = {"boundaries": None if entry.fixed is None else sorted(entry.fixed)}
+        try:
+            SessionFile(path, self.identity).append(entry.tokens.tolist(), arrays, meta, continues=False)
+            self._touch(path)
+            size = path.stat().st_size
+        except (ColibriError, OSError) as e:
+            self.writable = False
+            warnings.warn(f"prefix cache: cannot write to {self.dir} ({e}); its entries stay in RAM only",
+                          PrefixCacheWarning, stacklevel=2)
+            return
+        for name, old in list(self.spilled.items()):
+            if _extends(entry.tokens, old.tokens):
+                self._delete(old.path)
+        self.spilled[path.name] = Spilled(path, entry.tokens, meta["boundaries"], size)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Delete the least recently used entry files, of every identity, while they pass the budget."""
+        files = []
+        for path in self.root.glob(f"*/*{SUFFIX}"):
+            try:
+                st = path.stat()
+            except OSError:  # deleted meanwhile by another engine
+                continue
+            files.append((st.st_mtime_ns, st.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.budget:
+                break
+            self._delete(path)
+            total -= size
+
+    def _touch(self, path: Path) -> None:
+        """Make `path` the most recently used (a clock finer than the file system's own stamps)."""
+        now = time.time_ns()
+        os.utime(path, ns=(now, now))
+
+    def _discard(self, path: Path, why: str) -> None:
+        warnings.warn(f"prefix cache: the spilled entry {path} {why}; deleted it", PrefixCacheWarning, stacklevel=3)
+        self._delete(path)
+
+    def _delete(self, path: Path) -> None:
+        if path.parent == self.dir:
+            self.spilled.pop(path.name, None)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:  # a directory we may not write: the entry is forgotten all the same
+            pass
+
+    def clear(self) -> None:
+        for spilled in list(self.spilled.values()):
+            self._delete(spilled.path)
+
+
+def _read(f, n: int) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise _Damaged("is cut short")
+    return data
+
+
+def _entry(arrays: dict[str, np.ndarray], meta: dict) -> Entry:
+    """The `Entry` an entry file's arrays (`Disk.spill`) make, its shapes checked against its tokens."""
+    tokens = arrays.pop(IDS).astype(np.int64)
+    hidden = arrays.pop(HIDDEN, None)
+    fixed = None
+    try:
+        if meta["boundaries"] is not None:
+            fixed = {int(b): {} for b in meta["boundaries"]}
+            for key in [k for k in arrays if k.startswith("@")]:
+                b, name = key[1:].split("/", 1)
+                fixed[int(b)][name] = arrays.pop(key)
+    except (KeyError, TypeError, ValueError):
+        raise _Damaged("has snapshots its meta does not name") from None
+    if fixed is not None and not all(fixed.values()):
+        raise _Damaged("lacks a snapshot its meta names")
+    if any(len(a) != len(tokens) for a in arrays.values()) or (hidden is not None and len(hidden) != len(tokens)):
+        raise _Damaged("holds rows for another number of tokens")
+    held = [*arrays.values(), *(a for s in (fixed or {}).values() for a in s.values()),
+            *([] if hidden is None else [hidden])]
+    return Entry(tokens, arrays, fixed, hidden, list({id(r): r for r in map(_root, held)}.values()))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import websocket
 
-from live_server import LiveServer, post_json
+from live_server import LiveServer, Stream, post_json
 
 pytestmark = pytest.mark.system  # a headless browser
 
@@ -159,6 +159,43 @@ def test_dashboard_chats_and_draws_the_brain(browser, web, tmp_path, tiny_model)
                "document.getElementById('brain-full').dataset.cells === '16'", "the Brain page")
     b.wait_for("document.getElementById('brain-hottest').textContent.includes('Most routed')", "the hottest experts")
     b.screenshot(tmp_path / "brain.png", ARTIFACTS / "brain.png")
+
+
+def test_dashboard_shows_the_prefix_cache_and_the_running_request(browser, web, tmp_path, tiny_model):
+    """A prompt sent twice is served from the prefix cache the second time: while that request runs
+    the Speed card names it and the prompt tokens the cache served; the Prefix cache card follows on
+    its own, with what /api/stats says (prompts held, bytes against the budget, prompts and tokens
+    served, their share of all prompt tokens)."""
+    b = browser
+    b.call("Page.navigate", url=web.url + "/")
+    b.wait_for("document.getElementById('status').textContent === 'ready' && "
+               "document.getElementById('live').textContent === 'Running: nothing'", "the model as ready, idle")
+    assert b.js("document.getElementById('prefix-budget').textContent").startswith("budget ")
+    b.js("""window.__live = [];
+            new MutationObserver(() => window.__live.push(document.getElementById('live').textContent))
+              .observe(document.getElementById('live'), {childList: true, characterData: true, subtree: true}); true""")
+    body = {"prompt": " ".join(["colibri streams experts"] * 40), "temperature": 0}
+    status, cold = post_json(web.url + "/v1/completions", {**body, "max_tokens": 1})
+    assert status == 200, cold
+    stream = Stream(web.url + "/v1/completions", {**body, "max_tokens": 3000, "ignore_eos": True, "stream": True})
+    try:
+        next(stream.events())  # its prefill is done: the page's next poll sees it run
+        b.wait_for(r"window.__live.some((t) => /^Running: completion · \d+ prompt tokens \([1-9]\d* from the "
+                   r"prefix cache\) · \d+ generated/.test(t))", "the running request, served from the prefix cache")
+    finally:
+        stream.close()
+    b.wait_for("document.getElementById('live').textContent === 'Running: nothing'", "the request's end")
+    e = json.loads(urllib.request.urlopen(web.url + "/api/stats", timeout=WAIT).read())["engine"]
+    assert e["prefix_cache_hits"] >= 1
+    figures = {"prefix-entries": e["prefix_cache_entries"], "prefix-hits": e["prefix_cache_hits"],
+               "prefix-tokens": e["prefix_cached_tokens"],
+               "prefix-share": f"{100 * e['prefix_cached_tokens'] / e['prompt_tokens']:.1f}%"}
+    b.wait_for(" && ".join(f"document.getElementById({json.dumps(k)}).textContent === {json.dumps(str(v))}"
+                           for k, v in figures.items()), f"the prefix cache's figures {figures}")
+    legend = b.js("document.getElementById('prefix-legend').textContent")
+    held, free = b.js(f"[bytes({e['prefix_cache_bytes']}), bytes({e['prefix_cache_budget'] - e['prefix_cache_bytes']})]")
+    assert e["prefix_cache_bytes"] > 0 and legend == f"held {held}free {free}", legend
+    b.screenshot(tmp_path / "prefix-cache.png", ARTIFACTS / "prefix-cache.png")
 
 
 def test_dashboard_keeps_to_the_cap_and_the_conversation_after_stop(browser, tiny_model):

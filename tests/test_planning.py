@@ -4,13 +4,15 @@ split of a budget is the engine's (tests/test_store.py compares the two)."""
 import json
 import os
 
+import numpy as np
 import pytest
 from conftest import colibri
 
+from colibri_core import load
 from colibri_core.container import Container
 from colibri_core.convert import convert_checkpoint
 from colibri_core.errors import ColibriError
-from colibri_core.planning import measured, plan_config
+from colibri_core.planning import measured, plan_config, report
 
 
 def check_plan_matches_container(model_dir):
@@ -66,3 +68,43 @@ def test_plan_checks_the_hot_store_size_where_the_split_is_made(tiny_checkpoint,
     ram = p["model"]["dense_bytes"] + p["experts_bytes_total"] // 2  # room for half the experts
     r = colibri(*args, str(ram), "--pin-gb", str(ram / 1e9))
     assert r.returncode == 1 and "leaves no cache slot in some layer" in r.stderr, r.stderr
+
+
+def test_plan_shows_the_prefix_cache_the_engine_holds(tiny_model):
+    """The prefix cache sits beside the budget; `plan` sizes it with the engine's own rule (a tenth of
+    the budget by default, --prefix-cache as given), so a server holds what was planned."""
+    bw = dict(disk_bw="1GB", mem_bw="1GB")
+    for size, want in ((None, 5_000_000), ("2MB", 2_000_000), (0, 0)):
+        planned = report(model=tiny_model, ram="50MB", prefix_cache=size, **bw)["prefix_cache"]["bytes"]
+        with load(tiny_model, ram="50MB", prefix_cache=size) as engine:
+            assert planned == engine.stats()["prefix_cache_budget"] == want
+    args = ("plan", "--model", tiny_model, "--ram", "50MB", "--disk-bw", "1GB", "--mem-bw", "1GB")
+    r = colibri(*args)
+    assert r.returncode == 0 and "prefix cache, beside it    5.0 MB (states of recent prompts: 10% of the budget" in r.stdout
+    assert "off (--prefix-cache 0)" in colibri(*args, "--prefix-cache", "0").stdout
+    assert json.loads(colibri(*args, "--prefix-cache", "2MB", "--json").stdout)["prefix_cache"] == {
+        "bytes": 2_000_000, "default_share": None}
+    r = colibri(*args, "--prefix-cache", "lots")
+    assert r.returncode == 1 and r.stderr.startswith("colibri: error: cannot read size 'lots'")
+    with pytest.raises(ColibriError, match="--prefix-cache must be 0 [(]off[)] or more, got -1"):
+        report(model=tiny_model, prefix_cache=-1, **bw)
+
+
+
+def test_the_engine_prefix_cache_never_holds_more_than_its_budget(tiny_model):
+    """Prompts past the budget evict the least recently used: after every one the cache holds whole
+    entries (each prompt's of the same size) within the budget, and still serves the latest."""
+    # prompts of the same length sharing no prefix (their own seeds: no other test's prompt starts them)
+    prompts = [list(np.random.default_rng(4700 + i).integers(3, 300, 130)) for i in range(7)]
+    with load(tiny_model, prefill_chunk=64, prefix_cache="64MB") as engine:
+        engine.generate(prompts[6], 2, stop_ids=())
+        one = engine.stats()["prefix_cache_bytes"]  # one prompt's entry
+    budget = int(2.5 * one)
+    with load(tiny_model, prefill_chunk=64, prefix_cache=budget) as engine:
+        for prompt in prompts[:6]:
+            engine.generate(prompt, 2, stop_ids=())
+            s = engine.stats()
+            assert s["prefix_cache_bytes"] == s["prefix_cache_entries"] * one <= s["prefix_cache_budget"] == budget
+        assert s["prefix_cache_entries"] == 2  # the two most recent prompts
+        engine.generate(prompts[5], 2, stop_ids=())
+        assert engine.stats()["prefix_cache_hits"] == s["prefix_cache_hits"] + 1

@@ -1,6 +1,8 @@
 """The prefix cache (colibri_core/prefix.py): where a prefill stops, what an entry keeps, eviction
-under the budget, and the engine serving prompts from it with the bits of a cold prefill."""
+under the budget, spilling to disk and finding entries again after a restart (damaged files never
+used), and the engine serving prompts from it with the bits of a cold prefill."""
 import importlib.util
+import shutil
 import time
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from colibri_core.errors import ColibriError
 from colibri_core.kv import SequenceState
 from colibri_core.kv.cache import KVCache
 from colibri_core.layers.sink_attention import SlidingWindow
-from colibri_core.prefix import PrefixCache
+from colibri_core.prefix import PrefixCache, PrefixCacheWarning
 from colibri_core.testing.checks import check_prefix_cache_is_invisible
 
 
@@ -186,3 +188,113 @@ def test_a_prefill_chunk_inside_a_block_is_refused(tiny_model):
 def test_a_bad_budget_is_one_line(tiny_model, bad):
     with pytest.raises(ColibriError, match="size|prefix-cache"):
         load(tiny_model, prefix_cache=bad)
+
+
+# ---- on disk -------------------------------------------------------------------------------------
+def _spilling_cache(tmp_path, disk_budget: int, identity=None) -> PrefixCache:
+    """A cache too small to keep any entry in RAM: every one spills at once."""
+    return PrefixCache(budget=1, chunk=64, directory=tmp_path, identity=identity or {"model": "a"},
+                       disk_budget=disk_budget)
+
+
+def _fill(cache: PrefixCache, prompt) -> SequenceState:
+    """Prefill `prompt` into a fresh `_state()` (restored from the cache where it can be), keeping it."""
+    state, hit = _state(), cache.lookup(prompt)
+    if hit is not None:
+        cache.restore(hit, state)
+    capture = cache.capture(state, prompt, hit)
+    _feed(state, prompt[state.length:], capture, chunk=64)
+    cache.insert(capture)
+    return state
+
+
+def test_evicted_entries_spill_to_disk_and_restore_rows_and_snapshots_from_there(tmp_path):
+    cache = _spilling_cache(tmp_path, disk_budget=1 << 20)
+    prompt = list(range(1, 300))  # boundaries 64 … 256: snapshots at 64, 128, 256
+    _fill(cache, prompt)
+    assert not cache.entries and cache.stats()["prefix_cache_disk_bytes"] > 0
+    (spilled,) = cache.disk.spilled.values()
+    assert spilled.fixed == [64, 128, 256] and spilled.path.suffix == ".coli_prefix"
+    for shared, at in ((200, 128), (299, 256)):  # a prompt sharing 200 tokens restores at 128
+        restored, fed = _state(), _state()
+        hit = cache.lookup(prompt[:shared] + [0])
+        assert hit[1] == at
+        cache.restore(hit, restored)
+        _feed(fed, prompt[:at])
+        a, b = restored.arrays(), fed.arrays()
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert cache.stats()["prefix_cache_disk_hits"] == 2
+    # a new cache of the same identity finds it; another identity's files are another directory's
+    assert cache.lookup(prompt)[1] == _spilling_cache(tmp_path, 1 << 20).lookup(prompt)[1] == 256
+    assert _spilling_cache(tmp_path, 1 << 20, identity={"model": "b"}).lookup(prompt) is None
+
+
+def test_the_disk_budget_deletes_the_least_recently_used_first(tmp_path):
+    probe = _spilling_cache(tmp_path / "probe", disk_budget=1 << 20)
+    _fill(probe, [1] * 130)
+    one = probe.stats()["prefix_cache_disk_bytes"]  # one entry's file
+    cache = _spilling_cache(tmp_path / "cache", disk_budget=int(2.5 * one))
+    for t in (1, 2):
+        _fill(cache, [t] * 130)
+    assert cache.lookup([1] * 131)[1] == 128  # a hit: [1]*… is now the more recent
+    _fill(cache, [3] * 130)  # over the budget: [2]*…, the least recently used, is deleted
+    files = list((tmp_path / "cache").glob("*/*.coli_prefix"))
+    assert len(files) == 2 and sum(f.stat().st_size for f in files) <= 2.5 * one
+    assert sorted(int(s.tokens[0]) for s in cache.disk.spilled.values()) == [1, 3]
+    _fill(cache, [1] * 200)  # extends [1]*128: that file goes once this one is written
+    assert sorted((int(s.tokens[0]), len(s.tokens)) for s in cache.disk.spilled.values()) == [(1, 192), (3, 128)]
+    cache.clear()
+    assert not list((tmp_path / "cache").glob("*/*.coli_prefix"))
+
+
+@pytest.fixture
+def model_copy(tiny_model, tmp_path) -> Path:
+    """The tiny model in a directory of its own: its spilled entries are this test's alone."""
+    return Path(shutil.copytree(tiny_model, tmp_path / "model", ignore=shutil.ignore_patterns(".prefix_cache")))
+
+
+def test_a_restarted_engine_serves_the_extension_from_disk_with_the_bits_of_a_cold_prefill(model_copy):
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(3, 300, 200).tolist()
+    extension = prompt + rng.integers(3, 300, 90).tolist()
+    with load(model_copy, prefill_chunk=64) as engine:
+        engine.generate(prompt, 4, stop_ids=())
+    with load(model_copy, prefill_chunk=64) as engine:
+        warm = engine.generate(extension, 8, stop_ids=())
+        s = engine.stats()
+        assert s["prefix_cached_tokens"] == 192 and s["prefix_cache_disk_hits"] == 1
+    with load(model_copy, prefill_chunk=64, prefix_cache=0) as engine:
+        assert engine.generate(extension, 8, stop_ids=()) == warm
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0x20  # in the arrays: only the record's checksum tells
+    path.write_bytes(bytes(data))
+
+
+def _cut(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "another model's"])
+def test_a_damaged_spilled_entry_is_deleted_with_one_warning_and_never_used(model_copy, damage):
+    prompt = np.random.default_rng(6).integers(3, 300, 200).tolist() + [7]
+    with load(model_copy, prefill_chunk=64) as engine:  # nothing on disk yet: cold; its entry spills at close
+        cold = engine.generate(prompt, 6, stop_ids=())
+        ours = engine.prefix_cache.disk.dir
+    (path,) = ours.glob("*.coli_prefix")
+    if damage == "another model's":  # where ours was, the file of an engine with another prefill chunk
+        with load(model_copy, prefill_chunk=128) as engine:
+            engine.generate(prompt, 2, stop_ids=())
+            theirs = engine.prefix_cache.disk.dir
+        (foreign,) = theirs.glob("*.coli_prefix")
+        foreign.rename(path)
+    else:
+        {"flipped byte": _flip, "truncated": _cut}[damage](path)
+    with pytest.warns(PrefixCacheWarning) as caught:
+        with load(model_copy, prefill_chunk=64) as engine:
+            assert engine.generate(prompt, 6, stop_ids=()) == cold
+            assert engine.stats()["prefix_cached_tokens"] == 0
+            assert not path.exists()
+    assert len(caught) == 1 and "deleted it" in str(caught[0].message)

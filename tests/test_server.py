@@ -4,6 +4,7 @@ One server process for the module (queue of 4 waiting requests). Every check tha
 generates the right thing compares it with the engine run directly in this process.
 """
 import json
+import shutil
 import socket
 import threading
 import time
@@ -163,6 +164,35 @@ def test_a_growing_conversation_is_served_from_the_prefix_cache(server, client, 
         assert off.stop() == 130, off.text_log()
     assert again.usage.prompt_tokens_details.cached_tokens == 0
     assert again.choices[0].message.content == two.choices[0].message.content
+
+
+def test_a_restarted_server_finds_the_conversation_it_served(tiny_model, engine, tmp_path):
+    """A server stopped with Ctrl-C closes its engine, which writes the prefix cache's entries beside
+    the model; the next server answers the conversation's next turn from them, with the same answer
+    a cold prefill gives."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns(".prefix_cache", "*.coli_session*"))
+    long = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)
+    render, encode = ChatTemplate.from_dir(model).render, engine.tokenizer.encode
+    kw = dict(model=model_id(model), max_tokens=8, temperature=0)
+    first = [{"role": "user", "content": long}]
+    answers = []
+    for flags in ((), (), ("--prefix-cache", "0")):  # served, restarted, cold
+        s = LiveServer("serve", model, *flags)
+        try:
+            api = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+            if not answers:
+                answers.append(api.chat.completions.create(messages=first, **kw).choices[0].message.content)
+                continue
+            second = first + [{"role": "assistant", "content": answers[0]}, {"role": "user", "content": "and then?"}]
+            answers.append(api.chat.completions.create(messages=second, **kw))
+        finally:
+            assert s.stop() == 130, s.text_log()
+    restarted, cold = answers[1:]
+    p1, p2 = (encode(render(m), add_special_tokens=False) for m in (first, second))
+    assert restarted.usage.prompt_tokens_details.cached_tokens == _cacheable(_shared(p1, p2), len(p1)) >= 256
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert restarted.choices[0].message.content == cold.choices[0].message.content
 
 
 def test_raw_sse_framing(server, tiny_model):
@@ -421,6 +451,32 @@ def test_dashboard_json(server, tiny_model):
     assert [len(t) for t in b["tiers"]] == [8, 8] and sum(map(sum, b["heat"])) > 0
     assert all(len(latest) == 2 for latest in b["latest"])  # top-2 routing
     assert server.json(f"/api/brain?since={b['passes']}") == {"passes": b["passes"], "unchanged": True}
+
+
+def test_dashboard_json_shows_the_prefix_cache_and_the_running_request(server, tiny_model):
+    """/api/stats carries what the dashboard's Prefix cache card draws (entries, bytes against the
+    budget, hits, cached tokens beside all prompt tokens) and, for the running request, how many of
+    its prompt tokens the cache served."""
+    wait_idle(server)
+    before = server.json("/api/stats")["engine"]
+    body = {"model": model_id(tiny_model), "prompt": " ".join(["colibri streams experts"] * 40), "temperature": 0}
+    status, cold = post_json(server.url + "/v1/completions", {**body, "max_tokens": 1})  # its states are kept
+    assert status == 200, cold
+    prompt_tokens = cold["usage"]["prompt_tokens"]
+    stream = Stream(server.url + "/v1/completions", {**body, "max_tokens": 2000, "ignore_eos": True, "stream": True})
+    assert stream.response.status == 200
+    next(stream.events())  # its prefill is done
+    live = server.json("/api/stats")["live"]
+    stream.close()
+    wait_idle(server)
+    cached = (prompt_tokens - 1) // 256 * 256  # all of the same prompt but its last piece (of 256 tokens)
+    assert cached >= 256
+    assert (live["prompt_tokens"], live["cached_tokens"], live["prefilling"]) == (prompt_tokens, cached, False)
+    e = server.json("/api/stats")["engine"]
+    assert e["prefix_cache_hits"] == before["prefix_cache_hits"] + 1
+    assert e["prefix_cached_tokens"] == before["prefix_cached_tokens"] + cached
+    assert e["prompt_tokens"] == before["prompt_tokens"] + 2 * prompt_tokens
+    assert e["prefix_cache_entries"] >= 1 and 0 < e["prefix_cache_bytes"] <= e["prefix_cache_budget"]
 
 
 # ---- the CLI and the server's life ------------------------------------------------------------

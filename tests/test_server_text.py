@@ -121,6 +121,9 @@ class FakeEngine:
     def stats(self):
         return {"generated_tokens": 0}
 
+    def close(self):
+        self.closed = True
+
     def stream(self, ids, max_new_tokens, *args, **kw):
         from colibri_core.errors import ColibriError
 
@@ -157,6 +160,7 @@ def test_worker_queue_bounds_and_engine_failures():
         assert isinstance(first[0], Delta) and first[0].text == "x"
         assert isinstance(first[1], Failed) and "truncated" in first[1].message
         worker.stop()
+        assert engine.closed  # the worker, its only user, closed it
         assert worker.snapshot.live is None  # a failed job leaves nothing running behind
 
     asyncio.run(main())

@@ -167,6 +167,16 @@ def test_bench_server_measures_engine_and_api(model):
     assert min(alone, alone_ttft, streamed, streamed_ttft, whole) > 0, out
 
 
+def test_bench_prefix_replays_a_session_with_and_without_the_cache_and_after_a_restart(model):
+    out = tool("bench_prefix.py", model, "--turns", 3, "--first", 300, "--growth", 80, "--answer", 4,
+               "--prefill-chunk", 64, "--prefix-cache", "64MB")
+    result = json.loads(out[out.index("{"):out.rindex("}") + 1])
+    cached = result["cached_tokens"]
+    assert cached["no_cache"] == [0, 0, 0] and cached["cache"] == cached["restart"] == [0, 256, 384], out
+    assert all(t > 0 for ttft in result["ttft_s"].values() for t in ttft), out
+    assert not list(model.glob(".prefix_cache/*/*.coli_prefix")), "the tool left spilled entries beside the model"
+
+
 def test_bench_structured_times_every_grammar():
     out = tool("bench_structured.py", "--repeat", 2, "--decode", 1)
     for kind in ("json_object", "json_schema", "lark", "gbnf", r"tools \(auto\)"):

@@ -606,6 +606,7 @@ async def api_stats(request: Request) -> Response:
             now = time.perf_counter()
             first = live["first_token"]
             out["live"] = {"kind": live["kind"], "prompt_tokens": live["prompt_tokens"], "tokens": live["tokens"],
+                           "cached_tokens": live["cached_tokens"],  # None while prefilling
                            "seconds": now - live["started"], "prefilling": first is None,
                            "tokens_per_second": (live["tokens"] - 1) / (now - first)
                            if first is not None and live["tokens"] > 1 and now > first else 0.0}

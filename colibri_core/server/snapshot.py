@@ -32,7 +32,7 @@ class Snapshot:
     routed: dict[int, np.ndarray]  # layer → (E,) int64: tokens routed to each expert (copies)
     latest: dict[int, list[int]]  # layer → the experts of the most recent token
     passes: int  # forward passes so far
-    live: dict | None  # the running job: kind, prompt_tokens, tokens, started, first_token; None: idle
+    live: dict | None  # the running job: kind, prompt_tokens, cached_tokens, tokens, started, first_token; or None
 
 
 def take(engine, live: dict | None = None) -> Snapshot:

@@ -158,6 +158,8 @@ class Worker:
             self.waiting.clear()
             self._cv.notify()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():  # the engine's only user is gone: close it (the prefix cache's
+            self.engine.close()  # entries still in RAM are written to disk, found again after a restart)
 
     # ---- the worker thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -194,8 +196,9 @@ class Worker:
         engine, p = self.engine, job.params
         before = _number_stats(engine)
         started = time.perf_counter()
-        live = {"kind": job.kind, "prompt_tokens": len(job.prompt_ids), "tokens": 0, "started": started,
-                "first_token": None}
+        # cached_tokens: the prompt's tokens the prefix cache served, known once its prefill is done
+        live = {"kind": job.kind, "prompt_tokens": len(job.prompt_ids), "cached_tokens": None, "tokens": 0,
+                "started": started, "first_token": None}
         self._publish(live)
         text = TextStream(engine.tokenizer, p.stop)
         finish, n, first = "cancelled", 0, None
@@ -208,6 +211,8 @@ class Worker:
                 n = job.tokens = n + 1
                 if first is None:
                     first = live["first_token"] = time.perf_counter()
+                    cached = _number_stats(engine).get("prefix_cached_tokens", 0) - before.get("prefix_cached_tokens", 0)
+                    live["cached_tokens"] = cached
                 live["tokens"] = n
                 self._publish(live)  # the token's pass is done: statistics and map as they are now
                 piece = text.push(token)

@@ -217,6 +217,8 @@ function renderStats(s) {
   $("queue").textContent = s.queue.running + " · " + s.queue.waiting;
   $("hit").textContent = s.engine ? pct(s.engine.hit_rate) : "–";
   renderDrafting(s.engine);
+  renderLive(s.live);
+  renderPrefixCache(s.engine);
   const rates = s.engine && s.engine.layer_hit_rate;
   if (rates) $("layer-rates").textContent = "Cache hit rate per layer: " +
     Object.entries(rates).map(([layer, r]) => layer + ": " + pct(r)).join(" · ");
@@ -272,6 +274,28 @@ function renderDrafting(e) {
     ? "Drafting: " + e.draft_accepted + " of " + e.draft_drafted + " drafted tokens accepted (" +
       pct(e.draft_acceptance) + "), " + e.draft_forced_tokens + " of them forced by a grammar"
     : "Drafting: nothing drafted yet (drafts come from a grammar's forced tokens or the model's MTP head)";
+}
+
+function renderLive(l) {
+  // the request being generated: its prompt (and how much of it the prefix cache served), how far it is
+  $("live").textContent = !l ? "Running: nothing" : "Running: " + l.kind + " · " + l.prompt_tokens + " prompt tokens" +
+    (l.prefilling ? ", prefilling" : l.cached_tokens ? " (" + l.cached_tokens + " from the prefix cache)" : "") +
+    " · " + l.tokens + " generated · " + secs(l.seconds);
+}
+
+function renderPrefixCache(e) {
+  // the prefix cache (--prefix-cache): prompts held, the bytes they take against its budget, what it served
+  if (!e) return;
+  const held = e.prefix_cache_bytes, budget = e.prefix_cache_budget, free = Math.max(0, budget - held);
+  $("prefix-budget").textContent = budget ? "budget " + bytes(budget) : "off (--prefix-cache 0)";
+  $("prefix-entries").textContent = String(e.prefix_cache_entries);
+  $("prefix-hits").textContent = String(e.prefix_cache_hits);
+  $("prefix-tokens").textContent = String(e.prefix_cached_tokens);
+  $("prefix-share").textContent = e.prompt_tokens ? pct(e.prefix_cached_tokens / e.prompt_tokens) : "–";
+  bar($("prefix-bar"), $("prefix-legend"), [
+    { label: "held", value: held, color: css("--cached"), text: bytes(held) },
+    { label: "free", value: free, color: css("--free"), text: bytes(free) },
+  ], Math.max(budget, held));
 }
 
 function renderCluster(e) {
