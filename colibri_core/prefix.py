@@ -64,7 +64,7 @@ from . import __version__
 from .errors import ColibriError
 from .fsio import SESSION_HEADER_BYTES
 from .kernels.deltanet import BLOCK
-from .kv.session import FORMAT_VERSION, HEAD, IDS, MAGIC, RECORD, RECORD_MAGIC, SessionFile, _Refused
+from .kv.session import FORMAT_VERSION, HEAD, IDS, MAGIC, RECORD, RECORD_MAGIC, Refused, SessionFile
 from .kv.state import LENGTH, SequenceState
 
 __all__ = ["DEFAULT_SHARE", "DIRNAME", "PREFILL_CHUNK", "Capture", "Disk", "Entry", "PrefixCache",
@@ -399,8 +399,8 @@ class Disk:
             except OSError as e:
                 raise _Damaged(f"is unreadable ({e.strerror or e})") from None
             try:
-                arrays, meta, _, _, why = SessionFile(spilled.path, self.identity)._parse(data)
-            except _Refused as e:
+                arrays, meta, _, _, why = SessionFile(spilled.path, self.identity).parse(data)
+            except Refused as e:
                 raise _Damaged(str(e)) from None
             if why is not None or IDS not in arrays:
                 raise _Damaged(why or "holds no record")

@@ -109,8 +109,8 @@ class SessionFile:
             raise ColibriError(f"cannot read session file {self.path}: {e.strerror}") from None
         try:
             try:
-                arrays, meta, turns, end, why = self._parse(data)
-            except _Refused as e:
+                arrays, meta, turns, end, why = self.parse(data)
+            except Refused as e:
                 self._move_aside(str(e))
                 return None
             if why is not None:
@@ -125,28 +125,30 @@ class SessionFile:
         ids = arrays.pop(IDS)
         return Saved([int(i) for i in ids], arrays, meta, turns)
 
-    def _parse(self, data: bytes) -> tuple[dict, dict, int, int, str | None]:
+    def parse(self, data: bytes) -> tuple[dict, dict, int, int, str | None]:
         """The state (arrays), meta and turn count of the file's last whole record, the offset just
-        past that record, and why the file breaks off there (None: it ends there)."""
+        past that record, and why the file breaks off there (None: it ends there); `Refused` for a
+        file that must not be used at all. Reads only: `load` keeps what breaks off and cuts it back
+        (the prefix cache parses its one-record entry files with it too)."""
         if len(data) < HEAD.size or data[:8] != MAGIC:
-            raise _Refused("is not a colibri session file (or its header is damaged)")
+            raise Refused("is not a colibri session file (or its header is damaged)")
         _, version, n = HEAD.unpack_from(data)
         if version != FORMAT_VERSION:
-            raise _Refused(f"has session format version {version}, this colibri reads version {FORMAT_VERSION}")
+            raise Refused(f"has session format version {version}, this colibri reads version {FORMAT_VERSION}")
         if n > SESSION_HEADER_BYTES:  # checked before its JSON is parsed: a model's identity is a few hundred bytes
-            raise _Refused(f"has a damaged header ({n} bytes, more than the {SESSION_HEADER_BYTES} a header may be)")
+            raise Refused(f"has a damaged header ({n} bytes, more than the {SESSION_HEADER_BYTES} a header may be)")
         end = HEAD.size + n + 4
         if len(data) < end or zlib.crc32(data[HEAD.size: HEAD.size + n]) != struct.unpack_from("<I", data, end - 4)[0]:
-            raise _Refused("has a damaged header")
+            raise Refused("has a damaged header")
         try:
             identity = json.loads(data[HEAD.size: HEAD.size + n])
         except (ValueError, RecursionError):
             identity = None
         if not isinstance(identity, dict):
-            raise _Refused("has a damaged header")
+            raise Refused("has a damaged header")
         if identity != self.identity:
             what = [k for k in sorted(set(identity) | set(self.identity)) if identity.get(k) != self.identity.get(k)]
-            raise _Refused(f"was saved by another model ({', '.join(what)} differ)")
+            raise Refused(f"was saved by another model ({', '.join(what)} differ)")
         arrays: dict[str, np.ndarray] = {}
         meta, turns, pos = {}, 0, end
         while pos < len(data):
@@ -260,7 +262,7 @@ class SessionFile:
             fsync_dir(self.path.parent)
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """A session file that must not be used (another model, another version, damaged)."""
 
 
