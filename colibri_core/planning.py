@@ -448,6 +448,9 @@ def report(model: Path | None = None, config: Path | None = None, quant: str = "
     else:
         sizes, out = sizes_from_config(config, quant, kv_cache)
         history = None
+    # then the split (no floors yet): a budget, --pin-gb or --context it refuses is one line before
+    # the probes spend seconds measuring
+    make_plan(sizes, ram, context, pin_gb, history, 0.0, 0.0, prefix_cache)
     if disk_bw is not None:
         disk, direct = float(parse_size(disk_bw)), None
     elif model is not None:

@@ -333,6 +333,7 @@ def installed_in(python: Path, dist: str) -> bool:
     return subprocess.run([python, "-c", code]).returncode == 0
 
 
+@pytest.mark.system  # real pip builds in a throwaway environment: seconds each
 def test_install_builds_a_directory_into_a_wheel_and_checks_it_first(throwaway_env, tmp_path):
     """What only running the project tells (a setup.py alone; entry points left to setup.py, `dynamic`)
     is read off the wheel built from it, in an isolated build: a project that is no colibri plugin is
