@@ -251,14 +251,7 @@ TRAVERSALS = ["/static/../app.py", "/static/..%2fapp.py", "/static/%2e%2e/%2e%2e
 
 def raw_get(url: str, target: str) -> tuple[int, bytes]:
     """GET with the request target sent exactly as written (no client-side normalisation)."""
-    u = urllib.parse.urlsplit(url)
-    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
-        sock.sendall(f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
+    return raw_request(url, f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n")
 
 
 @pytest.mark.parametrize("target", TRAVERSALS)
