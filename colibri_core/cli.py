@@ -103,7 +103,10 @@ def store_report(engine) -> str:
             f"per-layer hit rate {layers}\n"
             f"per-layer I/O stall (ms) {stalls}\n"
             f"drafts {s['draft_drafted']} · accepted {s['draft_accepted']} ({100 * s['draft_acceptance']:.0f}%) · "
-            f"forced tokens {s['draft_forced_tokens']} · tokens per forward {s['tokens_per_forward']:.2f}")
+            f"forced tokens {s['draft_forced_tokens']} · tokens per forward {s['tokens_per_forward']:.2f}\n"
+            f"prefix cache {s['prefix_cache_entries']} entries ({format_bytes(s['prefix_cache_bytes'])} of "
+            f"{format_bytes(s['prefix_cache_budget'])}) · hits {s['prefix_cache_hits']} ({s['prefix_cache_disk_hits']} "
+            f"from disk) · cached tokens {s['prefix_cached_tokens']} of {s['prompt_tokens']} prompt tokens")
 
 
 def remote_report(engine) -> str:

@@ -1,6 +1,7 @@
 """The command line: generation, the budget, and bad input (one line, exit 1, nothing written)."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,8 +56,10 @@ def test_arithmetic_options_reach_the_engine(tiny_model):
     r = colibri("run", "--model", tiny_model, "--max-tokens", "3", "--stats", "fox",
                 env={**os.environ, "COLIBRI_ACTIVATIONS": "int8", "COLIBRI_KV_CACHE": "f16"})
     assert r.returncode == 0 and "activations int8 · KV cache f16" in r.stderr, r.stderr
-    assert "activations f32 · KV cache f32" in colibri("run", "--model", tiny_model, "--max-tokens", "2", "--stats",
-                                                      "fox").stderr
+    plain = colibri("run", "--model", tiny_model, "--max-tokens", "2", "--stats", "fox").stderr
+    assert "activations f32 · KV cache f32" in plain
+    assert re.search(r"\nprefix cache 0 entries \(0 B of [\d.]+ [KMG]?B\) · hits 0 \(0 from disk\) · cached tokens 0 "
+                     r"of \d+ prompt tokens$", plain.strip()), plain
     one_line_error(colibri("run", "--model", tiny_model, "--activations", "int3", "fox"),
                    "unknown activation arithmetic 'int3'")
     one_line_error(colibri("chat", "--model", tiny_model, "--kv-cache", "bf16"), "unknown KV cache type 'bf16'")
