@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -31,7 +32,7 @@ from colibri_core.kv.session import HEAD, session_path
 from colibri_core.sizes import format_bytes
 from colibri_core.store.usage import USAGE_FILE
 
-from conftest import COLIBRI, colibri
+from conftest import colibri
 
 PROMPT = "the quick brown"
 RUN = ["run", "--temperature", "0", "--max-tokens", "8", "--cache-slots", "8"]
@@ -355,20 +356,30 @@ HUGE = 1 << 30  # a sparse file's size: once read whole, 1-2 GB of RSS
 PEAK_RSS = 512 << 20  # what a refusal may take: a run of the tiny model peaks near 70 MB
 
 
-def measured(*args, timeout: float = 120) -> tuple[int, str, int]:
-    """`colibri ARGS` in a subprocess: (exit code, its stderr, its peak RSS in bytes)."""
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([*COLIBRI, *map(str, args)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=err)
+# `python -m colibri_core`, writing its own peak RSS (VmHWM: the process after exec) to $COLIBRI_TEST_PEAK as
+# it exits. wait4's ru_maxrss would also count the pages of the pytest process it was forked from, which a
+# whole run grows past PEAK_RSS.
+PEAK_CHILD = ("import atexit, os, runpy, sys; atexit.register(lambda: open(os.environ['COLIBRI_TEST_PEAK'], 'w')"
+              ".write(next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')).split()[1])); "
+              "sys.argv[0] = 'colibri'; runpy.run_module('colibri_core', run_name='__main__', alter_sys=True)")
+
+
+def measured(*args, timeout: float = 120) -> tuple[int, str, float]:
+    """`colibri ARGS` in a subprocess: (exit code, its stderr, its peak RSS in bytes; inf if it never
+    said, e.g. killed)."""
+    with tempfile.TemporaryFile() as err, tempfile.TemporaryDirectory() as d:
+        peak = Path(d) / "peak"
+        proc = subprocess.Popen([sys.executable, "-c", PEAK_CHILD, *map(str, args)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, "COLIBRI_TEST_PEAK": str(peak)})
         killer = threading.Timer(timeout, proc.kill)  # a bound on waiting (the FIFO case: an open that never returns)
         killer.start()
         try:
-            _, status, usage = os.wait4(proc.pid, 0)
+            _, status = os.waitpid(proc.pid, 0)
         finally:
             killer.cancel()
         proc.returncode = os.waitstatus_to_exitcode(status)
         err.seek(0)
-        return proc.returncode, err.read().decode(), usage.ru_maxrss * 1024
+        return proc.returncode, err.read().decode(), int(peak.read_text()) * 1024 if peak.exists() else float("inf")
 
 
 def unlist(model: Path, rel: str) -> None:
