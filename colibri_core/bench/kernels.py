@@ -166,6 +166,33 @@ def run_moe_case(rng: np.random.Generator, tokens: int, working_set: int, min_se
     return rows
 
 
+def run_expert_tokens_case(rng: np.random.Generator, per_expert: int, working_set: int, min_seconds: float,
+                           paths: list[str], probe: ReadProbe, kind: str = "int4") -> list[dict]:
+    """8 OLMoE-size experts (2048 -> 1024 -> 2048) through moe_experts with `per_expert` tokens each,
+    int8 activations (every token routed to all 8, as batched requests and verified drafts run each
+    expert on several tokens): each call reads the 8 experts' weights once, so GB/s is their bytes
+    over the call's time."""
+    hidden, inter, n = 2048, 1024, 8
+    expert_bytes = 3 * random_qtensor(rng, kind, inter, hidden).nbytes
+    pool = [{e: (random_qtensor(rng, kind, inter, hidden), random_qtensor(rng, kind, inter, hidden),
+                 random_qtensor(rng, kind, hidden, inter)) for e in range(n)}
+            for _ in range(max(1, working_set // (n * expert_bytes)))]
+    x = rng.standard_normal((per_expert, hidden), dtype=np.float32)
+    ids = np.tile(np.arange(n), (per_expert, 1))  # (tokens, 8)
+    outs = np.zeros((per_expert, n, hidden), np.float32)
+    at = [0]
+
+    def call():
+        kernels.moe_experts(outs, x, ids, pool[at[0] % len(pool)], "int8")
+        at[0] += 1
+
+    per_path, read = _on_paths(call, paths, probe, min_seconds)
+    return [{"simd": path, "name": f"moe_{per_expert}tok_per_expert", "kind": kind, "activations": "int8",
+             "rows": inter, "cols": hidden, "tokens": per_expert, "experts": n, "seconds": seconds,
+             "gbps": n * expert_bytes / seconds / 1e9, "read_gbps": read / 1e9,
+             "gflops": 2.0 * 3 * inter * hidden * per_expert * n / seconds / 1e9} for path, seconds in per_path.items()]
+
+
 def cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -202,6 +229,7 @@ def run(seed: int = 0, working_set: int = WORKING_SET, min_seconds: float = MIN_
         for kind in ("int4", "fp4"):
             for t in (1, 16):
                 rows += run_moe_case(rng, t, working_set, min_seconds, paths, probe, moe_experts, kind)
+        rows += run_expert_tokens_case(rng, 8, working_set, min_seconds, paths, probe)
     finally:
         kernels.set_simd(default)
     for r in rows:

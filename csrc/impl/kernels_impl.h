@@ -41,7 +41,7 @@ typedef struct {
     float *xs;      // [n, nb8] block scale absmax / 127 (NaN for a block holding inf/NaN), zeros past
     int32_t *xsum;  // [n, nb8] sum of the block's q, zeros past
     int32_t *xsum32;  // ACT_Q8, fp4 weights: [n, 2 * nb8] sum of each group of 32's q, zeros past; else NULL
-    // ACT_Q8, int4 weights, n > 1: xq with each chunk of 8 blocks transposed for the several-token
+    // ACT_Q8, int4 and int8 weights, n > 1: xq with each chunk of 8 blocks transposed for the several-token
     // row kernels: viewing a chunk as 8 blocks x 16 four-byte words, word w of block b moves to
     // position 8w + b, so one 32-byte vector holds four values of each block.
     int8_t *xt;     // [n, stride] or NULL
@@ -91,6 +91,7 @@ typedef struct {
     tprod_fn int4_t;       // optional (NULL: matmul.c's portable loop): matmul_t of int4 weights
     rows_fn int4_f32_rows; // optional (NULL): int4 weights, ACT_F32, several tokens per row pass
     rows_fn int8_f32_rows; // optional (NULL): int8 weights, ACT_F32, one token or several: rows interleaved
+    rows_fn int8_q8_rows;  // optional (NULL): int8 weights, ACT_Q8, several tokens per row pass
 } Path;
 
 // 2 * e2m1(nibble): the fp4 values as the integers 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12 (matmul.c).

@@ -1,0 +1,96 @@
+"""Several tokens per expert (2–16: batched requests, drafts verified together, a prefill chunk): one
+`moe_experts` call reads each expert's weights once for all of its tokens, and each token's output is
+bit for bit what that token alone gives — on every SIMD path, weight kind, arithmetic and thread
+count — and the several-token row kernels equal the NumPy reference's reduction order bit for bit.
+
+A code path this CPU lacks is skipped with its reason in the summary (pytest -ra), never silently.
+"""
+import itertools
+
+import numpy as np
+import pytest
+
+from colibri_core import kernels, quant
+from colibri_core.bench.kernels import random_qtensor
+from colibri_core.kernels import reference
+from test_kernels import assert_close, assert_same_bits, ffn_bound, random_x, supported_paths, simd_path, thread_counts  # noqa: F401 (fixtures)
+
+# (kind, act): the formats quantize writes, and DeepSeek's native ones as loaded
+MODES = [("f32", "f32"), ("int8", "f32"), ("int8", "int8"), ("int4", "f32"), ("int4", "int8"),
+         ("fp8", "f32"), ("fp4", "f32"), ("fp4", "int8")]
+PER_EXPERT = (2, 3, 4, 5, 8, 13, 16)  # tokens per expert: every remainder of the kernels' token steps
+
+
+def weights(rng, kind, rows, cols):
+    """Normal weights quantised (with a zero row and a tiny one), or random native fp8 / fp4 bytes."""
+    if kind in ("fp8", "fp4"):
+        return random_qtensor(rng, kind, rows, cols)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    w[0] = 0.0
+    w[1] *= 1e-6
+    return quant.quantize(w, kind)
+
+
+def expert_pair(rng, kind, hidden, inter):
+    return {e: (weights(rng, kind, inter, hidden), weights(rng, kind, inter, hidden), weights(rng, kind, hidden, inter))
+            for e in (3, 1)}
+
+
+def one_call(experts, x, act) -> np.ndarray:
+    """(T, 2, H): every token routed to both experts, all of them in one moe_experts call."""
+    T, hidden = x.shape
+    outs = np.full((T, 2, hidden), 7.0, np.float32)
+    kernels.moe_experts(outs, x, np.tile(np.array([3, 1]), (T, 1)), experts, act)
+    return outs
+
+
+def alone(experts, x, act) -> np.ndarray:
+    """one_call's result, token by token: T calls of one token."""
+    return np.concatenate([one_call(experts, x[t:t + 1], act) for t in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("kind,act", MODES)
+@pytest.mark.parametrize("hidden,inter", [(130, 200), (576, 256)])  # a row ending inside a group; 9 whole groups
+def test_several_tokens_per_expert_are_each_token_alone(kind, act, hidden, inter, thread_counts):
+    rng = np.random.default_rng([hidden, inter, MODES.index((kind, act))])
+    experts = expert_pair(rng, kind, hidden, inter)
+    for per_expert in PER_EXPERT:
+        x = random_x(rng, per_expert, hidden)
+        first = None
+        for path in supported_paths():
+            kernels.set_simd(path)
+            kernels.set_threads(1)
+            want = alone(experts, x, act)
+            first = want if first is None else first
+            assert_same_bits(want, first, f"{path}: one token at a time against {supported_paths()[0]}")
+            for n in thread_counts:
+                kernels.set_threads(n)
+                assert np.array_equal(one_call(experts, x, act).view(np.uint32), want.view(np.uint32)), \
+                    f"{kind} act={act} {per_expert} tokens per expert, {path}, {n} threads"
+    kernels.set_simd("auto")
+
+
+@pytest.mark.parametrize("kind,act", MODES[:5])
+def test_several_tokens_per_expert_match_reference(kind, act):
+    rng = np.random.default_rng(50)
+    hidden, inter = 200, 130
+    gate, up, down = expert_pair(rng, kind, hidden, inter)[3]
+    x = random_x(rng, 8, hidden, scale=3.0)
+    outs = one_call({3: (gate, up, down), 1: (gate, up, down)}, x, act)
+    want = reference.expert_ffn(gate, up, down, x, act)
+    bound = ffn_bound(gate, up, down, x, act)
+    assert_close(outs[:, 0], want, bound)
+    assert_close(outs[:, 1], want, bound)
+
+
+@pytest.mark.parametrize("kind,act", MODES)
+def test_several_token_rows_match_reference_bit_for_bit(simd_path, kind, act):
+    """The row kernels themselves (through matmul) at every token count up to past their blocks,
+    on widths that end inside a group, inside a chunk of 8 groups and on whole chunks."""
+    rng = np.random.default_rng([MODES.index((kind, act)), 7])
+    for rows, cols in [(5, 1), (9, 63), (7, 1100), (6, 1024), (3, 576)]:
+        w = weights(rng, kind, rows, cols)
+        for n in itertools.chain(range(2, 18), (33, 40)):
+            x = random_x(rng, n, cols)
+            assert_same_bits(kernels.matmul(w, x, act), reference.matmul(w, x, act),
+                             f"{simd_path} {kind} act={act} [{rows}, {cols}] n={n}")
