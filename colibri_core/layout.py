@@ -13,6 +13,8 @@ import numbers
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .errors import ColibriError
 
 __all__ = ["ContainerLayout", "ExpertMath", "ExpertNames", "EXPERT_ACTIVATIONS"]
@@ -73,15 +75,46 @@ class ExpertNames:
 
     Patterns use ``{layer}`` and ``{expert}``. A checkpoint holds either the per-expert form
     (``gate`` ``[I, H]``, ``up`` ``[I, H]``, ``down`` ``[H, I]``) or the fused form
-    (``gate_up`` ``[E, 2I, H]`` with gate rows first, ``down`` ``[E, H, I]``).
+    (``gate_up`` ``[E, 2I, H]`` with gate rows first, ``down`` ``[E, H, I]``), or the fused form as
+    the two flags below declare it: ``fused_transposed`` the input axis before the output axis
+    (``gate_up`` ``[E, H, 2I]``, ``down`` ``[E, I, H]``: ``x @ W``, GPT-OSS), ``gate_up_interleaved``
+    gate and up alternating along the 2I axis, gate first. Both tensors share the orientation, and
+    at least one of them is never square (2I = H and I = H cannot both hold), so a checkpoint saved
+    in the other orientation fails the shape check even where H = I makes ``down`` square.
     """
 
     per_expert: dict[str, str]  # "gate" | "up" | "down" -> name pattern with {layer} and {expert}
-    fused_gate_up: str | None = None  # name pattern with {layer}: [E, 2I, H]
-    fused_down: str | None = None  # name pattern with {layer}: [E, H, I]
+    fused_gate_up: str | None = None  # name pattern with {layer}: [E, 2I, H] ([E, H, 2I] transposed)
+    fused_down: str | None = None  # name pattern with {layer}: [E, H, I] ([E, I, H] transposed)
+    fused_transposed: bool = False
+    gate_up_interleaved: bool = False
     # other per-expert name patterns a checkpoint may use, tried in order after `per_expert` when a
     # checkpoint is run without conversion (e.g. DeepSeek V4's official `layers.{layer}.ffn.experts…`)
     other_names: tuple[dict[str, str], ...] = ()
+
+    def fused_shapes(self, E: int, H: int, I: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """The shapes of the fused gate_up and down tensors of a layer, as the checkpoint holds them."""
+        return ((E, H, 2 * I), (E, I, H)) if self.fused_transposed else ((E, 2 * I, H), (E, H, I))
+
+    def split_fused(self, gate_up: np.ndarray, down: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One expert's slices of the fused tensors (as the checkpoint holds them, without the expert
+        axis) → its gate [I, H], up [I, H], down [H, I], C-contiguous."""
+        if self.fused_transposed:
+            gate_up, down = gate_up.T, down.T  # [2I, H], [H, I]
+        inter = gate_up.shape[0] // 2
+        gate, up = (gate_up[0::2], gate_up[1::2]) if self.gate_up_interleaved else (gate_up[:inter], gate_up[inter:])
+        return tuple(np.ascontiguousarray(m) for m in (gate, up, down))
+
+    def join_fused(self, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`split_fused` undone: one expert's gate_up and down slices as the checkpoint holds them,
+        C-contiguous (what is stacked from them is, and is written to safetensors as it is)."""
+        if self.gate_up_interleaved:
+            gate_up = np.empty((2 * gate.shape[0], gate.shape[1]), gate.dtype)
+            gate_up[0::2], gate_up[1::2] = gate, up
+        else:
+            gate_up = np.concatenate([gate, up])
+        pair = (gate_up.T, down.T) if self.fused_transposed else (gate_up, down)
+        return tuple(np.ascontiguousarray(m) for m in pair)
 
 
 @dataclass(frozen=True)

@@ -7,18 +7,35 @@ dataclass, describes its container layout, takes its resident tensors from `Weig
 """
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
 
+from . import batch
 from .errors import ColibriError
 from .kv import State
 from .layers.linear import dense, embed, linear, linears
 from .layers.moe import MoE
 from .layers.router import Router
 from .layout import ContainerLayout
+from .tensors import TensorTable
 
 __all__ = ["MoEModel", "Weights", "linear", "linears", "embed", "dense"]
+
+
+_kept: ContextVar[dict] = ContextVar("colibri_model_kept", default={})  # {(model id, what): array}
+
+
+def _moe_rows(moe: MoE, layer: int, shared, parts: list[tuple]) -> list[np.ndarray]:
+    """`moe` over every generation's rows stacked: x, residual, token_ids (and expert_input) of each
+    concatenated, the (T_all, H) result cut back per generation."""
+    if len(parts) == 1:
+        x, residual, token_ids, *expert_input = parts[0]
+        return [moe(layer, x, residual, token_ids, *(expert_input or [None]), shared)]
+    x, residual, token_ids, *expert_input = (np.concatenate(column) for column in zip(*parts))
+    out = moe(layer, x, residual, token_ids, *(expert_input or [None]), shared)  # (T_all, H)
+    return np.split(out, np.cumsum([len(p[0]) for p in parts])[:-1])
 
 
 class Weights:
@@ -48,6 +65,8 @@ class MoEModel:
 
     From the config alone (classmethods: `convert` and `plan` call them before any weight exists):
       parse_config(config)            config.json (dict) → the architecture's config dataclass
+      tensors(cfg)                    every tensor declared once (`colibri_core.tensors.TensorTable`);
+                                      `layout` and `resident_shapes` derive from it by default
       layout(cfg)                     the container layout: resident tensors, routed experts, top-k
       resident_shapes(cfg)            every resident tensor's shape, by checkpoint name
       state_floats_per_token(cfg)     per layer, the state floats each token adds
@@ -75,8 +94,26 @@ class MoEModel:
     """
 
     has_mtp = False
-    last_hidden: np.ndarray | None = None  # (T, H), kept by `forward` where `has_mtp`
-    last_mtp_hidden: np.ndarray | None = None  # (T, H), kept by `mtp_forward`
+
+    # Kept per generation (a context variable): the generations of a batch run their forwards
+    # interleaved (colibri_core/batch.py), and each reads back its own.
+    @property
+    def last_hidden(self) -> np.ndarray | None:
+        """(T, H): the final-normalised hidden states `forward` kept (where `has_mtp`), or None."""
+        return _kept.get().get((id(self), "hidden"))
+
+    @last_hidden.setter
+    def last_hidden(self, value: np.ndarray | None) -> None:
+        _kept.set({**_kept.get(), (id(self), "hidden"): value})
+
+    @property
+    def last_mtp_hidden(self) -> np.ndarray | None:
+        """(T, H): the stand-in hidden states `mtp_forward` kept, or None."""
+        return _kept.get().get((id(self), "mtp"))
+
+    @last_mtp_hidden.setter
+    def last_mtp_hidden(self, value: np.ndarray | None) -> None:
+        _kept.set({**_kept.get(), (id(self), "mtp"): value})
 
     @classmethod
     def parse_config(cls, config: dict) -> Any:
@@ -84,15 +121,24 @@ class MoEModel:
         raise NotImplementedError
 
     @classmethod
-    def layout(cls, cfg) -> ContainerLayout:
-        """Which checkpoint tensors are resident, which are routed experts, which stay f32; top-k."""
+    def tensors(cls, cfg) -> TensorTable:
+        """Every tensor of the checkpoint, each declared once: name pattern, shape, whether it stays
+        float32, released checkpoints' names, the experts' form. `__init__` takes them with
+        `TensorTable.take`."""
         raise NotImplementedError
+
+    @classmethod
+    def layout(cls, cfg) -> ContainerLayout:
+        """Which checkpoint tensors are resident, which are routed experts, which stay f32; top-k.
+        Default: derived from `tensors(cfg)`."""
+        return cls.tensors(cfg).layout()
 
     @classmethod
     def resident_shapes(cls, cfg) -> dict[str, tuple[int, ...]]:
         """Every resident tensor's shape by checkpoint name, from the config alone (for `plan`:
-        sized with the layout's quantisation rules, before any weight is read)."""
-        raise NotImplementedError
+        sized with the layout's quantisation rules, before any weight is read). Default: derived
+        from `tensors(cfg)`."""
+        return cls.tensors(cfg).resident_shapes()
 
     @classmethod
     def state_floats_per_token(cls, cfg) -> list[int]:
@@ -143,6 +189,11 @@ class MoEModel:
         `moe_layers`, in the order the forward pass runs them."""
         raise NotImplementedError
 
+    def expert_biases(self) -> dict[int, tuple]:
+        """{MoE layer: (gate_bias (E, I), up_bias (E, I), down_bias (E, H))} float32, resident tensors
+        the routed experts add (GPT-OSS); each may be None. Default: none."""
+        return {}
+
     def lookahead(self) -> dict[int, int] | None:
         """{MoE layer: the MoE layer whose experts its lookahead predicts}. Default (None): each
         router's successor in `routers()`. Override to leave out a layer the forward pass does not
@@ -173,5 +224,10 @@ class MoEModel:
         if self._moe is None:
             layout = self.layout(self.cfg)
             self._moe = MoE(self.store, self.routers(), self.lookahead(), layout.swiglu_limit, layout.expert_activation,
-                            layout.swiglu_alpha)
-        return self._moe(layer, x, residual, token_ids, expert_input, shared)
+                            layout.swiglu_alpha, self.expert_biases())
+        moe = self._moe
+        # in a batch (colibri_core/batch.py): one call for every generation at this layer, their rows
+        # stacked, so the layer reads the union of their experts once
+        parts = (x, residual, token_ids) if expert_input is None else (x, residual, token_ids, expert_input)
+        return batch.together(("moe", id(self), layer, id(shared), expert_input is None), parts,
+                              lambda all_parts: _moe_rows(moe, layer, shared, all_parts))

@@ -45,6 +45,7 @@ SHIPPED_PLUGINS = {
     "colibri-qwen36": "plugins/qwen36",
     "colibri-kimi-k3": "plugins/kimi_k3",
     "colibri-deepseek-v4": "plugins/deepseek_v4",
+    "colibri-gpt-oss": "plugins/gpt_oss",
 }
 # The shipped plugin serving each config.json model_type, named when no installed plugin serves a model.
 KNOWN_PLUGINS = {
@@ -55,6 +56,7 @@ KNOWN_PLUGINS = {
     "kimi_linear": "colibri-kimi-k3",
     "kimi_k3": "colibri-kimi-k3",
     "deepseek_v4": "colibri-deepseek-v4",
+    "gpt_oss": "colibri-gpt-oss",
 }
 REPOSITORY = Path(__file__).resolve().parent.parent  # a source checkout's root (SHIPPED_PLUGINS are below it)
 

@@ -237,13 +237,15 @@ int rms_norm(float *out, const float *x, const float *weight, int n, int dim, fl
 // out, x: f32 [T, heads, dim]; cos, sin: f32 [T, dim]; dim even.
 int rope_rotate_half(float *out, const float *x, const float *cos, const float *sin, int T, int heads, int dim);
 
-// Causal grouped-query attention of T new tokens (positions start .. start+T-1) over S cached ones.
+// Causal grouped-query attention of T new tokens (rows start .. start+T-1) over S cached ones.
 // out: f32 [T, H, D] (written); q: f32 [T, H, D]; k, v: [S, Hkv, D] with S >= start + T, the new
 // tokens' keys and values already in place, float32 (kv = KV_F32) or float16 (KV_F16: each element
 // widened exactly, then the float32 cache's operations); H a multiple of Hkv; scale usually D^-0.5.
+// window > 0: the token of row r sees rows r − window + 1 .. r only (a sliding window; 0: rows 0 .. r);
+// sinks: NULL, or f32 [H] a logit per head joining its softmax without a value (GPT-OSS's sinks).
 enum { KV_F32 = 0, KV_F16 = 1 };
 int attention(float *out, const float *q, int T, int H, int D, const void *k, const void *v, int S, int Hkv,
-              int start, float scale, int kv);
+              int start, float scale, int window, const float *sinks, int kv);
 
 // out[i] = x[i] rounded to float16 (nearest, ties to even; NaN stays NaN, quiet): how a float16 KV
 // cache stores a row. Returns COLI_OK.
@@ -251,12 +253,13 @@ int f16_from_f32(uint16_t *out, const float *x, size_t n);
 
 // The pre-norm attention sub-block of a decoder layer (OLMoE, Qwen3-MoE and the like), for T new
 // tokens at positions start .. start+T-1, in one call, exactly the sequence of the calls above:
-//   x = rms_norm(h, norm); q, k, v = x wq^T, x wk^T, x wv^T (one matmul_multi);
+//   x = rms_norm(h, norm); q, k, v = x wq^T, x wk^T, x wv^T (one matmul_multi) + bq, bk, bv (each NULL: none);
 //   q, k = rms_norm over each whole projection (QK_NORM_WHOLE: OLMoE) or each head (QK_NORM_HEAD:
 //   Qwen3), or neither (0);
 //   q, k, v clamped to ±clip (INFINITY: none); q, k = rope_rotate_half(·, cos, sin);
 //   k, v written to rows start .. start+T-1 of k_cache, v_cache (rounded by f16_from_f32 for
-//   KV_F16); a = attention(q, the cache rows 0 .. start+T-1, scale, kv); out = h + a wo^T.
+//   KV_F16); a = attention(q, the cache rows 0 .. start+T-1, scale, window, sinks, kv);
+//   out = h + (a wo^T + bo).
 // out, h: f32 [T, hidden] (out may not alias h); cos, sin: f32 [T, head_dim]; k_cache, v_cache:
 // [start + T (at least), kv_heads, head_dim], float32 (kv = KV_F32) or float16 (KV_F16).
 // COLI_OK, COLI_EINVAL (shapes) or COLI_ENOMEM.
@@ -270,6 +273,10 @@ typedef struct {
     float clip;
     int heads, kv_heads, head_dim;
     float eps, scale;
+    const float *bq, *bk, *bv;     // NULL or [heads * head_dim], [kv_heads * head_dim] (k, v): projection biases
+    const float *bo;               // NULL or [hidden]: the output projection's bias
+    const float *sinks;            // NULL or [heads]: attention's sink logits
+    int window;                    // attention's sliding window (0: none)
 } AttnBlock;
 int attn_block(float *out, const float *h, int T, const AttnBlock *b, const float *cos, const float *sin,
                void *k_cache, void *v_cache, int start, int act, int kv);

@@ -125,6 +125,8 @@ typedef struct {
     const void *k, *v;  // [S, Hkv, D]: float32, or float16 (kv16)
     int T, H, D, S, Hkv, start;
     float scale;
+    int window;           // a token sees the last `window` rows up to its own (0: every row before it)
+    const float *sinks;   // [H] each head's sink logit in its softmax's denominator (NULL: none)
     int heads;  // heads per task (a block)
     int avx2;   // the SIMD path in use has AVX2 and F16C (any path but the portable one)
     int kv16;   // the cache holds float16 (KV_F16): rows are widened to float32 (exactly) as they are read
@@ -387,13 +389,27 @@ static void axpy(float *out, float p, const float *v, int D) {
     for (int d = 0; d < D; d++) out[d] += p * v[d];
 }
 
-// p[0..len) = softmax(p), in place.
-static void softmax_row(float *p, int len, int avx2) {
+// p[0..len) = softmax(p), in place; with a `sink` logit (NULL: none) joining the softmax, taking its
+// share of the mass without a value (GPT-OSS): the maximum over the scores and the sink, e^(sink − m)
+// added to the denominator after the scores' sum.
+static void softmax_row(float *p, int len, int avx2, const float *sink) {
     float m = -INFINITY, sum = 0.0f;
     for (int s = 0; s < len; s++) m = p[s] > m ? p[s] : m;
+    if (sink != NULL && *sink > m) m = *sink;
     exp_shifted(p, len, m, avx2);
     for (int s = 0; s < len; s++) sum += p[s];
+    if (sink != NULL) sum += coli_expf(*sink - m);
     for (int s = 0; s < len; s++) p[s] = p[s] / sum;
+}
+
+// The first cached row token row `r` (its own) sees: r − window + 1 with a window, else 0.
+static inline int first_seen(const AttnJob *j, int r) {
+    return j->window > 0 && r - j->window + 1 > 0 ? r - j->window + 1 : 0;
+}
+
+// Head h's sink (NULL: none).
+static inline const float *sink_of(const AttnJob *j, int h) {
+    return j->sinks == NULL ? NULL : j->sinks + h;
 }
 
 // Softmax over the len scores of each of heads h0 .. h0+nh-1 (rows of p, in place), then their
@@ -403,7 +419,7 @@ static void attn_values(const AttnJob *j, float *p, int len, int h0, int nh, flo
     size_t row = (size_t)j->Hkv * (size_t)D;  // elements per cached token
     int kv0 = h0 / group;
     size_t span = (size_t)((h0 + nh - 1) / group - kv0 + 1) * (size_t)D;  // elements of a token these heads read
-    for (int i = 0; i < nh; i++) softmax_row(p + (size_t)i * len, len, j->avx2);  // per head
+    for (int i = 0; i < nh; i++) softmax_row(p + (size_t)i * len, len, j->avx2, sink_of(j, h0 + i));  // per head
     for (size_t i = 0; i < (size_t)nh * (size_t)D; i++) out[i] = 0.0f;
 #if COLI_X86
     // Blocks of tokens, each head's output held in registers over a block (not stored and loaded
@@ -440,13 +456,18 @@ static void attn_values(const AttnJob *j, float *p, int len, int h0, int nh, flo
     }
 }
 
-// One task per (new token, block of heads): its scores, then attn_values.
+// One task per (new token, block of heads): its scores, then attn_values. A window starts the cache
+// at the token's first row seen (the job's k, v moved there), so the loops below run as without one.
 static void attn_task(void *ctx, int task) {
-    const AttnJob *j = ctx;
+    AttnJob seen = *(const AttnJob *)ctx;
+    const AttnJob *j = &seen;
     int blocks = (j->H + j->heads - 1) / j->heads;
     int t = task / blocks, h0 = (task % blocks) * j->heads;
     int nh = j->H - h0 < j->heads ? j->H - h0 : j->heads, group = j->H / j->Hkv, D = j->D;
-    int len = j->start + t + 1;  // causal: keys 0 .. start + t
+    int lo = first_seen(j, j->start + t);  // causal: keys lo .. start + t
+    int len = j->start + t + 1 - lo;
+    seen.k = kv_at(j, j->k, (size_t)lo * j->Hkv * D);
+    seen.v = kv_at(j, j->v, (size_t)lo * j->Hkv * D);
     const float *q = j->q + ((size_t)t * j->H + h0) * (size_t)D;  // [nh, D]
     float *out = j->out + ((size_t)t * j->H + h0) * (size_t)D;      // [nh, D]
     float stack[2048];
@@ -547,7 +568,9 @@ static void copy_tile(const AttnJob *j, float *tile, const void *base, int kvh, 
 // per score, softmax and output element, in the same order, so the same bits as one task per token.
 // Alternated call by call with 4 tokens per task and no copies (BENCHMARKS.md): OLMoE's 16 heads, a
 // 2048-token prompt 720 -> 287 ms per layer, 8 tokens verified after 2000 7.3 -> 4.6 ms; Qwen3's 32
-// heads over 4 kv heads 678 -> 525 ms.
+// heads over 4 kv heads 678 -> 525 ms. With a window the block reads the rows from its first
+// token's first row seen (base); a token's scores before its own first row are 0 after its softmax,
+// so the shared value loops add 0 · v to its +0 outputs there: the bits of starting at its first row.
 enum { QBLOCK = 16, KTILE = 32 };
 
 static void attn_task_block(void *ctx, int task) {
@@ -555,63 +578,67 @@ static void attn_task_block(void *ctx, int task) {
     int nqb = (j->T + QBLOCK - 1) / QBLOCK;  // head-major: a head's blocks of tokens run one after the other
     int t0 = (task % nqb) * QBLOCK, h0 = (task / nqb) * j->heads;
     int nt = j->T - t0 < QBLOCK ? j->T - t0 : QBLOCK, nh = j->H - h0 < j->heads ? j->H - h0 : j->heads;
-    int group = j->H / j->Hkv, D = j->D, len[QBLOCK];  // token t0 + m sees keys 0 .. len[m] - 1
+    int group = j->H / j->Hkv, D = j->D, len[QBLOCK], lo[QBLOCK] = {0};  // token t0 + m sees keys lo[m] .. len[m] - 1
     size_t row = (size_t)j->Hkv * (size_t)D, qs = (size_t)j->H * (size_t)D;
-    for (int m = 0; m < nt; m++) len[m] = j->start + t0 + m + 1;
-    int lmax = j->start + t0 + nt;  // len[nt - 1]
-    float *buf = malloc(((size_t)nt * (size_t)lmax + (size_t)KTILE * D) * sizeof(float)), *p[QBLOCK];
+    for (int m = 0; m < nt; m++) len[m] = j->start + t0 + m + 1, lo[m] = first_seen(j, len[m] - 1);
+    int lmax = j->start + t0 + nt, base = lo[0], width = lmax - base;  // the rows the block reads: base .. lmax - 1
+    float *buf = malloc(((size_t)nt * (size_t)width + (size_t)KTILE * D) * sizeof(float)), *p[QBLOCK];
     if (buf == NULL) {  // no memory for the scores: the rows are NaN rather than wrong
         for (int m = 0; m < nt; m++)
             for (size_t i = 0; i < (size_t)nh * (size_t)D; i++) j->out[((size_t)(t0 + m) * j->H + h0) * D + i] = NAN;
         return;
     }
-    for (int m = 0; m < nt; m++) p[m] = buf + (size_t)m * (size_t)lmax;
-    float *tile = buf + (size_t)nt * (size_t)lmax;  // KTILE keys or values of one head, side by side
+    for (int m = 0; m < nt; m++) p[m] = buf + (size_t)m * (size_t)width;  // p[m][s - base]: token t0 + m, key s
+    float *tile = buf + (size_t)nt * (size_t)width;  // KTILE keys or values of one head, side by side
     for (int h = h0; h < h0 + nh; h++) {
         const float *q = j->q + ((size_t)t0 * j->H + h) * (size_t)D;  // token t0 + m: q + m * qs
-        for (int s0 = 0; s0 < lmax; s0 += KTILE) {
+        for (int s0 = base; s0 < lmax; s0 += KTILE) {
             int s1 = s0 + KTILE < lmax ? s0 + KTILE : lmax;
             copy_tile(j, tile, j->k, h / group, row, s0, s1);
             for (int m0 = 0; m0 < nt; m0 += 4) {
                 for (int s = s0; s < s1; s++) {
                     const float *ks = tile + (size_t)(s - s0) * D;
-                    if (m0 + 4 <= nt && s < len[m0]) {
+                    if (m0 + 4 <= nt && s < len[m0] && s >= lo[m0 + 3]) {
                         float dots[4];
                         dot16x4_shared_avx2(q + (size_t)m0 * qs, qs, ks, D, dots, 0);
-                        for (int m = 0; m < 4; m++) p[m0 + m][s] = dots[m] * j->scale;
+                        for (int m = 0; m < 4; m++) p[m0 + m][s - base] = dots[m] * j->scale;
                         continue;
                     }
                     for (int m = m0; m < nt && m < m0 + 4; m++) {
-                        if (s < len[m]) p[m][s] = dot16_avx2(q + (size_t)m * qs, ks, D) * j->scale;
+                        if (s < len[m] && s >= lo[m]) p[m][s - base] = dot16_avx2(q + (size_t)m * qs, ks, D) * j->scale;
                     }
                 }
             }
         }
-        for (int m = 0; m < nt; m++) softmax_row(p[m], len[m], j->avx2);
+        for (int m = 0; m < nt; m++) {
+            softmax_row(p[m] + (lo[m] - base), len[m] - lo[m], j->avx2, sink_of(j, h));
+            for (int s = base; s < lo[m]; s++) p[m][s - base] = 0.0f;
+        }
         float *out[QBLOCK];
         for (int m = 0; m < nt; m++) {
             out[m] = j->out + ((size_t)(t0 + m) * j->H + h) * (size_t)D;
             memset(out[m], 0, (size_t)D * sizeof(float));
         }
-        for (int s0 = 0; s0 < lmax; s0 += KTILE) {  // a tile of values, in L1 for every token and column
+        for (int s0 = base; s0 < lmax; s0 += KTILE) {  // a tile of values, in L1 for every token and column
             int s1 = s0 + KTILE < lmax ? s0 + KTILE : lmax;
             copy_tile(j, tile, j->v, h / group, row, s0, s1);
-            for (int m0 = 0; m0 < nt; m0 += 4) {  // token s of the tile: p[m][s], tile + (s - s0) * D
+            for (int m0 = 0; m0 < nt; m0 += 4) {  // token s of the tile: p[m][s - base], tile + (s - s0) * D
                 for (int d0 = 0; d0 < D; d0 += 16) {
                     if (m0 + 4 <= nt) {  // the 4 tokens' common keys together, then each one's own in order
                         float *o4[4] = {out[m0] + d0, out[m0 + 1] + d0, out[m0 + 2] + d0, out[m0 + 3] + d0};
-                        const float *p4[4] = {p[m0] + s0, p[m0 + 1] + s0, p[m0 + 2] + s0, p[m0 + 3] + s0};
+                        const float *p4[4] = {p[m0] + (s0 - base), p[m0 + 1] + (s0 - base), p[m0 + 2] + (s0 - base),
+                                              p[m0 + 3] + (s0 - base)};
                         int common = (len[m0] < s1 ? len[m0] : s1) - s0;
                         axpy16x4_tokens_avx2(o4, p4, tile + d0, (size_t)D, 0, common);
                         for (int m = m0 + 1; m < m0 + 4; m++) {
                             int a = common > 0 ? common : 0, b = (len[m] < s1 ? len[m] : s1) - s0;
-                            axpy16_tokens_avx2(out[m] + d0, p[m] + s0, tile + d0, (size_t)D, a, b);
+                            axpy16_tokens_avx2(out[m] + d0, p[m] + (s0 - base), tile + d0, (size_t)D, a, b);
                         }
                         continue;
                     }
                     for (int m = m0; m < nt; m++) {
                         int b = (len[m] < s1 ? len[m] : s1) - s0;
-                        axpy16_tokens_avx2(out[m] + d0, p[m] + s0, tile + d0, (size_t)D, 0, b);
+                        axpy16_tokens_avx2(out[m] + d0, p[m] + (s0 - base), tile + d0, (size_t)D, 0, b);
                     }
                 }
             }
@@ -622,12 +649,13 @@ static void attn_task_block(void *ctx, int task) {
 #endif
 
 int attention(float *out, const float *q, int T, int H, int D, const void *k, const void *v, int S, int Hkv,
-              int start, float scale, int kv) {
-    if (T < 0 || H < 1 || D < 1 || Hkv < 1 || H % Hkv || start < 0 || start + T > S || (kv != KV_F32 && kv != KV_F16)) {
+              int start, float scale, int window, const float *sinks, int kv) {
+    if (T < 0 || H < 1 || D < 1 || Hkv < 1 || H % Hkv || start < 0 || start + T > S || window < 0 ||
+        (kv != KV_F32 && kv != KV_F16)) {
         return COLI_EINVAL;
     }
     int threads = threads_get(), blocks = threads < H ? threads : H;  // one block of heads per thread
-    AttnJob j = {out, q, k, v, T, H, D, S, Hkv, start, scale, (H + blocks - 1) / blocks,
+    AttnJob j = {out, q, k, v, T, H, D, S, Hkv, start, scale, window, sinks, (H + blocks - 1) / blocks,
                  path_current() != &PATH_PORTABLE, kv == KV_F16};
     int tasks = T * ((H + j.heads - 1) / j.heads);
     void (*task)(void *, int) = attn_task;
@@ -639,7 +667,8 @@ int attention(float *out, const float *q, int T, int H, int D, const void *k, co
         tasks = nqb * ((H + j.heads - 1) / j.heads);
     }
 #endif
-    if ((double)T * H * (start + T) * D < POOL_MIN_WORK || threads <= 1) {
+    double seen = window > 0 && window < start + T ? window : start + T;  // keys a token reads, at most
+    if ((double)T * H * seen * D < POOL_MIN_WORK || threads <= 1) {
         for (int i = 0; i < tasks; i++) task(&j, i);
     } else {
         pool_run(task, &j, tasks);
@@ -652,6 +681,13 @@ int attention(float *out, const float *q, int T, int H, int D, const void *k, co
 // cross from Python to C six times per layer). Each step is the function above that the layer-
 // by-layer path calls, in the same order, so the results are the same bits.
 
+// x[t] += bias for each of the n rows of x [n, width] (bias NULL: nothing).
+static void add_bias(float *x, const float *bias, int n, int width) {
+    if (bias == NULL) return;
+    for (size_t t = 0; t < (size_t)n; t++)
+        for (int i = 0; i < width; i++) x[t * width + i] += bias[i];
+}
+
 int attn_block(float *out, const float *h, int T, const AttnBlock *b, const float *cos, const float *sin,
                void *k_cache, void *v_cache, int start, int act, int kv) {
     int H = b->heads, Hkv = b->kv_heads, D = b->head_dim, hidden = b->wq->cols;
@@ -660,7 +696,7 @@ int attn_block(float *out, const float *h, int T, const AttnBlock *b, const floa
         b->wq->rows != nq ||
         b->wk->rows != nkv || b->wv->rows != nkv || b->wk->cols != hidden || b->wv->cols != hidden ||
         b->wo->rows != hidden || b->wo->cols != nq || b->qk_norm < 0 ||
-        b->qk_norm > QK_NORM_HEAD) {
+        b->qk_norm > QK_NORM_HEAD || b->window < 0) {
         return COLI_EINVAL;
     }
     if (T == 0) return COLI_OK;
@@ -674,6 +710,9 @@ int attn_block(float *out, const float *h, int T, const AttnBlock *b, const floa
     float *qkv[3] = {q, k, v};
     const QMatrix *w[3] = {b->wq, b->wk, b->wv};
     if (status == COLI_OK) status = matmul_multi(qkv, w, 3, x, T, act);
+    const float *bias[3] = {b->bq, b->bk, b->bv};
+    int width[3] = {nq, nkv, nkv};
+    for (int i = 0; i < 3 && status == COLI_OK; i++) add_bias(qkv[i], bias[i], T, width[i]);
     if (status == COLI_OK && b->qk_norm) {  // in place: rms_norm reads a row whole before writing it
         int whole = b->qk_norm == QK_NORM_WHOLE;
         rms_norm(q, q, b->q_norm, whole ? T : T * H, whole ? nq : D, b->eps);
@@ -692,9 +731,10 @@ int attn_block(float *out, const float *h, int T, const AttnBlock *b, const floa
             memcpy((float *)k_cache + at, kr, t * (size_t)nkv * sizeof(float));
             memcpy((float *)v_cache + at, v, t * (size_t)nkv * sizeof(float));
         }
-        status = attention(attn, qr, T, H, D, k_cache, v_cache, start + T, Hkv, start, b->scale, kv);
+        status = attention(attn, qr, T, H, D, k_cache, v_cache, start + T, Hkv, start, b->scale, b->window, b->sinks, kv);
     }
     if (status == COLI_OK) status = matmul_multi(&o, &b->wo, 1, attn, T, act);
+    if (status == COLI_OK) add_bias(o, b->bo, T, hidden);
     if (status == COLI_OK) {
         for (size_t i = 0; i < t * (size_t)hidden; i++) out[i] = h[i] + o[i];
     }

@@ -4,7 +4,8 @@ token and keeps the sampled distribution; a rejected draft rolls back every stat
 Tiny random models of every architecture with a state of its own kind (tools/tiny_model.py): OLMoE
 (KV cache), GLM-5.2 with an MTP head (MLA latents, DSA indexer keys; the MTP drafter), Qwen3.6
 (Gated DeltaNet conv + recurrent states), DeepSeek V4 (sliding window, compressor windows and the
-carried half-window, indexer entries), Kimi-Linear (KDA states, MLA)."""
+carried half-window, indexer entries), Kimi-Linear (KDA states, MLA), GPT-OSS (GQA sliding windows
+beside KV caches)."""
 from __future__ import annotations
 
 import importlib.util
@@ -27,7 +28,7 @@ spec = importlib.util.spec_from_file_location("tiny_model", ROOT / "tools" / "ti
 tiny_model = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tiny_model)
 
-ARCHS = ("olmoe", "glm52", "qwen36", "deepseek_v4", "kimi_linear")
+ARCHS = ("olmoe", "glm52", "qwen36", "deepseek_v4", "kimi_linear", "gpt_oss")
 PROMPT = [5, 17, 300, 42, 9, 77, 1000, 3, 64, 128, 256, 12, 700]  # 13: inside every compressor window
 N = 24
 

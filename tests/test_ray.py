@@ -2,7 +2,7 @@
 head, where the driver runs, and 2 worker nodes holding the shards) in one fixture for the module.
 
 Generation with the experts spread over the nodes is token-identical to a single machine (tiny
-OLMoE and GLM-5.2, both splits, prefill and decode); a slow node is treated as failed after the
+OLMoE and GLM-5.2, both splits, prefill and decode; GPT-OSS, whose experts add biases); a slow node is treated as failed after the
 deadline and used again once it answers; killing a node mid-generation completes the request with
 identical tokens, and a node that joins afterwards takes the shard back. Also: placement sized to
 each node's RAM, `plan --ray`, `doctor --ray`, `/metrics`, `run --ray` end to end, and a missing
@@ -49,6 +49,7 @@ def build(arch: str, out: Path) -> Path:
     hf = out.with_name(out.name + "-hf")
     model = AutoModelForCausalLM.from_config(tiny_model.hf_config(arch), dtype=torch.float32)
     tiny_model.fill_hash_tables(model, 0)
+    tiny_model.fill_expert_biases(model, 0)
     model.save_pretrained(hf)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_model.DEMO / name, hf / name)
@@ -60,7 +61,7 @@ def build(arch: str, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("ray-tiny")
-    return {arch: build(arch, root / arch) for arch in ("olmoe", "glm52")}
+    return {arch: build(arch, root / arch) for arch in ("olmoe", "glm52", "gpt_oss")}
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +145,8 @@ def test_the_shard_computes_its_slots_as_the_local_block_does(models):
 
 
 # ---- identity -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch,split", [("olmoe", "expert"), ("olmoe", "layer"), ("glm52", "expert")])
+@pytest.mark.parametrize("arch,split", [("olmoe", "expert"), ("olmoe", "layer"), ("glm52", "expert"),
+                                        ("gpt_oss", "expert")])  # GPT-OSS: experts with biases
 def test_tokens_identical_to_a_single_machine(models, reference, cluster, arch, split):
     with remote_load(models[arch], cluster, split=split) as e:
         got = e.generate(PROMPT, N, stop_ids=())

@@ -58,10 +58,17 @@ def hf_config(arch: str):
             n_shared_experts=1, routed_scaling_factor=2.446, first_k_dense_replace=1, initializer_range=0.1,
             linear_attn_config={"full_attn_layers": [2, 4], "kda_layers": [1, 3], "head_dim": 16, "num_heads": 2,
                                 "short_conv_kernel_size": 4}, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "gpt_oss":
+        return tf.GptOssConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=16, num_experts_per_tok=2, sliding_window=8,
+            initializer_range=0.1, max_position_embeddings=2048,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
     raise SystemExit(f"unknown architecture {arch!r}: {', '.join(ARCHS)}")
 
 
-ARCHS = ("olmoe", "glm52", "qwen36", "deepseek_v4", "kimi_linear")
+ARCHS = ("olmoe", "glm52", "qwen36", "deepseek_v4", "kimi_linear", "gpt_oss")
 
 
 def fill_hash_tables(model, seed: int) -> None:
@@ -75,6 +82,18 @@ def fill_hash_tables(model, seed: int) -> None:
             if name.endswith("tid2eid"):
                 buf.copy_(torch.stack([torch.randperm(model.config.n_routed_experts, generator=gen)[:buf.shape[1]]
                                        for _ in range(buf.shape[0])]))
+
+
+def fill_expert_biases(model, seed: int) -> None:
+    """The routed experts' biases (GPT-OSS's `experts.*_bias`) initialise to zeros: random ones, as a
+    trained model has, so a path that dropped them would show."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name and name.endswith("_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
 
 
 def save_with_mtp(model, out: Path, seed: int) -> None:
@@ -124,6 +143,7 @@ def build(arch: str, out: Path, quant: str = "int4", seed: int = 0, mtp: bool = 
                                  "mlp_layer_types": [*config.mlp_layer_types, "sparse"]})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fill_hash_tables(model, seed)
+    fill_expert_biases(model, seed)
     if mtp:
         save_with_mtp(model, hf, seed)
     else:

@@ -10,9 +10,13 @@ their aliases, its expert name patterns and their `ExpertNames.other_names`):
   integer tensors (a hash table) as float32;
 - routed experts: per expert, gate / up / down with their scales, as an `fp4` QTensor (packed E2M1
   in I8 with a UE8M0 scale per 32 columns: DeepSeek V4's experts; or MXFP4 as Kimi K3 stores it,
-  ``NAME.weight_packed`` U8 + ``NAME.weight_scale`` U8, the same bytes), `fp8`, or float32. Each expert is
-  read as the fewest extents that cover its tensors: one read where they are contiguous in one
-  shard (the official layout), sorted reads where they are not (tensors split across shards).
+  ``NAME.weight_packed`` U8 + ``NAME.weight_scale`` U8, the same bytes), `fp8`, or float32; or fused
+  MXFP4 as GPT-OSS's release stores its experts: per layer ``FUSED_blocks`` (E, R, C/32, 16) U8 +
+  ``FUSED_scales`` (E, R, C/32) U8 for the layout's fused gate_up and down names, rows the output units
+  (gate and up rows alternating where the layout says ``gate_up_interleaved``: they are parted into
+  two matrices as the expert is read, its bytes unchanged). Each expert is read as the fewest
+  extents that cover its tensors: one read where they are contiguous in one shard (the official
+  layout), sorted reads where they are not (tensors split across shards).
 
 Nothing is verified by checksum (a checkpoint carries none): headers, shapes and dtypes are checked
 when the directory is opened, and every file's size against its header. The fingerprint sessions
@@ -39,6 +43,7 @@ __all__ = ["NativeCheckpoint", "is_checkpoint"]
 
 E8M0_SCALE = ".scale"  # DeepSeek V4: NAME.weight (F8_E4M3 or packed fp4 in I8) + NAME.scale (F8_E8M0)
 PACKED = ".weight_packed"  # Kimi K3: NAME.weight_packed (E2M1 pairs in U8) + NAME.weight_scale (UE8M0 in U8)
+BLOCKS, SCALES = "_blocks", "_scales"  # GPT-OSS: fused FUSED_blocks (E, R, C/32, 16) U8 + FUSED_scales (E, R, C/32) U8
 MERGE_GAP = 1 << 16  # tensors of one expert this close in one shard are read in one extent
 SAMPLE = 1 << 16  # bytes of each shard hashed into the fingerprint, at its start, middle and end
 
@@ -109,7 +114,7 @@ class NativeCheckpoint:
 
     def _expert_sources(self, layer: int, e: int) -> dict[str, str] | None:
         names = self.layout.experts
-        for pattern in (names.per_expert, *names.other_names):
+        for pattern in (p for p in (names.per_expert, *names.other_names) if p):  # {}: fused only
             found = {p: pattern[p].format(layer=layer, expert=e) for p in PROJS}
             if all(n in self._ckpt.where for n in found.values()):
                 return found
@@ -117,6 +122,8 @@ class NativeCheckpoint:
 
     def _locate_expert(self, layer: int, e: int, used: set[str]):
         found = self._expert_sources(layer, e)
+        if found is None and self._fused_mxfp4(layer):
+            return self._locate_fused(layer, e, used)
         if found is None:
             want = self.layout.experts.per_expert["gate"].format(layer=layer, expert=e)
             raise ColibriError(f"{self.path}: the checkpoint lacks expert {e} of layer {layer} ({want} or another "
@@ -145,19 +152,61 @@ class NativeCheckpoint:
                                        f"a {kind} [{rows}, {cols}] expert matrix")
             parts.append((proj, kind, name, scale))
             used.update({name} | ({scale} if scale else set()))
+        return self._extents([(proj, kind, self._piece(data), self._piece(scale) if scale else None,
+                               self._ckpt.where[data].dtype(data)) for proj, kind, data, scale in parts])
+
+    def _piece(self, name: str, first: int = 0, count: int | None = None) -> tuple[str, int, int]:
+        """(file, byte offset, byte count) of tensor `name`, or of `count` of its first-axis rows from `first`."""
+        st = self._ckpt.where[name]
+        _, shape, off, nb = st.tensors[name]
+        if count is None:
+            return str(st.path), off, nb
+        row = nb // shape[0]
+        return str(st.path), off + first * row, count * row
+
+    def _fused_mxfp4(self, layer: int) -> bool:
+        """Whether `layer`'s experts are fused MXFP4 (`BLOCKS` / `SCALES`, module docstring)."""
+        names = self.layout.experts
+        return bool(names.fused_gate_up and names.fused_down) and all(
+            n.format(layer=layer) + part in self._ckpt.where for n in (names.fused_gate_up, names.fused_down)
+            for part in (BLOCKS, SCALES))
+
+    def _locate_fused(self, layer: int, e: int, used: set[str]):
+        """Expert e's rows of a layer's fused MXFP4 tensors: gate_up [2I, H] and down [H, I] in fp4."""
+        names, E, H, I = self.layout.experts, self.n_experts, self.hidden, self.intermediate
+        if H % quant.FP4_GROUP or I % quant.FP4_GROUP:
+            raise ColibriError(f"{self.path}: MXFP4 experts need hidden ({H}) and intermediate ({I}) sizes that are "
+                               f"multiples of {quant.FP4_GROUP}")
+        parts = []
+        for proj, pattern, rows, cols in (("gate_up", names.fused_gate_up, 2 * I, H), ("down", names.fused_down, H, I)):
+            data, scale = (pattern.format(layer=layer) + part for part in (BLOCKS, SCALES))
+            want = {data: (E, rows, -(-cols // quant.FP4_GROUP), quant.FP4_GROUP // 2),
+                    scale: (E, rows, -(-cols // quant.FP4_GROUP))}
+            for n, shape in want.items():
+                st = self._ckpt.where[n]
+                if st.dtype(n) != "U8" or st.shape(n) != shape:
+                    raise ColibriError(f"{self.path}: expert tensor {n} is {st.dtype(n)} {list(st.shape(n))}, expected U8 "
+                                       f"{list(shape)} (MXFP4 experts {E}, hidden {H}, intermediate {I})")
+            used.update(want)
+            parts.append((proj, "fp4", self._piece(data, e, 1), self._piece(scale, e, 1), "U8"))
+        return self._extents(parts)
+
+    def _extents(self, parts: list) -> tuple[list, list]:
+        """The extents covering `parts` [(proj, kind, data piece, scale piece or None, dtype)] and each
+        part's (extent, offset in it, byte count) of data and scales."""
         # the byte ranges to read, by shard, sorted; neighbours closer than MERGE_GAP merged
-        pieces = sorted((str(self._ckpt.where[n].path), self._ckpt.where[n].tensors[n][2], self._ckpt.where[n].tensors[n][3], n)
-                        for _, _, data, scale in parts for n in (data, scale) if n)
+        pieces = sorted((*piece, i) for i, (_, _, data, scale, _) in enumerate(parts)
+                        for piece in (data, scale) if piece)
         extents, where = [], {}
-        for path, off, nb, n in pieces:
+        for path, off, nb, _ in pieces:
             if extents and extents[-1][0] == path and off <= extents[-1][1] + extents[-1][2] + MERGE_GAP:
                 p, start, length = extents[-1]
                 extents[-1] = (p, start, max(length, off + nb - start))
             else:
                 extents.append((path, off, nb))
-            where[n] = (len(extents) - 1, off - extents[-1][1], nb)
-        return extents, [(proj, kind, where[data], where[scale] if scale else None, self._ckpt.where[data].dtype(data))
-                         for proj, kind, data, scale in parts]
+            where[path, off, nb] = (len(extents) - 1, off - extents[-1][1], nb)
+        return extents, [(proj, kind, where[data], where[scale] if scale else None, dtype)
+                         for proj, kind, data, scale, dtype in parts]
 
     def expert_extents(self, layer: int, expert: int) -> list[tuple[str, int, int]]:
         """(file, byte offset, byte count) of each extent holding one expert's tensors."""
@@ -183,6 +232,7 @@ class NativeCheckpoint:
         out = {}
         for proj, kind, (ei, off, nb), scale, dtype in self._experts[layer, expert][1]:
             rows, cols = (self.hidden, self.intermediate) if proj == "down" else (self.intermediate, self.hidden)
+            rows *= 2 if proj == "gate_up" else 1
             raw = views[ei][off:off + nb]
             if kind == "f32":
                 if dtype == "F32":
@@ -197,6 +247,12 @@ class NativeCheckpoint:
             si, soff, snb = scale
             out[proj] = quant.QTensor(kind, rows, cols, raw.view(ddt).reshape(dshape),
                                       views[si][soff:soff + snb].view(sdt).reshape(sshape), self.activations)
+        if "gate_up" in out:  # fused: its rows parted into gate and up (copies of their bytes)
+            gate_up, inter = out.pop("gate_up"), self.intermediate
+            rows = ((slice(0, None, 2), slice(1, None, 2)) if self.layout.experts.gate_up_interleaved
+                    else (slice(0, inter), slice(inter, None)))
+            out["gate"], out["up"] = (quant.QTensor(gate_up.kind, inter, gate_up.cols, np.ascontiguousarray(gate_up.data[r]),
+                                                    np.ascontiguousarray(gate_up.scales[r]), gate_up.act) for r in rows)
         return out["gate"], out["up"], out["down"]
 
     def read_expert(self, layer: int, expert: int):

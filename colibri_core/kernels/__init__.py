@@ -464,23 +464,27 @@ def rope_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndar
     return out
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float) -> np.ndarray:
-    """Causal GQA attention: q (T, H, D) for positions start..start+T-1 over k, v (S, Hkv, D), the
-    new tokens' keys and values included (S >= start + T). k and v float16 (a float16 KV cache) are
-    read as they are, each element widened exactly: the bits of passing them as float32. Returns
-    float32 (T, H * D)."""
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, scale: float, window: int | None = None,
+              sinks: np.ndarray | None = None) -> np.ndarray:
+    """Causal GQA attention: q (T, H, D) for rows start..start+T-1 over k, v (S, Hkv, D), the new
+    tokens' keys and values included (S >= start + T). k and v float16 (a float16 KV cache) are
+    read as they are, each element widened exactly: the bits of passing them as float32. `window`:
+    the token of row r sees rows r - window + 1 .. r only (None: all before it); `sinks` (H,): a
+    logit per head in its softmax's denominator (GPT-OSS). Returns float32 (T, H * D)."""
     q = np.ascontiguousarray(q, np.float32)
     T, H, D = q.shape
     S, Hkv, Dk = k.shape
     if v.shape != k.shape or Dk != D or H % Hkv or not 0 <= start <= S - T:
         raise ValueError(f"attention: q (T, H, D), k and v (S, Hkv, D) with H a multiple of Hkv and "
                          f"start + T <= S; got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, start {start}")
+    window = _window(window, "attention")
+    sinks = None if sinks is None else _vector(sinks, H, "sinks")
     kv = lib.KV_F16 if k.dtype == v.dtype == np.float16 else lib.KV_F32
     k, v = (np.ascontiguousarray(a, np.float16 if kv == lib.KV_F16 else np.float32) for a in (k, v))
     out = np.empty((T, H * D), np.float32)
     if T:
         _check(lib.attention(_floats(out, writable=True), _floats(q), T, H, D, _cache(k), _cache(v), S, Hkv,
-                             start, scale, kv), "attention")
+                             start, scale, window, ffi.NULL if sinks is None else _floats(sinks), kv), "attention")
     return out
 
 
@@ -503,13 +507,20 @@ class AttnBlock:
     function the step-by-step path calls (`rms_norm`, `matmul_multi`, `rope_rotate_half`,
     `attention`, `matmul`), in the same order, so the result is the same bits.
 
+    Options, each off by default: `q_bias`, `k_bias`, `v_bias` (heads·D,), (kv_heads·D,) added to the
+    projections and `o_bias` (H,) to the output projection; `sinks` (heads,) a logit per head joining
+    its softmax without a value; `window` a sliding window (a token sees its own row and the
+    window − 1 before it: its cache may hold only those, `kv.cache.WindowKV`). GPT-OSS uses them all.
+
     Built once per layer (checks the shapes, keeps the C struct); called per forward pass. Its
-    weights stay readable as attributes (norm, wq, wk, wv, wo, q_norm, k_norm).
+    weights stay readable as attributes (norm, wq, wk, wv, wo, q_norm, k_norm, biases, sinks, window).
     """
 
     def __init__(self, norm: np.ndarray, wq: QTensor, wk: QTensor, wv: QTensor, wo: QTensor, *, heads: int,
                  kv_heads: int, head_dim: int, eps: float, scale: float, qk_norm: str | None = None,
-                 q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None, clip: float | None = None):
+                 q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None, clip: float | None = None,
+                 q_bias: np.ndarray | None = None, k_bias: np.ndarray | None = None, v_bias: np.ndarray | None = None,
+                 o_bias: np.ndarray | None = None, sinks: np.ndarray | None = None, window: int | None = None):
         hidden, nq, nkv = wq.cols, heads * head_dim, kv_heads * head_dim
         if (wq.rows, wk.rows, wv.rows, wk.cols, wv.cols, wo.rows, wo.cols) != (nq, nkv, nkv, hidden, hidden, hidden, nq):
             raise ValueError(f"attn_block: projections must be q [{nq}, H], k, v [{nkv}, H], o [H, {nq}]; got q "
@@ -531,7 +542,16 @@ class AttnBlock:
             b.q_norm, b.k_norm = (ffi.from_buffer("float[]", a) for a in arrays[1:])
         b.clip = math.inf if clip is None else float(clip)
         b.heads, b.kv_heads, b.head_dim, b.eps, b.scale = heads, kv_heads, head_dim, eps, scale
-        self._c = b  # points into the arrays below, kept here
+        options = {name: None if a is None else _vector(a, n, name) for name, a, n in (
+            ("q_bias", q_bias, nq), ("k_bias", k_bias, nkv), ("v_bias", v_bias, nkv), ("o_bias", o_bias, hidden),
+            ("sinks", sinks, heads))}
+        for field, name in (("bq", "q_bias"), ("bk", "k_bias"), ("bv", "v_bias"), ("bo", "o_bias"), ("sinks", "sinks")):
+            if options[name] is not None:
+                setattr(b, field, ffi.from_buffer("float[]", options[name]))
+        b.window = self.window = _window(window, "attn_block")
+        self.biases = tuple(options[n] for n in ("q_bias", "k_bias", "v_bias", "o_bias"))  # (q, k, v, o), None: none
+        self.sinks = options["sinks"]
+        self._c = b  # points into the arrays here, kept here
         self.act = weights_act((wq, wk, wv, wo))  # the arithmetic a call uses by default
         self.norm, self.wq, self.wk, self.wv, self.wo = arrays[0], wq, wk, wv, wo
         self.q_norm, self.k_norm = (arrays[1], arrays[2]) if qk_norm is not None else (None, None)
@@ -564,6 +584,15 @@ class AttnBlock:
 
 # ----------------------------------------------------------------------------
 # Argument checks and conversion to C
+
+
+def _window(window, kernel: str) -> int:
+    """A sliding window as C takes it (0: none), checked."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or not 0 < window <= _INT_MAX:
+        raise ValueError(f"{kernel}: window must be a positive int or None, got {window!r}")
+    return int(window)
 
 
 def _vector(a, n: int, name: str) -> np.ndarray:

@@ -227,18 +227,26 @@ def rope_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndar
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, scale: float) -> np.ndarray:
-    """Causal GQA attention: q (T, H, D) at positions start.., keys / values (S, Hkv, D) -> (T, H * D)."""
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int, scale: float,
+              window: int | None = None, sinks: np.ndarray | None = None) -> np.ndarray:
+    """Causal GQA attention: q (T, H, D) at rows start.., keys / values (S, Hkv, D) -> (T, H * D).
+    `window`: the query of row r sees rows r - window + 1 .. r only; `sinks` (H,): a logit per head
+    joining its softmax (its share of the mass dropped, no value), as transformers' GPT-OSS."""
     T, H, D = q.shape
     S, Hkv, _ = keys.shape
     group = H // Hkv
     qg = q.reshape(T, Hkv, group, D).transpose(1, 2, 0, 3)  # (Hkv, group, T, D)
     scores = np.matmul(qg, keys.transpose(1, 2, 0)[:, None]) * np.float32(scale)  # (Hkv, group, T, S)
-    future = np.arange(S)[None, :] > (start + np.arange(T))[:, None]  # (T, S): key after query
-    scores[..., future] = -np.inf
-    scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
+    rows = start + np.arange(T)[:, None]  # (T, 1): each query's row
+    hidden = np.arange(S)[None, :] > rows  # (T, S): key after query
+    if window is not None:
+        hidden |= np.arange(S)[None, :] <= rows - window  # key left the window
+    scores[..., hidden] = -np.inf
+    sink = None if sinks is None else np.asarray(sinks, np.float32).reshape(Hkv, group, 1, 1)
+    top = scores.max(axis=-1, keepdims=True) if sink is None else np.maximum(scores.max(axis=-1, keepdims=True), sink)
+    probs = np.exp(scores - top)
+    total = probs.sum(axis=-1, keepdims=True)
+    probs /= total if sink is None else total + np.exp(sink - top)
     out = np.matmul(probs, values.transpose(1, 0, 2)[:, None])  # (Hkv, group, T, D)
     return out.transpose(2, 0, 1, 3).reshape(T, H * D).astype(np.float32, copy=False)
 

@@ -5,7 +5,7 @@ import numpy as np
 from ..arena import HUGE_PAGE, huge_pages
 from ..errors import ColibriError
 
-__all__ = ["KVCache", "Rows"]
+__all__ = ["KVCache", "Rows", "WindowKV"]
 
 # The KV caches' element type: "f32" keeps keys and values as computed (the oracle's arithmetic, the
 # default); "f16" rounds each to float16 when it is stored (half the memory and the bytes decode
@@ -103,6 +103,72 @@ class KVCache:
         """Keep the first `length` tokens (`State.truncate`)."""
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class WindowKV:
+    """Keys and values of a sliding-window attention layer: only the rows a later token can still
+    see (the last `window` − 1), float32 (a fixed-size state, whatever the KV cache type: its
+    memory is bounded by the window). A fixed-size part of a `kv.SequenceState` (rows that left the
+    window are gone: it cannot be cut to a prefix): arrays "PART.k", "PART.v" (≤ window − 1, Hkv, D),
+    oldest first.
+
+    It has `KVCache`'s interface for `layers.attention.gqa_block`: `length` is the rows held (the
+    attention kernel's row numbers, positions relative to the oldest row held), `reserve(T)` makes
+    room for T more. A call's new rows go after the held ones; once more than `SPARE` windows' worth
+    are held, the last window − 1 move to the front (one copy per `SPARE` − 1 windows of decoded
+    tokens, not one per token), so memory stays a few windows whatever the context, a long prompt's
+    rows included once the next call comes."""
+
+    per_token = False
+    SPARE = 4  # the arrays' capacity in windows (at least: a call's rows all fit)
+
+    def __init__(self, kv_heads: int, head_dim: int, window: int):
+        self.window = window
+        self.k = _empty(self.SPARE * window, (kv_heads, head_dim))  # (capacity, Hkv, D)
+        self.v = _empty(self.SPARE * window, (kv_heads, head_dim))  # (capacity, Hkv, D)
+        self.length = 0
+        self.varying = {"k": window - 1, "v": window - 1}
+
+    def reserve(self, T: int) -> int:
+        """Room for T more rows after the held ones (only the last window − 1 kept when it moves
+        them: a row before those is seen by no later token); returns length + T."""
+        if self.length + T <= self.k.shape[0]:
+            return self.length + T
+        keep = min(self.length, self.window - 1)
+        cap = max(self.SPARE * self.window, keep + T)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old if cap <= old.shape[0] <= self.SPARE * self.window else _empty(cap, old.shape[1:], old.dtype)
+            new[:keep] = old[self.length - keep:self.length]  # np copies overlapping slices correctly
+            setattr(self, name, new)
+        self.length = keep
+        return keep + T
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Add k, v (T, Hkv, D) for T new tokens."""
+        need = self.reserve(k.shape[0])
+        self.k[self.length:need] = k
+        self.v[self.length:need] = v
+        self.length = need
+
+    def view(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every held row, (length, Hkv, D) each (the attention kernel's rows 0 .. length − 1):
+        views the next `reserve` may move rows over."""
+        return self.k[:self.length], self.v[:self.length]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        first = max(self.length - (self.window - 1), 0)  # the rows a later token can see
+        return {"k": self.k[first:self.length].copy(), "v": self.v[first:self.length].copy()}  # copies: see view
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        self.append(arrays["k"], arrays["v"])
+
+    def empty(self) -> "WindowKV":
+        return WindowKV(*self.k.shape[1:], self.window)
 
     @property
     def nbytes(self) -> int:

@@ -16,6 +16,7 @@ run T tokens. The kinds (each a part; every one says which it is, `per_token`):
 - fixed-size states, which fold tokens in and cannot drop them (a prefix cache is to checkpoint
   them at positions it chooses instead): `layers.deltanet.DeltaNetState` and `layers.kda.KDAState`
   ("PART.conv", "PART.recurrent"), `layers.sink_attention.SlidingWindow` ("PART.window"),
+  `kv.cache.WindowKV` (a GQA sliding window's keys and values: "PART.k", "PART.v"),
   `layers.compressor.CompressorState` ("PART.entries", "PART.buffer_kv", … ).
 """
 from __future__ import annotations

@@ -6,21 +6,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import kernels
+from .. import batch, kernels
 from ..quant import QTensor, dequantize
 
 
 def linear(x: np.ndarray, w) -> np.ndarray:
-    """x (T, in) @ wᵀ → (T, out); `w` a QTensor (C kernel) or a float32 ndarray kept unquantised."""
+    """x (T, in) @ wᵀ → (T, out); `w` a QTensor (C kernel) or a float32 ndarray kept unquantised.
+    A QTensor's product is one C call for all the generations of a batch (batch.py: their rows
+    stacked, the weights read once, each row's bits its own)."""
     if isinstance(w, QTensor):
-        return kernels.matmul(w, x)
-    return x @ w.T
+        return batch.together(("linear", id(w)), x, batch.by_rows(lambda rows: kernels.matmul(w, rows)))
+    return x @ w.T  # NumPy's product, per generation: its bits may depend on the number of rows
 
 
 def linears(x: np.ndarray, ws) -> list[np.ndarray]:
-    """``[linear(x, w) for w in ws]``; quantised weights of one width go in one C call (same bits)."""
+    """``[linear(x, w) for w in ws]``; quantised weights of one width go in one C call (same bits),
+    for all the generations of a batch."""
     if all(isinstance(w, QTensor) for w in ws) and len({w.cols for w in ws}) == 1:
-        return kernels.matmul_multi(list(ws), x)
+        ws = list(ws)
+        return batch.together(("linears", *map(id, ws)), x, batch.by_rows(lambda rows: kernels.matmul_multi(ws, rows)))
     return [linear(x, w) for w in ws]
 
 

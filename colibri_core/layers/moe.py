@@ -10,7 +10,7 @@ kernels and the block's `ExpertFFN` on another machine, and they land in the sam
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -24,27 +24,39 @@ from .shared_expert import SharedExpert
 
 
 def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, limit: float | None = None,
-                glu: str = "swiglu", act: str | None = None, alpha: float | None = None) -> None:
+                glu: str = "swiglu", act: str | None = None, alpha: float | None = None,
+                biases: dict | None = None) -> None:
     """Fill the slots of `experts` ({expert id: (gate, up, down)}) in outs (T, k, H).
 
     outs[t, r] = FFN_{ids[t, r]}(x[t]) for every (t, r) routed to one of `experts`, with the gated
     unit `glu` (`kernels.GLUS`: "swiglu" clamped at `limit` if given, "swiglu_oai" with `limit` and
     `alpha`, "geglu_tanh", "situ"), in the activation arithmetic `act` (None: the weights' own,
-    `QTensor.act`). Each row is computed independently of the others, so batching never changes a
-    result.
+    `QTensor.act`), with each expert's `biases` ({expert id: (gate_bias, up_bias, down_bias)}, None:
+    none). Each row is computed independently of the others, so batching never changes a result.
     """
-    kernels.moe_experts(outs, x, ids, experts, act, limit, glu, alpha)  # one C call: every expert, every slot, threads inside
+    kernels.moe_experts(outs, x, ids, experts, act, limit, glu, alpha, biases)  # one C call: every expert, every slot, threads inside
 
 
 @dataclass(frozen=True)
 class ExpertFFN(ExpertMath):
     """The routed experts' math, the block's to choose and the same wherever an expert runs (the
     expert source computes local experts with it and sends its fields to remote shards): the
-    layout's `ExpertMath` (`activation`, `limit`, `alpha`), checked there, computed in C."""
+    layout's `ExpertMath` (`activation`, `limit`, `alpha`), checked there, computed in C; `biases`
+    one layer's expert biases (gate (E, I), up (E, I), down (E, H) float32) where the model declares
+    them (`MoEModel.expert_biases`), else None."""
+
+    biases: tuple | None = field(default=None, compare=False)
 
     def __call__(self, outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict) -> None:
         """`run_experts` with this math: the slots of `experts` in outs (T, k, H)."""
-        run_experts(outs, x, ids, experts, self.limit, self.activation, alpha=self.alpha)
+        run_experts(outs, x, ids, experts, self.limit, self.activation, alpha=self.alpha,
+                    biases=self.biases_of(experts))
+
+    def biases_of(self, experts) -> dict | None:
+        """{expert: (gate_bias, up_bias, down_bias)} of the ids `experts` (None: the experts have none)."""
+        if self.biases is None:
+            return None
+        return {e: tuple(None if b is None else b[e] for b in self.biases) for e in experts}
 
 
 def combine(outs: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -60,16 +72,20 @@ class MoE:
     object asked for a layer's experts; `routers` {layer: Router} in the order the forward pass runs
     them; `lookahead` {layer: the MoE layer whose experts it predicts} (by default each layer's
     successor in `routers`); `activation` the experts' gated unit, `swiglu_limit` its clamp and
-    `swiglu_alpha` GPT-OSS's slope (the layout's `expert_math`): `ExpertFFN`.
+    `swiglu_alpha` GPT-OSS's slope (the layout's `expert_math`): `ExpertFFN`; `biases` {layer: (gate
+    (E, I), up (E, I), down (E, H))} the experts' biases where a model has them (GPT-OSS).
     """
 
     def __init__(self, store, routers: dict[int, Router], lookahead: dict[int, int] | None = None,
-                 swiglu_limit: float | None = None, activation: str = "swiglu", swiglu_alpha: float | None = None):
+                 swiglu_limit: float | None = None, activation: str = "swiglu", swiglu_alpha: float | None = None,
+                 biases: dict[int, tuple] | None = None):
         for layer, router in routers.items():
             if not isinstance(router, Router):
                 raise ColibriError(f"MoE layer {layer}: the model declared a {type(router).__name__}, not a colibri Router")
         layers = list(routers)
         self.ffn = ExpertFFN(activation, swiglu_limit, swiglu_alpha)
+        self.biases = {layer: tuple(None if b is None else np.ascontiguousarray(b, np.float32) for b in parts)
+                       for layer, parts in (biases or {}).items()}
         self.experts, self.routers = store, routers
         self.lookahead = dict(zip(layers, layers[1:])) if lookahead is None else dict(lookahead)
 
@@ -98,7 +114,9 @@ class MoE:
         xe = x if expert_input is None else expert_input  # (T, H)
         nxt = self.lookahead.get(layer)
         predict = None if nxt is None else (nxt, lambda: self.routers[nxt].predict(residual, token_ids))
-        table = self.experts.resident_table(layer, predict)
+        # a layer with expert biases runs its experts through the source (the fused table holds none)
+        biases = self.biases.get(layer)
+        table = None if biases is not None else self.experts.resident_table(layer, predict)
         if table is not None:  # the layer holds all its experts: the experts and their weighted sum, one C call
             fused = shared is not None and self._fuses(shared, expert_input)
             kw = dict(limit=self.ffn.limit, glu=self.ffn.activation, alpha=self.ffn.alpha)
@@ -118,7 +136,8 @@ class MoE:
         T, k = ids.shape
         outs = np.zeros((T, k, xe.shape[1]), np.float32)  # (T, k, H): one slot per (token, rank)
         meanwhile = None if shared is None else (lambda: shared(x))  # while the first reads are in flight
-        shared_out = self.experts.compute(layer, outs, xe, ids, self.ffn, predict, meanwhile)
+        ffn = self.ffn if biases is None else replace(self.ffn, biases=biases)
+        shared_out = self.experts.compute(layer, outs, xe, ids, ffn, predict, meanwhile)
         out = combine(outs, weights)  # (T, H)
         return self._add_shared(layer, out, x, shared, shared_out)
 

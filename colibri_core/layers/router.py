@@ -21,7 +21,7 @@ import numpy as np
 from .. import kernels
 from .linear import linear
 
-__all__ = ["Router", "SoftmaxTopK", "SigmoidGroupTopK", "SqrtSoftplusTopK", "HashRouter",
+__all__ = ["Router", "SoftmaxTopK", "TopKSoftmax", "SigmoidGroupTopK", "SqrtSoftplusTopK", "HashRouter",
            "topk", "softmax_topk", "sigmoid_group_topk", "sqrt_softplus"]
 
 
@@ -121,6 +121,24 @@ class SoftmaxTopK(Router):
 
     def route(self, x, token_ids):
         return softmax_topk(linear(x, self.weight), self.k, self.renormalize)
+
+
+class TopKSoftmax(Router):
+    """The top-k logits (x Wᵀ + optional bias; ties to the lower index), then a softmax over those k,
+    the largest first (GPT-OSS, with a bias; Mixtral's routing without one)."""
+
+    def __init__(self, weight, k: int, bias: np.ndarray | None = None, input=_identity):
+        self.weight, self.bias = weight, bias  # (E, H) float32, (E,) float32 or None
+        self.k, self.input = k, input
+
+    def route(self, x, token_ids):
+        logits = linear(x, self.weight)  # (T, E)
+        if self.bias is not None:
+            logits = logits + self.bias
+        ids = topk(logits, self.k)  # (T, k)
+        top = np.take_along_axis(logits, ids, axis=-1)
+        w = np.exp(top - top[:, :1])
+        return (w / w.sum(axis=-1, keepdims=True)).astype(np.float32), ids.astype(np.int64)
 
 
 class SigmoidGroupTopK(Router):

@@ -286,7 +286,8 @@ class RemoteExperts:
             sub = np.where(sel[rows], ids[rows], -1).astype(np.int64)
             xs = np.ascontiguousarray(x[rows], np.float32)
             es = frozenset(ids[sel].tolist())
-            ref = self.shards[s].actor.compute.remote(layer, xs, sub, act, ffn.activation, ffn.limit, ffn.alpha)
+            ref = self.shards[s].actor.compute.remote(layer, xs, sub, act, ffn.activation, ffn.limit, ffn.alpha,
+                                                      ffn.biases_of(es))
             calls.append(_Call(s, rows, sel[rows], ref, time.perf_counter(), es))
             experts |= es
             self.c["calls"] += 1

@@ -77,10 +77,11 @@ class ShardServer:
 
     # ---- computing ---------------------------------------------------------------------------
     def compute(self, layer: int, x: np.ndarray, ids: np.ndarray, activations: str, kind: str,
-                limit: float | None, alpha: float | None = None) -> np.ndarray:
+                limit: float | None, alpha: float | None = None, biases: dict | None = None) -> np.ndarray:
         """The slots (t, r) of `ids` (n, k) whose expert this shard holds (the others are -1), in
         row-major order: (m, H) float32, each FFN_{ids[t, r]}(x[t]) as the local MoE block computes it
-        (`activations` the kernels' arithmetic; `kind`, `limit` and `alpha` the block's `ExpertFFN`)."""
+        (`activations` the kernels' arithmetic; `kind`, `limit`, `alpha` and the experts' `biases`
+        {expert: (gate_bias, up_bias, down_bias)} the block's `ExpertFFN`)."""
         from ..layers.moe import run_experts
 
         if self.delay:
@@ -93,7 +94,8 @@ class ShardServer:
             raise ValueError(f"shard does not hold layer {layer} experts {missing}")
         experts = {e: self._get(layer, e) for e in need}
         outs = np.zeros((*ids.shape, x.shape[1]), np.float32)
-        run_experts(outs, np.ascontiguousarray(x, np.float32), ids, experts, limit, glu=kind, act=activations, alpha=alpha)
+        run_experts(outs, np.ascontiguousarray(x, np.float32), ids, experts, limit, glu=kind, act=activations, alpha=alpha,
+                    biases=biases)
         return outs[ids >= 0]
 
     # ---- status ------------------------------------------------------------------------------

@@ -5,8 +5,12 @@ uses). Every layer:
 
     x = RMSNorm(h);  h += GQA(x)    per-head RMSNorm of q and k, rotate-half RoPE
     x = RMSNorm(h);  h += MoE(x)    softmax over all experts, top-k, renormalised if norm_topk_prob
-                  or h += MLP(x)    a dense SwiGLU MLP on the layers mlp_only_layers /
+                  or h += MLP(x)    a dense gated MLP on the layers mlp_only_layers /
                                     decoder_sparse_step leave without experts
+
+Experts and MLP share the gated unit config.json's hidden_act names: SiLU (SwiGLU, the released
+models) or the tanh GELU (GeGLU, "gelu_pytorch_tanh"; the experts run it in C as the core's
+"geglu_tanh").
 
 Final RMSNorm, lm_head (the embedding table when tie_word_embeddings). No shared expert.
 """
@@ -25,9 +29,11 @@ from colibri_core.layers.mlp import swiglu_mlp
 from colibri_core.layers.norm import rms_norm
 from colibri_core.layers.rope import Rope, apply_rotate_half
 from colibri_core.layers.router import SoftmaxTopK
-from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, embed, linear, linears
 from colibri_core.probe import record
+from colibri_core.tensors import Dim, Experts, Tensor, TensorTable
+
+ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu_tanh"}  # hidden_act -> the experts' gated unit
 
 
 @dataclass(frozen=True)
@@ -47,12 +53,15 @@ class Qwen3MoeConfig:
     rms_norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool  # lm_head is the embedding table
+    hidden_act: str  # the gated unit's activation, a key of ACTIVATIONS
 
     @classmethod
     def from_hf(cls, c: dict) -> Qwen3MoeConfig:
-        for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("use_sliding_window", False)):
+        for key, supported in (("attention_bias", False), ("use_sliding_window", False)):
             if c.get(key, supported) != supported:
                 raise ColibriError(f"Qwen3-MoE with {key} {c[key]!r} is not supported (only {supported!r})")
+        if c.get("hidden_act", "silu") not in ACTIVATIONS:
+            raise ColibriError(f"Qwen3-MoE with hidden_act {c['hidden_act']!r} is not supported ({', '.join(ACTIVATIONS)})")
         rope = {"rope_theta": c.get("rope_theta", 10000.0), **(c.get("rope_scaling") or {}),
                 **(c.get("rope_parameters") or {})}
         if rope.get("rope_type", rope.get("type", "default")) != "default":
@@ -73,8 +82,18 @@ class Qwen3MoeConfig:
             moe_intermediate_size=c["moe_intermediate_size"], norm_topk_prob=bool(c.get("norm_topk_prob", False)),
             moe_layers=moe_layers, intermediate_size=c["intermediate_size"],
             rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(rope["rope_theta"]),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), hidden_act=c.get("hidden_act", "silu"),
         )
+
+
+def gated_mlp(x: np.ndarray, gate, up, down, act: str) -> np.ndarray:
+    """The dense layers' MLP down(act(gate x) · up x), x (T, H) → (T, H): SwiGLU in one C call; GeGLU
+    with the tanh GELU as transformers' gelu_pytorch_tanh computes it."""
+    if act == "silu":
+        return swiglu_mlp(x, gate, up, down)
+    g = linear(x, gate)  # (T, F)
+    gelu = np.float32(0.5) * g * (np.float32(1) + np.tanh(np.float32(np.sqrt(2 / np.pi)) * (g + np.float32(0.044715) * g ** 3)))
+    return linear(gelu * linear(x, up), down)
 
 
 LAYER = "model.layers.{layer}."  # every checkpoint name of layer `layer` starts so
@@ -102,44 +121,39 @@ class Qwen3Moe(MoEModel):
             raise ColibriError(f"config.json lacks {e.args[0]!r}, which a Qwen3-MoE model needs") from None
 
     @classmethod
-    def resident_shapes(cls, cfg: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
-        """Every resident (non-routed-expert) tensor's shape, by checkpoint name, in load order."""
-        H, V, D, F = cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
+    def tensors(cls, cfg: Qwen3MoeConfig) -> TensorTable:
+        """Every tensor of the checkpoint, each named once, by the key `__init__` takes it under."""
+        H, E, I = Dim("H", cfg.hidden_size), Dim("E", cfg.num_experts), Dim("I", cfg.moe_intermediate_size)
+        V, D, F = cfg.vocab_size, cfg.head_dim, cfg.intermediate_size
         q_rows, kv_rows = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
-        shapes = {"model.embed_tokens.weight": (V, H)}
-        for i in range(cfg.num_hidden_layers):
-            p = LAYER.format(layer=i)
-            shapes.update({
-                p + "input_layernorm.weight": (H,),
-                p + "self_attn.q_proj.weight": (q_rows, H), p + "self_attn.k_proj.weight": (kv_rows, H),
-                p + "self_attn.v_proj.weight": (kv_rows, H), p + "self_attn.o_proj.weight": (H, q_rows),
-                p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,),
-                p + "post_attention_layernorm.weight": (H,),
-            })
-            if i in cfg.moe_layers:
-                shapes[p + "mlp.gate.weight"] = (cfg.num_experts, H)  # the router
-            else:
-                shapes.update({p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
-                               p + "mlp.down_proj.weight": (H, F)})
-        shapes["model.norm.weight"] = (H,)
-        if not cfg.tie_word_embeddings:
-            shapes["lm_head.weight"] = (V, H)
-        return shapes
-
-    @classmethod
-    def layout(cls, cfg: Qwen3MoeConfig) -> ContainerLayout:
-        experts = "model.layers.{layer}.mlp.experts"
-        return ContainerLayout(
-            resident=tuple(cls.resident_shapes(cfg)),
-            keep_f32=(r"\.mlp\.gate\.weight$",),  # the routers
-            moe_layers=cfg.moe_layers,
-            n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
-            hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
-            experts=ExpertNames(
-                per_expert={"gate": experts + ".{expert}.gate_proj.weight", "up": experts + ".{expert}.up_proj.weight",
-                            "down": experts + ".{expert}.down_proj.weight"},
-                fused_gate_up=experts + ".gate_up_proj",  # (E, 2I, H)
-                fused_down=experts + ".down_proj",  # (E, H, I)
+        every = partial(Tensor, layers=range(cfg.num_hidden_layers))
+        dense = partial(Tensor, layers=[i for i in range(cfg.num_hidden_layers) if i not in cfg.moe_layers])
+        expert = LAYER + "mlp.experts.{expert}."
+        return TensorTable(
+            resident=dict(
+                embed=Tensor("model.embed_tokens.weight", (V, H)),
+                input_norm=every(LAYER + "input_layernorm.weight", (H,)),
+                q_proj=every(LAYER + "self_attn.q_proj.weight", (q_rows, H)),
+                k_proj=every(LAYER + "self_attn.k_proj.weight", (kv_rows, H)),
+                v_proj=every(LAYER + "self_attn.v_proj.weight", (kv_rows, H)),
+                o_proj=every(LAYER + "self_attn.o_proj.weight", (H, q_rows)),
+                q_norm=every(LAYER + "self_attn.q_norm.weight", (D,)),
+                k_norm=every(LAYER + "self_attn.k_norm.weight", (D,)),
+                post_norm=every(LAYER + "post_attention_layernorm.weight", (H,)),
+                mlp_gate=dense(LAYER + "mlp.gate_proj.weight", (F, H)),
+                mlp_up=dense(LAYER + "mlp.up_proj.weight", (F, H)),
+                mlp_down=dense(LAYER + "mlp.down_proj.weight", (H, F)),
+                norm=Tensor("model.norm.weight", (H,)),
+                **({} if cfg.tie_word_embeddings else {"lm_head": Tensor("lm_head.weight", (V, H))}),
+            ),
+            experts=Experts(
+                layers=cfg.moe_layers, n=E, hidden=H, intermediate=I, top_k=cfg.num_experts_per_tok,
+                router=Tensor(LAYER + "mlp.gate.weight", (E, H)),  # float32
+                gate=Tensor(expert + "gate_proj.weight", (I, H)), up=Tensor(expert + "up_proj.weight", (I, H)),
+                down=Tensor(expert + "down_proj.weight", (H, I)),
+                gate_up=Tensor(LAYER + "mlp.experts.gate_up_proj", (E, 2 * I, H)),  # the fused form
+                down_fused=Tensor(LAYER + "mlp.experts.down_proj", (E, H, I)),
+                activation=ACTIVATIONS[cfg.hidden_act],
             ),
         )
 
@@ -154,24 +168,22 @@ class Qwen3Moe(MoEModel):
     # ---- with the weights ------------------------------------------------------------------------
     def __init__(self, cfg: Qwen3MoeConfig, weights, store):
         super().__init__(cfg, weights, store)
-        self.embed_tokens = weights("model.embed_tokens.weight")  # (V, H)
+        table = self.tensors(cfg)
+        top = table.take(weights)  # the tensors of no layer
+        self.embed_tokens = top["embed"]  # (V, H)
         self.layers = []
         for i in range(cfg.num_hidden_layers):
-            w = lambda name: weights(LAYER.format(layer=i) + name)  # noqa: E731
-            post_norm = w("post_attention_layernorm.weight")
+            w = table.take(weights, i)  # layer i's tensors, by key
             moe = i in cfg.moe_layers
             self.layers.append(Layer(
-                input_norm=w("input_layernorm.weight"),
-                qkv=(w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")),
-                o_proj=w("self_attn.o_proj.weight"),
-                q_norm=w("self_attn.q_norm.weight"), k_norm=w("self_attn.k_norm.weight"),
-                post_norm=post_norm,
-                router=SoftmaxTopK(w("mlp.gate.weight"), cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                   input=partial(rms_norm, weight=post_norm, eps=cfg.rms_norm_eps)) if moe else None,
-                mlp=None if moe else (w("mlp.gate_proj.weight"), w("mlp.up_proj.weight"), w("mlp.down_proj.weight")),
+                input_norm=w["input_norm"], qkv=(w["q_proj"], w["k_proj"], w["v_proj"]), o_proj=w["o_proj"],
+                q_norm=w["q_norm"], k_norm=w["k_norm"], post_norm=w["post_norm"],
+                router=SoftmaxTopK(w["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                   input=partial(rms_norm, weight=w["post_norm"], eps=cfg.rms_norm_eps)) if moe else None,
+                mlp=None if moe else (w["mlp_gate"], w["mlp_up"], w["mlp_down"]),
             ))
-        self.norm = weights("model.norm.weight")  # (H,)
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else weights("lm_head.weight")  # (V, H)
+        self.norm = top["norm"]  # (H,)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else top["lm_head"]  # (V, H)
         self.rope = Rope(cfg.head_dim, cfg.rope_theta)
 
     def routers(self) -> dict:
@@ -202,7 +214,7 @@ class Qwen3Moe(MoEModel):
             if L.router is not None:
                 h = h + self.moe(i, x, h, ids)
             else:
-                h = h + swiglu_mlp(x, *L.mlp)
+                h = h + gated_mlp(x, *L.mlp, cfg.hidden_act)
             record(i, l_out=h)  # the residual stream after layer i: the kit names the first layer that differs
         state.advance(T)  # the state now holds T more tokens
         if last_only:

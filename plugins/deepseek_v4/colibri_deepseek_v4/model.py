@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+import re
+
 import numpy as np
 
 from colibri_core import kv
@@ -53,9 +55,9 @@ from colibri_core.layers.sink_attention import (
     sink_attention,
     split_rows,
 )
-from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, dense, embed, linear
 from colibri_core.probe import record
+from colibri_core.tensors import Dim, Experts, Tensor, TensorTable
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # the legacy `compress_ratios`
@@ -189,41 +191,12 @@ def _compress_rope(c: dict) -> CompressRope:
 
 
 # ---- tensor names ----------------------------------------------------------------------------
-LAYER = "model.layers.{layer}."
-HC = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale")
-ATTENTION = ("attn.wq_a.weight", "attn.q_norm.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.norm.weight",
-             "attn.wo_a.weight", "attn.wo_b.weight", "attn.attn_sink")
-COMPRESSOR = ("attn.compressor.wkv.weight", "attn.compressor.wgate.weight", "attn.compressor.ape",
-              "attn.compressor.norm.weight")
-INDEXER = ("attn.indexer.compressor.wkv.weight", "attn.indexer.compressor.wgate.weight", "attn.indexer.compressor.ape",
-           "attn.indexer.compressor.norm.weight", "attn.indexer.wq_b.weight", "attn.indexer.weights_proj.weight")
-SHARED = ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight", "ffn.shared_experts.w2.weight")  # gate, up, down
-# transformers' internal names (a fused save_pretrained), per name without the layer prefix
-INTERNAL = {
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "hc_attn_fn": "attn_hc.fn", "hc_attn_base": "attn_hc.base", "hc_attn_scale": "attn_hc.scale",
-    "hc_ffn_fn": "ffn_hc.fn", "hc_ffn_base": "ffn_hc.base", "hc_ffn_scale": "ffn_hc.scale",
-    "attn.wq_a.weight": "self_attn.q_a_proj.weight", "attn.q_norm.weight": "self_attn.q_a_norm.weight",
-    "attn.wq_b.weight": "self_attn.q_b_proj.weight", "attn.wkv.weight": "self_attn.kv_proj.weight",
-    "attn.norm.weight": "self_attn.kv_norm.weight", "attn.wo_a.weight": "self_attn.o_a_proj.weight",
-    "attn.wo_b.weight": "self_attn.o_b_proj.weight", "attn.attn_sink": "self_attn.sinks",
-    "attn.compressor.wkv.weight": "self_attn.compressor.kv_proj.weight",
-    "attn.compressor.wgate.weight": "self_attn.compressor.gate_proj.weight",
-    "attn.compressor.ape": "self_attn.compressor.position_bias",
-    "attn.compressor.norm.weight": "self_attn.compressor.kv_norm.weight",
-    "attn.indexer.compressor.wkv.weight": "self_attn.compressor.indexer.kv_proj.weight",
-    "attn.indexer.compressor.wgate.weight": "self_attn.compressor.indexer.gate_proj.weight",
-    "attn.indexer.compressor.ape": "self_attn.compressor.indexer.position_bias",
-    "attn.indexer.compressor.norm.weight": "self_attn.compressor.indexer.kv_norm.weight",
-    "attn.indexer.wq_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
-    "attn.indexer.weights_proj.weight": "self_attn.compressor.indexer.scorer.weights_proj.weight",
-    "ffn.gate.weight": "mlp.gate.weight", "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
-    "ffn.gate.tid2eid": "mlp.gate.tid2eid", "ffn.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
-    "ffn.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
-    "ffn.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
-}
+# Each tensor has three names: the container's (`model.layers.N.attn.wq_a.weight`, as the converter
+# writes it), transformers' internal one (a fused save_pretrained: `model.layers.N.self_attn.q_a_proj.weight`)
+# and the official release's (`layers.N.attn.wq_a.weight`); `DeepseekV4.tensors` declares each once.
+LAYER, OFFICIAL_LAYER = "model.layers.{layer}.", "layers.{layer}."
 # the official checkpoint's names of the global tensors (its layer tensors: "layers.N." + the name)
-OFFICIAL = {"model.embed_tokens.weight": "embed.weight", "head.weight": "head.weight", "model.norm.weight": "norm.weight",
+OFFICIAL = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
             "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
             "model.hc_head.hc_scale": "hc_head_scale"}
 
@@ -238,39 +211,6 @@ def official_name(name: str) -> str:
     """The official checkpoint's name of a container tensor (`model.layers.3.attn.wq_a.weight` →
     `layers.3.attn.wq_a.weight`, `model.embed_tokens.weight` → `embed.weight`)."""
     return OFFICIAL.get(name) or name.removeprefix("model.")
-
-
-def _layer_names(cfg: DeepseekV4Config, i: int) -> list[str]:
-    """Every resident tensor of layer i, without the layer prefix."""
-    kind = cfg.layer_types[i]
-    gate = ("ffn.gate.weight", "ffn.gate.tid2eid" if cfg.mlp_layer_types[i] == "hash_moe" else "ffn.gate.bias")
-    return ["attn_norm.weight", "ffn_norm.weight", *HC, *ATTENTION, *(COMPRESSOR if kind != SLIDING else ()),
-            *(INDEXER if kind == CSA else ()), *gate, *SHARED]
-
-
-def _shape(cfg: DeepseekV4Config, i: int, name: str) -> tuple[int, ...]:
-    H, D, n = cfg.hidden_size, cfg.head_dim, cfg.hc_mult
-    heads, I, E = cfg.num_attention_heads, cfg.moe_intermediate_size, cfg.n_routed_experts
-    wide = 2 if cfg.layer_types[i] == CSA else 1  # CSA: overlapping windows, twice the entry width
-    rate, d = cfg.rate(i), cfg.index_head_dim
-    return {
-        "attn_norm.weight": (H,), "ffn_norm.weight": (H,),
-        "hc_attn_fn": ((2 + n) * n, n * H), "hc_attn_base": ((2 + n) * n,), "hc_attn_scale": (3,),
-        "hc_ffn_fn": ((2 + n) * n, n * H), "hc_ffn_base": ((2 + n) * n,), "hc_ffn_scale": (3,),
-        "attn.wq_a.weight": (cfg.q_lora_rank, H), "attn.q_norm.weight": (cfg.q_lora_rank,),
-        "attn.wq_b.weight": (heads * D, cfg.q_lora_rank), "attn.wkv.weight": (D, H), "attn.norm.weight": (D,),
-        "attn.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, heads * D // cfg.o_groups),
-        "attn.wo_b.weight": (H, cfg.o_groups * cfg.o_lora_rank), "attn.attn_sink": (heads,),
-        "attn.compressor.wkv.weight": (wide * D, H), "attn.compressor.wgate.weight": (wide * D, H),
-        "attn.compressor.ape": (rate, wide * D), "attn.compressor.norm.weight": (D,),
-        "attn.indexer.compressor.wkv.weight": (2 * d, H), "attn.indexer.compressor.wgate.weight": (2 * d, H),
-        "attn.indexer.compressor.ape": (rate, 2 * d), "attn.indexer.compressor.norm.weight": (d,),
-        "attn.indexer.wq_b.weight": (cfg.index_n_heads * d, cfg.q_lora_rank),
-        "attn.indexer.weights_proj.weight": (cfg.index_n_heads, H),
-        "ffn.gate.weight": (E, H), "ffn.gate.bias": (E,), "ffn.gate.tid2eid": (cfg.vocab_size, cfg.num_experts_per_tok),
-        "ffn.shared_experts.w1.weight": (I, H), "ffn.shared_experts.w3.weight": (I, H),
-        "ffn.shared_experts.w2.weight": (H, I),
-    }[name]
 
 
 @dataclass
@@ -303,14 +243,83 @@ class DeepseekV4(MoEModel):
         return DeepseekV4Config.from_hf(config)
 
     @classmethod
-    def resident_shapes(cls, cfg: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
-        H, V, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
-        out = {"model.embed_tokens.weight": (V, H)}
-        for i in range(cfg.num_hidden_layers):
-            out.update({LAYER.format(layer=i) + name: _shape(cfg, i, name) for name in _layer_names(cfg, i)})
-        out.update({"model.norm.weight": (H,), "model.hc_head.hc_fn": (n, n * H), "model.hc_head.hc_base": (n,),
-                    "model.hc_head.hc_scale": (1,), "head.weight": (V, H)})
-        return out
+    def tensors(cls, cfg: DeepseekV4Config) -> TensorTable:
+        """Every tensor once, by its container name and transformers' internal one (the official name
+        follows from the container's); routers, the hyper-connections' mixing maps, the indexer's head
+        weights, the compressors' position biases and the hash table stay f32 (HF keeps them f32 too)."""
+        H, E, I = Dim("H", cfg.hidden_size), Dim("E", cfg.n_routed_experts), Dim("I", cfg.moe_intermediate_size)
+        D, n, heads, d, q_lora = cfg.head_dim, cfg.hc_mult, cfg.num_attention_heads, cfg.index_head_dim, cfg.q_lora_rank
+        every = range(cfg.num_hidden_layers)
+        compressed = [i for i in every if cfg.layer_types[i] != SLIDING]
+        csa = [i for i in every if cfg.layer_types[i] == CSA]
+        hashed = [i for i in every if cfg.mlp_layer_types[i] == "hash_moe"]
+        scored = [i for i in every if i not in hashed]
+        wide = lambda i: 2 * D if cfg.layer_types[i] == CSA else D  # noqa: E731  CSA: overlapping windows, entries twice as wide
+
+        def t(name: str, internal: str | None, shape, layers=every, f32: bool = False) -> Tensor:
+            """Layer tensor `name` (transformers' internal name `internal`, where it differs)."""
+            aliases = ((LAYER + internal,) if internal else ()) + (OFFICIAL_LAYER + name,)
+            return Tensor(LAYER + name, shape, layers=layers, f32=f32, aliases=aliases,
+                          native="fp8" if re.search(NATIVE_FP8, "." + name) else None)
+
+        def top(name: str, internal: str | None, shape, f32: bool = False) -> Tensor:
+            """A tensor of no layer."""
+            return Tensor(name, shape, f32=f32, aliases=tuple(a for a in (internal, official_name(name)) if a and a != name))
+
+        hc = {f"hc_{part}_{w}": t(f"hc_{part}_{w}", f"{part}_hc.{w}", shape, f32=w == "fn")
+              for part in ("attn", "ffn") for w, shape in (("fn", ((2 + n) * n, n * H)), ("base", ((2 + n) * n,)), ("scale", (3,)))}
+        expert = "ffn.experts.{expert}."
+        return TensorTable(
+            resident=dict(
+                embed=top("model.embed_tokens.weight", None, (cfg.vocab_size, H)),
+                attn_norm=t("attn_norm.weight", "input_layernorm.weight", (H,)),
+                ffn_norm=t("ffn_norm.weight", "post_attention_layernorm.weight", (H,)),
+                **hc,
+                wq_a=t("attn.wq_a.weight", "self_attn.q_a_proj.weight", (q_lora, H)),
+                q_norm=t("attn.q_norm.weight", "self_attn.q_a_norm.weight", (q_lora,)),
+                wq_b=t("attn.wq_b.weight", "self_attn.q_b_proj.weight", (heads * D, q_lora)),
+                wkv=t("attn.wkv.weight", "self_attn.kv_proj.weight", (D, H)),
+                kv_norm=t("attn.norm.weight", "self_attn.kv_norm.weight", (D,)),
+                wo_a=t("attn.wo_a.weight", "self_attn.o_a_proj.weight", (cfg.o_groups * cfg.o_lora_rank, heads * D // cfg.o_groups)),
+                wo_b=t("attn.wo_b.weight", "self_attn.o_b_proj.weight", (H, cfg.o_groups * cfg.o_lora_rank)),
+                sinks=t("attn.attn_sink", "self_attn.sinks", (heads,)),
+                # the compressor, in Compressor's argument order
+                c_wkv=t("attn.compressor.wkv.weight", "self_attn.compressor.kv_proj.weight", lambda i: (wide(i), H), compressed),
+                c_wgate=t("attn.compressor.wgate.weight", "self_attn.compressor.gate_proj.weight", lambda i: (wide(i), H), compressed),
+                c_ape=t("attn.compressor.ape", "self_attn.compressor.position_bias", lambda i: (cfg.rate(i), wide(i)), compressed, f32=True),
+                c_norm=t("attn.compressor.norm.weight", "self_attn.compressor.kv_norm.weight", (D,), compressed),
+                # the CSA indexer: its keys' compressor, then its query and head weights
+                i_wkv=t("attn.indexer.compressor.wkv.weight", "self_attn.compressor.indexer.kv_proj.weight", (2 * d, H), csa),
+                i_wgate=t("attn.indexer.compressor.wgate.weight", "self_attn.compressor.indexer.gate_proj.weight", (2 * d, H), csa),
+                i_ape=t("attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias",
+                        lambda i: (cfg.rate(i), 2 * d), csa, f32=True),
+                i_norm=t("attn.indexer.compressor.norm.weight", "self_attn.compressor.indexer.kv_norm.weight", (d,), csa),
+                i_wq_b=t("attn.indexer.wq_b.weight", "self_attn.compressor.indexer.q_b_proj.weight", (cfg.index_n_heads * d, q_lora), csa),
+                i_weights=t("attn.indexer.weights_proj.weight", "self_attn.compressor.indexer.scorer.weights_proj.weight",
+                            (cfg.index_n_heads, H), csa, f32=True),
+                gate_bias=t("ffn.gate.bias", "mlp.gate.e_score_correction_bias", (E,), scored),
+                tid2eid=t("ffn.gate.tid2eid", "mlp.gate.tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), hashed, f32=True),
+                shared_gate=t("ffn.shared_experts.w1.weight", "mlp.shared_experts.gate_proj.weight", (I, H)),
+                shared_up=t("ffn.shared_experts.w3.weight", "mlp.shared_experts.up_proj.weight", (I, H)),
+                shared_down=t("ffn.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight", (H, I)),
+                norm=top("model.norm.weight", None, (H,)),
+                hc_head_fn=top("model.hc_head.hc_fn", None, (n, n * H), f32=True),
+                hc_head_base=top("model.hc_head.hc_base", None, (n,)),
+                hc_head_scale=top("model.hc_head.hc_scale", None, (1,)),
+                head=top("head.weight", "lm_head.weight", (cfg.vocab_size, H)),
+            ),
+            experts=Experts(
+                layers=every, n=E, hidden=H, intermediate=I, top_k=cfg.num_experts_per_tok,
+                router=t("ffn.gate.weight", "mlp.gate.weight", (E, H), layers=None),
+                gate=Tensor(LAYER + expert + "w1.weight", (I, H), aliases=(OFFICIAL_LAYER + expert + "w1.weight",)),
+                up=Tensor(LAYER + expert + "w3.weight", (I, H), aliases=(OFFICIAL_LAYER + expert + "w3.weight",)),
+                down=Tensor(LAYER + expert + "w2.weight", (H, I), aliases=(OFFICIAL_LAYER + expert + "w2.weight",)),
+                gate_up=Tensor(LAYER + "mlp.experts.gate_up_proj", (E, 2 * I, H)),
+                down_fused=Tensor(LAYER + "mlp.experts.down_proj", (E, H, I)),
+                limit=cfg.swiglu_limit, native="fp4",
+            ),
+            ignore=(r"^mtp\.", r"^model\.mtp\."),  # the MTP head: nothing runs it yet
+        )
 
     @classmethod
     def state_floats_per_token(cls, cfg: DeepseekV4Config) -> list[int]:
@@ -339,38 +348,6 @@ class DeepseekV4(MoEModel):
                 total += (rate - 1) * 2 * cfg.head_dim
         return total
 
-    @classmethod
-    def layout(cls, cfg: DeepseekV4Config) -> ContainerLayout:
-        resident = tuple(cls.resident_shapes(cfg))
-        aliases = []
-        for name in resident:
-            if name.startswith("model.layers."):
-                _, _, layer, rest = name.split(".", 3)
-                aliases.append((name, f"model.layers.{layer}.{INTERNAL[rest]}" if rest in INTERNAL else name, None, None))
-            else:
-                aliases.append((name, {"head.weight": "lm_head.weight", "model.hc_head.hc_fn": "model.hc_head.hc_fn"}.get(name, name), None, None))
-            aliases.append((name, official_name(name), None, None))
-        expert = LAYER + "ffn.experts.{expert}."
-        return ContainerLayout(
-            resident=resident,
-            # routers, the hyper-connections' mixing maps, the indexer's head weights, the compressors'
-            # position biases and the hash table stay f32 (HF keeps them f32 too)
-            keep_f32=(r"\.ffn\.gate\.weight$", r"\.tid2eid$", r"hc_(attn|ffn)_fn$", r"hc_head\.hc_fn$",
-                      r"\.weights_proj\.weight$", r"\.ape$"),
-            moe_layers=tuple(range(cfg.num_hidden_layers)),
-            n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, hidden=cfg.hidden_size,
-            intermediate=cfg.moe_intermediate_size,
-            experts=ExpertNames(
-                per_expert={"gate": expert + "w1.weight", "up": expert + "w3.weight", "down": expert + "w2.weight"},
-                fused_gate_up=LAYER + "mlp.experts.gate_up_proj", fused_down=LAYER + "mlp.experts.down_proj",
-                other_names=({p: official_name(n) for p, n in
-                              {"gate": expert + "w1.weight", "up": expert + "w3.weight", "down": expert + "w2.weight"}.items()},)),
-            ignore=(r"^mtp\.", r"^model\.mtp\."),  # the MTP head: nothing runs it yet
-            swiglu_limit=cfg.swiglu_limit,
-            native_resident=((NATIVE_FP8, "fp8"),), native_expert_kind="fp4",
-            aliases=tuple(a for a in aliases if a[0] != a[1]),
-        )
-
     def __init__(self, cfg: DeepseekV4Config, weights, store):
         super().__init__(cfg, weights, store)
         r = cfg.qk_rope_head_dim
@@ -378,42 +355,41 @@ class DeepseekV4(MoEModel):
         cr = cfg.compress_rope
         self.compress_rope = Rope(r, cr.theta, None if cr.factor is None else yarn_inv_freq(
             r, cr.theta, cr.factor, cr.original_max_position, cr.beta_fast, cr.beta_slow))
-        self.embed_tokens = weights("model.embed_tokens.weight")  # (V, H)
+        top = self.tensors(cfg).take(weights)
+        self.embed_tokens = top["embed"]  # (V, H)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_hidden_layers)]
-        self.norm = weights("model.norm.weight")  # (H,)
-        self.hc_head = HyperHead(weights("model.hc_head.hc_fn"), weights("model.hc_head.hc_base"),
-                                 weights("model.hc_head.hc_scale"), cfg.hc_eps, cfg.rms_norm_eps)
-        self.head = weights("head.weight")  # (V, H)
+        self.norm = top["norm"]  # (H,)
+        self.hc_head = HyperHead(top["hc_head_fn"], top["hc_head_base"], top["hc_head_scale"], cfg.hc_eps, cfg.rms_norm_eps)
+        self.head = top["head"]  # (V, H)
 
     def _layer(self, weights, i: int) -> Layer:
+        """Layer i from its tensors, by key."""
         cfg = self.cfg
-        w = lambda name: weights(LAYER.format(layer=i) + name)  # noqa: E731
+        w = self.tensors(cfg).take(weights, i)
         hc = partial(HyperConnection, n=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         kind, rate, eps = cfg.layer_types[i], cfg.rate(i), cfg.rms_norm_eps
         compressor = indexer = None
         if kind != SLIDING:
-            compressor = Compressor(*(dense(w(n)) if n.endswith(".ape") else w(n) for n in COMPRESSOR), rate=rate, width=cfg.head_dim, overlap=kind == CSA,
-                                    rope=self.compress_rope, eps=eps)
+            compressor = Compressor(w["c_wkv"], w["c_wgate"], dense(w["c_ape"]), w["c_norm"], rate=rate, width=cfg.head_dim,
+                                    overlap=kind == CSA, rope=self.compress_rope, eps=eps)
         if kind == CSA:
-            keys = Compressor(*(dense(w(n)) if n.endswith(".ape") else w(n) for n in INDEXER[:4]), rate=rate, width=cfg.index_head_dim, overlap=True,
-                              rope=self.compress_rope, eps=eps)
-            indexer = CompressedIndexer(keys, w(INDEXER[4]), w(INDEXER[5]), cfg.index_n_heads, cfg.index_head_dim,
-                                        cfg.index_topk)
-        ffn_norm = w("ffn_norm.weight")
-        router_input = partial(rms_norm, weight=ffn_norm, eps=eps)
+            keys = Compressor(w["i_wkv"], w["i_wgate"], dense(w["i_ape"]), w["i_norm"], rate=rate, width=cfg.index_head_dim,
+                              overlap=True, rope=self.compress_rope, eps=eps)
+            indexer = CompressedIndexer(keys, w["i_wq_b"], w["i_weights"], cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk)
+        router_input = partial(rms_norm, weight=w["ffn_norm"], eps=eps)
         if cfg.mlp_layer_types[i] == "hash_moe":
-            router = HashRouter(w("ffn.gate.weight"), dense(w("ffn.gate.tid2eid")), cfg.routed_scaling_factor, input=router_input)
+            router = HashRouter(w["router"], dense(w["tid2eid"]), cfg.routed_scaling_factor, input=router_input)
         else:
-            router = SqrtSoftplusTopK(w("ffn.gate.weight"), w("ffn.gate.bias"), cfg.num_experts_per_tok,
-                                      cfg.routed_scaling_factor, input=router_input)
+            router = SqrtSoftplusTopK(w["router"], w["gate_bias"], cfg.num_experts_per_tok, cfg.routed_scaling_factor,
+                                      input=router_input)
         return Layer(
-            index=i, kind=kind, attn_norm=w("attn_norm.weight"), ffn_norm=ffn_norm,
-            attn_hc=hc(w("hc_attn_fn"), w("hc_attn_base"), w("hc_attn_scale")),
-            ffn_hc=hc(w("hc_ffn_fn"), w("hc_ffn_base"), w("hc_ffn_scale")),
-            wq_a=w("attn.wq_a.weight"), q_norm=w("attn.q_norm.weight"), wq_b=w("attn.wq_b.weight"),
-            wkv=w("attn.wkv.weight"), kv_norm=w("attn.norm.weight"), wo_a=split_rows(w("attn.wo_a.weight"), cfg.o_groups),
-            wo_b=w("attn.wo_b.weight"), sinks=w("attn.attn_sink"), compressor=compressor, indexer=indexer,
-            router=router, shared=SharedExpert(*(w(n) for n in SHARED), limit=cfg.swiglu_limit))
+            index=i, kind=kind, attn_norm=w["attn_norm"], ffn_norm=w["ffn_norm"],
+            attn_hc=hc(w["hc_attn_fn"], w["hc_attn_base"], w["hc_attn_scale"]),
+            ffn_hc=hc(w["hc_ffn_fn"], w["hc_ffn_base"], w["hc_ffn_scale"]),
+            wq_a=w["wq_a"], q_norm=w["q_norm"], wq_b=w["wq_b"], wkv=w["wkv"], kv_norm=w["kv_norm"],
+            wo_a=split_rows(w["wo_a"], cfg.o_groups), wo_b=w["wo_b"], sinks=w["sinks"], compressor=compressor,
+            indexer=indexer, router=router,
+            shared=SharedExpert(w["shared_gate"], w["shared_up"], w["shared_down"], limit=cfg.swiglu_limit))
 
     def routers(self) -> dict:
         """Every layer: hash layers by token id (their lookahead reads the table), the others

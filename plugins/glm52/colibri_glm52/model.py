@@ -30,9 +30,9 @@ from colibri_core.layers.norm import rms_norm
 from colibri_core.layers.rope import Rope
 from colibri_core.layers.router import SigmoidGroupTopK
 from colibri_core.layers.shared_expert import SharedExpert
-from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, embed, linear
 from colibri_core.probe import record
+from colibri_core.tensors import Dim, Experts, Tensor, TensorTable
 
 
 @dataclass(frozen=True)
@@ -123,53 +123,11 @@ class Glm52Config:
         )
 
 
-LAYER = "model.layers.{layer}"
-ATTENTION = ("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
-             "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight",
-             "self_attn.o_proj.weight")
-INDEXER = ("self_attn.indexer.wq_b.weight", "self_attn.indexer.wk.weight", "self_attn.indexer.k_norm.weight",
-           "self_attn.indexer.k_norm.bias", "self_attn.indexer.weights_proj.weight")
-DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-MOE = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "mlp.shared_experts.gate_proj.weight",
-       "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight")
-NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
-MTP = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+LAYER = "model.layers.{layer}."
 # Published checkpoints repeat the main embedding and lm_head inside the MTP layer; the MTP forward
 # uses the main ones, so these copies are skipped.
 MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 MTP_EXPERT_MIN_KIND = "int8"  # int4 MTP experts collapse draft acceptance
-
-
-def _layer_names(cfg: Glm52Config, i: int) -> list[str]:
-    """Every resident tensor name of layer i (main or MTP), without the layer prefix."""
-    mtp = i >= cfg.num_hidden_layers
-    full = not cfg.mtp_shares_index if mtp else cfg.indexer_types[i] == "full"
-    sparse = mtp or cfg.mlp_layer_types[i] == "sparse"
-    return [*NORMS, *ATTENTION, *(INDEXER if full else ()), *(MOE if sparse else DENSE_MLP), *(MTP if mtp else ())]
-
-
-def _shapes(cfg: Glm52Config, name: str) -> tuple[int, ...]:
-    """The shape of one per-layer tensor, by its name without the layer prefix."""
-    H, c, r = cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    heads, I = cfg.num_attention_heads, cfg.moe_intermediate_size * cfg.n_shared_experts
-    return {
-        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-        "self_attn.q_a_proj.weight": (cfg.q_lora_rank, H), "self_attn.q_a_layernorm.weight": (cfg.q_lora_rank,),
-        "self_attn.q_b_proj.weight": (heads * cfg.qk_head_dim, cfg.q_lora_rank),
-        "self_attn.kv_a_proj_with_mqa.weight": (c + r, H), "self_attn.kv_a_layernorm.weight": (c,),
-        "self_attn.kv_b_proj.weight": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), c),
-        "self_attn.o_proj.weight": (H, heads * cfg.v_head_dim),
-        "self_attn.indexer.wq_b.weight": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank),
-        "self_attn.indexer.wk.weight": (cfg.index_head_dim, H),
-        "self_attn.indexer.k_norm.weight": (cfg.index_head_dim,), "self_attn.indexer.k_norm.bias": (cfg.index_head_dim,),
-        "self_attn.indexer.weights_proj.weight": (cfg.index_n_heads, H),
-        "mlp.gate_proj.weight": (cfg.intermediate_size, H), "mlp.up_proj.weight": (cfg.intermediate_size, H),
-        "mlp.down_proj.weight": (H, cfg.intermediate_size),
-        "mlp.gate.weight": (cfg.n_routed_experts, H), "mlp.gate.e_score_correction_bias": (cfg.n_routed_experts,),
-        "mlp.shared_experts.gate_proj.weight": (I, H), "mlp.shared_experts.up_proj.weight": (I, H),
-        "mlp.shared_experts.down_proj.weight": (H, I),
-        "enorm.weight": (H,), "hnorm.weight": (H,), "eh_proj.weight": (H, 2 * H), "shared_head.norm.weight": (H,),
-    }[name]
 
 
 class Glm52(MoEModel):
@@ -178,15 +136,59 @@ class Glm52(MoEModel):
         return Glm52Config.from_hf(config)
 
     @classmethod
-    def resident_shapes(cls, cfg: Glm52Config) -> dict[str, tuple[int, ...]]:
-        """Every resident tensor's shape, by checkpoint name, from the config alone."""
-        H, V = cfg.hidden_size, cfg.vocab_size
-        out = {"model.embed_tokens.weight": (V, H)}
-        for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
-            for name in _layer_names(cfg, i):
-                out[f"{LAYER}.{name}".format(layer=i)] = _shapes(cfg, name)
-        out.update({"model.norm.weight": (H,), "lm_head.weight": (V, H)})
-        return out
+    def tensors(cls, cfg: Glm52Config) -> TensorTable:
+        """Every tensor, once, on the layers that hold it: the main layers, then the MTP layer(s)."""
+        H, E, I = Dim("H", cfg.hidden_size), Dim("E", cfg.n_routed_experts), Dim("I", cfg.moe_intermediate_size)
+        V, c, r, heads, q_lora = cfg.vocab_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_attention_heads, cfg.q_lora_rank
+        S, F, n_index, d_index = I * cfg.n_shared_experts, cfg.intermediate_size, cfg.index_n_heads, cfg.index_head_dim
+        main, mtp = range(cfg.num_hidden_layers), range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+        on = lambda layers: partial(Tensor, layers=tuple(layers))  # noqa: E731
+        every, sparse, mtp_ = on([*main, *mtp]), on(cfg.moe_layers), on(mtp)
+        dense = on(i for i in main if cfg.mlp_layer_types[i] != "sparse")
+        indexed = on([*(i for i in main if cfg.indexer_types[i] == "full"), *(() if cfg.mtp_shares_index else mtp)])
+        expert = LAYER + "mlp.experts.{expert}."
+        return TensorTable(
+            resident=dict(
+                embed=Tensor("model.embed_tokens.weight", (V, H)),
+                input_norm=every(LAYER + "input_layernorm.weight", (H,)),
+                post_norm=every(LAYER + "post_attention_layernorm.weight", (H,)),
+                # MLA, in MLA's argument order
+                q_a=every(LAYER + "self_attn.q_a_proj.weight", (q_lora, H)),
+                q_a_norm=every(LAYER + "self_attn.q_a_layernorm.weight", (q_lora,)),
+                q_b=every(LAYER + "self_attn.q_b_proj.weight", (heads * cfg.qk_head_dim, q_lora)),
+                kv_a=every(LAYER + "self_attn.kv_a_proj_with_mqa.weight", (c + r, H)),
+                kv_a_norm=every(LAYER + "self_attn.kv_a_layernorm.weight", (c,)),
+                kv_b=every(LAYER + "self_attn.kv_b_proj.weight", (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), c)),
+                o=every(LAYER + "self_attn.o_proj.weight", (H, heads * cfg.v_head_dim)),
+                # the DSA indexer, in Indexer's argument order (HF keeps weights_proj float32)
+                index_wq_b=indexed(LAYER + "self_attn.indexer.wq_b.weight", (n_index * d_index, q_lora)),
+                index_wk=indexed(LAYER + "self_attn.indexer.wk.weight", (d_index, H)),
+                index_k_norm=indexed(LAYER + "self_attn.indexer.k_norm.weight", (d_index,)),
+                index_k_norm_bias=indexed(LAYER + "self_attn.indexer.k_norm.bias", (d_index,)),
+                index_weights=indexed(LAYER + "self_attn.indexer.weights_proj.weight", (n_index, H), f32=True),
+                mlp_gate=dense(LAYER + "mlp.gate_proj.weight", (F, H)), mlp_up=dense(LAYER + "mlp.up_proj.weight", (F, H)),
+                mlp_down=dense(LAYER + "mlp.down_proj.weight", (H, F)),
+                score_bias=sparse(LAYER + "mlp.gate.e_score_correction_bias", (E,)),
+                shared_gate=sparse(LAYER + "mlp.shared_experts.gate_proj.weight", (S, H)),
+                shared_up=sparse(LAYER + "mlp.shared_experts.up_proj.weight", (S, H)),
+                shared_down=sparse(LAYER + "mlp.shared_experts.down_proj.weight", (H, S)),
+                enorm=mtp_(LAYER + "enorm.weight", (H,)), hnorm=mtp_(LAYER + "hnorm.weight", (H,)),
+                eh_proj=mtp_(LAYER + "eh_proj.weight", (H, 2 * H)),
+                head_norm=mtp_(LAYER + "shared_head.norm.weight", (H,)),
+                norm=Tensor("model.norm.weight", (H,)),
+                lm_head=Tensor("lm_head.weight", (V, H)),
+            ),
+            experts=Experts(
+                layers=cfg.moe_layers, n=E, hidden=H, intermediate=I, top_k=cfg.num_experts_per_tok,
+                router=Tensor(LAYER + "mlp.gate.weight", (E, H)),  # float32
+                gate=Tensor(expert + "gate_proj.weight", (I, H)), up=Tensor(expert + "up_proj.weight", (I, H)),
+                down=Tensor(expert + "down_proj.weight", (H, I)),
+                gate_up=Tensor(LAYER + "mlp.experts.gate_up_proj", (E, 2 * I, H)),
+                down_fused=Tensor(LAYER + "mlp.experts.down_proj", (E, H, I)),
+                min_kind=tuple((i, MTP_EXPERT_MIN_KIND) for i in mtp),
+            ),
+            ignore=tuple("^" + re.escape(LAYER.format(layer=i) + name) + "$" for i in mtp for name in MTP_COPIES),
+        )
 
     @classmethod
     def state_floats_per_token(cls, cfg: Glm52Config) -> list[int]:
@@ -200,66 +202,48 @@ class Glm52(MoEModel):
         its own indexer, 0 on IndexShare layers."""
         return {"indexer_keys": [cfg.index_head_dim if t == "full" else 0 for t in cfg.indexer_types]}
 
-    @classmethod
-    def layout(cls, cfg: Glm52Config) -> ContainerLayout:
-        expert = LAYER + ".mlp.experts.{expert}"
-        mtp = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
-        return ContainerLayout(
-            resident=tuple(cls.resident_shapes(cfg)),
-            keep_f32=(r"\.mlp\.gate\.weight$", r"\.indexer\.weights_proj\.weight$"),  # router; HF keeps it fp32
-            moe_layers=cfg.moe_layers,
-            n_experts=cfg.n_routed_experts, top_k=cfg.num_experts_per_tok, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
-            experts=ExpertNames(
-                per_expert={"gate": expert + ".gate_proj.weight", "up": expert + ".up_proj.weight",
-                            "down": expert + ".down_proj.weight"},
-                fused_gate_up=LAYER + ".mlp.experts.gate_up_proj",
-                fused_down=LAYER + ".mlp.experts.down_proj",
-            ),
-            ignore=tuple("^" + re.escape(f"{LAYER}.{name}".format(layer=i)) + "$" for i in mtp for name in MTP_COPIES),
-            expert_min_kind=tuple((i, MTP_EXPERT_MIN_KIND) for i in mtp),
-        )
-
     def __init__(self, cfg: Glm52Config, weights, store):
         super().__init__(cfg, weights, store)
         self.dims = MLADims(
             heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
             qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
             v_head_dim=cfg.v_head_dim, scale=cfg.qk_head_dim ** -0.5)
-        self.embed_tokens = weights("model.embed_tokens.weight")  # (V, H)
+        top = self.tensors(cfg).take(weights)
+        self.embed_tokens = top["embed"]  # (V, H)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_hidden_layers)]
         self.mtp = [self._layer(weights, i) for i in range(cfg.num_hidden_layers,
                                                            cfg.num_hidden_layers + cfg.num_nextn_predict_layers)]
-        self.norm = weights("model.norm.weight")  # (H,)
-        self.lm_head = weights("lm_head.weight")  # (V, H)
+        self.norm = top["norm"]  # (H,)
+        self.lm_head = top["lm_head"]  # (V, H)
         self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta)  # interleaved pairs on the rope dims
         self.dense_attention = False  # True: ignore the indexer (tests: DSA with every key == dense)
 
     def _layer(self, weights, i: int) -> dict:
         cfg = self.cfg
-        w = lambda name: weights(f"{LAYER}.{name}".format(layer=i))  # noqa: E731
-        names = _layer_names(cfg, i)
+        w = self.tensors(cfg).take(weights, i)
         L = dict(
-            input_norm=w("input_layernorm.weight"),  # (H,)
-            post_norm=w("post_attention_layernorm.weight"),  # (H,)
-            attn=MLA(self.dims, *(w(n) for n in ATTENTION)),
+            input_norm=w["input_norm"],  # (H,)
+            post_norm=w["post_norm"],  # (H,)
+            attn=MLA(self.dims, w["q_a"], w["q_a_norm"], w["q_b"], w["kv_a"], w["kv_a_norm"], w["kv_b"], w["o"]),
             indexer=None,  # IndexShare: reuse the previous layer's selection
             layer=i,
         )
-        if INDEXER[0] in names:
-            L["indexer"] = Indexer(*(w(n) for n in INDEXER), n_heads=cfg.index_n_heads, head_dim=cfg.index_head_dim,
+        if "index_wq_b" in w:
+            L["indexer"] = Indexer(w["index_wq_b"], w["index_wk"], w["index_k_norm"], w["index_k_norm_bias"],
+                                   w["index_weights"], n_heads=cfg.index_n_heads, head_dim=cfg.index_head_dim,
                                    rope_dim=cfg.qk_rope_head_dim, topk=cfg.index_topk)
-        if MOE[0] in names:
+        if "router" in w:
             L["router"] = SigmoidGroupTopK(
-                w("mlp.gate.weight"), w("mlp.gate.e_score_correction_bias"),  # (E, H) float32, (E,)
+                w["router"], w["score_bias"],  # (E, H) float32, (E,)
                 cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
                 input=partial(rms_norm, weight=L["post_norm"], eps=cfg.rms_norm_eps))
-            L["shared"] = SharedExpert(*(w(f"mlp.shared_experts.{p}_proj.weight") for p in ("gate", "up", "down")))
+            L["shared"] = SharedExpert(w["shared_gate"], w["shared_up"], w["shared_down"])
         else:
-            L["mlp"] = tuple(w(f"mlp.{p}_proj.weight") for p in ("gate", "up", "down"))
-        if MTP[0] in names:
-            L["enorm"], L["hnorm"] = w("enorm.weight"), w("hnorm.weight")  # (H,)
-            L["eh_proj"] = w("eh_proj.weight")  # (H, 2H)
-            L["head_norm"] = w("shared_head.norm.weight")  # (H,)
+            L["mlp"] = (w["mlp_gate"], w["mlp_up"], w["mlp_down"])
+        if "enorm" in w:
+            L["enorm"], L["hnorm"] = w["enorm"], w["hnorm"]  # (H,)
+            L["eh_proj"] = w["eh_proj"]  # (H, 2H)
+            L["head_norm"] = w["head_norm"]  # (H,)
         return L
 
     @property

@@ -28,16 +28,16 @@ Its checkpoint nests the text model under ``language_model.`` and its config und
 Checkpoints of Kimi-Linear come in three spellings, all read: the released one
 (`block_sparse_moe.*` MoE, `mlp.*` dense layer, separate q/k/v convs), transformers' own
 `save_pretrained` (the dense layer also under `block_sparse_moe.`) and transformers' fused form
-(`mlp.*`, one stacked `conv1d`, the decay under `forget_gate.`, fused experts): the layout names the
-first two as the tensors and the others as aliases.
+(`mlp.*`, one stacked `conv1d`, the decay under `forget_gate.`, fused experts): the tensor table names
+the first two as the tensors and the others as aliases.
 
-Top to bottom: the two configs; the blocks both models build (each as its tensors' shapes and as the
-block from the weights, the variant's parts passed in); `KimiLinear`; `KimiK3(KimiLinear)`, which
+Top to bottom: the two configs; the blocks both models build (each as its tensors, declared once, and
+as the block from a layer's tensors by key, the variant's parts passed in); `KimiLinear`; `KimiK3(KimiLinear)`, which
 replaces the layer (its tensors and blocks), the MLP sub-layer and the layer graph.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
 
@@ -54,9 +54,9 @@ from colibri_core.layers.norm import rms_norm
 from colibri_core.layers.router import SigmoidGroupTopK
 from colibri_core.layers.shared_expert import SharedExpert
 from colibri_core.layers.situ import situ_mlp
-from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, embed, linear
 from colibri_core.probe import record
+from colibri_core.tensors import Dim, Experts, Tensor, TensorTable
 
 KDA, MLA_KIND = "linear_attention", "full_attention"
 LATENT_NORM_EPS = 1e-5  # K3's routed_expert_norm
@@ -192,56 +192,52 @@ class K3Config(KimiConfig):
 
 
 # ---- the blocks both models build --------------------------------------------------------------
-# Shapes by name within a layer; builders take `w`, the layer's tensors by that name. What differs
-# between the models (an output gate, A_log's shape, the latent MoE's tensors) is passed in.
-def _kda_shapes(cfg: KimiConfig, A_log: tuple[int, ...], gate: dict) -> dict[str, tuple[int, ...]]:
-    """A KDA layer's tensors; `gate`: its output gate's, by name within `self_attn.`."""
+# Each block's tensors (key → Tensor, on the layers given, names under the layer prefix `L`);
+# builders take `w`, a layer's tensors by key. What differs between the models (an output gate,
+# A_log's shape, the latent MoE's tensors) is passed in.
+def _kda_tensors(cfg: KimiConfig, L: str, layers, A_log: tuple[int, ...], gate: dict) -> dict[str, Tensor]:
+    """A KDA layer's tensors, transformers' fused names as aliases (the decay's under `forget_gate.`,
+    the q/k/v convs as rows of one stacked `conv1d`); `gate`: its output gate's, by key. β and the
+    decay's projections stay float32 (the decay is exponentiated: an error compounds over the context)."""
     H, Hh, dk, K = cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
-    n, a = Hh * dk, "self_attn."
-    return {a + "q_proj.weight": (n, H), a + "k_proj.weight": (n, H), a + "v_proj.weight": (n, H),
-            a + "q_conv1d.weight": (n, 1, K), a + "k_conv1d.weight": (n, 1, K), a + "v_conv1d.weight": (n, 1, K),
-            a + "f_a_proj.weight": (dk, H), a + "f_b_proj.weight": (n, dk), a + "A_log": A_log,
-            a + "dt_bias": (n,), a + "b_proj.weight": (Hh, H), **{a + k: s for k, s in gate.items()},
-            a + "o_norm.weight": (dk,), a + "o_proj.weight": (H, n)}
+    n, a, t = Hh * dk, L + "self_attn.", partial(Tensor, layers=layers)
+    conv = {f"{c}_conv": t(a + f"{c}_conv1d.weight", (n, 1, K), aliases=((a + "conv1d.weight", j * n, (j + 1) * n),))
+            for j, c in enumerate("qkv")}
+    decay = {key: t(a + name, shape, f32=key.startswith("f_"), aliases=(a + "forget_gate." + name,))
+             for key, name, shape in (("f_a", "f_a_proj.weight", (dk, H)), ("f_b", "f_b_proj.weight", (n, dk)),
+                                      ("A_log", "A_log", A_log), ("dt_bias", "dt_bias", (n,)))}
+    return {"q_proj": t(a + "q_proj.weight", (n, H)), "k_proj": t(a + "k_proj.weight", (n, H)),
+            "v_proj": t(a + "v_proj.weight", (n, H)), **conv, **decay,
+            "b_proj": t(a + "b_proj.weight", (Hh, H), f32=True), **gate,
+            "o_norm": t(a + "o_norm.weight", (dk,)), "kda_o_proj": t(a + "o_proj.weight", (H, n))}
 
 
 def _kda(cfg: KimiConfig, w, **variant) -> KimiDeltaAttention:
     """A KDA layer; `variant`: its output gate's matrices and the decay's lower bound, if any."""
     n = cfg.linear_num_heads * cfg.linear_head_dim
-    conv = np.concatenate([w(f"self_attn.{c}_conv1d.weight")[:, 0, :] for c in "qkv"])  # (3n, K)
+    conv = np.concatenate([w[f"{c}_conv"][:, 0, :] for c in "qkv"])  # (3n, K)
     return KimiDeltaAttention(
-        dims=cfg.kda, q_proj=w("self_attn.q_proj.weight"), k_proj=w("self_attn.k_proj.weight"),
-        v_proj=w("self_attn.v_proj.weight"), conv_weight=np.ascontiguousarray(conv, np.float32),
-        f_a=w("self_attn.f_a_proj.weight"), f_b=w("self_attn.f_b_proj.weight"),  # (dk, H), (n, dk) float32
-        A_log=np.ascontiguousarray(w("self_attn.A_log").reshape(-1)[: cfg.linear_num_heads]),  # K3 pads it
-        dt_bias=w("self_attn.dt_bias").reshape(n), b_proj=w("self_attn.b_proj.weight"),
-        o_norm=w("self_attn.o_norm.weight"), o_proj=w("self_attn.o_proj.weight"), eps=cfg.rms_norm_eps, **variant)
+        dims=cfg.kda, q_proj=w["q_proj"], k_proj=w["k_proj"], v_proj=w["v_proj"],
+        conv_weight=np.ascontiguousarray(conv, np.float32),
+        f_a=w["f_a"], f_b=w["f_b"],  # (dk, H), (n, dk) float32
+        A_log=np.ascontiguousarray(w["A_log"].reshape(-1)[: cfg.linear_num_heads]),  # K3 pads it
+        dt_bias=w["dt_bias"].reshape(n), b_proj=w["b_proj"],
+        o_norm=w["o_norm"], o_proj=w["kda_o_proj"], eps=cfg.rms_norm_eps, **variant)
 
 
-def _kda_aliases(layer: str, name: str, n: int) -> list[tuple[str, str, int | None, int | None]]:
-    """transformers' fused names of KDA tensor `name` (in layer prefix `layer`): the decay's under
-    `forget_gate.`, the q/k/v convs as rows of one stacked `conv1d` (n rows each)."""
-    if name in ("self_attn.f_a_proj.weight", "self_attn.f_b_proj.weight", "self_attn.A_log", "self_attn.dt_bias"):
-        return [(layer + name, layer + "self_attn.forget_gate." + name[len("self_attn."):], None, None)]
-    if name.endswith("_conv1d.weight"):
-        j = "qkv".index(name[len("self_attn.")])
-        return [(layer + name, layer + "self_attn.conv1d.weight", j * n, (j + 1) * n)]
-    return []
-
-
-def _mla_shapes(cfg: KimiConfig, gate: dict) -> dict[str, tuple[int, ...]]:
-    """An MLA layer's tensors; `gate`: its output gate's, by name within `self_attn.`."""
-    d, H, a = cfg.mla, cfg.hidden_size, "self_attn."
+def _mla_tensors(cfg: KimiConfig, L: str, layers, gate: dict) -> dict[str, Tensor]:
+    """An MLA layer's tensors; `gate`: its output gate's, by key."""
+    d, H, a, t = cfg.mla, cfg.hidden_size, L + "self_attn.", partial(Tensor, layers=layers)
     qk = d.qk_nope_head_dim + d.qk_rope_head_dim
     if d.q_lora_rank:
-        s = {a + "q_a_proj.weight": (d.q_lora_rank, H), a + "q_a_layernorm.weight": (d.q_lora_rank,),
-             a + "q_b_proj.weight": (d.heads * qk, d.q_lora_rank)}
+        q = {"q_a": t(a + "q_a_proj.weight", (d.q_lora_rank, H)), "q_a_norm": t(a + "q_a_layernorm.weight", (d.q_lora_rank,)),
+             "q_b": t(a + "q_b_proj.weight", (d.heads * qk, d.q_lora_rank))}
     else:
-        s = {a + "q_proj.weight": (d.heads * qk, H)}
-    return {**s, a + "kv_a_proj_with_mqa.weight": (d.kv_lora_rank + d.qk_rope_head_dim, H),
-            a + "kv_a_layernorm.weight": (d.kv_lora_rank,),
-            a + "kv_b_proj.weight": (d.heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank),
-            **{a + k: shape for k, shape in gate.items()}, a + "o_proj.weight": (H, d.heads * d.v_head_dim)}
+        q = {"mla_q_proj": t(a + "q_proj.weight", (d.heads * qk, H))}
+    return {**q, "kv_a": t(a + "kv_a_proj_with_mqa.weight", (d.kv_lora_rank + d.qk_rope_head_dim, H)),
+            "kv_a_norm": t(a + "kv_a_layernorm.weight", (d.kv_lora_rank,)),
+            "kv_b": t(a + "kv_b_proj.weight", (d.heads * (d.qk_nope_head_dim + d.v_head_dim), d.kv_lora_rank)),
+            **gate, "mla_o_proj": t(a + "o_proj.weight", (H, d.heads * d.v_head_dim))}
 
 
 @dataclass
@@ -281,16 +277,10 @@ class GatedNoPEMLA(NoPEMLA):
 
 def _nope_mla(cfg: KimiConfig, w, block: type[NoPEMLA] = NoPEMLA, **gate) -> NoPEMLA:
     """An MLA layer as `block`, given its output gate's matrices (`gate`) where it has one."""
-    q_lora = cfg.q_lora_rank > 0
-    mla = MLA(cfg.mla,
-              w("self_attn.q_a_proj.weight") if q_lora else None,  # (q_lora, H)
-              w("self_attn.q_a_layernorm.weight") if q_lora else None,  # (q_lora,)
-              w("self_attn.q_b_proj.weight") if q_lora else None,  # (heads (nope + r), q_lora)
-              w("self_attn.kv_a_proj_with_mqa.weight"),  # (c + r, H)
-              w("self_attn.kv_a_layernorm.weight"),  # (c,)
-              w("self_attn.kv_b_proj.weight"),  # (heads (nope + v), c)
-              w("self_attn.o_proj.weight"))  # (H, heads v)
-    return block(mla, None if q_lora else w("self_attn.q_proj.weight"), **gate)
+    mla = MLA(cfg.mla, w.get("q_a"), w.get("q_a_norm"), w.get("q_b"),  # (q_lora, H), (q_lora,), (heads (nope + r), q_lora)
+              w["kv_a"], w["kv_a_norm"], w["kv_b"],  # (c + r, H), (c,), (heads (nope + v), c)
+              w["mla_o_proj"])  # (H, heads v)
+    return block(mla, w.get("mla_q_proj"), **gate)  # a plain query where there is no q_lora
 
 
 def _unrotated(x: np.ndarray) -> np.ndarray:
@@ -299,30 +289,22 @@ def _unrotated(x: np.ndarray) -> np.ndarray:
     return np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
-def _glu_shapes(prefix: str, width: int, H: int) -> dict[str, tuple[int, ...]]:
-    """A GLU MLP's gate (width, H), up (width, H) and down (H, width) under `prefix`."""
-    return {prefix + "gate_proj.weight": (width, H), prefix + "up_proj.weight": (width, H),
-            prefix + "down_proj.weight": (H, width)}
+def _glu_tensors(key: str, prefix: str, width: int, H: int, layers, aliases: tuple[str, ...] = ()) -> dict[str, Tensor]:
+    """A GLU MLP's gate (width, H), up (width, H) and down (H, width) under `prefix` (and the other
+    prefixes `aliases`), keyed `key` + "_gate" / "_up" / "_down"."""
+    return {f"{key}_{p}": Tensor(prefix + f"{p}_proj.weight", shape, layers=layers,
+                                 aliases=tuple(a + f"{p}_proj.weight" for a in aliases))
+            for p, shape in (("gate", (width, H)), ("up", (width, H)), ("down", (H, width)))}
 
 
-def _glu(w, prefix: str) -> tuple:
-    """A GLU MLP's (gate, up, down) under `prefix`."""
-    return tuple(w(f"{prefix}{p}_proj.weight") for p in ("gate", "up", "down"))
-
-
-def _moe_shapes(cfg: KimiConfig, latent: dict) -> dict[str, tuple[int, ...]]:
-    """An MoE layer's resident tensors (router, shared experts); `latent`: the latent MoE's, by name
-    within `block_sparse_moe.`."""
-    m, H = "block_sparse_moe.", cfg.hidden_size
-    return {m + "gate.weight": (cfg.num_experts, H), m + "gate.e_score_correction_bias": (cfg.num_experts,),
-            **{m + k: s for k, s in latent.items()},
-            **_glu_shapes(m + "shared_experts.", cfg.n_shared_experts * cfg.moe_intermediate_size, H)}
+def _glu(w, key: str) -> tuple:
+    """A GLU MLP's (gate, up, down) keyed `key`."""
+    return w[f"{key}_gate"], w[f"{key}_up"], w[f"{key}_down"]
 
 
 def _router(cfg: KimiConfig, w, post_norm: np.ndarray) -> SigmoidGroupTopK:
     """An MoE layer's router, on the post-attention RMSNorm of the sub-layer's input."""
-    m = "block_sparse_moe."
-    return SigmoidGroupTopK(w(m + "gate.weight"), w(m + "gate.e_score_correction_bias"),  # (E, H) float32, (E,)
+    return SigmoidGroupTopK(w["router"], w["score_bias"],  # (E, H) float32, (E,)
                             cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
                             cfg.routed_scaling_factor, input=partial(rms_norm, weight=post_norm, eps=cfg.rms_norm_eps))
 
@@ -356,67 +338,84 @@ class KimiLinear(MoEModel):
             raise ColibriError(f"config.json is not a valid {cls.Config.NAME} config: {e}") from None
 
     @classmethod
-    def layout(cls, cfg: KimiConfig) -> ContainerLayout:
-        experts = cls.PREFIX + "layers.{layer}.block_sparse_moe.experts"
-        return ContainerLayout(
-            resident=tuple(cls.resident_shapes(cfg)),
-            # routers stay float32; so do the small β and decay projections (the decay is exponentiated:
-            # an error in it compounds over the whole context) and the attention residuals' projections
-            keep_f32=(r"\.gate\.weight$", r"\.self_attn\.(b_proj|f_a_proj|f_b_proj)\.weight$", r"_res_proj\.weight$"),
-            moe_layers=cfg.moe_layers, n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
-            hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
-            experts=ExpertNames(
-                per_expert={"gate": experts + ".{expert}.w1.weight", "up": experts + ".{expert}.w3.weight",
-                            "down": experts + ".{expert}.w2.weight"},
-                fused_gate_up=cls.PREFIX + "layers.{layer}.mlp.experts.gate_up_proj",  # transformers' fused save
-                fused_down=cls.PREFIX + "layers.{layer}.mlp.experts.down_proj",
-            ),
-            aliases=cls.aliases(cfg),
-            expert_activation="swiglu",
-        )
+    def tensors(cls, cfg: KimiConfig) -> TensorTable:
+        """The embedding, every layer's tensors (`_layer_tensors`), the head's (`_head_tensors`) and the
+        routed experts (`_experts`)."""
+        return TensorTable(resident={"embed": Tensor(cls.PREFIX + "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)),
+                                     **cls._layer_tensors(cfg), **cls._head_tensors(cfg)},
+                           experts=cls._experts(cfg, Dim("H", cfg.hidden_size)))
 
     @classmethod
-    def resident_shapes(cls, cfg: KimiConfig) -> dict[str, tuple[int, ...]]:
-        """Every resident (non-routed-expert) tensor of the checkpoint with its shape, in load order."""
-        H, p = cfg.hidden_size, cls.PREFIX
-        shapes = {f"{p}embed_tokens.weight": (cfg.vocab_size, H)}
-        for i in range(cfg.num_hidden_layers):
-            shapes.update({f"{p}layers.{i}.{name}": shape for name, shape in cls._layer_shapes(cfg, i).items()})
-        return {**shapes, **cls._head_shapes(cfg)}
+    def _experts(cls, cfg: KimiConfig, hidden: Dim, **kind) -> Experts:
+        """The routed experts on `hidden` wide inputs (`kind`: their activation, native form)."""
+        E, I = Dim("E", cfg.num_experts), Dim("I", cfg.moe_intermediate_size)
+        L = cls.PREFIX + "layers.{layer}."
+        expert = L + "block_sparse_moe.experts.{expert}."
+        return Experts(
+            layers=cfg.moe_layers, n=E, hidden=hidden, intermediate=I, top_k=cfg.num_experts_per_tok,
+            router=Tensor(L + "block_sparse_moe.gate.weight", (E, Dim("H", cfg.hidden_size)), aliases=cls._mlp_alias(L, "gate.weight")),
+            gate=Tensor(expert + "w1.weight", (I, hidden), aliases=cls._native(expert + "w1")),
+            up=Tensor(expert + "w3.weight", (I, hidden), aliases=cls._native(expert + "w3")),
+            down=Tensor(expert + "w2.weight", (hidden, I), aliases=cls._native(expert + "w2")),
+            gate_up=Tensor(L + "mlp.experts.gate_up_proj", (E, 2 * I, hidden)),  # transformers' fused save
+            down_fused=Tensor(L + "mlp.experts.down_proj", (E, hidden, I)), **kind)
 
     @classmethod
-    def _head_shapes(cls, cfg: KimiConfig) -> dict[str, tuple[int, ...]]:
+    def _native(cls, name: str) -> tuple[str, ...]:
+        """The official release's other name of expert matrix `name`: none."""
+        return ()
+
+    @classmethod
+    def _mlp_alias(cls, L: str, name: str) -> tuple[str, ...]:
+        """The other name of MoE tensor `block_sparse_moe.{name}`: transformers' fused save's `mlp.{name}`."""
+        return (L + "mlp." + name,)
+
+    @classmethod
+    def _head_tensors(cls, cfg: KimiConfig) -> dict[str, Tensor]:
         """The tensors after the layers: the final norm, lm_head."""
-        return {f"{cls.PREFIX}norm.weight": (cfg.hidden_size,),
-                f"{cls.HEAD_PREFIX}lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
+        return {"norm": Tensor(cls.PREFIX + "norm.weight", (cfg.hidden_size,)),
+                "lm_head": Tensor(cls.HEAD_PREFIX + "lm_head.weight", (cfg.vocab_size, cfg.hidden_size))}
 
     @classmethod
-    def _layer_shapes(cls, cfg: KimiConfig, i: int) -> dict[str, tuple[int, ...]]:
-        """Layer i's resident tensors (name after the layer prefix → shape)."""
+    def _layer_tensors(cls, cfg: KimiConfig) -> dict[str, Tensor]:
+        """Every layer's resident tensors: the norms around the model's token mixers and MLPs."""
+        L, every, kda, mla, moe, dense = cls._layer_sets(cfg)
+        H = cfg.hidden_size
+        return {"input_norm": Tensor(L + "input_layernorm.weight", (H,), layers=every), **cls._mixer_tensors(cfg, L, kda, mla),
+                "post_norm": Tensor(L + "post_attention_layernorm.weight", (H,), layers=every),
+                **cls._mlp_tensors(cfg, L, moe, dense)}
+
+    @classmethod
+    def _mixer_tensors(cls, cfg: KimiConfig, L: str, kda, mla) -> dict[str, Tensor]:
+        """KDA with a low-rank output gate, or NoPE MLA."""
         H, n, dk = cfg.hidden_size, cfg.linear_num_heads * cfg.linear_head_dim, cfg.linear_head_dim
-        if cfg.layer_types[i] == KDA:  # the low-rank output gate
-            mixer = _kda_shapes(cfg, A_log=(1, 1, cfg.linear_num_heads, 1),
-                                gate={"g_a_proj.weight": (dk, H), "g_b_proj.weight": (n, dk)})
-        else:
-            mixer = _mla_shapes(cfg, gate={})
-        # the dense layer's MLP as transformers saves it (the released `mlp.*`: an alias)
-        ffn = _moe_shapes(cfg, latent={}) if i in cfg.moe_layers else \
-            _glu_shapes("block_sparse_moe.", cfg.intermediate_size, H)
-        return {"input_layernorm.weight": (H,), **mixer, "post_attention_layernorm.weight": (H,), **ffn}
+        gate = {"g_a": Tensor(L + "self_attn.g_a_proj.weight", (dk, H), layers=kda),
+                "g_b": Tensor(L + "self_attn.g_b_proj.weight", (n, dk), layers=kda)}
+        return {**_kda_tensors(cfg, L, kda, A_log=(1, 1, cfg.linear_num_heads, 1), gate=gate), **_mla_tensors(cfg, L, mla, {})}
 
     @classmethod
-    def aliases(cls, cfg: KimiConfig) -> tuple[tuple[str, str, int | None, int | None], ...]:
-        """Other names of the resident tensors, from `_other_names`."""
-        return tuple(alias for i in range(cfg.num_hidden_layers) for name in cls._layer_shapes(cfg, i)
-                     for alias in cls._other_names(cfg, f"{cls.PREFIX}layers.{i}.", name))
+    def _mlp_tensors(cls, cfg: KimiConfig, L: str, moe, dense) -> dict[str, Tensor]:
+        """The MoE layers' (beside the experts), and the dense layer's MLP as transformers saves it
+        (the released `mlp.*`: an alias)."""
+        return {**cls._moe_tensors(cfg, L, moe, {}),
+                **_glu_tensors("mlp", L + "block_sparse_moe.", cfg.intermediate_size, cfg.hidden_size, dense, aliases=(L + "mlp.",))}
 
     @classmethod
-    def _other_names(cls, cfg: KimiConfig, layer: str, name: str) -> list:
-        """The released checkpoints' `mlp.*` dense layer and transformers' fused save (`mlp.*`, the
-        q/k/v convs stacked in one `conv1d`, the decay's tensors under `forget_gate.`)."""
-        if name.startswith("block_sparse_moe."):
-            return [(layer + name, layer + "mlp." + name[len("block_sparse_moe."):], None, None)]
-        return _kda_aliases(layer, name, cfg.linear_num_heads * cfg.linear_head_dim)
+    def _layer_sets(cls, cfg: KimiConfig) -> tuple:
+        """The layer prefix, then the layers: all, KDA, MLA, with routed experts, dense."""
+        every = range(cfg.num_hidden_layers)
+        return (cls.PREFIX + "layers.{layer}.", every, [i for i in every if cfg.layer_types[i] == KDA],
+                [i for i in every if cfg.layer_types[i] == MLA_KIND], cfg.moe_layers, [i for i in every if i not in cfg.moe_layers])
+
+    @classmethod
+    def _moe_tensors(cls, cfg: KimiConfig, L: str, layers, latent: dict) -> dict[str, Tensor]:
+        """An MoE layer's resident tensors beside the router (correction bias, shared experts);
+        `latent`: the latent MoE's, by key."""
+        m = L + "block_sparse_moe."
+        return {"score_bias": Tensor(m + "gate.e_score_correction_bias", (cfg.num_experts,), layers=layers,
+                                     aliases=cls._mlp_alias(L, "gate.e_score_correction_bias")), **latent,
+                **_glu_tensors("shared", m + "shared_experts.", cfg.n_shared_experts * cfg.moe_intermediate_size,
+                               cfg.hidden_size, layers, aliases=cls._mlp_alias(L, "shared_experts."))}
 
     @classmethod
     def state_floats_per_token(cls, cfg: KimiConfig) -> list[int]:
@@ -432,24 +431,24 @@ class KimiLinear(MoEModel):
     # ---- with the weights ------------------------------------------------------------------------
     def __init__(self, cfg: KimiConfig, weights, store):
         super().__init__(cfg, weights, store)
-        p = self.PREFIX
-        self.embed_tokens = weights(f"{p}embed_tokens.weight")  # (V, H)
+        top = self.tensors(cfg).take(weights)
+        self.embed_tokens = top["embed"]  # (V, H)
         self.layers = [self._layer(weights, i) for i in range(cfg.num_hidden_layers)]
-        self.norm = weights(f"{p}norm.weight")  # (H,)
-        self.lm_head = weights(f"{self.HEAD_PREFIX}lm_head.weight")  # (V, H)
+        self.norm = top["norm"]  # (H,)
+        self.lm_head = top["lm_head"]  # (V, H)
 
     def _layer(self, weights, i: int) -> Layer:
+        """Layer i from its tensors, by key."""
         cfg = self.cfg
-        w = lambda name: weights(f"{self.PREFIX}layers.{i}.{name}")  # noqa: E731
+        w = self.tensors(cfg).take(weights, i)
         if cfg.layer_types[i] == KDA:
-            mixer = _kda(cfg, w, g_a=w("self_attn.g_a_proj.weight"), g_b=w("self_attn.g_b_proj.weight"))
+            mixer = _kda(cfg, w, g_a=w["g_a"], g_b=w["g_b"])
         else:
             mixer = _nope_mla(cfg, w)
-        norms = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
+        norms = w["input_norm"], w["post_norm"]
         if i not in cfg.moe_layers:
-            return Layer(mixer, *norms, mlp=_glu(w, "block_sparse_moe."))
-        return Layer(mixer, *norms, router=_router(cfg, w, norms[1]),
-                     shared=SharedExpert(*_glu(w, "block_sparse_moe.shared_experts."), glu="swiglu"))
+            return Layer(mixer, *norms, mlp=_glu(w, "mlp"))
+        return Layer(mixer, *norms, router=_router(cfg, w, norms[1]), shared=SharedExpert(*_glu(w, "shared"), glu="swiglu"))
 
     def routers(self) -> dict:
         """Every sparse layer: sigmoid scores + correction bias, group-limited top-k, renormalised ×
@@ -508,68 +507,70 @@ class KimiK3(KimiLinear):
     PREFIX, HEAD_PREFIX = "language_model.model.", "language_model."
 
     @classmethod
-    def layout(cls, cfg: K3Config) -> ContainerLayout:
+    def tensors(cls, cfg: K3Config) -> TensorTable:
         """Kimi-Linear's, with the experts on the latent (Z wide) and SiTU; the official release's
         experts are MXFP4 (`w{1,2,3}.weight_packed` U8 + `weight_scale` U8: E2M1 + UE8M0 per 32
         columns), run as they are."""
-        layout = super().layout(cfg)
-        experts = cls.PREFIX + "layers.{layer}.block_sparse_moe.experts.{expert}"
-        mxfp4 = {"gate": experts + ".w1.weight_packed", "up": experts + ".w3.weight_packed",
-                 "down": experts + ".w2.weight_packed"}
-        return replace(layout, hidden=cfg.moe_latent_size, expert_activation="situ", native_expert_kind="fp4",
-                       experts=replace(layout.experts, other_names=(mxfp4,)))
+        table = super().tensors(cfg)
+        return TensorTable(resident=table.resident, experts=cls._experts(cfg, Dim("Z", cfg.moe_latent_size),
+                                                                           activation="situ", native="fp4"))
 
     @classmethod
-    def _head_shapes(cls, cfg: K3Config) -> dict[str, tuple[int, ...]]:
+    def _native(cls, name: str) -> tuple[str, ...]:
+        return (name + ".weight_packed",)
+
+    @classmethod
+    def _mlp_alias(cls, L: str, name: str) -> tuple[str, ...]:
+        return ()  # K3's MoE tensors have one name
+
+    @classmethod
+    def _head_tensors(cls, cfg: K3Config) -> dict[str, Tensor]:
         """The output's attention residual, then Kimi-Linear's final norm and lm_head."""
         H, p = cfg.hidden_size, cls.PREFIX
-        return {f"{p}output_attn_res_norm.weight": (H,), f"{p}output_attn_res_proj.weight": (1, H),
-                **super()._head_shapes(cfg)}
+        return {"output_res_norm": Tensor(p + "output_attn_res_norm.weight", (H,)),
+                "output_res_proj": Tensor(p + "output_attn_res_proj.weight", (1, H), f32=True), **super()._head_tensors(cfg)}
 
     @classmethod
-    def _layer_shapes(cls, cfg: K3Config, i: int) -> dict[str, tuple[int, ...]]:
-        H, n = cfg.hidden_size, cfg.linear_num_heads * cfg.linear_head_dim
-        if cfg.layer_types[i] == KDA:  # A_log per head (the release pads it), a full-rank output gate
-            mixer = _kda_shapes(cfg, A_log=(cfg.linear_num_heads,), gate={"g_proj.weight": (n, H)})
-        else:  # the sigmoid output gate
-            mixer = _mla_shapes(cfg, gate={"g_proj.weight": (cfg.num_attention_heads * cfg.v_head_dim, H)})
-        res = {"self_attention_res_norm.weight": (H,), "self_attention_res_proj.weight": (1, H),
-               "mlp_res_norm.weight": (H,), "mlp_res_proj.weight": (1, H)}
-        Z = cfg.moe_latent_size
-        ffn = _moe_shapes(cfg, latent={"routed_expert_down_proj.weight": (Z, H), "routed_expert_norm.weight": (Z,),
-                                       "routed_expert_up_proj.weight": (H, Z)}) if i in cfg.moe_layers else \
-            _glu_shapes("mlp.", cfg.intermediate_size, H)
-        return {"input_layernorm.weight": (H,), **mixer, **res, "post_attention_layernorm.weight": (H,), **ffn}
+    def _mixer_tensors(cls, cfg: K3Config, L: str, kda, mla) -> dict[str, Tensor]:
+        """KDA with A_log per head (the release pads it) and a full-rank output gate, or MLA with a
+        sigmoid output gate; then the attention residuals."""
+        H, n, every = cfg.hidden_size, cfg.linear_num_heads * cfg.linear_head_dim, range(cfg.num_hidden_layers)
+        g_proj = Tensor(L + "self_attn.g_proj.weight", lambda i: (n, H) if i in kda else
+                        (cfg.num_attention_heads * cfg.v_head_dim, H), layers=every)
+        res = {key: Tensor(L + name, shape, layers=every, f32=shape == (1, H)) for key, name, shape in (
+            ("attn_res_norm", "self_attention_res_norm.weight", (H,)), ("attn_res_proj", "self_attention_res_proj.weight", (1, H)),
+            ("mlp_res_norm", "mlp_res_norm.weight", (H,)), ("mlp_res_proj", "mlp_res_proj.weight", (1, H)))}
+        return {**_kda_tensors(cfg, L, kda, A_log=(cfg.linear_num_heads,), gate={}), **_mla_tensors(cfg, L, mla, {}),
+                "g_proj": g_proj, **res}
 
     @classmethod
-    def _other_names(cls, cfg: K3Config, layer: str, name: str) -> list:
-        """transformers' fused KDA names (the q/k/v convs stacked in one `conv1d`, the decay's tensors
-        under `forget_gate.`), as its other KDA models save them."""
-        return _kda_aliases(layer, name, cfg.linear_num_heads * cfg.linear_head_dim)
+    def _mlp_tensors(cls, cfg: K3Config, L: str, moe, dense) -> dict[str, Tensor]:
+        """The latent MoE's down / norm / up beside the router, and the dense layer under `mlp.`."""
+        H, Z, m = cfg.hidden_size, cfg.moe_latent_size, L + "block_sparse_moe."
+        latent = {"latent_down": Tensor(m + "routed_expert_down_proj.weight", (Z, H), layers=moe),
+                  "latent_norm": Tensor(m + "routed_expert_norm.weight", (Z,), layers=moe),
+                  "latent_up": Tensor(m + "routed_expert_up_proj.weight", (H, Z), layers=moe)}
+        return {**cls._moe_tensors(cfg, L, moe, latent), **_glu_tensors("mlp", L + "mlp.", cfg.intermediate_size, H, dense)}
 
     # ---- with the weights ------------------------------------------------------------------------
     def __init__(self, cfg: K3Config, weights, store):
         super().__init__(cfg, weights, store)
-        p = self.PREFIX
-        self.output_res = (weights(f"{p}output_attn_res_norm.weight"), weights(f"{p}output_attn_res_proj.weight"))
+        top = self.tensors(cfg).take(weights)
+        self.output_res = (top["output_res_norm"], top["output_res_proj"])  # (H,), (1, H) float32
 
     def _layer(self, weights, i: int) -> K3Layer:
         cfg = self.cfg
-        w = lambda name: weights(f"{self.PREFIX}layers.{i}.{name}")  # noqa: E731
+        w = self.tensors(cfg).take(weights, i)
         if cfg.layer_types[i] == KDA:
-            mixer = _kda(cfg, w, g_proj=w("self_attn.g_proj.weight"), gate_lower_bound=cfg.kda_gate_lower_bound)
+            mixer = _kda(cfg, w, g_proj=w["g_proj"], gate_lower_bound=cfg.kda_gate_lower_bound)
         else:
-            mixer = _nope_mla(cfg, w, GatedNoPEMLA, g_proj=w("self_attn.g_proj.weight"))
-        norms = w("input_layernorm.weight"), w("post_attention_layernorm.weight")
-        res = dict(attn_res=(w("self_attention_res_norm.weight"), w("self_attention_res_proj.weight")),
-                   mlp_res=(w("mlp_res_norm.weight"), w("mlp_res_proj.weight")))
+            mixer = _nope_mla(cfg, w, GatedNoPEMLA, g_proj=w["g_proj"])
+        norms = w["input_norm"], w["post_norm"]
+        res = dict(attn_res=(w["attn_res_norm"], w["attn_res_proj"]), mlp_res=(w["mlp_res_norm"], w["mlp_res_proj"]))
         if i not in cfg.moe_layers:
-            return K3Layer(mixer, *norms, mlp=_glu(w, "mlp."), **res)
-        m = "block_sparse_moe."
-        return K3Layer(mixer, *norms, router=_router(cfg, w, norms[1]),
-                       shared=SharedExpert(*_glu(w, m + "shared_experts."), glu="situ"),
-                       latent=(w(m + "routed_expert_down_proj.weight"), w(m + "routed_expert_norm.weight"),
-                               w(m + "routed_expert_up_proj.weight")), **res)
+            return K3Layer(mixer, *norms, mlp=_glu(w, "mlp"), **res)
+        return K3Layer(mixer, *norms, router=_router(cfg, w, norms[1]), shared=SharedExpert(*_glu(w, "shared"), glu="situ"),
+                       latent=(w["latent_down"], w["latent_norm"], w["latent_up"]), **res)
 
     # ---- the layer graph ---------------------------------------------------------------------
     def _decoder(self, h: np.ndarray, ids: np.ndarray, state: kv.SequenceState) -> np.ndarray:

@@ -19,9 +19,9 @@ from colibri_core.layers.attention import AttnBlock, gqa_block
 from colibri_core.layers.norm import rms_norm
 from colibri_core.layers.rope import Rope
 from colibri_core.layers.router import SoftmaxTopK
-from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, embed, linear
 from colibri_core.probe import record
+from colibri_core.tensors import Dim, Experts, Tensor, TensorTable
 
 
 @dataclass(frozen=True)
@@ -59,12 +59,7 @@ class OlmoeConfig:
         )
 
 
-LAYER = "model.layers.{layer}"
-RESIDENT_PER_LAYER = (  # every non-expert tensor of one layer
-    "input_layernorm.weight", "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate.weight",
-)
+LAYER = "model.layers.{layer}."
 
 
 class Olmoe(MoEModel):
@@ -73,34 +68,33 @@ class Olmoe(MoEModel):
         return OlmoeConfig.from_hf(config)
 
     @classmethod
-    def layout(cls, cfg: OlmoeConfig) -> ContainerLayout:
-        per_layer = [f"{LAYER}.{name}".format(layer=i) for i in range(cfg.num_hidden_layers) for name in RESIDENT_PER_LAYER]
-        expert = LAYER + ".mlp.experts.{expert}"
-        return ContainerLayout(
-            resident=("model.embed_tokens.weight", *per_layer, "model.norm.weight", "lm_head.weight"),
-            keep_f32=(r"\.mlp\.gate\.weight$",),  # the router
-            moe_layers=tuple(range(cfg.num_hidden_layers)),
-            n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
-            experts=ExpertNames(
-                per_expert={"gate": expert + ".gate_proj.weight", "up": expert + ".up_proj.weight",
-                            "down": expert + ".down_proj.weight"},
-                fused_gate_up=LAYER + ".mlp.experts.gate_up_proj",
-                fused_down=LAYER + ".mlp.experts.down_proj",
+    def tensors(cls, cfg: OlmoeConfig) -> TensorTable:
+        """Every tensor, once: the layout and the resident shapes derive from it."""
+        H, I, E = Dim("H", cfg.hidden_size), Dim("I", cfg.intermediate_size), Dim("E", cfg.num_experts)
+        V, layers = cfg.vocab_size, range(cfg.num_hidden_layers)
+        q, kv_ = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        layer = partial(Tensor, layers=layers)
+        expert = LAYER + "mlp.experts.{expert}."
+        return TensorTable(
+            resident=dict(
+                embed=Tensor("model.embed_tokens.weight", (V, H)),
+                input_norm=layer(LAYER + "input_layernorm.weight", (H,)),
+                post_norm=layer(LAYER + "post_attention_layernorm.weight", (H,)),
+                q=layer(LAYER + "self_attn.q_proj.weight", (q, H)), k=layer(LAYER + "self_attn.k_proj.weight", (kv_, H)),
+                v=layer(LAYER + "self_attn.v_proj.weight", (kv_, H)), o=layer(LAYER + "self_attn.o_proj.weight", (H, q)),
+                q_norm=layer(LAYER + "self_attn.q_norm.weight", (q,)), k_norm=layer(LAYER + "self_attn.k_norm.weight", (kv_,)),
+                norm=Tensor("model.norm.weight", (H,)),
+                lm_head=Tensor("lm_head.weight", (V, H)),
+            ),
+            experts=Experts(
+                layers=layers, n=E, hidden=H, intermediate=I, top_k=cfg.num_experts_per_tok,
+                router=Tensor(LAYER + "mlp.gate.weight", (E, H)),  # float32
+                gate=Tensor(expert + "gate_proj.weight", (I, H)), up=Tensor(expert + "up_proj.weight", (I, H)),
+                down=Tensor(expert + "down_proj.weight", (H, I)),
+                gate_up=Tensor(LAYER + "mlp.experts.gate_up_proj", (E, 2 * I, H)),  # transformers' fused save
+                down_fused=Tensor(LAYER + "mlp.experts.down_proj", (E, H, I)),
             ),
         )
-
-    @classmethod
-    def resident_shapes(cls, cfg: OlmoeConfig) -> dict[str, tuple[int, ...]]:
-        H, V, D = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
-        q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
-        per_layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-                     "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
-                     "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
-                     "self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,),
-                     "mlp.gate.weight": (cfg.num_experts, H)}
-        layers = {f"{LAYER}.{name}".format(layer=i): per_layer[name]
-                  for i in range(cfg.num_hidden_layers) for name in RESIDENT_PER_LAYER}
-        return {"model.embed_tokens.weight": (V, H), **layers, "model.norm.weight": (H,), "lm_head.weight": (V, H)}
 
     @classmethod
     def state_floats_per_token(cls, cfg: OlmoeConfig) -> list[int]:
@@ -112,30 +106,28 @@ class Olmoe(MoEModel):
 
     def __init__(self, cfg: OlmoeConfig, weights, store):
         super().__init__(cfg, weights, store)
-        self.embed_tokens = weights("model.embed_tokens.weight")  # (V, H)
+        table = self.tensors(cfg)
+        top = table.take(weights)
+        self.embed_tokens = top["embed"]  # (V, H)
         self.layers = []
         for i in range(cfg.num_hidden_layers):
-            w = lambda name: weights(f"{LAYER}.{name}".format(layer=i))  # noqa: E731
-            post_norm = w("post_attention_layernorm.weight")  # (H,)
+            w = table.take(weights, i)
             self.layers.append(dict(
                 attn=AttnBlock(  # the attention sub-block, one C call (layers.attention.gqa_block)
-                    w("input_layernorm.weight"),  # (H,)
-                    w("self_attn.q_proj.weight"),  # (heads * D, H)
-                    w("self_attn.k_proj.weight"),  # (kv_heads * D, H)
-                    w("self_attn.v_proj.weight"),  # (kv_heads * D, H)
-                    w("self_attn.o_proj.weight"),  # (H, heads * D)
+                    w["input_norm"],  # (H,)
+                    w["q"], w["k"], w["v"],  # (heads * D, H), (kv_heads * D, H), (kv_heads * D, H)
+                    w["o"],  # (H, heads * D)
                     heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                     eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5,
                     qk_norm="whole",  # QK-norm over the full projected width, not per head
-                    q_norm=w("self_attn.q_norm.weight"),  # (heads * D,)
-                    k_norm=w("self_attn.k_norm.weight"),  # (kv_heads * D,)
+                    q_norm=w["q_norm"], k_norm=w["k_norm"],  # (heads * D,), (kv_heads * D,)
                     clip=cfg.clip_qkv),
-                post_norm=post_norm,
-                router=SoftmaxTopK(w("mlp.gate.weight"), cfg.num_experts_per_tok, cfg.norm_topk_prob,  # (E, H) f32
-                                   input=partial(rms_norm, weight=post_norm, eps=cfg.rms_norm_eps)),
+                post_norm=w["post_norm"],  # (H,)
+                router=SoftmaxTopK(w["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob,  # (E, H) f32
+                                   input=partial(rms_norm, weight=w["post_norm"], eps=cfg.rms_norm_eps)),
             ))
-        self.norm = weights("model.norm.weight")  # (H,)
-        self.lm_head = weights("lm_head.weight")  # (V, H)
+        self.norm = top["norm"]  # (H,)
+        self.lm_head = top["lm_head"]  # (V, H)
         self.rope = Rope(cfg.head_dim, cfg.rope_theta)
 
     def new_state(self, kv_cache: str = "f32") -> kv.SequenceState:

@@ -33,9 +33,9 @@ from colibri_core.layers.norm import rms_norm_zero_centred
 from colibri_core.layers.rope import Rope
 from colibri_core.layers.router import SoftmaxTopK
 from colibri_core.layers.shared_expert import SharedExpert
-from colibri_core.layout import ContainerLayout, ExpertNames
 from colibri_core.model import MoEModel, embed, linear
 from colibri_core.probe import record
+from colibri_core.tensors import Dim, Experts, Tensor, TensorTable
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -115,55 +115,6 @@ class Qwen36Config:
                             self.linear_value_head_dim, self.linear_conv_kernel_dim)
 
 
-def resident_shapes(cfg: Qwen36Config) -> dict[str, tuple[int, ...]]:
-    """Every resident (non-routed-expert) tensor of the checkpoint with its shape, in load order."""
-    H, D, p = cfg.hidden_size, cfg.head_dim, cfg.prefix
-    dn = cfg.deltanet
-    shapes = {f"{p}embed_tokens.weight": (cfg.vocab_size, H)}
-    for i, kind in enumerate(cfg.layer_types):
-        layer = f"{p}layers.{i}."
-        shapes[layer + "input_layernorm.weight"] = (H,)
-        if kind == LINEAR:
-            a = layer + "linear_attn."
-            shapes.update({
-                a + "in_proj_qkv.weight": (dn.conv_channels, H),
-                a + "in_proj_z.weight": (dn.value_heads * dn.value_dim, H),
-                a + "in_proj_b.weight": (dn.value_heads, H),
-                a + "in_proj_a.weight": (dn.value_heads, H),
-                a + "conv1d.weight": (dn.conv_channels, 1, dn.conv_kernel),
-                a + "dt_bias": (dn.value_heads,),
-                a + "A_log": (dn.value_heads,),
-                a + "norm.weight": (dn.value_dim,),
-                a + "out_proj.weight": (H, dn.value_heads * dn.value_dim),
-            })
-        else:
-            a = layer + "self_attn."
-            outs = {"q": cfg.num_attention_heads * D * 2, "k": cfg.num_key_value_heads * D,
-                    "v": cfg.num_key_value_heads * D}
-            for name, rows in outs.items():
-                shapes[a + f"{name}_proj.weight"] = (rows, H)
-                if cfg.attention_bias:
-                    shapes[a + f"{name}_proj.bias"] = (rows,)
-            shapes[a + "o_proj.weight"] = (H, cfg.num_attention_heads * D)
-            if cfg.attention_bias:
-                shapes[a + "o_proj.bias"] = (H,)
-            shapes[a + "q_norm.weight"] = (D,)
-            shapes[a + "k_norm.weight"] = (D,)
-        S = cfg.shared_expert_intermediate_size
-        shapes.update({
-            layer + "post_attention_layernorm.weight": (H,),
-            layer + "mlp.gate.weight": (cfg.num_experts, H),
-            layer + "mlp.shared_expert.gate_proj.weight": (S, H),
-            layer + "mlp.shared_expert.up_proj.weight": (S, H),
-            layer + "mlp.shared_expert.down_proj.weight": (H, S),
-            layer + "mlp.shared_expert_gate.weight": (1, H),
-        })
-    shapes[f"{p}norm.weight"] = (H,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, H)
-    return shapes
-
-
 @dataclass
 class Layer:
     kind: str  # LINEAR | FULL
@@ -185,29 +136,57 @@ class Qwen36(MoEModel):
             raise ColibriError(f"config.json is not a valid Qwen3.6 (qwen3_5_moe) config: {e}") from None
 
     @classmethod
-    def layout(cls, cfg: Qwen36Config) -> ContainerLayout:
-        expert = cfg.prefix + "layers.{layer}.mlp.experts"
-        return ContainerLayout(
-            resident=tuple(resident_shapes(cfg)),
-            # routers, the shared-expert gate and the tiny β / decay projections stay float32: they are
-            # small, and the decay is exponentiated (an error in it compounds over the whole context)
-            keep_f32=(r"\.mlp\.gate\.weight$", r"\.mlp\.shared_expert_gate\.weight$",
-                      r"\.linear_attn\.in_proj_[ab]\.weight$"),
-            moe_layers=tuple(range(cfg.num_hidden_layers)),
-            n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, hidden=cfg.hidden_size, intermediate=cfg.moe_intermediate_size,
-            experts=ExpertNames(
-                per_expert={"gate": expert + ".{expert}.gate_proj.weight", "up": expert + ".{expert}.up_proj.weight",
-                            "down": expert + ".{expert}.down_proj.weight"},
-                fused_gate_up=expert + ".gate_up_proj",
-                fused_down=expert + ".down_proj",
+    def tensors(cls, cfg: Qwen36Config) -> TensorTable:
+        """Every tensor of the text model, once (routers, the shared-expert gate and the tiny β / decay
+        projections stay float32: they are small, and the decay is exponentiated, so an error in it
+        compounds over the whole context)."""
+        H, E, I = Dim("H", cfg.hidden_size), Dim("E", cfg.num_experts), Dim("I", cfg.moe_intermediate_size)
+        D, S, V, dn, p = cfg.head_dim, cfg.shared_expert_intermediate_size, cfg.vocab_size, cfg.deltanet, cfg.prefix
+        L = p + "layers.{layer}."
+        every = partial(Tensor, layers=range(cfg.num_hidden_layers))
+        linear_ = partial(Tensor, layers=[i for i, kind in enumerate(cfg.layer_types) if kind == LINEAR])
+        full = partial(Tensor, layers=[i for i, kind in enumerate(cfg.layer_types) if kind == FULL])
+        q_rows, kv_rows, o_cols = cfg.num_attention_heads * D * 2, cfg.num_key_value_heads * D, cfg.num_attention_heads * D
+        biases = {f"{n}_bias": full(L + f"self_attn.{n}_proj.bias", (rows,))
+                  for n, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows), ("o", H))} if cfg.attention_bias else {}
+        expert = L + "mlp.experts.{expert}."
+        return TensorTable(
+            resident=dict(
+                embed=Tensor(p + "embed_tokens.weight", (V, H)),
+                input_norm=every(L + "input_layernorm.weight", (H,)),
+                in_proj_qkv=linear_(L + "linear_attn.in_proj_qkv.weight", (dn.conv_channels, H)),
+                in_proj_z=linear_(L + "linear_attn.in_proj_z.weight", (dn.value_heads * dn.value_dim, H)),
+                in_proj_b=linear_(L + "linear_attn.in_proj_b.weight", (dn.value_heads, H), f32=True),
+                in_proj_a=linear_(L + "linear_attn.in_proj_a.weight", (dn.value_heads, H), f32=True),
+                conv1d=linear_(L + "linear_attn.conv1d.weight", (dn.conv_channels, 1, dn.conv_kernel)),
+                dt_bias=linear_(L + "linear_attn.dt_bias", (dn.value_heads,)),
+                A_log=linear_(L + "linear_attn.A_log", (dn.value_heads,)),
+                dn_norm=linear_(L + "linear_attn.norm.weight", (dn.value_dim,)),
+                out_proj=linear_(L + "linear_attn.out_proj.weight", (H, dn.value_heads * dn.value_dim)),
+                q_proj=full(L + "self_attn.q_proj.weight", (q_rows, H)),
+                k_proj=full(L + "self_attn.k_proj.weight", (kv_rows, H)),
+                v_proj=full(L + "self_attn.v_proj.weight", (kv_rows, H)),
+                o_proj=full(L + "self_attn.o_proj.weight", (H, o_cols)),
+                **biases,
+                q_norm=full(L + "self_attn.q_norm.weight", (D,)), k_norm=full(L + "self_attn.k_norm.weight", (D,)),
+                post_norm=every(L + "post_attention_layernorm.weight", (H,)),
+                shared_gate=every(L + "mlp.shared_expert.gate_proj.weight", (S, H)),
+                shared_up=every(L + "mlp.shared_expert.up_proj.weight", (S, H)),
+                shared_down=every(L + "mlp.shared_expert.down_proj.weight", (H, S)),
+                shared_sigmoid=every(L + "mlp.shared_expert_gate.weight", (1, H), f32=True),
+                norm=Tensor(p + "norm.weight", (H,)),
+                **({} if cfg.tie_word_embeddings else {"lm_head": Tensor("lm_head.weight", (V, H))}),
+            ),
+            experts=Experts(
+                layers=range(cfg.num_hidden_layers), n=E, hidden=H, intermediate=I, top_k=cfg.num_experts_per_tok,
+                router=Tensor(L + "mlp.gate.weight", (E, H)),  # float32
+                gate=Tensor(expert + "gate_proj.weight", (I, H)), up=Tensor(expert + "up_proj.weight", (I, H)),
+                down=Tensor(expert + "down_proj.weight", (H, I)),
+                gate_up=Tensor(L + "mlp.experts.gate_up_proj", (E, 2 * I, H)),
+                down_fused=Tensor(L + "mlp.experts.down_proj", (E, H, I)),
             ),
             ignore=(r"^model\.visual\.", r"^mtp\."),  # the vision tower and the MTP head: not the text model
         )
-
-    @classmethod
-    def resident_shapes(cls, cfg: Qwen36Config) -> dict[str, tuple[int, ...]]:
-        """Every resident tensor's shape, by checkpoint name (for `colibri plan`)."""
-        return resident_shapes(cfg)
 
     @classmethod
     def state_floats_per_token(cls, cfg: Qwen36Config) -> list[int]:
@@ -228,52 +207,49 @@ class Qwen36(MoEModel):
 
     def __init__(self, cfg: Qwen36Config, weights, store):
         super().__init__(cfg, weights, store)
-        p = cfg.prefix
-        self.embed_tokens = weights(f"{p}embed_tokens.weight")  # (V, H)
+        table = self.tensors(cfg)
+        top = table.take(weights)
+        self.embed_tokens = top["embed"]  # (V, H)
         self.layers: list[Layer] = []
         for i, kind in enumerate(cfg.layer_types):
-            w = lambda name: weights(f"{p}layers.{i}.{name}")  # noqa: E731
+            w = table.take(weights, i)
             if kind == LINEAR:
-                dn = cfg.deltanet
                 mixer = GatedDeltaNet(
-                    dims=dn,
-                    in_proj_qkv=w("linear_attn.in_proj_qkv.weight"),  # (2 Hk dk + Hv dv, H)
-                    in_proj_z=w("linear_attn.in_proj_z.weight"),  # (Hv dv, H)
-                    in_proj_b=w("linear_attn.in_proj_b.weight"),  # (Hv, H) float32
-                    in_proj_a=w("linear_attn.in_proj_a.weight"),  # (Hv, H) float32
-                    conv_weight=np.ascontiguousarray(w("linear_attn.conv1d.weight")[:, 0, :]),  # (channels, K)
-                    A_log=w("linear_attn.A_log"),  # (Hv,)
-                    dt_bias=w("linear_attn.dt_bias"),  # (Hv,)
-                    norm=w("linear_attn.norm.weight"),  # (dv,)
-                    out_proj=w("linear_attn.out_proj.weight"),  # (H, Hv dv)
+                    dims=cfg.deltanet,
+                    in_proj_qkv=w["in_proj_qkv"],  # (2 Hk dk + Hv dv, H)
+                    in_proj_z=w["in_proj_z"],  # (Hv dv, H)
+                    in_proj_b=w["in_proj_b"],  # (Hv, H) float32
+                    in_proj_a=w["in_proj_a"],  # (Hv, H) float32
+                    conv_weight=np.ascontiguousarray(w["conv1d"][:, 0, :]),  # (channels, K)
+                    A_log=w["A_log"],  # (Hv,)
+                    dt_bias=w["dt_bias"],  # (Hv,)
+                    norm=w["dn_norm"],  # (dv,)
+                    out_proj=w["out_proj"],  # (H, Hv dv)
                     eps=cfg.rms_norm_eps,
                 )
             else:
                 mixer = GatedAttention(
-                    q_proj=w("self_attn.q_proj.weight"),  # (heads * 2D, H): per head [q | gate]
-                    k_proj=w("self_attn.k_proj.weight"),  # (kv_heads * D, H)
-                    v_proj=w("self_attn.v_proj.weight"),  # (kv_heads * D, H)
-                    o_proj=w("self_attn.o_proj.weight"),  # (H, heads * D)
-                    q_norm=w("self_attn.q_norm.weight"),  # (D,)
-                    k_norm=w("self_attn.k_norm.weight"),  # (D,)
+                    q_proj=w["q_proj"],  # (heads * 2D, H): per head [q | gate]
+                    k_proj=w["k_proj"],  # (kv_heads * D, H)
+                    v_proj=w["v_proj"],  # (kv_heads * D, H)
+                    o_proj=w["o_proj"],  # (H, heads * D)
+                    q_norm=w["q_norm"],  # (D,)
+                    k_norm=w["k_norm"],  # (D,)
                     heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                     eps=cfg.rms_norm_eps,
-                    biases={n: w(f"self_attn.{n}_proj.bias") for n in "qkvo"} if cfg.attention_bias else None,
+                    biases={n: w[f"{n}_bias"] for n in "qkvo"} if cfg.attention_bias else None,
                 )
             self.layers.append(Layer(
                 kind=kind, mixer=mixer,
-                input_norm=w("input_layernorm.weight"),  # (H,)
-                post_norm=w("post_attention_layernorm.weight"),  # (H,)
-                router=SoftmaxTopK(w("mlp.gate.weight"), cfg.num_experts_per_tok, renormalize=True,  # (E, H) float32
-                                   input=partial(rms_norm_zero_centred, weight=w("post_attention_layernorm.weight"),
-                                                 eps=cfg.rms_norm_eps)),
-                shared=SharedExpert(w("mlp.shared_expert.gate_proj.weight"),  # (S, H)
-                                    w("mlp.shared_expert.up_proj.weight"),  # (S, H)
-                                    w("mlp.shared_expert.down_proj.weight"),  # (H, S)
-                                    w("mlp.shared_expert_gate.weight")),  # (1, H) float32
+                input_norm=w["input_norm"],  # (H,)
+                post_norm=w["post_norm"],  # (H,)
+                router=SoftmaxTopK(w["router"], cfg.num_experts_per_tok, renormalize=True,  # (E, H) float32
+                                   input=partial(rms_norm_zero_centred, weight=w["post_norm"], eps=cfg.rms_norm_eps)),
+                shared=SharedExpert(w["shared_gate"], w["shared_up"], w["shared_down"],  # (S, H), (S, H), (H, S)
+                                    w["shared_sigmoid"]),  # (1, H) float32
             ))
-        self.norm = weights(f"{p}norm.weight")  # (H,)
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else weights("lm_head.weight")  # (V, H)
+        self.norm = top["norm"]  # (H,)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else top["lm_head"]  # (V, H)
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta)
 
     def routers(self) -> dict:
