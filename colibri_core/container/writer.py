@@ -228,11 +228,10 @@ class _Plan:
 
     def expert_weights(self, ckpt: Checkpoint, layer: int, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [I, H], up [I, H], down [H, I]) of one expert, float32."""
-        if self.form == "fused":
-            gate_up = ckpt.read_f32(self.names["gate_up"].format(layer=layer), e, 1)[0]  # [2I, H]
-            down = ckpt.read_f32(self.names["down"].format(layer=layer), e, 1)[0]
-            inter = self.layout.intermediate
-            return gate_up[:inter], gate_up[inter:], down
+        if self.form == "fused":  # the expert's slices, as the layout says they lie
+            gate_up = ckpt.read_f32(self.names["gate_up"].format(layer=layer), e, 1)[0]  # [2I, H] or [H, 2I]
+            down = ckpt.read_f32(self.names["down"].format(layer=layer), e, 1)[0]  # [H, I] or [I, H]
+            return self.layout.experts.split_fused(gate_up, down)
         return tuple(ckpt.read_f32(self.names[p].format(layer=layer, expert=e)) for p in PROJS)
 
 
@@ -258,8 +257,9 @@ def _plan(ckpt: Checkpoint, layout: ContainerLayout, architecture: str, quant: s
         expected: dict[str, tuple[int, ...] | None] = dict.fromkeys(src for src, _, _ in sources.values())
         for layer in layout.moe_layers:
             if fused:
-                expected[patterns["gate_up"].format(layer=layer)] = (E, 2 * I, H)
-                expected[patterns["down"].format(layer=layer)] = (E, H, I)
+                gate_up, down = names.fused_shapes(E, H, I)
+                expected[patterns["gate_up"].format(layer=layer)] = gate_up
+                expected[patterns["down"].format(layer=layer)] = down
             else:
                 for e in range(E):
                     for p in PROJS:
@@ -647,9 +647,19 @@ def _manifest(plan: _Plan, architecture, plugin, plugin_version, source, copied,
                        "trailer": "last 16 bytes: u32 crc32 of all other extent bytes, CLXE, u32 layer, u32 expert"},
             "source_form": plan.form,
             "names": dict(plan.names),
+            **_fused_layout(plan),
             "files": layers,
         },
     }
+
+
+def _fused_layout(plan: _Plan) -> dict:
+    """The manifest's note of how fused expert tensors lay in the source (`ExpertNames`' flags), so
+    `dequantize` gives them back as they were; nothing for the default layout."""
+    names = plan.layout.experts
+    if plan.form != "fused" or not (names.fused_transposed or names.gate_up_interleaved):
+        return {}
+    return {"fused_layout": {"transposed": names.fused_transposed, "gate_up_interleaved": names.gate_up_interleaved}}
 
 
 def _check_destination(dst: Path, force: bool) -> None:

@@ -1,0 +1,318 @@
+"""Models by hub id: `colibri pull ORG/NAME[@REVISION]`, `colibri list`, `colibri rm`, and
+`--model ORG/NAME` wherever a command takes a model.
+
+Everything goes through `huggingface_hub`: its cache (HF_HOME / HF_HUB_CACHE), token (HF_TOKEN),
+endpoint (HF_ENDPOINT), revisions, resumed downloads and progress bars. `pull` resolves the revision
+to its commit hash first and pins every download to it; it fetches config.json and the tokenizer,
+states the peak disk it needs (the container, the largest shard, a margin) and refuses in one line
+if the disk cannot hold it; then it downloads the safetensors shards one after another, converting
+each as it lands and deleting it from the hub cache once all its tensors are written
+(`container.streamed`; `--keep-source` keeps them). A pull killed at any point resumes where it
+stopped: the downloads by `huggingface_hub`'s own resume, the conversion from its progress log,
+which the commit hash binds.
+
+Pulled models live in one place, ``$COLIBRI_HOME/models`` (default ``$XDG_DATA_HOME/colibri/models``,
+i.e. ``~/.local/share/colibri/models``), one directory per hub id, ``ORG--NAME`` (a container; with
+``--quant native``, the checkpoint itself, run as it is).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+from .container.reader import COPIED_FILES, MANIFEST
+from .errors import ColibriError
+
+__all__ = ["models_dir", "parse_id", "model_path", "resolve", "plan_paths", "hub_config", "pull", "list_models", "remove"]
+
+HUB_ID = re.compile(r"([A-Za-z0-9][\w.-]*)/([A-Za-z0-9][\w.-]*)(?:@([\w./-]+))?")
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+PULL_RECORD = "colibri-pull.json"  # in a checkpoint pulled with --quant native: what it was pulled from
+MARGIN = 64 << 20  # beside the stash: the small files and the file system's own blocks
+
+
+def models_dir() -> Path:
+    """Where pulled models live: $COLIBRI_HOME/models, else $XDG_DATA_HOME/colibri/models."""
+    home = os.environ.get("COLIBRI_HOME")
+    if home:
+        return Path(home).expanduser() / "models"
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "colibri" / "models"
+
+
+def parse_id(spec: str) -> tuple[str, str | None] | None:
+    """("ORG/NAME", revision or None) of a hub id "ORG/NAME[@REVISION]"; None if `spec` is not one."""
+    m = HUB_ID.fullmatch(str(spec))
+    return (f"{m[1]}/{m[2]}", m[3]) if m else None
+
+
+def model_path(repo: str) -> Path:
+    """The directory a pull of `repo` ("ORG/NAME") writes."""
+    return models_dir() / repo.replace("/", "--")
+
+
+def _pulled(path: Path) -> dict | None:
+    """What `path` was pulled from ({"repo", "revision", "quant"}), None if it is no pulled model."""
+    try:
+        if (path / MANIFEST).is_file():
+            with open(path / MANIFEST, "rb") as f:
+                manifest = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+            return {**manifest["source"]["origin"], "quant": manifest["quant"], "architecture": manifest["architecture"],
+                    "plugin": manifest["plugin"]["name"]}
+        if (path / PULL_RECORD).is_file():
+            return json.loads((path / PULL_RECORD).read_text())
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    return None
+
+
+def resolve(model: str | os.PathLike | None) -> Path | None:
+    """`--model` as a directory: an existing path as it is; a hub id "ORG/NAME[@REVISION]" as the
+    model pulled from it (a one-line error if it was not pulled, or at another revision)."""
+    if model is None or Path(model).exists():
+        return None if model is None else Path(model)
+    parsed = parse_id(str(model))
+    if parsed is None:
+        return Path(model)
+    repo, revision = parsed
+    path = model_path(repo)
+    record = _pulled(path)
+    if record is None:
+        raise ColibriError(f"{model} is neither a directory nor a pulled model: run `colibri pull {model}`")
+    if revision is not None and revision not in (record["revision"], record.get("asked")):
+        raise ColibriError(f"{repo} is pulled at revision {record['revision'][:12]}, not {revision}: run "
+                           f"`colibri pull {model}`")
+    return path
+
+
+def plan_paths(model: str | os.PathLike) -> tuple[Path | None, Path | None]:
+    """`plan --model`'s (model directory, config.json): a hub id not pulled yet is planned from
+    its config.json alone, downloaded by itself."""
+    parsed = None if Path(model).exists() else parse_id(str(model))
+    if parsed is None or _pulled(model_path(parsed[0])) is not None:
+        return resolve(model), None
+    return None, hub_config(str(model))
+
+
+def _hub():
+    """huggingface_hub, imported when a command first needs it."""
+    try:
+        import huggingface_hub
+        import huggingface_hub.errors  # noqa: F401  (`_download` names its exceptions)
+    except ImportError:
+        raise ColibriError("pulling from a model hub needs huggingface_hub: pip install huggingface_hub") from None
+    return huggingface_hub
+
+
+def _commit(hf, repo: str, revision: str | None):
+    """The model's info at `revision` (default main), its files' sizes included: one line on failure."""
+    from huggingface_hub import errors
+
+    try:
+        return hf.HfApi().model_info(repo, revision=revision, files_metadata=True)
+    except errors.RepositoryNotFoundError:
+        raise ColibriError(f"{repo}: no such model on {hf.constants.ENDPOINT} (or it is private: set HF_TOKEN)") from None
+    except errors.RevisionNotFoundError:
+        raise ColibriError(f"{repo} has no revision {revision!r}") from None
+    except (errors.HfHubHTTPError, OSError, ValueError) as e:
+        raise ColibriError(f"cannot reach {hf.constants.ENDPOINT} for {repo}: {' '.join(str(e).split())[:200]}") from None
+
+
+def _download(hf, repo: str, name: str, commit: str) -> Path:
+    try:
+        return Path(hf.hf_hub_download(repo, name, revision=commit))
+    except (hf.errors.HfHubHTTPError, OSError, ValueError) as e:
+        raise ColibriError(f"downloading {name} of {repo}@{commit[:12]} failed: {' '.join(str(e).split())[:200]}; "
+                           "rerun the same command to resume") from None
+
+
+def hub_config(spec: str) -> Path:
+    """config.json of the hub model `spec` (downloaded alone): what `plan --model ORG/NAME` reads."""
+    hf = _hub()
+    repo, revision = parse_id(spec)
+    return _download(hf, repo, "config.json", _commit(hf, repo, revision).sha)
+
+
+def _free(path: Path) -> tuple[int, int]:
+    """(device, free bytes) of the file system `path` is (or will be) on."""
+    while not path.exists():
+        path = path.parent
+    return path.stat().st_dev, shutil.disk_usage(path).free
+
+
+def _shards(hf, repo: str, commit: str, files: dict[str, int]) -> list[str]:
+    if INDEX in files:
+        index = json.loads(_download(hf, repo, INDEX, commit).read_text())
+        return sorted(set(index["weight_map"].values()))
+    if SINGLE in files:
+        return [SINGLE]
+    raise ColibriError(f"{repo} holds no safetensors checkpoint ({INDEX} or {SINGLE}); colibri pulls those")
+
+
+def pull(spec: str, quant: str = "int4", keep_source: bool = False, progress: bool = True) -> tuple[Path, dict]:
+    """Pull the hub model `spec` ("ORG/NAME[@REVISION]") into `model_path`, converted at `quant`
+    (int4, int8, f32; "native": the checkpoint kept as it is). Returns its directory and the figures
+    of the pull: {"container_bytes", "largest_shard", "margin", "peak_bytes"}."""
+    from . import plugins, quant as q
+    from .container.streamed import RemoteCheckpoint, convert_streamed
+    from .convert import generation_defaults, parse_config, read_config
+    from .planning import NATIVE, sizes_from_config
+    from .sizes import format_bytes
+
+    parsed = parse_id(spec)
+    if parsed is None:
+        raise ColibriError(f"{spec!r} is not a hub id: ORG/NAME or ORG/NAME@REVISION")
+    if quant not in (*q.KINDS, NATIVE):
+        raise ColibriError(f"unknown quantisation {quant!r}: choose one of {', '.join((*q.KINDS, NATIVE))}")
+    hf = _hub()
+    repo, revision = parsed
+    info = _commit(hf, repo, revision)
+    commit, files = info.sha, {s.rfilename: s.size or 0 for s in info.siblings or ()}
+    dst = model_path(repo)
+    record = _pulled(dst)
+    if record and record["revision"] == commit and record["quant"] == quant:
+        print(f"{repo} is pulled already at {commit[:12]} ({quant}): {dst}", file=sys.stderr)
+        return dst, {}
+    say = (lambda m: print(m, file=sys.stderr)) if progress else (lambda m: None)
+    say(f"pulling {repo} at {commit[:12]} ({quant}) into {dst}")
+    small = [_download(hf, repo, name, commit) for name in COPIED_FILES if name in files]
+    if "config.json" not in files:
+        raise ColibriError(f"{repo}@{commit[:12]} has no config.json: not a Hugging Face model repository")
+    snapshot = small[0].parent
+    shards = _shards(hf, repo, commit, files)
+    if quant == NATIVE:
+        return _pull_native(hf, repo, commit, revision, shards, files, dst, progress)
+
+    config = read_config(snapshot)
+    registry = plugins.registry()
+    arch = registry.resolve(config, where=f"{repo}/config.json")
+    model_cls = registry.model_class(arch)
+    layout = model_cls.layout(parse_config(model_cls, config, snapshot / "config.json"))
+    generation_defaults(snapshot)  # its token ids, checked before anything large is downloaded
+    sizes, _ = sizes_from_config(snapshot / "config.json", quant)
+    api = hf.HfApi()
+    headers = {}
+    for shard in shards:
+        meta = api.parse_safetensors_file_metadata(repo, shard, revision=commit)
+        headers[shard] = {n: (t.dtype, tuple(t.shape)) for n, t in meta.tensors.items()}
+    figures = _disk_plan(sizes, headers, {s: files.get(s, 0) for s in shards}, dst, Path(hf.constants.HF_HUB_CACHE))
+    say(f"disk: the container {format_bytes(figures['container_bytes'])} + the largest shard "
+        f"{format_bytes(figures['largest_shard'])} + {format_bytes(figures['margin'])} margin at most")
+    landed: dict[str, Path] = {}
+
+    def fetch(shard: str) -> Path:
+        landed[shard] = _download(hf, repo, shard, commit)
+        return landed[shard]
+
+    def release(shard: str) -> None:
+        if keep_source:
+            return
+        path = landed.pop(shard)
+        blob = Path(os.path.realpath(path))
+        path.unlink(missing_ok=True)
+        blob.unlink(missing_ok=True)
+
+    remote = RemoteCheckpoint(snapshot, {s: files.get(s, 0) for s in shards}, headers, fetch, release,
+                              {"repo": repo, "revision": commit})
+    force = (dst / MANIFEST).is_file()  # another revision or quantisation: replaced once this one is whole
+    if dst.exists() and not force:
+        raise ColibriError(f"{dst} exists and is not a pulled model: remove it (colibri rm {repo})")
+    peak = convert_streamed(remote, dst, quant=quant, layout=layout, architecture=arch.name, plugin=arch.plugin,
+                            plugin_version=arch.version, progress=progress, force=force,
+                            watch=(Path(hf.constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}",
+                                   dst.with_name(dst.name + ".partial"), dst))
+    figures["peak_bytes"] = peak
+    return dst, figures
+
+
+def _disk_plan(sizes, headers: dict, shard_sizes: dict[str, int], dst: Path, cache: Path) -> dict:
+    """The peak disk a pull needs, refused in one line where the free space cannot hold it: the
+    container, the largest shard and a margin (stashes of tensors that straddle two shards: at most
+    two of the largest tensor; the small files)."""
+    from .container.reader import _ST_DTYPES  # bytes per element of each safetensors dtype
+    from .container.streamed import disk_bytes
+    from .sizes import format_bytes
+
+    def nbytes(dtype: str, shape) -> int:
+        n = 1
+        for d in shape:
+            n *= d
+        return n * (_ST_DTYPES[dtype].itemsize if dtype in _ST_DTYPES else 1)
+
+    largest_tensor = max((nbytes(d, s) for h in headers.values() for d, s in h.values()), default=0)
+    container = sizes.dense_bytes + sizes.experts_total * sizes.expert_nbytes
+    figures = {"container_bytes": container, "largest_shard": max(shard_sizes.values(), default=0),
+               "margin": 2 * largest_tensor + MARGIN}
+    done = disk_bytes(dst.with_name(dst.name + ".partial"))  # a resumed pull's finished part
+    need = {}
+    for where, n in ((dst.parent, container + figures["margin"] - done), (cache, figures["largest_shard"])):
+        dev, free = _free(where)
+        need.setdefault(dev, [0, free, where])[0] += n
+    for n, free, where in need.values():
+        if n > free:
+            raise ColibriError(f"the pull needs {format_bytes(n)} free on {where} (container "
+                               f"{format_bytes(container)} + largest shard {format_bytes(figures['largest_shard'])} + "
+                               f"margin {format_bytes(figures['margin'])}); it has {format_bytes(free)}")
+    return figures
+
+
+def _pull_native(hf, repo, commit, asked, shards, files, dst, progress) -> tuple[Path, dict]:
+    """The checkpoint itself, downloaded whole into `dst` (run as it is, where the plugin runs its
+    native formats), resumable by huggingface_hub's local-directory downloads."""
+    from .sizes import format_bytes
+
+    wanted = [n for n in (*COPIED_FILES, INDEX, *shards) if n in files]
+    total = sum(files[n] for n in wanted)
+    _, free = _free(dst.parent)
+    if total > free:
+        raise ColibriError(f"the pull needs {format_bytes(total)} free on {dst.parent}; it has {format_bytes(free)}")
+    staging = dst.with_name(dst.name + ".partial")
+    try:
+        hf.snapshot_download(repo, revision=commit, local_dir=staging, allow_patterns=wanted)
+    except (hf.errors.HfHubHTTPError, OSError, ValueError) as e:
+        raise ColibriError(f"downloading {repo}@{commit[:12]} failed: {' '.join(str(e).split())[:200]}; rerun the "
+                           "same command to resume") from None
+    (staging / PULL_RECORD).write_text(json.dumps({"repo": repo, "revision": commit, "asked": asked, "quant": "native"}))
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.rename(staging, dst)
+    return dst, {"container_bytes": total, "largest_shard": 0, "margin": 0, "peak_bytes": total}
+
+
+def list_models() -> list[dict]:
+    """Every model in `models_dir`: its hub id, revision, architecture, plugin, quantisation and
+    size on disk; an unfinished pull as such."""
+    from .container.streamed import disk_bytes
+
+    root, out = models_dir(), []
+    for d in sorted(root.iterdir()) if root.is_dir() else ():
+        if not d.is_dir():
+            continue
+        unfinished = d.name.endswith(".partial")
+        rec = _pulled(d) or {}
+        out.append({"id": rec.get("repo") or d.name.removesuffix(".partial").replace("--", "/", 1),
+                    "revision": rec.get("revision"), "architecture": rec.get("architecture"),
+                    "plugin": rec.get("plugin"), "quant": rec.get("quant"), "bytes": disk_bytes(d),
+                    "path": str(d), "state": "unfinished" if unfinished else "ready" if rec else "unknown"})
+    return out
+
+
+def remove(spec: str) -> list[Path]:
+    """Delete the pulled model `spec` ("ORG/NAME") and any unfinished pull of it; the paths removed."""
+    parsed = parse_id(spec)
+    if parsed is None:
+        raise ColibriError(f"{spec!r} is not a hub id: ORG/NAME")
+    path = model_path(parsed[0])
+    gone = [p for p in (path, path.with_name(path.name + ".partial")) if p.exists()]
+    if not gone:
+        raise ColibriError(f"{parsed[0]} is not pulled (nothing in {models_dir()})")
+    for p in gone:
+        shutil.rmtree(p)
+    return gone

@@ -1,0 +1,162 @@
+"""`colibri pull` / `list` / `rm` and `--model ORG/NAME`, against a model hub on localhost
+(tests/hubserver.py) with the real huggingface_hub client: a pull writes the container `convert`
+writes from the same checkpoint, byte for byte; a pull killed (SIGKILL) at random points resumes to
+that same container; the disk it takes at its peak stays within the container, the largest shard
+and the margin it states."""
+import filecmp
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from colibri_core.container.reader import MANIFEST
+from colibri_core.convert import convert_checkpoint
+from hubserver import HubServer, publish, shard
+
+from conftest import COLIBRI, colibri
+
+REPO = "tiny/olmoe"
+SHARDS = 4
+
+
+@pytest.fixture(scope="module")
+def hub_repo(tiny_checkpoint, tmp_path_factory):
+    """(hub root, commit, the sharded checkpoint it serves, convert's container of it)."""
+    tmp = tmp_path_factory.mktemp("hub")
+    sharded = shard(tiny_checkpoint, tmp / "sharded", SHARDS)
+    where = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
+    experts = {n.rsplit(".", 2)[0] for n in where if ".experts." in n}
+    assert any(len({where[f"{e}.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj")}) > 1 for e in experts), \
+        "the shards cut through an expert (its tensors stashed while the next shard downloads)"
+    commit = publish(tmp / "root", REPO, sharded)
+    converted = tmp / "converted"
+    convert_checkpoint(sharded, converted, "int4", progress=False)
+    return tmp / "root", commit, sharded, converted
+
+
+@pytest.fixture()
+def env(hub_repo, tmp_path):
+    with HubServer(hub_repo[0]) as server:
+        yield {**os.environ, "HF_ENDPOINT": server.url, "HF_HOME": str(tmp_path / "hf"),
+               "COLIBRI_HOME": str(tmp_path / "colibri"), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def container_files(d: Path) -> list[str]:
+    return sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def same_tensors(a: Path, b: Path) -> None:
+    """`a` and `b` hold the same resident and expert files, byte for byte."""
+    rels = [r for r in container_files(a) if r.endswith((".bin", ".safetensors"))]
+    assert rels == [r for r in container_files(b) if r.endswith((".bin", ".safetensors"))]
+    for rel in rels:
+        assert filecmp.cmp(a / rel, b / rel, shallow=False), rel
+
+
+def test_pull_then_run_is_convert_then_run(hub_repo, env, tmp_path):
+    root, commit, sharded, converted = hub_repo
+    r = colibri("pull", REPO, env=env)
+    assert r.returncode == 0, r.stderr
+    pulled = tmp_path / "colibri" / "models" / "tiny--olmoe"
+    same_tensors(pulled, converted)
+    assert f"revision: {commit}" in (pulled / MANIFEST).read_text()
+    assert not list((tmp_path / "hf").rglob("*.safetensors")), "shards are deleted once written"
+    runs = [colibri("run", "--model", m, "--max-tokens", "12", "the quick", env=env) for m in (REPO, converted)]
+    assert runs[0].returncode == 0, runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.strip()
+    r = colibri("pull", REPO, env=env)
+    assert r.returncode == 0 and "pulled already" in r.stderr
+    listed = colibri("list", env=env)
+    assert listed.returncode == 0 and REPO in listed.stdout and "olmoe" in listed.stdout and "int4" in listed.stdout
+    assert colibri("doctor", "--model", REPO, env=env).returncode == 0
+    assert colibri("rm", REPO, env=env).returncode == 0
+    assert not pulled.exists()
+    r = colibri("run", "--model", REPO, "x", env=env)
+    assert r.returncode == 1 and f"colibri pull {REPO}" in r.stderr
+
+
+def test_keep_source_and_revision(hub_repo, env, tmp_path):
+    root, commit, _, converted = hub_repo
+    r = colibri("pull", f"{REPO}@{commit}", "--keep-source", "--quant", "int8", env=env)
+    assert r.returncode == 0, r.stderr
+    assert len(list((tmp_path / "hf").rglob("model-*.safetensors"))) == SHARDS
+    assert colibri("run", "--model", f"{REPO}@{commit}", "--max-tokens", "4", "the", env=env).returncode == 0
+    r = colibri("pull", f"{REPO}@nope", env=env)
+    assert r.returncode == 1 and "no revision 'nope'" in r.stderr
+
+
+def test_plan_from_hub_config_alone(hub_repo, env):
+    r = colibri("plan", "--model", REPO, "--ram", "1GB", "--disk-bw", "1GB", "--mem-bw", "10GB", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    assert '"architecture": "olmoe"' in r.stdout
+
+
+def test_unknown_model_is_one_line(env):
+    r = colibri("pull", "nobody/nothing", env=env)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "no such model" in r.stderr
+
+
+def test_peak_disk_within_the_stated_bound(hub_repo, env, tmp_path):
+    """The bytes on disk under the hub cache and the models directory, sampled every millisecond
+    through the pull, and the pull's own figure at its moments of most use, are within the
+    container + the largest shard + two of the largest tensor (the stash) + the small files."""
+    from colibri_core.container.streamed import disk_bytes
+
+    proc = subprocess.Popen([*COLIBRI, "pull", REPO, "--json"], env=env, stdout=subprocess.PIPE, text=True)
+    watch = (tmp_path / "hf", tmp_path / "colibri")
+    sampled = 0
+    while proc.poll() is None:
+        sampled = max(sampled, disk_bytes(*watch))
+        time.sleep(0.001)
+    figures = json.loads(proc.stdout.read())
+    assert proc.returncode == 0
+    sharded = hub_repo[2]
+    small = sum(f.stat().st_size + 4096 for f in sharded.iterdir() if not f.name.endswith(".safetensors"))
+    bound = figures["container_bytes"] + figures["largest_shard"] + (figures["margin"] - (64 << 20)) + small
+    print(f"peak disk: sampled {sampled}, reported {figures['peak_bytes']}, bound {bound} "
+          f"(container {figures['container_bytes']}, largest shard {figures['largest_shard']})")
+    assert sampled <= bound and figures["peak_bytes"] <= bound
+
+
+def kill_trials(hub_repo, tmp_path, trials: int, seed: int) -> int:
+    """`trials` pulls, each SIGKILLed at a random moment (through a slowed-down download or the
+    conversion), then resumed: every one ends byte-identical to convert's container, and its
+    manifest identical to an uninterrupted pull's. Returns how many kills left work half done."""
+    rng, interrupted = random.Random(seed), 0
+    with HubServer(hub_repo[0], rate=2_000_000) as server:
+        def env(i):
+            return {**os.environ, "HF_ENDPOINT": server.url, "HF_HOME": str(tmp_path / f"hf{i}"),
+                    "COLIBRI_HOME": str(tmp_path / f"c{i}"), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+        t0 = time.monotonic()
+        assert colibri("pull", REPO, env=env("ref")).returncode == 0
+        span = time.monotonic() - t0
+        reference = tmp_path / "cref" / "models" / "tiny--olmoe"
+        for i in range(trials):
+            for _ in range(rng.randint(1, 2)):  # killed once or twice before the run that finishes
+                proc = subprocess.Popen([*COLIBRI, "pull", REPO], env=env(i), stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+                time.sleep(rng.uniform(0.3, 1.0) * span)
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                interrupted += any((tmp_path / f"c{i}").rglob("*.partial")) or any((tmp_path / f"hf{i}").rglob("*.incomplete"))
+            r = colibri("pull", REPO, env=env(i))
+            assert r.returncode == 0, r.stderr
+            pulled = tmp_path / f"c{i}" / "models" / "tiny--olmoe"
+            same_tensors(pulled, hub_repo[3])
+            assert (pulled / MANIFEST).read_bytes() == (reference / MANIFEST).read_bytes()
+    print(f"{trials} pulls, {interrupted} kills left a download or conversion half done")
+    return interrupted
+
+
+def test_kill_during_pull_resumes_identically(hub_repo, tmp_path):
+    kill_trials(hub_repo, tmp_path, 3, seed=1)
+
+
+@pytest.mark.system
+def test_kill_during_pull_resumes_identically_many(hub_repo, tmp_path):
+    assert kill_trials(hub_repo, tmp_path, 20, seed=2) >= 10
