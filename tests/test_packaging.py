@@ -300,7 +300,8 @@ def test_package_data_covers_every_tracked_data_file():
     data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     matched = {str(f.relative_to(REPO)) for package, patterns in data.items()
                for pattern in patterns for f in (REPO / package.replace(".", "/")).glob(pattern) if f.is_file()}
-    tracked = subprocess.run(["git", "ls-files", "colibri_core/demo", "colibri_core/server/static"], cwd=REPO,
+    tracked = subprocess.run(["git", "ls-files", "colibri_core/demo", "colibri_core/server/static",
+                              "colibri_core/atlas_prompts"], cwd=REPO,
                              capture_output=True, text=True, check=True).stdout.split()
     if not tracked:
         pytest.skip(reason="not a git checkout")
