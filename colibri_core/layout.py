@@ -8,16 +8,19 @@ in the checkpoint, or one the layout expects and the checkpoint lacks, is a conv
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 import numbers
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from .errors import ColibriError
 
-__all__ = ["ContainerLayout", "ExpertMath", "ExpertNames", "EXPERT_ACTIVATIONS"]
+__all__ = ["ContainerLayout", "ExpertFunction", "ExpertMath", "ExpertNames", "EXPERT_ACTIVATIONS"]
 
 PROJS = ("gate", "up", "down")  # storage order inside one expert's extent
 PRECISION = ("f32", "int8", "int4")  # most precise first
@@ -41,18 +44,59 @@ GPT_OSS_LIMIT, GPT_OSS_ALPHA = 7.0, 1.702  # swiglu_oai's defaults: transformers
 
 
 @dataclass(frozen=True)
+class ExpertFunction:
+    """A plugin's own routed-expert FFN, declared instead of a core kind (`Experts(activation=...)`):
+    `name` "package.module:function", imported wherever experts run (here, and on every Ray shard,
+    which receives the name, not the code: the module must be importable there). Called once per
+    expert per MoE call as ``function(x, gate, up, down, biases) -> y``: x (n, H) float32, the rows
+    routed to the expert; gate (I, H), up (I, H), down (H, I) its weights dequantised to float32;
+    biases (gate (I,), up (I,), down (H,)) or None; y (n, H) float32. Slower than the kinds (NumPy
+    per expert, never the resident fused C call); placement still never changes the result."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not re.fullmatch(r"[\w.]+:\w+", self.name):
+            raise ColibriError(f"an expert function is named 'package.module:function', got {repr(self.name)[:60]}")
+        _import_function(self.name)  # now: a missing module or function is a load-time error, not a mid-forward one
+
+    @property
+    def function(self) -> Callable:
+        """The function itself, imported by its name (once per process)."""
+        return _import_function(self.name)
+
+
+@functools.lru_cache(maxsize=None)
+def _import_function(name: str) -> Callable:
+    module, attr = name.split(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ColibriError(f"the expert function {name} cannot be imported here: {e}") from None
+    if not callable(fn):
+        raise ColibriError(f"the expert function {name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+@dataclass(frozen=True)
 class ExpertMath:
     """The routed experts' gated unit, as a plugin declares it (`ContainerLayout.expert_activation`,
     `swiglu_limit`, `swiglu_alpha`): `activation` one of EXPERT_ACTIVATIONS, `limit` the clamp L of
     "swiglu" / "swiglu_oai" (None: none; "swiglu_oai": 7.0), `alpha` "swiglu_oai"'s sigmoid slope
-    (None: 1.702). A ColibriError (one line) for math the kernels do not compute."""
+    (None: 1.702); or `activation` a plugin's `ExpertFunction` (no limit, no alpha: the function
+    holds its constants). A ColibriError (one line) for math the kernels do not compute."""
 
-    activation: str = "swiglu"
+    activation: str | ExpertFunction = "swiglu"
     limit: float | None = None
     alpha: float | None = None
 
     def __post_init__(self) -> None:
         a, limit, alpha = self.activation, self.limit, self.alpha
+        if isinstance(a, ExpertFunction):
+            if limit is not None or alpha is not None:
+                raise ColibriError(f"the expert function {a.name} takes no swiglu_limit or swiglu_alpha "
+                                   f"(got {limit!r}, {alpha!r}): its constants are its own")
+            return
         if a not in EXPERT_ACTIVATIONS:
             raise ColibriError(f"unknown expert activation {a!r} (colibri computes {', '.join(EXPERT_ACTIVATIONS)})")
         if limit is not None and a not in _CLAMPED:
@@ -138,8 +182,8 @@ class ContainerLayout:
     # ("swiglu_oai": 7.0). With expert_activation and swiglu_alpha: `expert_math`
     swiglu_limit: float | None = None
     # the experts' gated unit, one of EXPERT_ACTIVATIONS: "swiglu" (the default), "swiglu_oai"
-    # (GPT-OSS), "geglu_tanh", "situ" (Kimi K3)
-    expert_activation: str = "swiglu"
+    # (GPT-OSS), "geglu_tanh", "situ" (Kimi K3); or the plugin's own `ExpertFunction`
+    expert_activation: str | ExpertFunction = "swiglu"
     # "swiglu_oai"'s sigmoid slope (None: GPT-OSS's 1.702); None for the other activations
     swiglu_alpha: float | None = None
     # how the official release stores its weights, for running and planning it without conversion:

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Union
 
 from .errors import ColibriError
-from .layout import ContainerLayout, ExpertNames
+from .layout import ContainerLayout, ExpertFunction, ExpertNames
 
-__all__ = ["Dim", "Tensor", "Experts", "TensorTable"]
+__all__ = ["Dim", "Tensor", "Experts", "ExpertFunction", "TensorTable"]
 
 
 class Dim(int):
@@ -119,7 +119,8 @@ class Experts:
     gate and up alternate along 2I. Shapes are checked by their axes' names, so a matrix declared the
     wrong way round is refused even where H = I.
 
-    `activation`, `limit`, `alpha`: the gated unit (`colibri_core.layout.EXPERT_ACTIVATIONS`);
+    `activation`, `limit`, `alpha`: the gated unit (`colibri_core.layout.EXPERT_ACTIVATIONS`), or
+    `activation` the plugin's own `ExpertFunction("package.module:function")` (slower, see there);
     `min_kind`: (layer, kind) stored at least this precisely; `native`: the official release's expert
     kind ("fp4" | "fp8"), run without conversion."""
 
@@ -135,7 +136,7 @@ class Experts:
     gate_up: Tensor | None = None
     down_fused: Tensor | None = None
     interleaved: bool = False
-    activation: str = "swiglu"
+    activation: str | ExpertFunction = "swiglu"
     limit: float | None = None
     alpha: float | None = None
     min_kind: tuple[tuple[int, str], ...] = ()

@@ -16,15 +16,15 @@ import numpy as np
 
 from .. import kernels
 from ..errors import ColibriError
-from ..layout import ExpertMath
+from ..layout import ExpertFunction, ExpertMath
 from ..probe import listening, record, route, timed
-from ..quant import QTensor
+from ..quant import QTensor, dequantize
 from .router import Router, SoftmaxTopK
 from .shared_expert import SharedExpert
 
 
 def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, limit: float | None = None,
-                glu: str = "swiglu", act: str | None = None, alpha: float | None = None,
+                glu: str | ExpertFunction = "swiglu", act: str | None = None, alpha: float | None = None,
                 biases: dict | None = None) -> None:
     """Fill the slots of `experts` ({expert id: (gate, up, down)}) in outs (T, k, H).
 
@@ -33,15 +33,41 @@ def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict,
     `alpha`, "geglu_tanh", "situ"), in the activation arithmetic `act` (None: the weights' own,
     `QTensor.act`), with each expert's `biases` ({expert id: (gate_bias, up_bias, down_bias)}, None:
     none). Each row is computed independently of the others, so batching never changes a result.
+    `glu` a plugin's `ExpertFunction`: `run_function` instead.
     """
+    if isinstance(glu, ExpertFunction):
+        run_function(outs, x, ids, experts, glu, biases)
+        return
     kernels.moe_experts(outs, x, ids, experts, act, limit, glu, alpha, biases)  # one C call: every expert, every slot, threads inside
+
+
+def run_function(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, fn: ExpertFunction,
+                 biases: dict | None = None) -> None:
+    """`run_experts` with a plugin's expert function: one call per expert, on every row routed to it
+    (its slots in row-major order) with its weights dequantised to float32, in float32 whatever the
+    activation arithmetic. An expert's rows are the same wherever it is computed (here, streamed,
+    on a shard), so its slots get the same bits; batching keeps its bits only where the function
+    computes each row independently of the others. A result of the wrong shape or dtype is one error."""
+    function, H = fn.function, outs.shape[-1]
+    for e, (gate, up, down) in experts.items():
+        t, r = np.nonzero(ids == e)  # the expert's slots, row-major
+        if not len(t):
+            continue
+        xs = np.ascontiguousarray(x[t], np.float32)  # (n, H)
+        y = function(xs, dequantize(gate), dequantize(up), dequantize(down), None if biases is None else biases.get(e))
+        if not isinstance(y, np.ndarray) or y.dtype != np.float32 or y.shape != (len(t), H):
+            got = f"{y.dtype} {list(y.shape)}" if isinstance(y, np.ndarray) else type(y).__name__
+            raise ColibriError(f"the expert function {fn.name} returned {got} for expert {e}: it must return "
+                               f"float32 [{len(t)}, {H}] (one row per row of x)")
+        outs[t, r] = y
 
 
 @dataclass(frozen=True)
 class ExpertFFN(ExpertMath):
     """The routed experts' math, the block's to choose and the same wherever an expert runs (the
     expert source computes local experts with it and sends its fields to remote shards): the
-    layout's `ExpertMath` (`activation`, `limit`, `alpha`), checked there, computed in C; `biases`
+    layout's `ExpertMath` (`activation`, `limit`, `alpha`), checked there, computed in C (a plugin's
+    `ExpertFunction` activation: in NumPy, `run_function`); `biases`
     one layer's expert biases (gate (E, I), up (E, I), down (E, H) float32) where the model declares
     them (`MoEModel.expert_biases`), else None."""
 
@@ -71,14 +97,15 @@ class MoE:
     `store` the expert source (`colibri_core.experts.ExpertSource`, the model's `store`): the one
     object asked for a layer's experts; `routers` {layer: Router} in the order the forward pass runs
     them; `lookahead` {layer: the MoE layer whose experts it predicts} (by default each layer's
-    successor in `routers`); `activation` the experts' gated unit, `swiglu_limit` its clamp and
-    `swiglu_alpha` GPT-OSS's slope (the layout's `expert_math`): `ExpertFFN`; `biases` {layer: (gate
+    successor in `routers`); `activation` the experts' gated unit (or the plugin's `ExpertFunction`),
+    `swiglu_limit` its clamp and `swiglu_alpha` GPT-OSS's slope (the layout's `expert_math`):
+    `ExpertFFN`; `biases` {layer: (gate
     (E, I), up (E, I), down (E, H))} the experts' biases where a model has them (GPT-OSS).
     """
 
     def __init__(self, store, routers: dict[int, Router], lookahead: dict[int, int] | None = None,
-                 swiglu_limit: float | None = None, activation: str = "swiglu", swiglu_alpha: float | None = None,
-                 biases: dict[int, tuple] | None = None):
+                 swiglu_limit: float | None = None, activation: str | ExpertFunction = "swiglu",
+                 swiglu_alpha: float | None = None, biases: dict[int, tuple] | None = None):
         for layer, router in routers.items():
             if not isinstance(router, Router):
                 raise ColibriError(f"MoE layer {layer}: the model declared a {type(router).__name__}, not a colibri Router")
@@ -114,9 +141,11 @@ class MoE:
         xe = x if expert_input is None else expert_input  # (T, H)
         nxt = self.lookahead.get(layer)
         predict = None if nxt is None else (nxt, lambda: self.routers[nxt].predict(residual, token_ids))
-        # a layer with expert biases runs its experts through the source (the fused table holds none)
+        # a layer with expert biases, or a plugin's expert function, runs its experts through the
+        # source (the fused table holds no biases; the fused C call computes only the core kinds)
         biases = self.biases.get(layer)
-        table = None if biases is not None else self.experts.resident_table(layer, predict)
+        fused_math = biases is None and not isinstance(self.ffn.activation, ExpertFunction)
+        table = self.experts.resident_table(layer, predict) if fused_math else None
         if table is not None:  # the layer holds all its experts: the experts and their weighted sum, one C call
             fused = shared is not None and self._fuses(shared, expert_input)
             kw = dict(limit=self.ffn.limit, glu=self.ffn.activation, alpha=self.ffn.alpha)

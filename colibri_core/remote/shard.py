@@ -76,12 +76,13 @@ class ShardServer:
             self._queue = front + [k for k in self._queue if k not in front]
 
     # ---- computing ---------------------------------------------------------------------------
-    def compute(self, layer: int, x: np.ndarray, ids: np.ndarray, activations: str, kind: str,
+    def compute(self, layer: int, x: np.ndarray, ids: np.ndarray, activations: str, kind,
                 limit: float | None, alpha: float | None = None, biases: dict | None = None) -> np.ndarray:
         """The slots (t, r) of `ids` (n, k) whose expert this shard holds (the others are -1), in
         row-major order: (m, H) float32, each FFN_{ids[t, r]}(x[t]) as the local MoE block computes it
         (`activations` the kernels' arithmetic; `kind`, `limit`, `alpha` and the experts' `biases`
-        {expert: (gate_bias, up_bias, down_bias)} the block's `ExpertFFN`)."""
+        {expert: (gate_bias, up_bias, down_bias)} the block's `ExpertFFN`; a plugin's `ExpertFunction`
+        `kind` arrives by name and is imported here, so its module must be installed on this node)."""
         from ..layers.moe import run_experts
 
         if self.delay:
