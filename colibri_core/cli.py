@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -20,8 +21,12 @@ from .errors import ColibriError
 from .options import EngineOptions, cli_option, command_options, ray_paths
 from .plugins import SHIPPED_PLUGINS
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+# help is printed as written (rich_markup_mode=None: "colibri[ray]" is no markup tag to drop);
+# --install-completion / --show-completion are typer's shell completion (README)
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Run Mixture-of-Experts language models larger than RAM, streaming experts from disk.")
+log = logging.getLogger("colibri")
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
 def _print_version(value: bool) -> None:
@@ -32,18 +37,62 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
+class _LogFormat(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        level = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
+        return f"colibri: {level}{record.getMessage()}"
+
+
+def _logging(verbose: int, quiet: bool) -> None:
+    """The `colibri` logger's level, which says what the commands show on stderr: -q errors only (no
+    stats line, no loading line, no notes), -v info (the loading line off a terminal too, where the
+    state directory is), -vv debug; without either COLIBRI_LOG (debug, info, warning, error), else warning."""
+    if quiet and verbose:
+        raise ColibriError("give -v or -q, not both")
+    name = os.environ.get("COLIBRI_LOG", "").strip().lower() or "warning"
+    if name not in LOG_LEVELS:
+        raise ColibriError(f"COLIBRI_LOG must be one of {', '.join(LOG_LEVELS)}, got {name!r}")
+    level = logging.ERROR if quiet else {0: LOG_LEVELS[name], 1: logging.INFO}.get(verbose, logging.DEBUG)
+    handler = logging.StreamHandler(sys.stderr)  # this invocation's stderr (a test runner swaps it)
+    handler.setFormatter(_LogFormat())
+    log.handlers = [handler]
+    log.setLevel(level)
+    log.propagate = False
+
+
+def _note(message: str) -> None:
+    """One `colibri: note:` line on stderr (none under -q)."""
+    if log.isEnabledFor(logging.WARNING):
+        print(f"colibri: note: {message}", file=sys.stderr)
+
+
 @app.callback()
 def _options(version: bool = typer.Option(False, "--version", "-V", is_eager=True, callback=_print_version,
-                                          help="Print colibri's version and every installed plugin's, then exit.")):
+                                          help="Print colibri's version and every installed plugin's, then exit."),
+             verbose: int = typer.Option(0, "--verbose", "-v", count=True, show_default=False, help="Say more on "
+                                         "stderr: the loading line also off a terminal, where state is kept (-vv: "
+                                         "debug). COLIBRI_LOG=debug|info|warning|error sets the same."),
+             quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the answer and errors: no stats line, "
+                                        "loading line or notes.")):
     """Run Mixture-of-Experts language models larger than RAM, streaming experts from disk."""
+    _logging(verbose, quiet)
 
-ModelOpt = typer.Option(None, "--model", "-m", envvar="COLIBRI_MODEL", help="Converted model directory, or a checkpoint run as it is (default: the bundled demo model).")
+ModelOpt = typer.Option(None, "--model", "-m", envvar="COLIBRI_MODEL", help="Converted model directory, a checkpoint run as it is, or a pulled model's hub id ORG/NAME (default: the bundled demo model).")
 SeedOpt = typer.Option(None, "--seed", min=-1, callback=lambda seed: None if seed == -1 else seed,
                        help="Seed for sampling (-1: random, as without one).")
 StatsOpt = typer.Option(False, "--stats", help="After the stats line, print every expert-store counter.")
+# sampling beyond temperature / top-p / top-k (generate.py: Sampling), as vLLM and llama.cpp name it
+MinPOpt = typer.Option(0.0, "--min-p", help="Only tokens at least this fraction as likely as the most likely one (0: off).")
+PresenceOpt = typer.Option(0.0, "--presence-penalty", help="Subtracted from the logit of every token the answer holds.")
+FrequencyOpt = typer.Option(0.0, "--frequency-penalty", help="Subtracted from a token's logit once per time the answer holds it.")
+RepetitionOpt = typer.Option(1.0, "--repetition-penalty", "--repeat-penalty", help="A token of the prompt or answer has its logit divided by it (if positive) or multiplied (1: off).")
+RepeatLastNOpt = typer.Option(None, "--repeat-last-n", min=-1, help="llama.cpp's window: every penalty counts only the last N tokens of prompt and answer (-1: all; 0: no penalty; absent: presence and frequency count the answer, repetition both).")
+LogitBiasOpt = typer.Option(None, "--logit-bias", metavar="ID=BIAS", help="Add BIAS to token ID's logit (repeatable; -inf bans it; llama.cpp's ID+BIAS / ID-BIAS too).")
 GrammarOpt = typer.Option(None, "--grammar", help="A grammar file the answer follows: Lark (llguidance's dialect) or GBNF (llama.cpp's), by extension (.lark, .gbnf) or content.")
 JsonSchemaOpt = typer.Option(None, "--json-schema", help="A JSON schema file: the answer is JSON valid against it.")
-DraftOpt = typer.Option("auto", "--draft", help="Speculative decoding: auto (a grammar's forced tokens, and the model's MTP head while it pays), mtp, grammar, off, or a drafter a plugin registers. Never changes a greedy token.")
+SystemOpt = typer.Option(None, "--system", metavar="<text>", help="A system message before the conversation "
+                         "(with the chat template; a model without one: a first line of text).")
+DraftOpt = typer.Option("auto", "--draft", metavar="<auto|mtp|grammar|off|NAME>", help="Speculative decoding: auto (a grammar's forced tokens, and the model's MTP head while it pays), mtp, grammar, off, or a drafter a plugin registers. Never changes a greedy token.")
 # `plan` and `doctor` take a few of the engine's options alone (every command that loads a model takes
 # them all: `command_options`)
 RamOpt, PinOpt, KvCacheOpt, RaySplitOpt, RayModelOpt = map(cli_option, ("ram", "pin_gb", "kv_cache", "ray_split",
@@ -55,8 +104,11 @@ DEFAULT_MODEL = demo_model()
 
 
 def _model_dir(model: Optional[Path]) -> Path:
+    """--model as a directory: a path as it is, a hub id ORG/NAME as the model pulled from it."""
     if model is not None:
-        return model
+        from . import hub
+
+        return hub.resolve(model)
     if (DEFAULT_MODEL / "colibri.yaml").is_file():
         return DEFAULT_MODEL
     raise ColibriError(f"no model given: pass --model DIR or set COLIBRI_MODEL (the bundled demo model is "
@@ -64,9 +116,15 @@ def _model_dir(model: Optional[Path]) -> Path:
 
 
 def _open(model: Optional[Path], options: EngineOptions):
+    """The engine of `model`, loaded with the loading line (progress.py) on stderr."""
     from .engine import load
+    from .progress import Loading
 
-    return load(_model_dir(model), options)
+    model_dir = _model_dir(model)
+    with Loading(model_dir) as loading:
+        engine = load(model_dir, options)
+        loading.done(engine)
+    return engine
 
 
 def _structure(engine, grammar: Optional[Path], json_schema: Optional[Path]):
@@ -129,20 +187,39 @@ def remote_report(engine) -> str:
 
 
 def stats_line(engine, seconds: float, before: dict | None = None) -> str:
-    """Tokens, decode speed, time to first token, time, expert hits and bytes read: of the engine's life,
-    or since `before` (an earlier `engine.stats()`: one chat turn); then the peak RSS."""
+    """Tokens, decode speed, prefill speed, time to first token, time, expert hits and bytes read: of
+    the engine's life, or since `before` (an earlier `engine.stats()`: one chat turn); then the peak RSS."""
     from .sizes import format_bytes
 
     s = engine.stats()
     d = {k: s[k] - (before or {}).get(k, 0) for k in ("generated_tokens", "decode_seconds", "expert_hits",
-                                                      "expert_misses", "bytes_read")}
+                                                      "expert_misses", "bytes_read", "prompt_tokens",
+                                                      "prefill_seconds")}
     tps = max(0, d["generated_tokens"] - 1) / d["decode_seconds"] if d["decode_seconds"] else 0.0
+    prefill = d["prompt_tokens"] / d["prefill_seconds"] if d["prefill_seconds"] else 0.0
     lookups = d["expert_hits"] + d["expert_misses"]
-    return (f"[{d['generated_tokens']} tokens · {tps:.1f} tok/s · "
-            f"TTFT {s['time_to_first_token']:.2f} s · {seconds:.2f} s total · "
+    return (f"[{d['generated_tokens']} tokens · {tps:.1f} tok/s · prefill {d['prompt_tokens']} tokens at "
+            f"{prefill:.1f} tok/s · TTFT {s['time_to_first_token']:.2f} s · {seconds:.2f} s total · "
             f"expert hit rate {100 * d['expert_hits'] / max(1, lookups):.1f}% ({d['expert_hits']} hits, "
             f"{d['expert_misses']} misses) · read {format_bytes(d['bytes_read'])} · "
             f"peak RSS {format_bytes(s['peak_rss_bytes'])}]")
+
+
+def _knobs(min_p: float, presence: float, frequency: float, repetition: float, repeat_last_n: Optional[int],
+           logit_bias: Optional[list[str]]) -> dict:
+    """`Engine.stream`'s keywords for the sampling options beyond temperature / top-p / top-k."""
+    import re
+
+    bias = {}
+    for item in logit_bias or ():
+        m = re.fullmatch(r"\s*(\d+)\s*(?:=|(?=[+-]))\s*([+-]?[^\s+-]+)\s*", item)  # ID=BIAS, ID+BIAS, ID-BIAS
+        try:
+            bias[int(m.group(1))] = float(m.group(2))
+        except (AttributeError, ValueError):  # no match, or no number
+            raise ColibriError(f"--logit-bias {item!r}: give TOKEN_ID=BIAS (e.g. 15043=-inf or 15043=2.5)") from None
+    return {"min_p": min_p, "presence_penalty": presence, "frequency_penalty": frequency,
+            "repetition_penalty": repetition, "logit_bias": bias,
+            "penalty_last_n": None if repeat_last_n is None else (1 << 31) - 1 if repeat_last_n == -1 else repeat_last_n}
 
 
 def _room(engine, n_tokens: int, max_tokens: int) -> int:
@@ -156,50 +233,130 @@ def _room(engine, n_tokens: int, max_tokens: int) -> int:
     return min(max_tokens, ctx - n_tokens)
 
 
+def _context_note(engine, n_tokens: int, answer: int, max_tokens: int) -> None:
+    """One note when the model's context, not --max-tokens, ended an answer of `answer` tokens after a
+    prompt of `n_tokens`."""
+    room = _room(engine, n_tokens, max_tokens)
+    if room < max_tokens and answer >= room:
+        _note(f"the answer stopped at the model's context ({engine.context_length} tokens: {n_tokens} of prompt, "
+              f"{answer} of answer), before --max-tokens {max_tokens}")
+
+
+def _prompt_text(prompt: Optional[str]) -> str:
+    """PROMPT, or for `-` (or no PROMPT while text is piped in) stdin's text, less one final newline
+    (echo's, an editor's); a one-line ColibriError for no prompt at all or bytes that are not UTF-8."""
+    if prompt is not None and prompt != "-":
+        return prompt
+    if prompt is None and sys.stdin.isatty():
+        raise ColibriError("give a PROMPT, or - to read it from stdin (colibri run - < prompt.txt)")
+    data = sys.stdin.buffer.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ColibriError(f"stdin is not valid UTF-8: {data[:60]!r}") from None
+    return text[:-1] if text.endswith("\n") else text
+
+
+class _Conversation:
+    """Token ids of chat messages, after the --system message if any: the chat template's rendering
+    with its generation prompt (special tokens typed in a message stay text, as the server keeps
+    them), or for a model without a template the messages as lines of plain text."""
+
+    def __init__(self, engine, system: Optional[str]):
+        from .chat_template import ChatTemplate
+        from .server.text import ChatText
+
+        self.tokenizer = engine.tokenizer
+        self.system = [] if system is None else [{"role": "system", "content": system}]
+        self.template = ChatTemplate.from_dir(engine.model_dir)
+        self.chat_text = None if self.template is None else ChatText(engine.tokenizer)
+
+    def ids(self, messages: list[dict]) -> list[int]:
+        messages = self.system + messages
+        if self.template is None:
+            return self.tokenizer.encode("\n".join(m["content"] for m in messages) + "\n")
+        return self.chat_text.encode(self.template.render(self.chat_text.mask(messages)))
+
+
 @app.command()
 @command_options
 def run(
-    prompt: str = typer.Argument(..., help="The prompt text."),
+    prompt: Optional[str] = typer.Argument(None, metavar="PROMPT", help="The prompt text; - (or none, with text "
+                                           "piped in) reads it from stdin."),
     model: Optional[Path] = ModelOpt,
     max_tokens: int = typer.Option(128, "--max-tokens", help="Most new tokens to generate."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k", help="0 = no top-k cut."),
     seed: Optional[int] = SeedOpt,
+    min_p: float = MinPOpt,
+    presence_penalty: float = PresenceOpt,
+    frequency_penalty: float = FrequencyOpt,
+    repetition_penalty: float = RepetitionOpt,
+    repeat_last_n: Optional[int] = RepeatLastNOpt,
+    logit_bias: Optional[list[str]] = LogitBiasOpt,
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template as a user turn."),
+    system: Optional[str] = SystemOpt,
+    stop: Optional[list[str]] = typer.Option(None, "--stop", metavar="<text>", help="End the answer where this "
+                                             "text appears (it is not printed); repeat for several."),
+    session_name: Optional[str] = typer.Option(None, "--session", metavar="<name>", help="One chat turn of the "
+                                               "conversation saved as NAME (as chat --session keeps it: either "
+                                               "resumes it): PROMPT is the next user message."),
     stats: bool = StatsOpt,
     draft: str = DraftOpt,
     grammar: Optional[Path] = GrammarOpt,
     json_schema: Optional[Path] = JsonSchemaOpt,
     *, options: EngineOptions,  # every engine option (colibri_core/options.py): command_options
 ):
-    """Generate a completion of PROMPT, print it, then one stats line (--stats: every store counter)."""
-    from .chat_template import ChatTemplate
-    from .tokenizer import StreamDecoder
+    """Generate a completion of PROMPT (-, or text piped in: stdin's), print it, then one stats line
+    (--stats: every store counter). With --chat, --system or --session PROMPT is a user message in
+    the model's chat template."""
+    from .server.text import TextStream
 
+    text = _prompt_text(prompt)
+    knobs = _knobs(min_p, presence_penalty, frequency_penalty, repetition_penalty, repeat_last_n, logit_bias)
     t0 = time.perf_counter()
     engine = _open(model, options)
-    text = prompt
-    if chat:
-        template = ChatTemplate.from_dir(engine.model_dir)
-        if template is None:
-            raise ColibriError(f"{engine.model_dir}: --chat needs a chat template, and this model has none")
-        text = template.render([{"role": "user", "content": prompt}])
-    ids = engine.tokenizer.encode(text, add_special_tokens=not chat)
-    make = _structure(engine, grammar, json_schema)
-    decoder = StreamDecoder(engine.tokenizer)
-    for token in engine.stream(ids, _room(engine, len(ids), max_tokens), temperature, top_p, top_k, seed,
-                               draft=draft, constraint=make and make()):
-        sys.stdout.write(decoder.push(token))
+    with engine:
+        session, messages = _open_saved(engine, session_name) if session_name is not None else (None, [])
+        if chat or system is not None or session is not None:
+            conversation = _Conversation(engine, system)
+            if chat and conversation.template is None:
+                raise ColibriError(f"{engine.model_dir}: --chat needs a chat template, and this model has none")
+            messages.append({"role": "user", "content": text})
+            ids = conversation.ids(messages)
+        else:
+            ids = engine.tokenizer.encode(text)
+        make = _structure(engine, grammar, json_schema)
+        room = _room(engine, len(ids), max_tokens)
+        out, answer, shown = TextStream(engine.tokenizer, stop or []), [], []
+        # a session's turn is one record: the state the answer leaves and the messages with the answer
+        with session.turn() if session is not None else contextlib.nullcontext():
+            tokens = engine.stream(ids, room, temperature, top_p, top_k, seed, session=session, draft=draft,
+                                   constraint=make and make(), **knobs)
+            try:
+                for token in tokens:
+                    answer.append(token)
+                    shown.append(out.push(token))
+                    sys.stdout.write(shown[-1])
+                    sys.stdout.flush()
+                    if out.stopped:  # a --stop string: the answer ends before it
+                        break
+            finally:
+                tokens.close()
+            shown.append(out.flush())
+            if session is not None:
+                messages.append({"role": "assistant", "content": "".join(shown)})
+        sys.stdout.write(shown[-1] + "\n")
         sys.stdout.flush()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    print(stats_line(engine, time.perf_counter() - t0), file=sys.stderr)
-    if stats:
-        print(store_report(engine), file=sys.stderr)
-        if engine.experts.remote is not None:
-            print(remote_report(engine), file=sys.stderr)
-    engine.close()
+        if not out.stopped:
+            _context_note(engine, len(ids), len(answer), max_tokens)
+        if log.isEnabledFor(logging.WARNING):
+            print(stats_line(engine, time.perf_counter() - t0), file=sys.stderr)
+        if stats:
+            print(store_report(engine), file=sys.stderr)
+            if engine.experts.remote is not None:
+                print(remote_report(engine), file=sys.stderr)
 
 
 def _saved_messages(session, name: str) -> list:
@@ -220,6 +377,23 @@ def _saved_messages(session, name: str) -> list:
         print(f"colibri: note: session {name}: the last question was saved without its answer (an interrupted "
               f"save); resuming at the turn before it", file=sys.stderr)
     return messages
+
+
+def _open_saved(engine, name: str):
+    """Saved session `name` and its chat messages, resumed (`chat --session`, `run --session`); a
+    one-line ColibriError before any answer if it cannot be saved."""
+    from .kv.session import SessionWarning
+
+    _check_saveable(engine, name)  # before the first answer, not after it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SessionWarning)  # printed below as one line
+        session = engine.open_session(name)
+    if session.notice:
+        _note(session.notice)
+    messages = _saved_messages(session, name)
+    if messages and log.isEnabledFor(logging.WARNING):
+        print(f"(resumed session {name}: {len(messages)} messages, {len(session.ids)} tokens)", file=sys.stderr)
+    return session, messages
 
 
 def _check_saveable(engine, name: str) -> None:
@@ -245,38 +419,32 @@ def chat(
     top_p: float = typer.Option(0.95, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
     seed: Optional[int] = SeedOpt,
+    min_p: float = MinPOpt,
+    presence_penalty: float = PresenceOpt,
+    frequency_penalty: float = FrequencyOpt,
+    repetition_penalty: float = RepetitionOpt,
+    repeat_last_n: Optional[int] = RepeatLastNOpt,
+    logit_bias: Optional[list[str]] = LogitBiasOpt,
     draft: str = DraftOpt,
     grammar: Optional[Path] = GrammarOpt,
     json_schema: Optional[Path] = JsonSchemaOpt,
-    session_name: Optional[str] = typer.Option(None, "--session", help="Save the conversation as NAME beside "
-                                               "the model after every turn and resume it when started again."),
+    system: Optional[str] = SystemOpt,
+    session_name: Optional[str] = typer.Option(None, "--session", help="Save the conversation as NAME in the "
+                                               "state directory (--state-dir) after every turn and resume it when "
+                                               "started again."),
     *, options: EngineOptions,  # every engine option (colibri_core/options.py): command_options
 ):
     """Chat interactively, streaming tokens. Commands: /reset, /stats, /exit."""
-    from .chat_template import ChatTemplate
-    from .kv.session import SessionWarning
     from .tokenizer import StreamDecoder
 
+    knobs = _knobs(min_p, presence_penalty, frequency_penalty, repetition_penalty, repeat_last_n, logit_bias)
     engine = _open(model, options)
     with engine:  # closed at the end: its session locks released, its I/O threads stopped
-        template = ChatTemplate.from_dir(engine.model_dir)
+        conversation = _Conversation(engine, system)
         make = _structure(engine, grammar, json_schema)  # each answer follows it
-        if template is not None:  # special tokens typed in a message stay text, as the server keeps them
-            from .server.text import ChatText
-
-            chat_text = ChatText(engine.tokenizer)
         session, messages = engine.new_session(), []
         if session_name is not None:
-            _check_saveable(engine, session_name)  # before the first answer, not after it
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", SessionWarning)  # printed below as one line
-                session = engine.open_session(session_name)
-            if session.notice:
-                print(f"colibri: note: {session.notice}", file=sys.stderr)
-            messages = _saved_messages(session, session_name)
-            if messages:
-                print(f"(resumed session {session_name}: {len(messages)} messages, {len(session.ids)} tokens)",
-                      file=sys.stderr)
+            session, messages = _open_saved(engine, session_name)
         print(f"colibri chat · {engine.model_dir} · /reset /stats /exit", file=sys.stderr)
         while True:
             try:
@@ -308,10 +476,7 @@ def chat(
                 print(f"colibri: error: {e}", file=sys.stderr)
                 continue
             messages.append({"role": "user", "content": line})
-            if template is not None:
-                ids = chat_text.encode(template.render(chat_text.mask(messages)))
-            else:  # a base model: the conversation is plain text
-                ids = engine.tokenizer.encode("\n".join(m["content"] for m in messages) + "\n")
+            ids = conversation.ids(messages)
             try:
                 room = _room(engine, len(ids), max_tokens)
             except ColibriError as e:  # the conversation outgrew the context: this question is not asked
@@ -325,7 +490,7 @@ def chat(
             try:
                 with turn:
                     tokens = engine.stream(ids, room, temperature, top_p, top_k, seed, session=session,
-                                           draft=draft, constraint=make and make())
+                                           draft=draft, constraint=make and make(), **knobs)
                     try:
                         for token in tokens:
                             answer.append(token)
@@ -339,7 +504,62 @@ def chat(
                 print("\n(interrupted: the question and its partial answer are forgotten)", file=sys.stderr)
                 continue
             print()
-            print(stats_line(engine, time.perf_counter() - t0, before), file=sys.stderr)
+            _context_note(engine, len(ids), len(answer), max_tokens)
+            if log.isEnabledFor(logging.WARNING):
+                print(stats_line(engine, time.perf_counter() - t0, before), file=sys.stderr)
+
+
+@app.command()
+@command_options
+def atlas(
+    model: Optional[Path] = ModelOpt,
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help='A prompt set, JSON {"prompts": [{"topic", "text", '
+                                           '"source"}, …]} (default: the one shipped for the model: colibri_core/atlas_prompts).'),
+    max_tokens: int = typer.Option(16, "--max-tokens", min=1, help="Greedy tokens generated after each prompt."),
+    restart: bool = typer.Option(False, "--restart", help="Characterise anew, not continuing the saved atlas."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the placement's jitter (the layout is the same for a seed)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the atlas as JSON: per expert its layer, index, 3D "
+                                  "position, topic shares, heat and tier (as GET /api/atlas)."),
+    *, options: EngineOptions,  # every engine option (colibri_core/options.py): command_options
+):
+    """Characterise every expert by the topics that route to it: run a topic-labelled prompt set
+    through the model (greedy, a bounded number of tokens each) and count each expert's routing per
+    topic. Saved after every prompt in .coli_atlas in the state directory, so a run stopped midway is
+    continued by the next; the routing history (.coli_usage) adds a "your workload" topic. Then
+    prints the clusters (or --json, the whole atlas) and the store's counters; `colibri web` draws it."""
+    from dataclasses import replace
+
+    from . import atlas as atlas_mod
+    from .store.usage import USAGE_FILE, UsageHistory
+
+    model_dir = _model_dir(model)
+    prompt_set = atlas_mod.read_prompts(prompts or atlas_mod.default_prompts(model_dir))
+    # the atlas's prompts are not the user's workload: they are not counted into .coli_usage
+    engine = _open(model, replace(options, usage=False))
+    with engine:
+        path = engine.sessions_dir / atlas_mod.ATLAS_FILE
+        quiet = not log.isEnabledFor(logging.WARNING)
+        with typer.progressbar(length=len(prompt_set), label="characterising", file=sys.stderr, hidden=quiet) as bar:
+            atlas = atlas_mod.characterise(engine, prompt_set, path, max_tokens, restart,
+                                           on_prompt=lambda p, counted: bar.update(1), warn=_note)
+        history = UsageHistory(engine.container, engine.sessions_dir / USAGE_FILE)
+        atlas_mod.add_workload(atlas, history.counts, history.tokens)
+        atlas.save(path)
+        placed = atlas_mod.place(atlas, seed)
+        placement, c = engine.store.placement(), engine.container
+        tiers = atlas_mod.tier_codes(placement.cached, placement.pinned, c.moe_layers, c.n_experts)
+        doc = atlas_mod.document(atlas, placed, tiers, history.counts,
+                                 [c.layer_expert_nbytes(layer) for layer in c.moe_layers], engine.model_dir.name)
+        if json_out:
+            print(json.dumps(doc))
+        else:
+            print(f"atlas of {doc['model']}: {len(doc['experts'])} experts, {len(doc['topics'])} topics, "
+                  f"{doc['prompts_done']} prompts of {max_tokens} tokens · {path}")
+            for cl in sorted(doc["clusters"], key=lambda cl: -cl["experts"]):
+                print(f"  {cl['topic']}: {cl['experts']} experts")
+            print(f"  cross-layer hubs: {sum(e['shared'] for e in doc['experts'])} experts")
+        if not quiet:
+            print(store_report(engine), file=sys.stderr)
 
 
 HostOpt = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface; "
@@ -356,25 +576,32 @@ PortOpt = typer.Option(8000, "--port", callback=_port, help="Port to listen on (
 ApiKeyOpt = typer.Option(None, "--api-key", envvar="COLIBRI_API_KEY",
                          help="Require 'Authorization: Bearer KEY' on every endpoint but /health (the dashboard "
                          "asks for it once). An empty key is an error.")
-QueueOpt = typer.Option(16, "--queue", min=0, help="Requests that may wait behind the running one; more get 429.")
+QueueOpt = typer.Option(16, "--queue", min=0, help="Requests that may wait behind the running ones; more get 429.")
 NameOpt = typer.Option(None, "--model-name", help="Model id clients send (default: the model directory's name).")
-OriginOpt = typer.Option(None, "--allow-origin", help="A web origin (scheme://host, :port if not the default) whose pages may call the "
-                         "API (CORS), and whose host name the server answers to; repeat for several; '*' for any. "
-                         "By default only the server's own pages and non-browser clients are served.")
+OriginOpt = typer.Option(None, "--allow-origin", help="A web origin (scheme://host, :port if not the default) whose "
+                         "pages may call the API (CORS); repeat for several; '*' for any. By default only the "
+                         "server's own pages and non-browser clients are served.")
+TrustedHostOpt = typer.Option(None, "--trusted-host", metavar="<host>", help="A host name the server answers to "
+                              "besides loopback's, IP addresses and its own (the Host a reverse proxy in front passes "
+                              "on: its public name); repeat for several; '*' for any. Others get 403 (DNS rebinding).")
 MaxTokensOpt = typer.Option(None, "--max-tokens", min=1, help="Most tokens one request may generate "
                             "(default: the model's context).")
+ParallelOpt = typer.Option(4, "--parallel", min=1, max=256, help="Requests decoded together (continuous "
+                           "batching: one forward per step for all, each MoE layer reading the union of their "
+                           "experts once; each request's tokens are those it gets alone).")
 
 
-def _serve(dashboard: bool, model, host, port, api_key, queue, model_name, allow_origin, max_tokens,
-           options: EngineOptions):
+def _serve(dashboard: bool, model, host, port, api_key, queue, parallel, model_name, allow_origin, trusted_host,
+           max_tokens, options: EngineOptions):
     import os
 
     from .server import ServerConfig, serve
 
     if api_key is None and "COLIBRI_API_KEY" in os.environ:  # set but empty: click treats it as unset
         api_key = os.environ["COLIBRI_API_KEY"]
-    serve(ServerConfig(_model_dir(model), model_name=model_name, max_queue=queue, api_key=api_key,
-                       dashboard=dashboard, allow_origins=tuple(allow_origin or ()), max_tokens=max_tokens,
+    serve(ServerConfig(_model_dir(model), model_name=model_name, max_queue=queue, parallel=parallel, api_key=api_key,
+                       dashboard=dashboard, allow_origins=tuple(allow_origin or ()),
+                       trusted_hosts=tuple(trusted_host or ()), max_tokens=max_tokens,
                        engine=options),
           host=host, port=port)
 
@@ -382,35 +609,88 @@ def _serve(dashboard: bool, model, host, port, api_key, queue, model_name, allow
 @app.command()
 @command_options
 def serve(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
-          queue: int = QueueOpt, model_name: Optional[str] = NameOpt, allow_origin: Optional[list[str]] = OriginOpt,
+          queue: int = QueueOpt, parallel: int = ParallelOpt, model_name: Optional[str] = NameOpt,
+          allow_origin: Optional[list[str]] = OriginOpt, trusted_host: Optional[list[str]] = TrustedHostOpt,
           max_tokens: Optional[int] = MaxTokensOpt, *, options: EngineOptions):
     """Serve the model over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
     /v1/models, /health, /tokenize, /detokenize, /metrics (Prometheus), /openapi.json."""
-    _serve(False, model, host, port, api_key, queue, model_name, allow_origin, max_tokens, options)
+    _serve(False, model, host, port, api_key, queue, parallel, model_name, allow_origin, trusted_host, max_tokens,
+           options)
 
 
 @app.command()
 @command_options
 def web(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortOpt, api_key: Optional[str] = ApiKeyOpt,
-        queue: int = QueueOpt, model_name: Optional[str] = NameOpt, allow_origin: Optional[list[str]] = OriginOpt,
+        queue: int = QueueOpt, parallel: int = ParallelOpt, model_name: Optional[str] = NameOpt,
+        allow_origin: Optional[list[str]] = OriginOpt, trusted_host: Optional[list[str]] = TrustedHostOpt,
         max_tokens: Optional[int] = MaxTokensOpt, *, options: EngineOptions):
     """Serve the API and a live dashboard at / : chat, tok/s, time to first token, where the time
     goes, the RAM budget, hit rate over time, the Brain map of every expert (and, with --ray, the
     cluster's shards)."""
-    _serve(True, model, host, port, api_key, queue, model_name, allow_origin, max_tokens, options)
+    _serve(True, model, host, port, api_key, queue, parallel, model_name, allow_origin, trusted_host, max_tokens,
+           options)
 
 
 @app.command()
 def convert(
-    src: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json + safetensors)."),
+    src: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json + safetensors), or a GGUF file."),
     dst: Path = typer.Argument(..., help="Container directory to create."),
-    quant: str = typer.Option("int4", "--quant", "-q", help="f32, int8 or int4 for weight matrices (routers and norms stay f32)."),
+    quant: str = typer.Option("int4", "--quant", "-q", metavar="<f32|int8|int4>", help="f32, int8 or int4 for weight matrices (routers and norms stay f32)."),
 ):
-    """Convert a Hugging Face checkpoint into a colibri container (resumable, published atomically)."""
+    """Convert a Hugging Face checkpoint, or a GGUF file (dequantised and requantised: the error is
+    reported), into a colibri container (resumable, published atomically)."""
     from .convert import convert_checkpoint
 
-    arch = convert_checkpoint(src, dst, quant)
+    if src.suffix == ".gguf" and src.is_file():
+        from .gguf_in import convert_gguf
+
+        arch, errors = convert_gguf(src, dst, quant)
+        for kind, e in errors.items():
+            print(f"requantised {e['tensors']} {kind} tensors to {quant}: relative RMS error mean "
+                  f"{e['mean_rel_rms']:.2e}, max {e['max_rel_rms']:.2e}", file=sys.stderr)
+    else:
+        arch = convert_checkpoint(src, dst, quant)
     print(f"converted {src} → {dst} ({arch.name}, {quant})", file=sys.stderr)
+
+
+@app.command()
+def pull(
+    model: str = typer.Argument(..., help="A hub id, ORG/NAME or ORG/NAME@REVISION (a branch, tag or commit)."),
+    quant: str = typer.Option("int4", "--quant", "-q", help="int4, int8, f32, or native (the checkpoint kept as it is, run without conversion)."),
+    keep_source: bool = typer.Option(False, "--keep-source", help="Keep the downloaded shards in the hub cache."),
+    as_json: bool = typer.Option(False, "--json", help="Print the pull's figures as JSON."),
+):
+    """Download a model from the hub (huggingface_hub: HF_TOKEN, HF_ENDPOINT, its cache) and convert
+    it shard by shard as it lands, deleting each shard once written: peak disk is the container plus
+    about one shard. Resumable after a kill; `run --model ORG/NAME` then finds it."""
+    from . import hub
+
+    path, figures = hub.pull(model, quant, keep_source)
+    print(json.dumps({"path": str(path), **figures}) if as_json else f"pulled {model} → {path}")
+
+
+@app.command("list")
+def list_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """List the pulled models: hub id, revision, architecture, plugin, quantisation, size on disk."""
+    from . import hub
+    from .sizes import format_bytes
+
+    models = hub.list_models()
+    if as_json:
+        print(json.dumps(models, indent=2))
+        return
+    for m in models:
+        print(f"{m['id']:40} {(m['revision'] or '-')[:12]:12} {m['architecture'] or '-':14} {m['plugin'] or '-':18} "
+              f"{m['quant'] or '-':6} {format_bytes(m['bytes']):>10}  {m['state']}")
+
+
+@app.command("rm")
+def rm_cmd(model: str = typer.Argument(..., help="A pulled model's hub id, ORG/NAME.")):
+    """Remove a pulled model (and any unfinished pull of it)."""
+    from . import hub
+
+    for path in hub.remove(model):
+        print(f"removed {path}", file=sys.stderr)
 
 
 @app.command("plugins")
@@ -538,9 +818,9 @@ def uninstall(name: str = typer.Argument(..., help="An installed plugin: its dis
 
 @app.command()
 def plan(
-    model: Optional[Path] = typer.Option(None, "--model", "-m", envvar="COLIBRI_MODEL", help="Converted model directory."),
+    model: Optional[Path] = typer.Option(None, "--model", "-m", envvar="COLIBRI_MODEL", help="Converted model directory, or a hub id ORG/NAME (pulled, or planned from its config.json alone)."),
     config: Optional[Path] = typer.Option(None, "--config", help="A config.json alone (a model not downloaded yet)."),
-    quant: str = typer.Option("int4", "--quant", "-q", help="With --config: f32, int8, int4, or native (the official release run as it is, where the plugin declares it)."),
+    quant: str = typer.Option("int4", "--quant", "-q", metavar="<f32|int8|int4|native>", help="With --config: f32, int8, int4, or native (the official release run as it is, where the plugin declares it)."),
     ram: Optional[str] = RamOpt,
     pin_gb: Optional[float] = PinOpt,
     context: int = typer.Option(0, "--context", help="Tokens of state (KV cache) to reserve in the budget. 0: "
@@ -554,14 +834,21 @@ def plan(
                                       "cluster's other nodes: which experts live where, RAM per node, calls per token."),
     ray_split: str = RaySplitOpt,
     prefix_cache: Optional[str] = cli_option("prefix_cache"),
+    parallel: int = typer.Option(1, "--parallel", min=1, max=256, help="Requests a server decodes together "
+                                 "(serve --parallel): --context tokens of state reserved for each."),
 ):
-    """Show how a model fits a RAM budget: resident bytes, experts, the budget split, the prefix
-    cache beside it, expected bytes read per token and the floor times from this machine's measured
+    """Show how a model fits a RAM budget: resident bytes, experts, the budget split (with --parallel
+    requests' states), the prefix cache beside it, expected bytes read per token and the floor times from this machine's measured
     disk and memory bandwidth (--ray: and the placement of the experts on a Ray cluster)."""
     from . import planning
 
+    if model is not None and config is None:  # a hub id: the model pulled from it, else its config.json alone
+        from . import hub
+
+        model, config = hub.plan_paths(model)
     p = planning.report(model, config, quant, ram=ram, pin_gb=pin_gb, context=context, kv_cache=kv_cache or "f32",
-                        disk_bw=disk_bw, mem_bw=mem_bw, ray=ray, ray_split=ray_split, prefix_cache=prefix_cache)
+                        disk_bw=disk_bw, mem_bw=mem_bw, ray=ray, ray_split=ray_split, prefix_cache=prefix_cache,
+                        parallel=parallel)
     print(json.dumps(p, indent=2) if as_json else planning.format_report(p))
 
 
@@ -590,7 +877,7 @@ def doctor(
         raise typer.Exit(1)
 
 
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (results are measurements, never test gates).")
+bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Benchmarks (results are measurements, never test gates).")
 app.add_typer(bench_app, name="bench")
 from .bench import model as _bench_model  # noqa: E402  `colibri bench --model DIR` and `colibri bench model`
 
@@ -615,7 +902,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 def bench_kernels(
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Kernel threads (default: COLIBRI_THREADS or all CPUs)."),
-    simd: Optional[str] = typer.Option(None, "--simd", help="Code path: portable, avx2, avx512, or all (each one this "
+    simd: Optional[str] = typer.Option(None, "--simd", metavar="<portable|avx2|avx512|all>", help="Code path: portable, avx2, avx512, or all (each one this "
                                                             "CPU runs, side by side; default: the one in use)."),
 ):
     """Each C kernel's GB/s (GFLOP/s for matrix-matrix) beside the machine's read bandwidth, measured in one run."""

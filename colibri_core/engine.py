@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import math
 import numbers
 import os
 import resource
@@ -20,16 +19,16 @@ from typing import Iterator
 
 import numpy as np
 
-from . import planning, plugins
+from . import batch as batching, planning, plugins
 from .container import Container
 from .container.native import NativeCheckpoint, is_checkpoint
 from .container.reader import MANIFEST
 from .convert import CONTEXT_KEYS, generation_defaults, parse_config, read_config
-from .demo import demo_state_dir, is_demo
+from .demo import is_demo
 from .errors import ColibriError
 from .experts import ExpertSource
 from .drafting import AUTO_MIN_ACCEPTANCE, AUTO_RETRY, DRAFT_MODES, DraftCounters
-from .generate import sample, verify_draft
+from .generate import Sampler, Sampling
 from .kernels.deltanet import EXACT_BATCH
 from .kv.session import PersistentSession, SessionWarning, session_path
 from .kv.session import lock as lock_session
@@ -38,7 +37,8 @@ from .options import EngineOptions
 from .prefix import DIRNAME as PREFIX_DIRNAME, PrefixCache
 from .probe import Probe
 from .store import ExpertStore
-from .store.usage import UsageHistory
+from .statedir import state_dir
+from .store.usage import USAGE_FILE, UsageHistory
 from .tokenizer import Tokenizer
 
 class Session:
@@ -57,16 +57,10 @@ def _integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None) -> None:
-    """A ColibriError naming the first sampling parameter out of its range (NaN is out of every one)."""
+def check_sampling(max_new_tokens: int, seed: int | None) -> None:
+    """A ColibriError naming the length or seed out of its range (`Sampling` checks the rest)."""
     if not (_integer(max_new_tokens) and max_new_tokens >= 1):  # 3.5 or inf would never be reached
         raise ColibriError(f"max_new_tokens must be an integer of at least 1, got {max_new_tokens!r}")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ColibriError(f"temperature must be 0 (greedy) or more, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ColibriError(f"top_p must be more than 0 and at most 1, got {top_p}")
-    if not (_integer(top_k) and 0 <= top_k < 1 << 31):  # the server's bound too; a k past the vocabulary: no cut
-        raise ColibriError(f"top_k must be 0 (no cut) or more and below 2**31, got {top_k!r}")
     if seed is not None and not (_integer(seed) and seed >= 0):
         raise ColibriError(f"seed must be 0 or more (or none: random), got {seed}")
 
@@ -83,13 +77,15 @@ class Engine:
         registry = plugins.registry()
         self.arch = registry.resolve(read_config(model_dir), where=str(model_dir))  # a missing plugin first
         policy_info = registry.cache_policy(options.policy)
-        # the bundled demo is read-only package data: no routing history beside it (it fits any sensible
-        # budget whole, so a hot-store has nothing to do), its saved sessions in the user's state dir
-        read_only = is_demo(model_dir)
-        usage = False if read_only and options.usage is True else options.usage
-        self.sessions_dir = demo_state_dir() if read_only else self.model_dir
+        # the bundled demo keeps no routing history (it fits any sensible budget whole, so a hot-store has
+        # nothing to do); sessions, the prefix cache's spill and the routing history go to the state
+        # directory (statedir.py): --state-dir, or beside a converted container colibri may write in,
+        # never into a checkpoint run as it is
+        usage = False if is_demo(model_dir) and options.usage is True else options.usage
+        native = is_checkpoint(model_dir) and not (Path(model_dir) / MANIFEST).exists()
+        self.sessions_dir = state_dir(model_dir, options.state_dir, checkpoint=native)
         model_cls = registry.model_class(self.arch)
-        if is_checkpoint(model_dir) and not (Path(model_dir) / MANIFEST).exists():
+        if native:
             # a Hugging Face / official checkpoint run as it is (container/native.py)
             cfg = parse_config(model_cls, read_config(model_dir), model_dir)
             self.container = NativeCheckpoint(model_dir, model_cls.layout(cfg), self.arch.name, options.activations)
@@ -108,7 +104,8 @@ class Engine:
             self.resident_bytes = sum(t.nbytes for t in resident.values())
             weights = Weights(resident, str(model_dir))
             # read once: the split's hot-store share comes from it, then the store counts routing in it
-            history = None if usage is False else UsageHistory(self.container, None if usage is True else usage)
+            history = None if usage is False else UsageHistory(
+                self.container, self.sessions_dir / USAGE_FILE if usage is True else usage)
             self.split = self._split(options.ram, options.cache_slots, options.pin_gb, history, layout.top_k)
             self.store = ExpertStore(self.container, self.split.cache_slots, policy_info,
                                      pinned=self.split.pinned_experts, transient=self.split.transient_experts,
@@ -182,8 +179,8 @@ class Engine:
         return Session(self.new_state())
 
     def open_session(self, name: str) -> PersistentSession:
-        """The persistent session `name` (MODEL/.sessions/NAME.coli_session; the bundled demo's under
-        `demo_state_dir()`), resumed if saved before.
+        """The persistent session `name` (STATE/.sessions/NAME.coli_session, STATE the state directory:
+        `sessions_dir`, statedir.py), resumed if saved before.
 
         Pass it (or just its name) as `stream`/`generate`'s ``session=``: each call saves the turn.
         A saved file from another model or format version is moved aside with a `SessionWarning`
@@ -242,15 +239,22 @@ class Engine:
             self._busy.release()
         return out
 
-    @staticmethod
-    def _pieces(start: int, end: int, capture) -> list[tuple[int, int]]:
+    def _pieces(self, start: int, end: int, capture):
         """The forwards that feed positions start … end − 1: one (each MoE layer reads the union of its
-        tokens' experts once), cut only where `capture` snapshots fixed-size state parts (`Capture.stops`:
-        none for a state of rows, else a few, at chunk × 2^k and the last boundary). Cut or not, every
-        position gets the same bits: the layers compute in blocks aligned at absolute positions
-        (kernels.deltanet.BLOCK), so a prefix restored at a boundary equals a cold prefill (prefix.py)."""
-        cuts = [start, *(capture.stops(start, end) if capture is not None else ()), end]
-        return list(zip(cuts, cuts[1:]))
+        tokens' experts once), cut where `capture` snapshots fixed-size state parts (`Capture.stops`:
+        none for a state of rows, else a few, at chunk × 2^k and the last boundary), and, in a batch
+        with other generations running, at every multiple of the prefill chunk (their streams go on
+        between the chunks: batch.py). Cut or not, every position gets the same bits: the layers
+        compute in blocks aligned at absolute positions (kernels.deltanet.BLOCK), so a prefix
+        restored at a boundary equals a cold prefill (prefix.py), and a chunked prompt an uncut one."""
+        stops = [*(capture.stops(start, end) if capture is not None else ()), end]
+        chunk = self.options.prefill_chunk
+        while start < end:  # decided piece by piece: a generation may join the batch meanwhile
+            stop = next(s for s in stops if s > start)
+            if batching.others_running():
+                stop = min(stop, (start // chunk + 1) * chunk)
+            yield start, stop
+            start = stop
 
     def _feed(self, session: Session, ids: list[int], last_only: bool = True, capture=None) -> np.ndarray:
         """Bring `session` to `ids` (reusing the longest prefix it holds), in `_pieces`; logits of the
@@ -262,6 +266,8 @@ class Engine:
             session.state, session.ids, n = self.new_state(), [], 0
         out = []
         for start, end in self._pieces(n, len(ids), capture):
+            if batching.current() is None:
+                self.store.new_step()  # a forward of its own (a batch begins each of its steps)
             with self.probe.listening():
                 out.append(self.model.forward(np.asarray(ids[start:end], np.int64), session.state,
                                               last_only=last_only))
@@ -269,6 +275,7 @@ class Engine:
             self._tell_drafters(session, start, self.model.last_hidden)
             if capture is not None:
                 capture.fed(start, end, self.model.last_hidden)
+            batching.pause()  # in a batch: this generation's forward of the step is done
         return out[-1][-1] if last_only else np.concatenate(out)
 
     def _tell_drafters(self, session, start: int, hidden) -> None:
@@ -305,14 +312,12 @@ class Engine:
                 chosen.append(d)
         return chosen
 
-    @staticmethod
-    def _masked(logits: np.ndarray, constraint) -> np.ndarray:
-        return logits if constraint is None else np.where(constraint.mask(), logits, np.float32(-np.inf))
-
-    def _step(self, session, ids: list[int], drafters: list, constraint, rng, sampling: tuple, remaining: int,
+    def _step(self, session, ids: list[int], drafters: list, constraint, sampler: Sampler, remaining: int,
               stop: set) -> tuple[list[int], int | None]:
         """Feed ids[-1], with the first drafter's proposals after it: (the drafts accepted, the token chosen
-        after them, or None where an accepted draft ends the generation: a stop id, the grammar done)."""
+        after them, or None where an accepted draft ends the generation: a stop id, the grammar done).
+        Each draft is verified against the distribution decoding without it samples from: the same
+        constraint, bias and penalties (of ids and the drafts accepted before it)."""
         limit = min(remaining - 1, EXACT_BATCH - 1)  # never past max_new_tokens; one exact forward
         name, drafts = None, []
         for drafter in drafters if limit > 0 else ():
@@ -323,12 +328,12 @@ class Engine:
         self.drafting.forwards += 1
         if not drafts:
             self.drafting.tokens += 1
-            return [], sample(self._masked(self._feed(session, ids), constraint), rng, *sampling)
+            return [], sampler.pick(self._feed(session, ids), ids, constraint)
         kept, kept_ids = session.state.arrays(), list(session.ids)  # the rollback point (views / copies)
         logits = self._feed(session, ids + drafts, last_only=False)[-1 - len(drafts):]  # (1 + d, V)
         accepted, token = [], None
         for i, d in enumerate(drafts):
-            ok, choice = verify_draft(self._masked(logits[i], constraint), d, rng, *sampling)
+            ok, choice = sampler.verify(logits[i], d, ids + accepted, constraint)
             if not ok:
                 token = choice
                 break
@@ -338,7 +343,7 @@ class Engine:
             if d in stop or (constraint is not None and constraint.finished()):
                 break
         else:
-            token = sample(self._masked(logits[-1], constraint), rng, *sampling)
+            token = sampler.pick(logits[-1], ids + accepted, constraint)
         self.drafting.record(name, len(drafts), len(accepted))
         self.drafting.tokens += 1 + len(accepted)
         if len(accepted) < len(drafts):
@@ -357,10 +362,21 @@ class Engine:
         return accepted, token
 
     def stream(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, seed: int | None = None, *, stop_ids=None,
+               top_k: int = 0, seed: int | None = None, *, min_p: float = 0.0, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, penalty_last_n: int | None = None,
+               logit_bias=None, logprobs: list | None = None, top_logprobs: int = 0, stop_ids=None,
                session: Session | PersistentSession | str | None = None, constraint=None,
                draft: str = "auto") -> Iterator[int]:
         """Yield new token ids one by one. Stops after `max_new_tokens` or a stop id (yielded).
+
+        Sampling (generate.py, in vLLM's order): `logit_bias` ({token id: added to its logit}, -inf
+        bans), the penalties (`Sampling`: presence and frequency count the answer's tokens,
+        repetition every token of prompt and answer; `penalty_last_n` = N: all three the last N
+        tokens, llama.cpp's rule), then greedy at temperature 0, else min_p, top_k, top_p and one
+        draw of the generator seeded with `seed`. A `logprobs` list gets a `generate.Token` for each
+        token, appended before it is yielded: its log-probability under the model's own distribution
+        (the raw logits' log_softmax, before the knobs: vLLM's default) and the `top_logprobs` most
+        likely tokens'.
 
         `stop_ids` defaults to generation_config.json's eos_token_id; pass () to never stop early.
         Without a `session` the prompt starts from the longest prefix the prefix cache holds
@@ -375,20 +391,51 @@ class Engine:
         and the model's MTP head while it pays), "mtp", "grammar" or "off"; drafting never changes
         a greedy token, and keeps the sampled distribution.
         """
-        if not self._busy.acquire(blocking=False):
+        batched = batching.current() is not None  # a generation of a batch (`batch`), which holds the lock
+        if not batched and not self._busy.acquire(blocking=False):
             raise ColibriError(BUSY)
         try:
             yield from self._stream(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop_ids, session,
-                                    constraint, draft)
+                                    constraint, draft, logprobs, top_logprobs, min_p=min_p,
+                                    presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                    repetition_penalty=repetition_penalty, penalty_last_n=penalty_last_n,
+                                    logit_bias=logit_bias or ())
         finally:
-            self._busy.release()
+            if not batched:
+                self._busy.release()
+
+    def batch(self) -> batching.Batch:
+        """Several generations decoded together (batch.py): `add` them (each with `stream`'s
+        parameters), `step` until none runs; each MoE layer reads the union of their experts once a
+        step, the dense weights once for all, and each gets the tokens it gets alone. The engine runs
+        nothing else until the batch is closed (`with engine.batch() as b:`)."""
+        if not self._busy.acquire(blocking=False):
+            raise ColibriError(BUSY)
+        return batching.Batch(self.stream, self._busy.release, self.store.new_step)
+
+    def generate_batch(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                       top_k: int = 0, seed: int | None = None, **stream) -> list[list[int]]:
+        """`generate` for each of `prompts` (lists of token ids), decoded together (`batch`): the
+        same tokens, each MoE layer's experts read once a step for all. A failed generation raises
+        its error once the others are done."""
+        with self.batch() as b:
+            runs = [b.add(p, max_new_tokens, temperature, top_p, top_k, seed, **stream) for p in prompts]
+            while b.running():
+                b.step()
+        for g in runs:
+            if g.error is not None:
+                raise g.error
+        return [g.tokens for g in runs]
 
     def _stream(self, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop_ids, session, constraint,
-                draft) -> Iterator[int]:
+                draft, logprobs=None, top_logprobs=0, **knobs) -> Iterator[int]:
+        """`stream`'s generation; `knobs`: the rest of `Sampling`'s fields."""
         prompt_ids = self._token_ids(prompt_ids)
         if not prompt_ids:
             raise ColibriError("the prompt is empty")
-        check_sampling(max_new_tokens, temperature, top_p, top_k, seed)
+        check_sampling(max_new_tokens, seed)
+        sampler = Sampler(Sampling(temperature, top_p, top_k, **knobs), seed, len(prompt_ids),
+                          None if logprobs is None else top_logprobs)
         if draft not in DRAFT_MODES and draft not in plugins.registry().drafters():
             raise ColibriError(f"unknown draft mode {draft!r}: choose one of {', '.join(DRAFT_MODES)} or a "
                                f"registered drafter ({', '.join(plugins.registry().drafters())})")
@@ -401,8 +448,6 @@ class Engine:
         # (the kv.State contract): views of the caches, copies of fixed-size states (once per call)
         kept_ids = list(session.ids)
         kept = session.state.arrays() if kept_ids else None  # a fresh state is put back as a fresh one
-        rng = np.random.default_rng(seed)
-        sampling = (temperature, top_p, top_k)
         t0 = time.perf_counter()
         ids = list(prompt_ids)
         save = getattr(session, "save", lambda: None)
@@ -414,7 +459,7 @@ class Engine:
             self.counters["prompt_tokens"] += len(prompt_ids)
             self.counters["prefill_seconds"] += time.perf_counter() - t0
             # (token, already advanced in the constraint): chosen, to yield in order
-            pending = [(sample(self._masked(logits, constraint), rng, *sampling), False)]
+            pending = [(sampler.pick(logits, ids, constraint), False)]
             produced = 0
             while pending:
                 token, advanced = pending.pop(0)
@@ -422,6 +467,8 @@ class Engine:
                     self.counters["time_to_first_token"] = time.perf_counter() - t0
                 produced += 1
                 self.counters["generated_tokens"] += 1
+                if logprobs is not None:
+                    logprobs.append(sampler.chosen.popleft())  # the Token recorded as it was chosen
                 yield token
                 ids.append(token)
                 if constraint is not None and not advanced:  # an accepted draft was, when verified
@@ -432,12 +479,12 @@ class Engine:
                     break
                 t1 = time.perf_counter()
                 accepted, after = self._step(session, ids, self._choose_drafters(session, draft, constraint),
-                                             constraint, rng, sampling, max_new_tokens - produced, stop)
+                                             constraint, sampler, max_new_tokens - produced, stop)
                 pending = [(t, True) for t in accepted] + ([] if after is None else [(after, False)])
                 self.counters["decode_seconds"] += time.perf_counter() - t1
         except GeneratorExit:  # the caller stopped early: the state is whole, keep the turn
             save()
-            self.store.end_turn()
+            self._end_turn()
             raise
         except BaseException:  # e.g. a forward failed midway (a read error, Ctrl-C): its state is half-fed
             session.state, session.ids = self.new_state(), []  # never reused, even if what follows fails
@@ -447,7 +494,16 @@ class Engine:
                 session.state, session.ids = state, kept_ids
             raise
         save()
-        self.store.end_turn()  # only after a whole turn: routing history, hot-store revision
+        self._end_turn()  # only after a whole turn: routing history, hot-store revision
+
+    def _end_turn(self) -> None:
+        """The store's end of a turn (routing history, hot-store revision); in a batch, at the end of
+        the step, never while the others are mid-forward."""
+        me = batching.current()
+        if me is None:
+            self.store.end_turn()
+        else:
+            me.batch.defer(self.store.end_turn)
 
     def _restore(self, session: Session, prompt_ids: list[int]):
         """Load the longest cached prefix of `prompt_ids` into the fresh `session` (prefix.py); the
@@ -459,14 +515,15 @@ class Engine:
             self._tell_drafters(session, 0, hidden)  # an MTP head drafts as after a cold prefill
             self.counters["prefix_cache_hits"] += 1
             self.counters["prefix_cached_tokens"] += hit[1]
+            if batching.current() is not None:
+                batching.current().cached_tokens = hit[1]
         return self.prefix_cache.capture(session.state, prompt_ids, hit, hidden=self.model.has_mtp)
 
     def generate(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int | None = None, *, stop_ids=None, session=None, constraint=None,
-                 draft: str = "auto") -> list[int]:
-        """New token ids only (temperature 0 is greedy); `session`, `constraint`, `draft` as for `stream`."""
-        return list(self.stream(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, stop_ids=stop_ids,
-                                session=session, constraint=constraint, draft=draft))
+                 top_k: int = 0, seed: int | None = None, **options) -> list[int]:
+        """New token ids only (temperature 0 is greedy); `options`: `stream`'s keywords (min_p, the
+        penalties, logit_bias, logprobs, top_logprobs, stop_ids, session, constraint, draft)."""
+        return list(self.stream(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, **options))
 
     def stats(self) -> dict:
         c = self.counters

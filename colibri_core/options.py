@@ -27,12 +27,15 @@ from .prefix import PREFILL_CHUNK
 __all__ = ["EngineOptions", "check_pin_gb", "cli_option", "command_options", "ray_paths"]
 
 
-def _option(default, flag: str | None, help: str, cli=None, env: str | None = None, unset=None):
+def _option(default, flag: str | None, help: str, cli=None, env: str | None = None, unset=None,
+            metavar: str | None = None):
     """A field and its command-line option: `flag` (None: a setting of the Python API alone), `help`,
     `cli` the type the command line parses, `env` the environment variable a None takes, `unset`
-    what a None becomes when that variable is not set either."""
+    what a None becomes when that variable is not set either, `metavar` the values --help shows (a
+    choice's, which are checked here, in `_check`, for the Python API too)."""
     default_kw = {"default_factory": default} if callable(default) else {"default": default}
-    return field(**default_kw, metadata={"flag": flag, "help": help, "cli": cli, "env": env, "unset": unset})
+    return field(**default_kw, metadata={"flag": flag, "help": help, "cli": cli, "env": env, "unset": unset,
+                                         "metavar": metavar})
 
 
 @dataclass(frozen=True)
@@ -53,26 +56,33 @@ class EngineOptions:
     mirror: str | Path | None = _option(None, "--mirror", "A byte-identical copy of the model on another disk to read "
                                         "experts from too.", cli=Optional[Path])
     policy: str = _option("lru", "--policy", "Expert cache eviction policy: lru, lfu, or one a plugin registers.",
-                          cli=str)
+                          cli=str, metavar="<lru|lfu|NAME>")
     io_threads: int = _option(4, "--io-threads", "Threads reading experts from disk.", cli=int)
-    # routing history: in .coli_usage beside the model (True), in another file (a path), or none (False)
+    # routing history: in .coli_usage in the state directory (True), in another file (a path), or none (False)
     usage: bool | str | Path = _option(True, None, "")
+    # ---- where colibri writes what it keeps of a model (statedir.py)
+    state_dir: str | Path | None = _option(None, "--state-dir", "Directory for this model's saved sessions, prefix "
+                                           "cache spill and routing history (default: beside a converted model "
+                                           "colibri may write in, else $XDG_STATE_HOME/colibri/NAME-HASH; a "
+                                           "checkpoint run as it is is never written to).", cli=Optional[Path])
     # ---- the arithmetic: a choice that changes the output (off by default, and for the oracle)
     # "f32": exact (the oracle's); "int8": activations quantised per block of 64 (kernels module docstring)
     activations: str | None = _option(None, "--activations", "The matrix products' arithmetic: f32 (exact, the "
                                       "oracle's; default) or int8 (activations quantised per block of 64: faster, a "
                                       "different arithmetic).", cli=Optional[str], env="COLIBRI_ACTIVATIONS",
-                                      unset="f32")
+                                      unset="f32", metavar="<f32|int8>")
     # "f32": keys and values as computed; "f16": rounded to float16 when cached (kv/cache.py)
     kv_cache: str | None = _option(None, "--kv-cache", "Attention's cached keys and values: f32 (default) or f16 "
                                    "(half the memory, faster decode at long contexts, a different arithmetic).",
-                                   cli=Optional[str], env="COLIBRI_KV_CACHE", unset="f32")
+                                   cli=Optional[str], env="COLIBRI_KV_CACHE", unset="f32",
+                                   metavar="<f32|f16>")
     # ---- experts in other machines' RAM (colibri_core/remote; needs colibri[ray]): again only speed
     ray: str | None = _option(None, "--ray", "A Ray cluster (auto, HOST:PORT) whose other nodes hold the routed "
                               "experts in RAM; the local store stays a cache in front (needs colibri[ray]).",
                               cli=Optional[str], env="COLIBRI_RAY")
     ray_split: str = _option("expert", "--ray-split", "How experts are cut into shards, one per node: expert (each "
-                             "layer's ids split over the nodes) or layer (ranges of layers per node).", cli=str)
+                             "layer's ids split over the nodes) or layer (ranges of layers per node).", cli=str,
+                             metavar="<expert|layer>")
     ray_models: tuple[str, ...] = _option((), "--ray-model", "The model's path on the Ray nodes (default: the same "
                                           "path): PATH for all, or NODE=PATH for one (NODE: its IP or Ray node id); "
                                           "repeat for several.", cli=Optional[list[str]])
@@ -185,7 +195,7 @@ def cli_option(name: str):
     f = next(f for f in fields(EngineOptions) if f.name == name)
     default = None if f.metadata["cli"] is Optional[list[str]] else f.default  # a repeated option: a list or none
     return typer.Option(default, f.metadata["flag"], help=f.metadata["help"], envvar=f.metadata["env"],
-                        show_default=default not in (None, False))
+                        show_default=default not in (None, False), metavar=f.metadata["metavar"])
 
 
 def command_options(command):

@@ -387,15 +387,18 @@ def sizes_from_config(config_path: str | Path, quant_kind: str, kv_cache: str = 
 
 def make_plan(sizes: ModelSizes, ram: int | str | None, context: int, pin_gb: float | None,
               history: UsageHistory | None, disk_bw: float, mem_bw: float,
-              prefix_cache: int | str | None = None) -> dict:
-    """The split of `ram` with `context` tokens of state reserved, the prefix cache beside it
-    (`prefix_cache`: its size, None for the default share), expected bytes read per token, and floor
-    times (seconds per token); `history`: the model's routing history, which chooses the hot-store's
-    share, or None."""
+              prefix_cache: int | str | None = None, parallel: int = 1) -> dict:
+    """The split of `ram` with `context` tokens of state reserved for each of `parallel` sequences
+    (a server's --parallel: the requests decoded together each hold a state), the prefix cache
+    beside it (`prefix_cache`: its size, None for the default share), expected bytes read per token,
+    and floor times (seconds per token); `history`: the model's routing history, which chooses the
+    hot-store's share, or None."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 0:  # 0: no state, as the engine splits
         raise ColibriError(f"--context must be a number of tokens (0 or more), got {context!r}")
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        raise ColibriError(f"--parallel must be a number of requests (1 or more), got {parallel!r}")
     s = split(ram, sizes.dense_bytes, sizes.expert_nbytes, sizes.moe_layers, sizes.n_experts, sizes.top_k,
-              state=sizes.state_bytes_per_token * context, pin_gb=pin_gb, history=history)
+              state=sizes.state_bytes_per_token * context * parallel, pin_gb=pin_gb, history=history)
     resident_experts = min(sizes.experts_total, s.cache_slots * sizes.moe_layers + s.pinned_experts)
     resident_share = resident_experts / sizes.experts_total
     needed = sizes.moe_layers * sizes.top_k  # expert uses per token
@@ -408,6 +411,7 @@ def make_plan(sizes: ModelSizes, ram: int | str | None, context: int, pin_gb: fl
         "experts_total": sizes.experts_total,
         "experts_bytes_total": sizes.experts_total * sizes.expert_nbytes,
         "context_tokens": context,
+        "parallel": parallel,
         "split": s.as_dict(),
         "prefix_cache": {"bytes": prefix_cache_budget(prefix_cache, s.budget), "default_share":
                          DEFAULT_SHARE if prefix_cache is None else None},  # beside the budget
@@ -423,10 +427,10 @@ def make_plan(sizes: ModelSizes, ram: int | str | None, context: int, pin_gb: fl
 def report(model: Path | None = None, config: Path | None = None, quant: str = "int4", ram: int | str | None = None,
            pin_gb: float | None = None, context: int = 0, kv_cache: str = "f32", disk_bw: int | str | None = None,
            mem_bw: int | str | None = None, ray: str | None = None, ray_split: str = "expert",
-           prefix_cache: int | str | None = None) -> dict:
+           prefix_cache: int | str | None = None, parallel: int = 1) -> dict:
     """`colibri plan` as JSON: the sizes of a converted directory `model` (or a checkpoint run as it
     is) or of a `config` alone at `quant`, the split of `ram` with `context` tokens of state
-    reserved, the prefix cache beside it (`prefix_cache` bytes or "2GB"; default: its share of the
+    reserved for each of `parallel` requests decoded together, the prefix cache beside it (`prefix_cache` bytes or "2GB"; default: its share of the
     budget), and the floors at `disk_bw` / `mem_bw` (bytes/s, or "2GB"; default: measured here, the
     disk on the model's expert files or where its config lies). `ray`: a cluster to place the
     experts on, cut `ray_split`."""
@@ -450,7 +454,7 @@ def report(model: Path | None = None, config: Path | None = None, quant: str = "
         history = None
     # then the split (no floors yet): a budget, --pin-gb or --context it refuses is one line before
     # the probes spend seconds measuring
-    make_plan(sizes, ram, context, pin_gb, history, 0.0, 0.0, prefix_cache)
+    make_plan(sizes, ram, context, pin_gb, history, 0.0, 0.0, prefix_cache, parallel)
     if disk_bw is not None:
         disk, direct = float(parse_size(disk_bw)), None
     elif model is not None:
@@ -459,7 +463,7 @@ def report(model: Path | None = None, config: Path | None = None, quant: str = "
         disk, direct = disk_bandwidth_at(Path(config).resolve().parent)
     memory = float(parse_size(mem_bw)) if mem_bw is not None else memory_bandwidth()
     out = {"source": str(model if model is not None else config), **out,
-           **make_plan(sizes, ram, context, pin_gb, history, disk, memory, prefix_cache),
+           **make_plan(sizes, ram, context, pin_gb, history, disk, memory, prefix_cache, parallel),
            "disk_bandwidth_direct": direct}
     if ray is not None:
         out["ray"] = ray_placement(ray, ray_split, sizes)
@@ -486,7 +490,7 @@ def prefix_line(cache: dict) -> str:
 def format_report(p: dict) -> str:
     """`report` as `colibri plan` prints it."""
     m, sp, f, fb = p["model"], p["split"], p["floor_seconds_per_token"], format_bytes
-    context = p["context_tokens"]
+    context, parallel = p["context_tokens"], p["parallel"]
     share = f", {100 * sp['pin_share']:.0f}% of the expert budget, chosen from the routing history" if sp["pin_share"] else ""
     direct = p["disk_bandwidth_direct"]
     lines = [
@@ -498,9 +502,11 @@ def format_report(p: dict) -> str:
         f"  state per token            {fb(m['state_bytes_per_token'])} (KV cache {m['kv_cache']})",
         f"budget {fb(sp['budget'])}:",
         f"  dense                      {fb(sp['dense'])}",
-        f"  {f'state ({context} tokens)':27}{fb(sp['state'])}" if context else
-        f"  state                      beside the budget: {fb(m['state_bytes_per_token'])} a token (--context N "
-        f"reserves N tokens' worth)",
+        f"  {f'state ({parallel} × {context} tokens)' if parallel > 1 else f'state ({context} tokens)':27}"
+        f"{fb(sp['state'])}" if context else
+        f"  state                      beside the budget: {fb(m['state_bytes_per_token'])} a token"
+        + (f" for each of {parallel} requests decoded together" if parallel > 1 else "")
+        + " (--context N reserves N tokens' worth)",
         f"  expert cache               {fb(sp['cache_bytes'])} ({sp['cache_slots']} slots per layer)",
         f"  pinned (hot-store)         {fb(sp['pinned_bytes'])} ({sp['pinned_experts']} experts{share})",
     ]

@@ -20,7 +20,8 @@ prompt that continues it repeats, so it is never kept). The engine prefills in o
 layer reads its experts once), stopping only where a fixed-size part is snapshotted (`Capture.stops`).
 
 What an entry holds (`Entry`), by state kind (kv/state.py): per-token rows (KV caches, MLA latents,
-indexer keys) as views of the prompt's state, cut to any boundary when restored; fixed-size parts
+indexer keys) as views of the prompt's state, cut when restored to any multiple of BLOCK (a state
+of rows alone is reusable to within 63 tokens of the shared prefix, whatever the chunk); fixed-size parts
 (DeltaNet / KDA states, sliding windows, compressors) snapshotted at some boundaries as they are
 reached: the last one and those at chunk × 2^k (a bounded number: log2 of the prompt's chunks + 1),
 plus the snapshots inherited from the entry it was restored from. An entry whose tokens a newer one
@@ -87,10 +88,11 @@ def _kept(boundaries, last: int, chunk: int) -> list[int]:
 
 
 def _usable(tokens: np.ndarray, boundaries, shared: int, chunk: int) -> int:
-    """The furthest position ≤ `shared` a state of `tokens` can be restored at (0: none): any
-    boundary for rows only (`boundaries` None), else the furthest of those snapshotted."""
+    """The furthest position ≤ `shared` a state of `tokens` can be restored at (0: none): for rows
+    only (`boundaries` None) any multiple of BLOCK (rows cut there are a cold prefill's, whatever
+    the chunk), else the furthest of the boundaries snapshotted."""
     if boundaries is None:
-        return min(shared, len(tokens)) // chunk * chunk
+        return min(shared, len(tokens)) // BLOCK * BLOCK
     return max((b for b in boundaries if b <= shared), default=0)
 
 
@@ -137,12 +139,13 @@ class Capture:
     def __init__(self, state: SequenceState, prompt: list[int], chunk: int, inherited: dict[int, dict],
                  hidden: list[np.ndarray] | None):
         self.chunk = chunk
-        self.tokens = np.asarray(prompt[: len(prompt) // chunk * chunk], np.int64)  # (R,)
         parts = state.parts.items()
         # SequenceStates over the same part objects, for the names `arrays()` gives them
         self._rows = SequenceState({name: p for name, p in parts if p.per_token})
         fixed = {name: p for name, p in parts if not p.per_token}
         self._fixed = SequenceState(fixed) if fixed else None
+        step = chunk if fixed else BLOCK  # rows alone are cut at any multiple of BLOCK (`_usable`)
+        self.tokens = np.asarray(prompt[: len(prompt) // step * step], np.int64)  # (R,)
         self.snapshots = dict(inherited)  # boundary -> fixed-size arrays ({} for a state of rows)
         self.hidden = hidden  # (T, H) rows of the positions fed so far, in order; None: not kept
 
@@ -385,8 +388,9 @@ class Disk:
             raise _Damaged(f"is unreadable ({e.strerror or e})") from None
         except (ValueError, KeyError, TypeError, IndexError, RecursionError, struct.error) as e:
             raise _Damaged(f"is damaged ({type(e).__name__})") from None
-        if not len(tokens) or len(tokens) % self.identity["prefill_chunk"]:
-            raise _Damaged(f"holds {len(tokens)} tokens, not a multiple of the prefill chunk")
+        step = BLOCK if fixed is None else self.identity["prefill_chunk"]
+        if not len(tokens) or len(tokens) % step:
+            raise _Damaged(f"holds {len(tokens)} tokens, not a multiple of {step}")
         return Spilled(path, tokens, None if fixed is None else [int(b) for b in fixed], size)
 
     def load(self, spilled: Spilled) -> Entry | None:

@@ -1,4 +1,5 @@
 """Shared fixtures: a tiny random OLMoE container built with NumPy alone (no oracle needed)."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +9,16 @@ import pytest
 from colibri_core.convert import convert_checkpoint
 
 COLIBRI = [sys.executable, "-m", "colibri_core"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def state_home(tmp_path_factory) -> Path:
+    """The per-user state directory (colibri_core/statedir.py: sessions and routing history of models
+    whose own directory is not written to) of this test run, never the real home's; the colibri
+    processes the tests start inherit it."""
+    d = tmp_path_factory.mktemp("state-home")
+    os.environ["XDG_STATE_HOME"] = str(d)
+    return d
 
 
 @pytest.fixture(scope="session")

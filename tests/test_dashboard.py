@@ -180,7 +180,7 @@ def test_dashboard_shows_the_prefix_cache_and_the_running_request(browser, web, 
     stream = Stream(web.url + "/v1/completions", {**body, "max_tokens": 3000, "ignore_eos": True, "stream": True})
     try:
         next(stream.events())  # its prefill is done: the page's next poll sees it run
-        b.wait_for(r"window.__live.some((t) => /^Running: completion · \d+ prompt tokens \([1-9]\d* from the "
+        b.wait_for(r"window.__live.some((t) => /^Running \(1 of 4 places\): completion · \d+ prompt tokens \([1-9]\d* from the "
                    r"prefix cache\) · \d+ generated/.test(t))", "the running request, served from the prefix cache")
     finally:
         stream.close()

@@ -101,6 +101,20 @@ def test_extended_entries_are_replaced_and_the_least_recent_evicted_under_the_bu
     assert off.capture(SequenceState({"layer.0": KVCache(1, 256)}), [1] * 600, None) is None
 
 
+def test_rows_alone_are_cut_at_any_block_whatever_the_chunk():
+    """A state of rows alone is reusable to within 63 tokens of the shared prefix (the layers' aligned
+    block), also with the engine's 256-token chunk; a fixed-size part keeps the chunk's boundaries."""
+    cache = PrefixCache(budget=1 << 20, chunk=256)
+    state = SequenceState({"layer.0": KVCache(1, 2)})
+    prompt = list(range(1, 400))
+    capture = cache.capture(state, prompt, None)
+    rows = np.repeat(np.asarray(prompt, np.float32), 2).reshape(-1, 1, 2)
+    state["layer.0"].append(rows, rows)
+    state.advance(len(prompt))
+    cache.insert(capture)
+    assert [cache.lookup(prompt[:n] + [0])[1] for n in (70, 200, 300, 399)] == [64, 192, 256, 384]
+
+
 def test_lookup_is_fast_for_hundreds_of_entries():
     """The index is a list scanned with one vectorised comparison per entry (prefix.py)."""
     cache = PrefixCache(budget=1 << 40, chunk=256)

@@ -20,12 +20,13 @@ from conftest import colibri
 from live_server import LiveServer, Stream, get, post, post_json
 
 QUEUE = 4
+PARALLEL = 2  # requests decoded together
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "the quick brown fox"}]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    s = LiveServer("serve", tiny_model, "--queue", str(QUEUE))
+    s = LiveServer("serve", tiny_model, "--queue", str(QUEUE), "--parallel", str(PARALLEL))
     yield s
     rc = s.stop()
     assert rc == 130, s.text_log()  # stopped by Ctrl-C (SIGINT), gracefully: the shell's convention
@@ -113,10 +114,10 @@ def test_completion_streamed_equals_not_streamed(client, tiny_model, engine):
 
 
 def _cacheable(shared: int, held: int) -> int:
-    """Prompt tokens the prefix cache serves (colibri_core/prefix.py): the last multiple of the
-    prefill chunk (256) within both what a request shares with a cached prompt and what that
-    prompt's prefill reached, leaving a token to feed."""
-    return min(shared, held) // 256 * 256
+    """Prompt tokens the prefix cache serves (colibri_core/prefix.py): for the tiny model's state of
+    rows, the last multiple of 64 (the layers' aligned block) within both what a request shares with
+    a cached prompt and what that prompt's prefill reached, leaving a token to feed."""
+    return min(shared, held) // 64 * 64
 
 
 def _shared(a: list[int], b: list[int]) -> int:
@@ -273,7 +274,7 @@ BAD = [  # (name, path, raw body or json, status, param)
     ("stream not bool", "/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
     ("stop wrong type", "/v1/completions", {"prompt": "a", "stop": [1, 2]}, 400, "stop[0]"),
     ("n=2", "/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n"),
-    ("penalty", "/v1/chat/completions", {"messages": CHAT, "presence_penalty": 1.5}, 400, "presence_penalty"),
+    ("penalty out of range", "/v1/chat/completions", {"messages": CHAT, "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("stream_options without stream", "/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("prompt missing", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("token id out of range", "/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
@@ -355,7 +356,7 @@ def test_disconnect_cancels_a_non_streamed_request(server, tiny_model):
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     deadline = time.monotonic() + 60
-    while not server.json("/api/stats")["live"]:  # wait until it generates
+    while not server.json("/api/stats")["running"]:  # wait until it generates
         assert time.monotonic() < deadline
         time.sleep(0.01)
     sock.close()
@@ -376,19 +377,21 @@ def one_client(c, model, i):
 
 
 def test_16_clients_with_a_queue_of_4(server, tiny_model):
-    """While one long request runs, 16 clients arrive at once: 4 wait and are answered, 12 get 429
-    with Retry-After; the server stays up; repeated rounds leave the memory where it was."""
+    """While long requests take every place in the batch, 16 clients arrive at once: 4 wait and are
+    answered, 12 get 429 with Retry-After; the server stays up; repeated rounds leave the memory
+    where it was."""
     clients = [openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120) for _ in range(16)]
     rss = []
     for round_ in range(3):
         wait_idle(server)
-        stream = blocker(server, tiny_model)
+        streams = [blocker(server, tiny_model) for _ in range(PARALLEL)]
         with ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(one_client, c, model_id(tiny_model), i) for i, c in enumerate(clients)]
             deadline = time.monotonic() + 60
             while sum(f.done() for f in futures) < 16 - QUEUE and time.monotonic() < deadline:
-                time.sleep(0.02)  # the refusals come back while the blocker still runs
-            stream.close()  # the blocker's client leaves: its generation is cancelled
+                time.sleep(0.02)  # the refusals come back while the blockers still run
+            for stream in streams:
+                stream.close()  # the blockers' clients leave: their generations are cancelled
             results = [f.result() for f in futures]
         outcomes = [r[0] for r in results]
         assert outcomes.count("ok") == QUEUE and outcomes.count("429") == 16 - QUEUE, results
@@ -466,10 +469,10 @@ def test_dashboard_json_shows_the_prefix_cache_and_the_running_request(server, t
     stream = Stream(server.url + "/v1/completions", {**body, "max_tokens": 2000, "ignore_eos": True, "stream": True})
     assert stream.response.status == 200
     next(stream.events())  # its prefill is done
-    live = server.json("/api/stats")["live"]
+    [live] = server.json("/api/stats")["running"]
     stream.close()
     wait_idle(server)
-    cached = (prompt_tokens - 1) // 256 * 256  # all of the same prompt but its last piece (of 256 tokens)
+    cached = (prompt_tokens - 1) // 64 * 64  # all of the same prompt but its last piece (of 64 tokens: rows alone)
     assert cached >= 256
     assert (live["prompt_tokens"], live["cached_tokens"], live["prefilling"]) == (prompt_tokens, cached, False)
     e = server.json("/api/stats")["engine"]

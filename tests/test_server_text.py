@@ -124,6 +124,11 @@ class FakeEngine:
     def close(self):
         self.closed = True
 
+    def batch(self):
+        from colibri_core.batch import Batch
+
+        return Batch(self.stream, lambda: None)
+
     def stream(self, ids, max_new_tokens, *args, **kw):
         from colibri_core.errors import ColibriError
 
@@ -144,7 +149,7 @@ def test_worker_queue_bounds_and_engine_failures():
         params = Params(max_tokens=5, temperature=0, top_p=1, top_k=0, seed=None, stop=[], stop_ids=())
         jobs = [Job("completion", [1], params, loop)]
         worker.submit(jobs[0])
-        while worker.running is None:  # the first job is taken at once and blocks on the gate
+        while not worker.running:  # the first job is taken at once and blocks on the gate
             await asyncio.sleep(0.01)
         jobs += [Job("completion", [1], params, loop) for _ in range(2)]
         for job in jobs[1:]:
@@ -161,6 +166,6 @@ def test_worker_queue_bounds_and_engine_failures():
         assert isinstance(first[1], Failed) and "truncated" in first[1].message
         worker.stop()
         assert engine.closed  # the worker, its only user, closed it
-        assert worker.snapshot.live is None  # a failed job leaves nothing running behind
+        assert worker.snapshot.running == ()  # a failed job leaves nothing running behind
 
     asyncio.run(main())

@@ -177,6 +177,31 @@ def test_bench_prefix_replays_a_session_with_and_without_the_cache_and_after_a_r
     assert not list(model.glob(".prefix_cache/*/*.coli_prefix")), "the tool left spilled entries beside the model"
 
 
+def test_bench_serve_quick_runs_every_part(tmp_path):
+    """Its own tiny model: the sweep (1, 2, 4 clients; batched too where `serve` has --parallel), the
+    replayed session, and llama.cpp's N sequences where the bench extra is installed."""
+    report = tmp_path / "serve.json"
+    tool("bench_serve.py", "--quick", "--json", report, env={"TMPDIR": str(tmp_path)})  # its own CPU lock
+    r = json.loads(report.read_text())
+    for regime in ("resident", "streamed"):
+        s = r["sweep"][regime]
+        for mode in ("one_at_a_time", "batched") if r["serve_has_parallel"] else ("one_at_a_time",):
+            assert [p["clients"] for p in s[mode]] == [1, 2, 4], s
+            for p in s[mode]:
+                assert p["generated_tokens"] == 6 * p["clients"] and p["chunks_per_token"] == 1, p
+                assert p["aggregate_tok_s"] > 0 and 0 < p["ttft_s"]["median"] <= p["ttft_s"]["p90"], p
+                assert (p["bytes_read_per_token"] > 0) == (regime == "streamed"), p  # a quarter cached, or all
+        assert (s["ratios"] is None) == (not r["serve_has_parallel"]), s
+    session = r["session"]
+    assert session["cached_tokens"]["no_cache"] == [0, 0, 0], session
+    assert session["cached_tokens"]["cache"] == session["cached_tokens"]["restart"] == [0, 256, 256], session
+    if "skipped" in r["llamacpp"]:
+        assert importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("gguf") is None
+    else:
+        assert [run["sequences"] for run in r["llamacpp"]["runs"]] == [1, 4] and r["llamacpp"]["ratio"] > 0
+    assert not list(tmp_path.glob("bench-serve-*")), "the quick run left its models behind"
+
+
 def test_bench_structured_times_every_grammar():
     out = tool("bench_structured.py", "--repeat", 2, "--decode", 1)
     for kind in ("json_object", "json_schema", "lark", "gbnf", r"tools \(auto\)"):

@@ -7,8 +7,9 @@
     POST /tokenize  /detokenize    text ↔ token ids with the model's tokenizer
     GET  /metrics                  Prometheus text (colibri_ prefix)
     GET  /api/stats  /api/brain    JSON the dashboard draws (queue, timings, memory, the expert map)
+    GET  /api/atlas                every expert's 3D position, topic shares, tier and heat (atlas.py)
     GET  /openapi.json             the OpenAPI 3.1 document, generated from the request models (openapi.py)
-    GET  /                         the dashboard (`colibri web`)
+    GET  /  /atlas                 the dashboard and its Atlas page (`colibri web`)
 
 The model loads on a thread after the server starts listening; requests are validated on the
 event loop, then run one at a time by the `Worker`, the engine's only user once it is loaded.
@@ -46,7 +47,7 @@ from starlette.staticfiles import StaticFiles
 from ..errors import ColibriError
 from ..options import EngineOptions
 from . import brain, memory, metrics as metrics_mod
-from . import openapi, security, structure
+from . import atlas_view, openapi, security, structure
 from .schemas import (CHARS_PER_TOKEN, ApiError, Limits, Sampling, detokenize_model, invalid, parse_chat, parse_completion, parse_json,
                       tokenize_model)
 from .snapshot import Snapshot
@@ -65,7 +66,8 @@ class ServerConfig:
     model_dir: Path
     model_name: str | None = None  # the model id clients send (default: the directory's name)
     engine: EngineOptions = field(default_factory=EngineOptions)  # the engine's settings, as `colibri run`'s
-    max_queue: int = 16  # requests that may wait behind the running one; more get 429
+    parallel: int = 4  # requests decoded together (continuous batching: server/worker.py, batch.py)
+    max_queue: int = 16  # requests that may wait behind the running ones; more get 429
     api_key: str | None = None  # if set, every endpoint but /health needs "Bearer KEY" (or the dashboard's cookie)
     dashboard: bool = False  # serve the dashboard at / (`colibri web`)
     max_body_bytes: int = 16 << 20
@@ -74,6 +76,8 @@ class ServerConfig:
     max_body_bytes_in_flight: int = 64 << 20
     max_tokens: int | None = None  # most tokens one request may generate (None: the context)
     allow_origins: tuple[str, ...] = ()  # foreign web origins (or "*") allowed to call the API (CORS)
+    # Host names served besides loopback's, IP addresses and its own (or "*"): a reverse proxy's public name
+    trusted_hosts: tuple[str, ...] = ()
     host: str = "127.0.0.1"  # where it listens: its name is a Host the server answers to
     body_timeout: float = 30.0  # seconds for a request body to arrive whole (408 after)
     header_timeout: float = 10.0  # seconds for a request's headers to arrive whole (the connection closed after)
@@ -83,6 +87,8 @@ class ServerConfig:
         if self.api_key is not None and not self.api_key.strip():
             raise ColibriError("the API key is empty: give a key (--api-key KEY or COLIBRI_API_KEY), or none to serve "
                                "without one")
+        if not 1 <= self.parallel <= 256:
+            raise ColibriError(f"--parallel must be from 1 to 256, got {self.parallel}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ColibriError(f"--max-tokens must be at least 1, got {self.max_tokens}")
         if self.max_body_bytes_in_flight < self.max_body_bytes:  # a body of the largest size could never arrive
@@ -94,6 +100,10 @@ class ServerConfig:
                     security.normalize_origin(origin)
                 except ValueError as e:
                     raise ColibriError(f"--allow-origin: {e}") from None
+        for host in self.trusted_hosts:
+            if host != "*" and not security.is_host_name(host):
+                raise ColibriError(f"--trusted-host: {host!r} is not a host name (a name or an IP address, as in "
+                                   "the Host header, without scheme or path: e.g. llm.example.com)")
 
 
 class Server:
@@ -136,7 +146,7 @@ class Server:
             self.ram_budget = engine.split.budget or None  # none with --cache-slots alone
             vocab = engine.tokenizer.tok.get_vocab_size(with_added_tokens=True)
             self.limits = Limits(self.context_length, vocab, cfg.max_tokens, cfg.max_body_bytes)
-            self.worker = Worker(engine, cfg.max_queue, on_turn=self.metrics.add_turn)
+            self.worker = Worker(engine, cfg.max_queue, on_turn=self.metrics.add_turn, parallel=cfg.parallel)
             self.engine = engine
         except ColibriError as e:
             self.load_error = str(e)
@@ -210,6 +220,11 @@ class Server:
             seed=s.seed,
             stop=s.stop,
             stop_ids=() if s.ignore_eos else tuple(gen.get("eos_token_id", [])),
+            knobs={"min_p": float(default(s.min_p, "min_p", 0.0)), "presence_penalty": s.presence_penalty,
+                   "frequency_penalty": s.frequency_penalty,
+                   "repetition_penalty": float(default(s.repetition_penalty, "repetition_penalty", 1.0)),
+                   "penalty_last_n": s.penalty_last_n, "logit_bias": s.logit_bias},
+            logprobs=s.logprobs,
         )
 
     def snapshot(self) -> Snapshot | None:
@@ -218,8 +233,8 @@ class Server:
 
     def queue_state(self) -> dict:
         w = self.worker
-        return {"waiting": len(w.waiting) if w else 0, "running": int(bool(w and w.running)),
-                "capacity": self.cfg.max_queue}
+        return {"waiting": len(w.waiting) if w else 0, "running": len(w.running) if w else 0,
+                "parallel": self.cfg.parallel, "capacity": self.cfg.max_queue}
 
 
     async def off_loop(self, fn, *args):
@@ -333,9 +348,11 @@ class Generation:
     """One accepted request: its job in the worker's queue, and how its answer is shaped."""
 
     def __init__(self, server: Server, kind: str, prompt_ids: list[int], params: Params, sampling: Sampling,
-                 echo: str = "", tools: bool = False):
+                 echo: str = "", tools: bool = False, forced_call: str | None = None):
         self.server, self.kind, self.sampling, self.echo = server, kind, sampling, echo
         self.tools = tools  # the answer may be tool calls (structure.py): answered as `tool_calls`
+        self.forced_call = forced_call  # the function the answer's first call is known to be (structure.forced_name)
+        self.text_offset = len(echo)  # where the next token's text begins (completions' logprobs.text_offset)
         self.endpoint = "chat" if kind == "chat" else "completions"
         self.object = "chat.completion" if kind == "chat" else "text_completion"
         self.chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -356,14 +373,32 @@ class Generation:
             self.server.worker.cancel(self.job)
             self.server.metrics.count(self.endpoint, "cancelled")
 
-    def _chunk(self, text: str | None, finish: str | None, first: bool = False, calls: list | None = None) -> dict:
+    def _logprobs(self, entries: list[dict] | None, whole: bool = False) -> dict | None:
+        """Tokens' log-probabilities (worker.logprob_entry's) in the answer's shape: chat's
+        {"content": [...]}, or completions' tokens / token_logprobs / top_logprobs / text_offset;
+        None for none (a chunk without tokens, a request that asked for none), but a `whole`
+        answer's when asked for, even of no token."""
+        if not entries and not (whole and self.sampling.logprobs is not None):
+            return None
+        if self.kind == "chat":
+            return {"content": entries, "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(e["token"])
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+                "text_offset": offsets}
+
+    def _chunk(self, text: str | None, finish: str | None, first: bool = False, calls: list | None = None,
+               logprobs: list[dict] | None = None) -> dict:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
             if calls:
                 delta = {"tool_calls": calls}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": self._logprobs(logprobs), "finish_reason": finish}
         chunk = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.server.model_id,
                  "system_fingerprint": None, "choices": [choice]}
         if self.sampling.include_usage:
@@ -379,23 +414,30 @@ class Generation:
             yield sse(self._chunk(None, None, first=True))
         elif self.echo:
             yield sse(self._chunk(self.echo, None))
-        calls = structure.CallStream() if self.tools else None
+        calls = structure.CallStream(self.forced_call) if self.tools else None
+        scores = []  # log-probabilities not sent yet: they go with the next chunk
         while True:
             event = await self.job.events.get()
+            if isinstance(event, Delta):
+                scores += event.logprobs or []
             if isinstance(event, Delta) and calls is not None:  # text held until it is known not to be a call
                 text, deltas = calls.push(event.text)
                 if event.finish:
                     rest, more = calls.flush()
                     text, deltas = text + rest, deltas + more
                 if deltas:
-                    yield sse(self._chunk(None, None, calls=deltas))
+                    yield sse(self._chunk(None, None, calls=deltas, logprobs=scores))
+                    scores = []
                 if text:
-                    yield sse(self._chunk(text, None))
+                    yield sse(self._chunk(text, None, logprobs=scores))
+                    scores = []
                 if event.finish:
-                    yield sse(self._chunk(None, "tool_calls" if calls.called and event.finish == "stop" else event.finish))
+                    finish = "tool_calls" if calls.called and event.finish == "stop" else event.finish
+                    yield sse(self._chunk(None, finish, logprobs=scores))
             elif isinstance(event, Delta):
                 if event.text or event.finish:
-                    yield sse(self._chunk(event.text, event.finish))
+                    yield sse(self._chunk(event.text, event.finish, logprobs=scores))
+                    scores = []
             elif isinstance(event, End):
                 self.finished = True
                 self.server.metrics.count(self.endpoint, "ok")
@@ -414,7 +456,7 @@ class Generation:
     async def answer(self, request: Request) -> Response:
         """The whole answer as one JSON response (cancelled if the client leaves first)."""
         gone = asyncio.create_task(wait_disconnect(request))
-        texts, finish = [], None
+        texts, finish, scores = [], None, []
         try:
             while True:
                 get = asyncio.ensure_future(self.job.events.get())
@@ -426,6 +468,7 @@ class Generation:
                 event = get.result()
                 if isinstance(event, Delta):
                     texts.append(event.text)
+                    scores += event.logprobs or []
                     finish = event.finish or finish
                 elif isinstance(event, End):
                     self.finished = True
@@ -438,15 +481,17 @@ class Generation:
             gone.cancel()
         self.server.metrics.count(self.endpoint, "ok")
         text = "".join(texts)
+        logprobs = self._logprobs(scores, whole=True)
         if self.kind == "chat":
             message = {"role": "assistant", "content": text}
-            calls = structure.parse_tool_calls(text) if self.tools else None
-            if calls:
-                message = {"role": "assistant", "content": None, "tool_calls": structure.openai_calls(calls)}
-                finish = "tool_calls" if finish == "stop" else finish
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            if self.tools:  # the calls as streamed, merged: one cut short by max_tokens included
+                content, calls = structure.answer_calls(text, self.forced_call)
+                message = {"role": "assistant", "content": None, "tool_calls": calls} if calls else \
+                    {"role": "assistant", "content": content}
+                finish = "tool_calls" if calls and finish == "stop" else finish
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": self.echo + text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": self.echo + text, "logprobs": logprobs, "finish_reason": finish}
         return JSONResponse({"id": self.id, "object": self.object, "created": self.created, "model": self.server.model_id,
                              "system_fingerprint": None, "choices": [choice], "usage": _usage(event.turn)})
 
@@ -529,7 +574,8 @@ async def chat_completions(request: Request) -> Response:
     ids = await server.encode_chat(messages, req.tools)
     params = server.resolve(req.sampling, len(ids), "messages")
     params.constraint = await server.off_loop(structure.constraint, server.engine, shape)
-    return await Generation(server, "chat", ids, params, req.sampling, tools=shape.calls_tools).respond(request)
+    return await Generation(server, "chat", ids, params, req.sampling, tools=shape.calls_tools,
+                            forced_call=structure.forced_name(shape) if shape.calls_tools else None).respond(request)
 
 
 async def completions(request: Request) -> Response:
@@ -595,21 +641,21 @@ async def api_stats(request: Request) -> Response:
            "load_error": server.load_error, "context_length": server.context_length,
            "max_tokens": server.cfg.max_tokens, "uptime_seconds": time.time() - server.metrics.started, "queue": server.queue_state(),
            "requests": [{"endpoint": e, "outcome": o, "count": n} for (e, o), n in sorted(snap["requests"].items())],
-           "turns": snap["turns"][-20:], "history": [h for h in snap["history"] if h["t"] > since], "live": None}
+           "turns": snap["turns"][-20:], "history": [h for h in snap["history"] if h["t"] > since], "running": []}
     snap = server.snapshot()
     if snap is not None:
         out["architecture"] = snap.architecture
         out["engine"] = {k: v for k, v in snap.stats.items() if isinstance(v, (int, float, str, bool, dict))}
         out["memory"] = brain.memory(snap, server.ram_budget)
-        live = snap.live
-        if live is not None:
-            now = time.perf_counter()
+        now = time.perf_counter()
+        for live in snap.running:  # the jobs decoding together, in the order they joined
             first = live["first_token"]
-            out["live"] = {"kind": live["kind"], "prompt_tokens": live["prompt_tokens"], "tokens": live["tokens"],
-                           "cached_tokens": live["cached_tokens"],  # None while prefilling
-                           "seconds": now - live["started"], "prefilling": first is None,
-                           "tokens_per_second": (live["tokens"] - 1) / (now - first)
-                           if first is not None and live["tokens"] > 1 and now > first else 0.0}
+            out["running"].append({
+                "kind": live["kind"], "prompt_tokens": live["prompt_tokens"], "tokens": live["tokens"],
+                "cached_tokens": live["cached_tokens"],  # None while prefilling
+                "seconds": now - live["started"], "prefilling": first is None,
+                "tokens_per_second": (live["tokens"] - 1) / (now - first)
+                if first is not None and live["tokens"] > 1 and now > first else 0.0})
     return JSONResponse(out)
 
 
@@ -624,15 +670,34 @@ async def api_brain(request: Request) -> Response:
     return JSONResponse(brain.brain(snap))
 
 
+async def api_atlas(request: Request) -> Response:
+    """The Atlas: every expert's 3D position and topic shares (the model's `colibri atlas` file) with
+    this server's tiers and routing heat; 404 until `colibri atlas` has characterised the model."""
+    server = server_of(request)
+    engine = server.ready()
+    snap = server.snapshot()
+    try:
+        doc = await server.off_loop(atlas_view.document, engine, snap, server.model_id)
+    except ColibriError:  # its message names the model's files: a client is told what to run, not where
+        raise ApiError(404, "this model has no atlas yet: run `colibri atlas --model MODEL` where it lives",
+                       code="no_atlas") from None
+    return JSONResponse(doc)
+
+
 async def dashboard(request: Request) -> Response:
     return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+async def atlas_page(request: Request) -> Response:
+    return FileResponse(STATIC / "atlas.html", headers={"Cache-Control": "no-cache"})
 
 
 async def root(request: Request) -> Response:
     server = server_of(request)
     return JSONResponse({"name": "colibri", "model": server.model_id, "status": "ok" if server.engine else "loading",
                          "endpoints": ["/health", "/v1/models", "/v1/chat/completions", "/v1/completions", "/tokenize",
-                                       "/detokenize", "/metrics", "/api/stats", "/api/brain", "/openapi.json"],
+                                       "/detokenize", "/metrics", "/api/stats", "/api/brain", "/api/atlas",
+                                       "/openapi.json"],
                          "dashboard": "run `colibri web` for the dashboard"})
 
 
@@ -679,10 +744,12 @@ def create_app(cfg: ServerConfig) -> Starlette:
         Route("/metrics", prometheus_metrics),
         Route("/api/stats", api_stats),
         Route("/api/brain", api_brain),
+        Route("/api/atlas", api_atlas),
         Route("/openapi.json", openapi_json),
     ]
     if cfg.dashboard:
-        routes += [Route("/", dashboard), Mount("/static", StaticFiles(directory=STATIC), name="static")]
+        routes += [Route("/", dashboard), Route("/atlas", atlas_page),
+                   Mount("/static", StaticFiles(directory=STATIC), name="static")]
     else:
         routes.append(Route("/", root))
 
@@ -698,7 +765,7 @@ def create_app(cfg: ServerConfig) -> Starlette:
                 await asyncio.get_running_loop().run_in_executor(None, server.worker.stop)
             server.text_pool.shutdown(wait=False, cancel_futures=True)
 
-    policy = security.Policy(cfg.api_key, cfg.allow_origins, cfg.host)
+    policy = security.Policy(cfg.api_key, cfg.allow_origins, cfg.host, cfg.trusted_hosts)
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         ApiError: api_error, HTTPException: http_error, Exception: internal_error},
         middleware=[Middleware(security.Guard, policy=policy, dashboard=cfg.dashboard)])

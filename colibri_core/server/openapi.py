@@ -28,19 +28,34 @@ TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properti
     "id": {"type": "string"}, "type": {"const": "function"}, "function": {
         "type": "object", "required": ["name", "arguments"],
         "properties": {"name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON text"}}}}}
+# each token's log-probability (with 'logprobs'; null without): chat's entries, completions' legacy arrays
+_TOKEN = {"token": {"type": "string"}, "logprob": {"type": "number", "maximum": 0},
+          "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}}}
+CHAT_LOGPROBS = {"type": ["object", "null"], "required": ["content"], "properties": {
+    "content": {"type": "array", "items": {"type": "object", "required": ["token", "logprob", "bytes", "top_logprobs"],
+                                          "properties": {**_TOKEN, "top_logprobs": {"type": "array", "items": {
+                                              "type": "object", "required": list(_TOKEN), "properties": _TOKEN}}}}},
+    "refusal": {"type": "null"}}}
+COMPLETION_LOGPROBS = {"type": ["object", "null"],
+                       "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+                       "properties": {"tokens": {"type": "array", "items": {"type": "string"}},
+                                      "token_logprobs": {"type": "array", "items": {"type": "number", "maximum": 0}},
+                                      "top_logprobs": {"type": "array", "items": {
+                                          "type": "object", "additionalProperties": {"type": "number", "maximum": 0}}},
+                                      "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}
 
 
 def _completion(kind: str) -> dict:
     if kind == "chat":  # with `tools`, the answer may be calls: content null, finish_reason "tool_calls"
         choice = {"type": "object", "required": ["index", "message", "finish_reason"], "properties": {
             "index": {"const": 0}, "finish_reason": {**FINISH, "enum": [*FINISH["enum"], "tool_calls"]},
-            "logprobs": {"type": "null"},
+            "logprobs": CHAT_LOGPROBS,
             "message": {"type": "object", "required": ["role", "content"], "properties": {
                 "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
                 "tool_calls": {"type": "array", "items": TOOL_CALL, "minItems": 1}}}}}
     else:
         choice = {"type": "object", "required": ["index", "text", "finish_reason"], "properties": {
-            "index": {"const": 0}, "text": {"type": "string"}, "finish_reason": FINISH, "logprobs": {"type": "null"}}}
+            "index": {"const": 0}, "text": {"type": "string"}, "finish_reason": FINISH, "logprobs": COMPLETION_LOGPROBS}}
     return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
         "id": {"type": "string"}, "object": {"const": "chat.completion" if kind == "chat" else "text_completion"},
         "created": {"type": "integer"}, "model": {"type": "string"}, "system_fingerprint": {"type": "null"},
@@ -142,12 +157,18 @@ def document(lim: schemas.Limits, *, model_id: str, api_key: bool, dashboard: bo
                                   params=[{"name": "since", "in": "query", "required": False,
                                            "schema": {"type": "string"},
                                            "description": "The 'passes' of the map the caller has."}])},
+        "/api/atlas": {"get": _op("The Atlas: per expert its layer, index, 3D position, topic shares, heat and tier "
+                                  "(from `colibri atlas`).", {"200": _json({"type": "object"}, "The atlas.")},
+                                  errors=(404, 503), **k)},
         "/openapi.json": {"get": _op("This document.", {"200": _json({"type": "object"}, "OpenAPI 3.1.")}, **k)},
     }
     if dashboard:
         paths["/"] = {"get": _op("The dashboard.", {"200": {"description": "The page.", "content": {
             "text/html": {"schema": {"type": "string"}}}}} | ({"401": {"description": "The login form.", "content": {
                 "text/html": {"schema": {"type": "string"}}}}} if api_key else {}), secured=False)}
+        paths["/atlas"] = {"get": _op("The dashboard's Atlas page: every expert as a 3D galaxy by routing affinity.",
+                                      {"200": {"description": "The page.", "content": {
+                                          "text/html": {"schema": {"type": "string"}}}}}, **k)}
         paths["/static/{file}"] = {"get": _op("The dashboard's script and style.", {
             "200": {"description": "The file.", "content": {"text/css": {"schema": {"type": "string"}},
                                                             "text/javascript": {"schema": {"type": "string"}},

@@ -3,11 +3,12 @@ describes itself as JSON Schema, so the OpenAPI document the server publishes (o
 generated from the very objects the handlers validate with; nothing is described twice.
 
 Anything wrong is an `ApiError` (a 4xx with the OpenAI error body), never a 500. What is accepted
-follows the OpenAI API and its common local extensions (vLLM: `top_k`, `ignore_eos`); sampling
-knobs the engine does not implement (penalties, logit bias, log probabilities, several choices)
-are accepted only at their neutral value and refused otherwise, so a client never silently gets
-something other than what it asked for. Fields nobody here knows are ignored, as vLLM and
-llama-server do. Every optional field may be null, which means "the default".
+follows the OpenAI API and its common local extensions (vLLM's `top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`; llama-server's `repeat_penalty`, `repeat_last_n`, `grammar`);
+knobs the engine does not implement (several choices, llama-server's mirostat, DRY, XTC, …) are
+accepted only at their neutral value and refused otherwise, and a field the generation models do
+not declare is a 400 naming it (`Obj(closed=True)`), so a client never silently gets something
+other than what it asked for. Every optional field may be null, which means "the default".
 
 Bounds (`Limits`, most of them also in the published schema): the body's bytes and JSON nesting,
 characters of text, messages per conversation, stop strings and their length, token ids per
@@ -28,6 +29,15 @@ MAX_TOOLS = 128  # OpenAI's own limit
 MAX_NAME = 512  # characters of a model id, a message's name, a tool call id
 MAX_FUNCTION_NAME = 64  # OpenAI's limit on a function's name
 CHARS_PER_TOKEN = 32  # text beyond this many characters per token of context is refused untokenized
+MAX_LOGPROBS = 20  # most likely tokens listed with each token's log-probability (vLLM's default bound)
+MAX_BIAS = 100  # |logit_bias| (OpenAI's bound)
+# what to send instead of a field the generation models do not know
+HINTS = {
+    "functions": "use 'tools'", "function_call": "use 'tool_choice'",
+    "n_probs": "use 'logprobs' (and 'top_logprobs' on chat)", "n_predict": "use 'max_tokens'",
+    "json_schema": "use 'response_format' {\"type\": \"json_schema\", ...}",
+    "penalize_nl": "colibri's penalties count every token, newlines too",
+}
 
 
 class ApiError(Exception):
@@ -331,20 +341,26 @@ def nullable(schema: dict) -> dict:
 
 
 class Obj(Spec):
-    """A JSON object with declared fields (checked; absent or null: None) and any others (kept, ignored)."""
+    """A JSON object with declared fields (checked; absent or null: None) and, unless `closed`, any
+    others (kept, ignored); closed, another field is a 400 naming it (with a hint from HINTS)."""
 
     kinds = ("object",)
 
     def __init__(self, fields: dict[str, Spec], required: tuple[str, ...] = (), description: str = "",
-                 rules: list[dict] | None = None):
+                 rules: list[dict] | None = None, closed: bool = False):
         super().__init__(description)
-        self.fields, self.required = fields, required
+        self.fields, self.required, self.closed = fields, required, closed
         self.rules = rules or []  # extra JSON Schema (anyOf alternatives) that the caller's code also enforces
 
     def check(self, v, param):
         if not isinstance(v, dict):
             raise invalid(param or None, f"'{param}' must be an object, not {_kind(v)}" if param
                           else f"the request body must be a JSON object, not {_kind(v)}", "invalid_type")
+        unknown = next((k for k in v if k not in self.fields), None) if self.closed else None
+        if unknown is not None:
+            where = f"{param}.{unknown}" if param else unknown
+            hint = HINTS.get(unknown, "colibri does not support it")
+            raise invalid(where, f"'{where}' is not a field colibri knows: {hint}", "unsupported_parameter")
         out = {}
         for name, spec in self.fields.items():
             where = f"{param}.{name}" if param else name
@@ -361,6 +377,8 @@ class Obj(Spec):
         props = {name: (spec.doc() if name in self.required else nullable(spec.doc()))
                  for name, spec in self.fields.items()}
         s = {"type": "object", "properties": props}
+        if self.closed:
+            s["additionalProperties"] = False
         if self.required:
             s["required"] = list(self.required)
         for rule in self.rules:
@@ -390,6 +408,36 @@ class OneOfKinds(Spec):
 
 
 # ---- the pieces of the models -----------------------------------------------------------------------
+class LogitBias(Spec):
+    """OpenAI's logit_bias: {"token id": a bias from -100 to 100 added to its logit}; -100 bans, 100
+    forces (in effect). Returned as {int: float}."""
+
+    kinds = ("object",)
+
+    def __init__(self, lim: Limits):
+        super().__init__("Token id (a string) → bias from -100 to 100 added to the token's logit before sampling.")
+        self.high = lim.vocab - 1 if lim.vocab else None
+        self.bias = Number(-MAX_BIAS, MAX_BIAS)
+
+    def check(self, v, param):
+        if not isinstance(v, dict):
+            raise invalid(param, f"'{param}' must be an object mapping token ids to biases, not {_kind(v)}",
+                          "invalid_type")
+        out = {}
+        for key, bias in v.items():
+            token = int(key) if key.isascii() and key.isdigit() else None
+            if token is None or (self.high is not None and token > self.high):
+                raise invalid(param, f"'{param}' names {key!r}, not a token id of this model's vocabulary "
+                              f"(0 … {self.high})" if self.high is not None else f"'{param}' names {key!r}, not a "
+                              "token id")
+            out[token] = self.bias.check(bias, f"{param}.{key}")
+        return out
+
+    def schema(self):
+        return {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                "additionalProperties": self.bias.schema()}
+
+
 class TokenIds(Array):
     """Token ids of this model's vocabulary; a wrong one is named with the array's param."""
 
@@ -563,12 +611,53 @@ def sampling_fields(lim: Limits) -> dict[str, Spec]:
         "stream_options": Obj({"include_usage": Boolean("A last chunk with 'usage'.")}),
         "ignore_eos": Boolean("vLLM's extension: keep generating past end-of-sequence tokens."),
         "n": Neutral(1, "one choice per request"),
-        "presence_penalty": Neutral(0, "no penalties"),
-        "frequency_penalty": Neutral(0, "no penalties"),
-        "repetition_penalty": Neutral(1, "no penalties"),
-        "min_p": Neutral(0, "no min-p sampling"),
-        "logit_bias": Neutral({}, "no logit bias"),
+        "presence_penalty": Number(-2.0, 2.0, description="Subtracted from the logit of every token the answer "
+                                   "holds (OpenAI's)."),
+        "frequency_penalty": Number(-2.0, 2.0, description="Subtracted from a token's logit once per time the "
+                                    "answer holds it (OpenAI's)."),
+        "repetition_penalty": Number(0.01, 100.0, description="vLLM's: a token of the prompt or the "
+                                     "answer has its logit divided by it (if positive) or multiplied (if not); 1: "
+                                     "none; absent: generation_config.json's, else 1."),
+        "repeat_penalty": Number(0.01, 100.0, description="llama-server's name of "
+                                 "'repetition_penalty'."),
+        "repeat_last_n": Integer(-1, (1 << 31) - 1, "llama-server's: every penalty counts only the last N tokens "
+                                 "of prompt and answer (-1: all of them; 0: no penalty)."),
+        "min_p": Number(0.0, 1.0, description="Only tokens at least this fraction as likely as the most likely "
+                        "one; absent: generation_config.json's, else 0."),
+        "logit_bias": LogitBias(lim),
         "user": String(MAX_NAME, description="Accepted and ignored."),
+        **llama_server_fields(),
+    }
+
+
+def llama_server_fields() -> dict[str, Spec]:
+    """llama-server's knobs that colibri does not have, accepted at the neutral values its clients send,
+    and the settings that only they read (which then change nothing, as in llama-server)."""
+    def read_with(knob: str) -> Number:
+        return Number(-1e9, 1e9, description=f"Accepted: read only with '{knob}', which colibri does not do.")
+
+    return {
+        "typical_p": Neutral(1, "no locally typical sampling"),
+        "tfs_z": Neutral(1, "no tail-free sampling"),
+        "top_n_sigma": Neutral(-1, "no top-n-sigma sampling"),
+        "min_keep": Neutral(0, "every cut keeps at least the most likely token"),
+        "mirostat": Neutral(0, "no mirostat"),
+        "mirostat_tau": read_with("mirostat"), "mirostat_eta": read_with("mirostat"),
+        "dynatemp_range": Neutral(0, "no dynamic temperature"),
+        "dynatemp_exponent": read_with("dynatemp_range"),
+        "dry_multiplier": Neutral(0, "no DRY sampling"),
+        "dry_base": read_with("dry_multiplier"), "dry_allowed_length": read_with("dry_multiplier"),
+        "dry_penalty_last_n": read_with("dry_multiplier"),
+        "dry_sequence_breakers": Array(String(MAX_STOP_CHARS), max_items=MAX_STOP,
+                                       description="Accepted: read only with 'dry_multiplier', which colibri does "
+                                                   "not do."),
+        "xtc_probability": Neutral(0, "no XTC sampling"),
+        "xtc_threshold": read_with("xtc_probability"),
+        "id_slot": Neutral(-1, "one slot: the server's queue"),
+        "n_keep": Integer(-1, (1 << 31) - 1, "Accepted: colibri never shifts the context (a prompt and "
+                          "max_tokens past it are a 400)."),
+        "cache_prompt": Boolean("Accepted: the prefix cache serves a repeated prefix always, bit for bit as a "
+                                "cold prefill would."),
     }
 
 
@@ -589,9 +678,19 @@ def chat_model(lim: Limits = Limits()) -> Obj:
             description="'auto' (the default with tools): text or calls; 'required': calls; a named function: one "
                         "call of it; 'none': text."),
         "parallel_tool_calls": Boolean("More than one call in an answer (default true)."),
-        "logprobs": Neutral(False, "log probabilities are not returned"),
-        "top_logprobs": Neutral(0, "log probabilities are not returned"),
-    }, required=("messages",), rules=[STREAM_RULE])
+        "logprobs": Boolean("Each token's log-probability in choices[].logprobs.content: the model's own "
+                            "distribution, before bias, penalties, temperature and cuts (vLLM's default)."),
+        "top_logprobs": Integer(0, MAX_LOGPROBS, "With 'logprobs': the most likely tokens listed at each "
+                                "position."),
+        "store": Neutral(False, "no stored completions"),
+        "metadata": AnyJson("object", "Accepted and ignored (it describes stored completions)."),
+        "modalities": Array(String(choices=("text",), refusal="this model writes text only"), max_items=1,
+                            description="Only [\"text\"]."),
+        "service_tier": String(choices=("auto", "default"), refusal="one tier"),
+        "prompt_cache_key": String(MAX_NAME, description="Accepted: the prefix cache finds a shared prefix by "
+                                   "its tokens."),
+        "safety_identifier": String(MAX_NAME, description="Accepted and ignored."),
+    }, required=("messages",), rules=[STREAM_RULE], closed=True)
 
 
 def completion_model(lim: Limits = Limits()) -> Obj:
@@ -602,8 +701,10 @@ def completion_model(lim: Limits = Limits()) -> Obj:
         **structure_fields(lim),  # vLLM's and llama-server's extensions to completions
         "suffix": Neutral("", "no fill-in-the-middle"),
         "best_of": Neutral(1, "one choice per request"),
-        "logprobs": Neutral(0, "log probabilities are not returned"),
-    }, required=("prompt",), rules=[STREAM_RULE])
+        "logprobs": Integer(0, MAX_LOGPROBS, "Each token's log-probability and this many most likely tokens' "
+                            "(tokens, token_logprobs, top_logprobs, text_offset): the model's own distribution, "
+                            "before bias, penalties, temperature and cuts (vLLM's default); not with 'echo'."),
+    }, required=("prompt",), rules=[STREAM_RULE], closed=True)
 
 
 def tokenize_model(lim: Limits = Limits()) -> Obj:
@@ -642,14 +743,35 @@ class Sampling:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     ignore_eos: bool = False  # vLLM extension: keep generating past end-of-sequence tokens
     max_tokens_param: str = "max_tokens"  # the field max_tokens came from, for errors that name it
+    min_p: float | None = None  # None: generation_config.json's, else 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None  # None: generation_config.json's, else 1
+    penalty_last_n: int | None = None  # llama-server's repeat_last_n (generate.Sampling); None: vLLM's rule
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # the most likely tokens listed with each token's log-probability; None: none
 
 
-def _sampling(v: dict, max_tokens, max_tokens_param: str = "max_tokens") -> Sampling:
+def _sampling(v: dict, max_tokens, max_tokens_param: str = "max_tokens", logprobs: int | None = None) -> Sampling:
     if v["stream_options"] is not None and not v["stream"]:
         raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
     stop = v["stop"]
     seed = v["seed"]
+    repetition = v["repetition_penalty"]
+    if v["repeat_penalty"] is not None:
+        if repetition is not None and repetition != v["repeat_penalty"]:
+            raise invalid("repeat_penalty", "'repeat_penalty' (llama-server's name) and 'repetition_penalty' differ: "
+                          "send one")
+        repetition = v["repeat_penalty"]
+    last_n = v["repeat_last_n"]
     return Sampling(
+        min_p=v["min_p"],
+        presence_penalty=v["presence_penalty"] or 0.0,
+        frequency_penalty=v["frequency_penalty"] or 0.0,
+        repetition_penalty=repetition,
+        penalty_last_n=None if last_n is None else (1 << 31) - 1 if last_n == -1 else last_n,  # -1: every token
+        logit_bias=v["logit_bias"] or {},
+        logprobs=logprobs,
         model=v["model"],
         max_tokens=max_tokens,
         temperature=v["temperature"],
@@ -697,7 +819,10 @@ def parse_chat(body: dict, lim: Limits = Limits()) -> ChatRequest:
     param = "max_completion_tokens" if v["max_completion_tokens"] is not None else "max_tokens"
     tools = body["tools"] if v["tools"] else None  # as sent (checked): the template sees every field it was given
     structure = _structure(v, tools, v["tool_choice"], v["parallel_tool_calls"])
-    return ChatRequest(_sampling(v, v[param], param), v["messages"], tools, structure)
+    if v["top_logprobs"] is not None and not v["logprobs"]:
+        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    logprobs = (v["top_logprobs"] or 0) if v["logprobs"] else None
+    return ChatRequest(_sampling(v, v[param], param, logprobs), v["messages"], tools, structure)
 
 
 @dataclass
@@ -710,4 +835,8 @@ class CompletionRequest:
 
 def parse_completion(body: dict, lim: Limits = Limits()) -> CompletionRequest:
     v = completion_model(lim).check(body, "")
-    return CompletionRequest(_sampling(v, v["max_tokens"]), v["prompt"], bool(v["echo"]), _structure(v))
+    if v["logprobs"] is not None and v["echo"]:
+        raise invalid("logprobs", "'logprobs' with 'echo' (the prompt's log-probabilities) is not supported by "
+                      "colibri", "unsupported_parameter")
+    return CompletionRequest(_sampling(v, v["max_tokens"], logprobs=v["logprobs"]), v["prompt"], bool(v["echo"]),
+                             _structure(v))

@@ -4,10 +4,13 @@ Every request passes through `Guard`, an ASGI middleware in front of every route
 
 - **Host**: a browser that a web page has pointed at the server through its own domain name (DNS
   rebinding) sends that name as Host; only loopback names, IP literals, this machine's own names
-  and the hosts of `--allow-origin` are served, anything else is 403.
+  and the names of `--trusted-host` (a reverse proxy's public name; '*' any) are served, anything
+  else is 403 naming `--trusted-host`.
 - **Origin**: a browser says which page sent a request; one from a page other than the server's
   own (a foreign site, a sandboxed frame's "null") is 403 unless `--allow-origin` names it, and then
   it gets CORS headers (and preflights are answered). Requests without an Origin (curl, SDKs) pass.
+  The two lists are apart: an allowed origin is a page elsewhere, which never makes its own name a
+  Host this server answers to.
 - **API key** (`--api-key`, `COLIBRI_API_KEY`): required on every endpoint but `/health`, as
   `Authorization: Bearer KEY`; the dashboard's pages (which a browser cannot send a header for) take
   a cookie set by its login form instead, holding a MAC of the key, never the key, and sent by the
@@ -54,6 +57,15 @@ def split_host(host: str) -> tuple[str, str]:
     return name, port
 
 
+HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?)*\.?")
+
+
+def is_host_name(host: str) -> bool:
+    """Whether `host` is what a Host header names: a DNS name or an IP address (a :port allowed)."""
+    name, port = split_host(host)
+    return (port == "" or port.isdigit()) and (bool(HOST_NAME.fullmatch(name)) or _is_ip(name))
+
+
 def _is_ip(name: str) -> bool:
     try:
         ipaddress.ip_address(name)
@@ -70,11 +82,12 @@ def dashboard_token(key: str) -> str:
 class Policy:
     """The checks, from the server's configuration."""
 
-    def __init__(self, api_key: str | None, allow_origins=(), bound_host: str = "127.0.0.1"):
+    def __init__(self, api_key: str | None, allow_origins=(), bound_host: str = "127.0.0.1", trusted_hosts=()):
         self.api_key = api_key
         self.any_origin = "*" in allow_origins
         self.origins = {normalize_origin(o) for o in allow_origins if o != "*"}
-        self.hosts = {*LOOPBACK_NAMES, *(split_host(urllib.parse.urlsplit(o).netloc)[0] for o in self.origins)}
+        self.any_host = "*" in trusted_hosts
+        self.hosts = {*LOOPBACK_NAMES, *(split_host(h)[0] for h in trusted_hosts if h != "*")}
         bound = split_host(bound_host)[0]
         if bound and not _is_ip(bound):
             self.hosts.add(bound)
@@ -84,7 +97,7 @@ class Policy:
         self.token = dashboard_token(api_key) if api_key else None
 
     def host_ok(self, host: str | None) -> bool:
-        if host is None or self.any_origin:
+        if host is None or self.any_host:
             return True
         name = split_host(host)[0]
         return name in self.hosts or _is_ip(name)
@@ -181,8 +194,9 @@ class Guard:
         p = self.policy
         if not p.host_ok(host):
             return await self._json(send, 403, f"requests for host {host!r} are refused (a web page may be using its own "
-                                    f"domain name to reach this server); start colibri with --allow-origin "
-                                    f"http://{host} to serve it", "forbidden_host")
+                                    f"domain name to reach this server); start colibri with --trusted-host "
+                                    f"{split_host(host)[0]} to serve it (behind a reverse proxy: its public name)",
+                                    "forbidden_host")
         if origin is not None and not p.origin_ok(origin, host):
             return await self._json(send, 403, f"requests from the web page {origin!r} are refused; start colibri "
                                     f"with --allow-origin {origin} to allow it", "forbidden_origin")

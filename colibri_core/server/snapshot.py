@@ -2,9 +2,9 @@
 
 The engine is not thread-safe, and the worker thread is its one user. Handlers on the event loop
 (and the once-a-second sampler) never touch it: they read `Worker.snapshot`, which the worker
-replaces (one reference assignment) after loading, after every generated token and at the end of
-every job. A reader therefore sees one consistent moment, at most one token old, and never a
-picture torn in the middle of a forward pass or of a hot-store revision.
+replaces (one reference assignment) after loading and after every step of its batch. A reader
+therefore sees one consistent moment, at most one step old, and never a picture torn in the
+middle of a forward pass or of a hot-store revision.
 
 Taking one costs a call of `engine.stats()`, of `ExpertStore.placement()` (the cache and hot-store
 sets per layer) and a copy of the (E,) routing counts.
@@ -32,10 +32,10 @@ class Snapshot:
     routed: dict[int, np.ndarray]  # layer → (E,) int64: tokens routed to each expert (copies)
     latest: dict[int, list[int]]  # layer → the experts of the most recent token
     passes: int  # forward passes so far
-    live: dict | None  # the running job: kind, prompt_tokens, cached_tokens, tokens, started, first_token; or None
+    running: tuple[dict, ...]  # each running job: kind, prompt_tokens, cached_tokens, tokens, started, first_token
 
 
-def take(engine, live: dict | None = None) -> Snapshot:
+def take(engine, running=()) -> Snapshot:
     """A snapshot of `engine`, on the thread that runs it (the worker), between two steps."""
     placement, c, probe = engine.store.placement(), engine.container, engine.probe  # placement: copies
     return Snapshot(
@@ -51,5 +51,5 @@ def take(engine, live: dict | None = None) -> Snapshot:
         routed={layer: counts.copy() for layer, counts in probe.routed.items()},
         latest=dict(probe.latest),  # its lists are replaced by each pass, never changed
         passes=probe.passes,
-        live=dict(live) if live is not None else None,
+        running=tuple(dict(live) for live in running),
     )

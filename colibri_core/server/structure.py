@@ -11,7 +11,8 @@ describing them and the call format instead, and earlier assistant calls are wri
 messages in that format, so the model sees its own calls. Calls come back as
 `<tool_call>{"name", "arguments"}</tool_call>`, forced by the grammar, and are answered as
 `tool_calls` (finish_reason "tool_calls"), whole or streamed as OpenAI streams them: each call's id
-and name once its name is written, then its arguments as they are.
+and name once its name is written, then its arguments as they are. A call cut short by max_tokens
+comes back as the call so far (finish_reason "length"), whole or streamed, never as markup.
 """
 from __future__ import annotations
 
@@ -90,15 +91,12 @@ def _with_calls(m: dict) -> dict:
     return {**m, "content": "".join(text)}
 
 
-def openai_calls(calls: list[dict], start: int = 0, stream: bool = False) -> list[dict]:
-    """Parsed calls ([{"name", "arguments"}]) as OpenAI's `tool_calls` (`index` too when streamed)."""
-    out = []
-    for i, c in enumerate(calls, start):
-        call = {"id": "call_" + secrets.token_hex(12), "type": "function",
-                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False,
-                                                                        separators=(",", ":"))}}
-        out.append({"index": i, **call} if stream else call)
-    return out
+def openai_calls(calls: list[dict], start: int = 0) -> list[dict]:
+    """Parsed calls ([{"name", "arguments"}]) as OpenAI's streamed `tool_calls` deltas, from index `start`."""
+    return [{"index": i, "id": "call_" + secrets.token_hex(12), "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False,
+                                                                     separators=(",", ":"))}}
+            for i, c in enumerate(calls, start)]
 
 
 _WHOLE_CALL = re.compile(rf"\s*{re.escape(TOOL_OPEN)}.*?{re.escape(TOOL_CLOSE)}", re.S)
@@ -115,15 +113,27 @@ def _whole_json(text: str) -> bool:
     return True
 
 
+def forced_name(s: Structure) -> str | None:
+    """The function every answer calls first, when the request leaves one choice: a named
+    tool_choice, or 'required' with one tool."""
+    if s.tool_choice not in ("none", "auto", "required"):
+        return s.tool_choice
+    if s.tool_choice == "required" and s.tools and len(s.tools) == 1:
+        return s.tools[0]["function"]["name"]
+    return None
+
+
 class CallStream:
     """Streamed text in; content, or tool-call deltas as OpenAI streams them, out.
 
     Until the answer is known to be text (it does not begin with TOOL_OPEN) it is held back. Once it
     is calls, each call's first delta (index, id, name) goes as soon as its name is written, then its
     arguments as they arrive (all but a trailing '}' that may be the call's own end); a call written
-    otherwise than compactly is handed out whole when its closing tag arrives."""
+    otherwise than compactly is handed out whole when its closing tag arrives. `forced`: the
+    function the first call is known to be (`forced_name`), named even if cut short before its name."""
 
-    def __init__(self):
+    def __init__(self, forced: str | None = None):
+        self.forced = forced
         self.held = ""
         self.mode: str | None = None  # None: undecided; "text"; "calls"
         self.n_calls = 0  # calls begun
@@ -156,7 +166,7 @@ class CallStream:
                 parsed = parse_tool_calls(whole.group(0)) if whole else None
                 if not parsed:
                     return "", deltas
-                deltas += openai_calls(parsed, self.n_calls, stream=True)
+                deltas += openai_calls(parsed, self.n_calls)
                 self.n_calls += len(parsed)
                 self.held = self.held[whole.end():]
                 continue
@@ -170,8 +180,9 @@ class CallStream:
             self.held, self.sent = self.held[end.end():], None
 
     def flush(self) -> tuple[str, list[dict]]:
-        """At the end, what is still held: the rest of a call's arguments cut short, or text (a call
-        cut short before its arguments is dropped, as the whole answer's parse drops it)."""
+        """At the end, what is still held: the rest of a call's arguments cut short, or text. A call
+        cut short before its name is written (its opening tag too) is dropped, unless it is the first
+        and `forced` names it: then it is that call, with empty arguments."""
         held, self.held = self.held, ""
         if self.sent is not None:  # a call cut short (max_tokens): its arguments, without the call's own end
             end = held.rfind("}") + 1
@@ -181,8 +192,29 @@ class CallStream:
                 held = held[:-1]
             rest = held[self.sent:]
             return "", [{"index": self.n_calls - 1, "function": {"arguments": rest}}] if rest else []
+        if self.mode is None and held.strip():  # cut inside the opening tag: a call begun
+            self.mode = "calls"
+        if self.mode == "calls" and self.n_calls == 0 and self.forced is not None:
+            self.n_calls = 1
+            return "", [{"index": 0, "id": "call_" + secrets.token_hex(12), "type": "function",
+                         "function": {"name": self.forced, "arguments": ""}}]
         return ("" if self.mode == "calls" else held), []
 
     @property
     def called(self) -> bool:
         return self.n_calls > 0
+
+
+def answer_calls(text: str, forced: str | None = None) -> tuple[str, list[dict]]:
+    """A whole answer as (content, OpenAI's tool_calls): the calls `CallStream` streams, merged, so a
+    whole answer and a streamed one say the same (a call cut short included)."""
+    stream = CallStream(forced)
+    content, deltas = stream.push(text)
+    rest, more = stream.flush()
+    calls = []
+    for d in deltas + more:
+        if "id" in d:
+            calls.append({"id": d["id"], "type": "function", "function": dict(d["function"])})
+        else:
+            calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return content + rest, calls

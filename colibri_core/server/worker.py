@@ -1,12 +1,16 @@
-"""One generation at a time: a bounded first-in-first-out queue in front of a worker thread.
+"""Up to `parallel` generations decoded together, behind a bounded first-in-first-out queue.
 
-The engine is not thread-safe, so one thread, the worker, is its only user: it runs every
-generation, and it publishes what the rest of the server may know of the engine as a `Snapshot`
-(snapshot.py) after loading, after every generated token and at the end of every job. HTTP
-handlers (on the event loop) submit a `Job` and read its events back through an asyncio queue;
-for statistics and the expert map they read `Worker.snapshot`. Beyond `max_queue` waiting jobs a
-request is refused at once (`QueueFull` → 429 with Retry-After). A job whose client went away is
-cancelled: dropped from the queue if it has not started, stopped between two tokens if it has.
+The engine is not thread-safe, so one thread, the worker, is its only user: it runs the engine's
+batch (colibri_core/batch.py), where every running job advances by one forward per step (a decode
+step, a verified draft, or a chunk of its prompt) and each MoE layer reads the union of their
+experts once; a job joins between two steps as soon as a place is free, and leaves when it ends.
+Each job's tokens are bit for bit those it gets alone. The worker publishes what the rest of the
+server may know of the engine as a `Snapshot` (snapshot.py) after loading, after every step and
+at the end of every job. HTTP handlers (on the event loop) submit a `Job` and read its events
+back through an asyncio queue; for statistics and the expert map they read `Worker.snapshot`.
+Beyond `max_queue` waiting jobs a request is refused at once (`QueueFull` → 429 with
+Retry-After). A job whose client went away is cancelled: dropped from the queue if it has not
+started, stopped after its current forward if it has.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..errors import ColibriError
 from . import memory
@@ -39,14 +43,30 @@ class Params:
     stop: list[str]  # stop strings
     stop_ids: tuple[int, ...]  # end-of-sequence ids (empty with ignore_eos)
     constraint: object | None = None  # structured.Constraint: the tokens allowed (response_format, grammar, tools)
+    # the rest of generate.Sampling (min_p, presence_penalty, frequency_penalty, repetition_penalty,
+    # penalty_last_n, logit_bias), as Engine.stream's keywords
+    knobs: dict = field(default_factory=dict)
+    logprobs: int | None = None  # the most likely tokens listed with each token's log-probability (None: none)
 
 
 @dataclass
 class Delta:
-    """New text of a running job; `finish` ("stop" | "length") on its last delta."""
+    """New text of a running job; `finish` ("stop" | "length") on its last delta; with logprobs, those
+    of the tokens since the last delta (`logprob_entry`'s)."""
 
     text: str
     finish: str | None = None
+    logprobs: list[dict] | None = None
+
+
+def logprob_entry(tokenizer, t) -> dict:
+    """A generate.Token in OpenAI's chat shape: {"token", "logprob", "bytes", "top_logprobs"}, each
+    token's text decoded alone (special tokens as their text) and its UTF-8 bytes."""
+    def one(token: int, logprob: float) -> dict:
+        text = tokenizer.decode([token], skip_special_tokens=False)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {**one(t.id, t.logprob), "top_logprobs": [one(i, lp) for i, lp in t.top]}
 
 
 @dataclass
@@ -69,7 +89,7 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
-@dataclass
+@dataclass(eq=False)  # each job is itself (the worker keys its running jobs by them)
 class Job:
     kind: str  # "chat" | "completion"
     prompt_ids: list[int]
@@ -113,14 +133,15 @@ IDLE_TRIM_SECONDS = 1.0  # after a turn, this long with nothing to run: give fre
 
 
 class Worker:
-    """Runs jobs one by one on its own thread; at most `max_queue` wait behind the running one."""
+    """Runs up to `parallel` jobs together on its own thread; at most `max_queue` wait behind them."""
 
-    def __init__(self, engine, max_queue: int, on_turn=None):
+    def __init__(self, engine, max_queue: int, on_turn=None, parallel: int = 1):
         self.engine = engine  # touched by the worker thread only, once it runs
         self.max_queue = max_queue
+        self.parallel = parallel
         self.on_turn = on_turn or (lambda turn: None)  # called (worker thread) with each turn record
         self.waiting: deque[Job] = deque()
-        self.running: Job | None = None
+        self.running: dict[Job, _Running] = {}  # the jobs in the batch, in the order they joined
         self.snapshot: Snapshot = take(engine)  # the engine after loading; replaced, never changed
         self.turn_seconds: deque[float] = deque(maxlen=20)  # recent turn durations, for Retry-After
         self._cv = threading.Condition()
@@ -130,9 +151,8 @@ class Worker:
 
     # ---- the event-loop side ----------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        with self._cv:
-            room = self.max_queue + (1 if self.running is None and not self.waiting else 0)
-            if len(self.waiting) >= room:
+        with self._cv:  # a place in the batch, or one in the queue behind it
+            if len(self.waiting) + len(self.running) >= self.max_queue + self.parallel:
                 raise QueueFull(self.retry_after())
             self.waiting.append(job)
             self._cv.notify()
@@ -146,14 +166,14 @@ class Worker:
                 self.waiting.remove(job)
 
     def retry_after(self) -> int:
-        """Seconds until a queue slot is likely free: one average turn (at least 1 s)."""
+        """Seconds until a queue slot is likely free: one average turn over the places (at least 1 s)."""
         recent = list(self.turn_seconds)
-        return max(1, min(600, math.ceil(sum(recent) / len(recent)))) if recent else 1
+        return max(1, min(600, math.ceil(sum(recent) / len(recent) / self.parallel))) if recent else 1
 
     def stop(self) -> None:
         with self._cv:
             self._stop = True
-            for job in [*self.waiting, *([self.running] if self.running else [])]:
+            for job in [*self.waiting, *self.running]:
                 job.cancelled.set()
             self.waiting.clear()
             self._cv.notify()
@@ -163,82 +183,119 @@ class Worker:
 
     # ---- the worker thread -------------------------------------------------------------------
     def _loop(self) -> None:
-        trimmed = True
-        while True:
-            with self._cv:
-                while not self.waiting and not self._stop:
-                    if not self._cv.wait(timeout=None if trimmed else IDLE_TRIM_SECONDS) and not trimmed:
-                        memory.trim()  # idle since the last turn: its freed pages go back
-                        trimmed = True
-                trimmed = False
-                if self._stop:
-                    return
-                job = self.running = self.waiting.popleft()
-            try:
-                if not job.cancelled.is_set():
-                    self._generate(job)
-            except ColibriError as e:
-                job.emit(Failed(str(e)))
-            except Exception as e:  # a bug: report it, keep serving
-                log.error("generation failed:\n%s", traceback.format_exc())
-                job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
-            finally:
-                if self.snapshot.live is not None:  # the job failed: nothing runs any more
-                    self.snapshot = replace(self.snapshot, live=None)
+        with self.engine.batch() as batch:  # the engine runs nothing else while the server does
+            trimmed = True
+            while True:
                 with self._cv:
-                    self.running = None
+                    while not self.waiting and not self.running and not self._stop:
+                        if not self._cv.wait(timeout=None if trimmed else IDLE_TRIM_SECONDS) and not trimmed:
+                            memory.trim()  # idle since the last turn: its freed pages go back
+                            trimmed = True
+                    trimmed = False
+                    if self._stop:
+                        return  # closing the batch cancels what still runs
+                    while self.waiting and len(self.running) < self.parallel:  # join the batch
+                        job = self.waiting.popleft()
+                        if job.cancelled.is_set():
+                            continue
+                        try:
+                            self.running[job] = _Running(self, batch, job)
+                        except Exception as e:  # a bug: report it, keep serving
+                            log.error("a job could not start:\n%s", traceback.format_exc())
+                            job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
+                for job, run in list(self.running.items()):
+                    if job.cancelled.is_set():
+                        run.generation.cancel()
+                try:
+                    batch.step()
+                except Exception:  # a bug in the batch itself: every running job fails, the server goes on
+                    log.error("a batch step failed:\n%s", traceback.format_exc())
+                    for run in self.running.values():
+                        run.generation.cancel()
+                        run.generation.error = run.generation.error or RuntimeError("the batch step failed")
+                with self._cv:
+                    ended = [self.running.pop(job) for job, run in list(self.running.items()) if run.generation.done]
+                self._publish()  # before their ends are sent: a client then sees its request gone
+                for run in ended:
+                    run.end()
 
-    def _publish(self, live: dict | None) -> None:
+    def _publish(self) -> None:
         """Replace the snapshot with the engine as it is now (worker thread, between two steps)."""
-        self.snapshot = take(self.engine, live)
+        self.snapshot = take(self.engine, [run.live for run in self.running.values()])
 
-    def _generate(self, job: Job) -> None:
-        engine, p = self.engine, job.params
-        before = _number_stats(engine)
-        started = time.perf_counter()
+
+class _Running:
+    """A job in the batch: its generation, the text streamed so far, its live figures."""
+
+    def __init__(self, worker: Worker, batch, job: Job):
+        engine, p = worker.engine, job.params
+        self.worker, self.job = worker, job
+        self.started = time.perf_counter()
+        self.before = _number_stats(engine)  # with others running beside it, the engine's counters over its turn
         # cached_tokens: the prompt's tokens the prefix cache served, known once its prefill is done
-        live = {"kind": job.kind, "prompt_tokens": len(job.prompt_ids), "cached_tokens": None, "tokens": 0,
-                "started": started, "first_token": None}
-        self._publish(live)
-        text = TextStream(engine.tokenizer, p.stop)
-        finish, n, first = "cancelled", 0, None
-        # persistent sessions (issue 5) plug in here: a request's session → engine.stream(session=...)
+        self.live = {"kind": job.kind, "prompt_tokens": len(job.prompt_ids), "cached_tokens": None, "tokens": 0,
+                     "started": self.started, "first_token": None}
+        self.text = TextStream(engine.tokenizer, p.stop)
+        self.tail = ""  # the text of the token a stop string ended on, sent with the finish
+        self.first: float | None = None
+        self.scores = None if p.logprobs is None else []  # a generate.Token per token (Engine.stream's logprobs)
+        self.scored = 0  # of them sent with a delta
         structure = {} if p.constraint is None else {"constraint": p.constraint}  # its forced tokens drafted
-        tokens = engine.stream(job.prompt_ids, p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed,
-                               stop_ids=p.stop_ids, session=None, **structure)
-        try:
-            for token in tokens:
-                n = job.tokens = n + 1
-                if first is None:
-                    first = live["first_token"] = time.perf_counter()
-                    cached = _number_stats(engine).get("prefix_cached_tokens", 0) - before.get("prefix_cached_tokens", 0)
-                    live["cached_tokens"] = cached
-                live["tokens"] = n
-                self._publish(live)  # the token's pass is done: statistics and map as they are now
-                piece = text.push(token)
-                whole = False  # the last token allowed ends the grammar too: "stop", not "length"
-                if n >= p.max_tokens and p.constraint is not None:
-                    next(tokens, None)  # the engine's last step: it advances the constraint past `token`, then ends
-                    whole = p.constraint.finished()
-                done = ("stop" if text.stopped or token in p.stop_ids or whole
-                        else "length" if n >= p.max_tokens else None)
-                if done:
-                    finish = done
-                    job.emit(Delta(piece + text.flush(), finish))
-                    break
-                if piece:
-                    job.emit(Delta(piece))
-                if job.cancelled.is_set():
-                    break
-            else:  # the engine ended the answer on its own (an end-of-sequence token it does not yield)
-                if not job.cancelled.is_set():
-                    finish = "stop"
-                    job.emit(Delta(text.flush(), finish))
-        finally:
-            tokens.close()
+        self.generation = batch.add(job.prompt_ids, p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed,
+                                    stop_ids=p.stop_ids, on_token=self._token, logprobs=self.scores,
+                                    top_logprobs=p.logprobs or 0, **p.knobs, **structure)
+
+    def _logprobs(self) -> list[dict] | None:
+        """The log-probabilities of the tokens since the last delta (an end-of-sequence token is no
+        part of the text, nor of them); None when the request asked for none."""
+        if self.scores is None:
+            return None
+        new, self.scored = self.scores[self.scored:], len(self.scores)
+        return [logprob_entry(self.worker.engine.tokenizer, t) for t in new if t.id not in self.job.params.stop_ids]
+
+    def _token(self, token: int) -> bool:
+        """Each new token, as the engine yields it: False ends the generation (a stop string, or the
+        client went away)."""
+        job, live = self.job, self.live
+        n = job.tokens = job.tokens + 1
+        if self.first is None:
+            self.first = live["first_token"] = time.perf_counter()
+            live["cached_tokens"] = self.generation.cached_tokens
+        live["tokens"] = n
+        piece = self.text.push(token)
+        if self.text.stopped:
+            self.tail = piece
+            return False
+        if piece:
+            job.emit(Delta(piece, logprobs=self._logprobs()))
+        return not job.cancelled.is_set()
+
+    def end(self) -> None:
+        """The generation is over: its last delta and its turn record."""
+        job, p, g, engine = self.job, self.job.params, self.generation, self.worker.engine
+        n = len(g.tokens)
+        if g.error is not None:
+            if isinstance(g.error, ColibriError):
+                job.emit(Failed(str(g.error)))
+            else:  # a bug: report it, keep serving
+                log.error("generation failed:\n%s", "".join(traceback.format_exception(g.error)))
+                job.emit(Failed(f"internal error: {type(g.error).__name__}: {g.error}"))
+            return
+        if job.cancelled.is_set():
+            finish = "cancelled"
+        elif self.text.stopped or (g.tokens and g.tokens[-1] in p.stop_ids) or (
+                p.constraint is not None and p.constraint.finished()):
+            finish = "stop"  # a stop string, an end-of-sequence token, or the grammar's end
+        elif n >= p.max_tokens:
+            finish = "length"
+        else:  # the engine ended the answer on its own (an end-of-sequence token it does not yield)
+            finish = "stop"
+        if finish != "cancelled":
+            job.emit(Delta(self.tail + self.text.flush(), finish, self._logprobs()))
         end = time.perf_counter()
         after = _number_stats(engine)
-        self.turn_seconds.append(end - job.arrived)
+        before, first, started = self.before, self.first, self.started
+        self.worker.turn_seconds.append(end - job.arrived)
         decode = end - first if first is not None and n > 1 else 0.0
         turn = {
             "kind": job.kind,
@@ -250,6 +307,7 @@ class Worker:
             "prefill_seconds": (first - started) if first is not None else None,
             "seconds": end - started,
             "decode_tokens_per_second": (n - 1) / decode if decode > 0 else 0.0,
+            # the engine's counters over the turn: with other jobs running beside it, theirs too
             "split": time_split(before, after, end - started),
             "expert_hits": after.get("expert_hits", 0) - before.get("expert_hits", 0),
             "expert_misses": after.get("expert_misses", 0) - before.get("expert_misses", 0),
@@ -258,11 +316,11 @@ class Worker:
             "draft_drafted": after.get("draft_drafted", 0) - before.get("draft_drafted", 0),
             "draft_accepted": after.get("draft_accepted", 0) - before.get("draft_accepted", 0),
             # prompt tokens restored from the prefix cache, not prefilled (colibri_core/prefix.py)
-            "cached_tokens": after.get("prefix_cached_tokens", 0) - before.get("prefix_cached_tokens", 0),
+            "cached_tokens": g.cached_tokens,
+            "concurrent": len(self.worker.running) + 1,  # jobs in the batch as this one ended, itself included
             "finished_at": time.time(),
             # tokens generated after the client went away (the one in flight when it did): at most 1
             "tokens_after_cancel": None if job.tokens_at_cancel is None else n - job.tokens_at_cancel,
         }
-        self.on_turn(turn)
-        self._publish(None)  # the turn's end: its routing history saved, the hot-store revised
+        self.worker.on_turn(turn)
         job.emit(End(turn))

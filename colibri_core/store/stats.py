@@ -10,6 +10,9 @@
 - ``io_stall_seconds``: time a layer waited for reads after computing everything else it could;
   ``layer_io_stall_seconds``: the same per MoE layer (where the disk holds decode back).
 - ``layer_hit_rate``: hits / lookups per MoE layer.
+- ``steps``: forward steps (a solo forward, or one step of a batch: every running generation's
+  forward); ``step_rereads``: reads of an expert already read in the same step (0 when every layer
+  reads the union of its step's experts once; more when the cache evicts one before a later use).
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ class StoreCounters:
     needed_after_prediction: int = 0  # needed experts in layers that had a prediction
     io_stall_seconds: float = 0.0
     mirror_reads: int = 0
+    steps: int = 0
+    step_rereads: int = 0
     layer_hits: dict = field(default_factory=dict)
     layer_misses: dict = field(default_factory=dict)
     layer_stall: dict = field(default_factory=dict)  # layer -> io_stall_seconds in that layer
@@ -64,6 +69,8 @@ class StoreCounters:
             "io_stall_seconds": self.io_stall_seconds,
             "layer_io_stall_seconds": {layer: self.layer_stall.get(layer, 0.0) for layer in layers},
             "mirror_reads": self.mirror_reads,
+            "steps": self.steps,
+            "step_rereads": self.step_rereads,
             "layer_hit_rate": {
                 layer: self.layer_hits.get(layer, 0) / max(1, self.layer_hits.get(layer, 0) + self.layer_misses.get(layer, 0))
                 for layer in layers

@@ -130,6 +130,7 @@ class ExpertStore:
         self.cache: dict[int, dict[int, _Entry]] = {layer: {} for layer in layers}
         self.pinned: dict[int, dict[int, _Entry]] = {layer: {} for layer in layers}
         self.counters = StoreCounters()
+        self._step_reads: set[tuple[int, int]] = set()  # (layer, expert) read since `new_step`
         self._predicted: dict[int, set[int]] = {}  # layer -> experts the lookahead predicted for it
         self._guesses: dict[int, list[tuple[int, int]]] = {}  # layer -> (expert, rank) guessed, not resident
         self._guess_record = GuessRecord()
@@ -334,7 +335,16 @@ class ExpertStore:
         c.reads += 1
         c.bytes_read += sum(n for _, _, n in extents)
         c.mirror_reads += which
+        if (layer, expert) in self._step_reads:
+            c.step_rereads += 1
+        self._step_reads.add((layer, expert))
         return read
+
+    def new_step(self) -> None:
+        """A forward step begins (a solo forward, or a batch's step for all its generations):
+        `step_rereads` counts an expert read twice within one."""
+        self.counters.steps += 1
+        self._step_reads.clear()
 
     def _insert(self, layer: int, expert: int, prefetched: bool) -> _Entry:
         entry = _Entry(read=self._submit(layer, expert), prefetched=prefetched)

@@ -1,4 +1,5 @@
-"""The routing history ``.coli_usage`` beside the model, and the hot set chosen from it.
+"""The routing history ``.coli_usage`` in the model's state directory (beside a converted model
+colibri may write in, else the user's: colibri_core/statedir.py), and the hot set chosen from it.
 
 Every turn adds how often each (MoE layer, expert) was routed to. The file is JSON:
 
@@ -15,7 +16,7 @@ whole, and the default share applies.
 written atomically (a temporary file renamed over the old one). A history from another model,
 another version, or a corrupt file (not JSON, nested too deeply, counts out of range, a checksum
 mismatch, larger than any history of the model: `max_file_bytes`, checked before it is read) is
-ignored with one warning, never half-used, and replaced at the next save; a model directory that
+ignored with one warning, never half-used, and replaced at the next save; a state directory that
 cannot be written is warned about once and the engine goes on without saving. A save killed midway
 leaves the old file whole (and a temporary, removed by the next load).
 """
@@ -258,6 +259,7 @@ class UsageHistory:
              "turns": self.past_turns + self.session_turns, "tokens": self.tokens,
              "counts": counts, "crc32": _json_crc(counts), "trace": trace, "trace_crc32": _json_crc(trace)}
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # a state directory not made yet
             write_atomic(self.path, json.dumps(d, separators=(",", ":")).encode())
         except OSError as e:
             if not self._save_failed:

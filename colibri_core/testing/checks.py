@@ -352,6 +352,47 @@ def check_prefix_cache_is_invisible(model_dir: Path, vocab_size: int, chunk: int
                 restarted.prefix_cache.clear()  # the model directory as it was
 
 
+def check_batch_equals_solo(model_dir: Path, vocab_size: int, chunk: int = 64, new: int = 8) -> None:
+    """Three generations decoded together (`engine.batch`, colibri_core/batch.py) get, bit for bit, the
+    tokens and the final states they get alone: prompts of 5, 2·chunk + 9 and 23 tokens (the long one
+    prefilled in chunks while the others decode: the engine's `prefill_chunk` made `chunk`), one
+    greedy with the model's drafts (an MTP head's: verified several tokens a forward), one sampled at
+    temperature 1, one with top-k and top-p, the third joining a step later.
+    Every dense product, attention block and MoE layer of a step runs once for all of them, their
+    rows stacked: each row's bits must not depend on the others (the reduction-order contract)."""
+    check = "batch_equals_solo"
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, vocab_size, n).tolist() for n in (5, 2 * chunk + 9, 23)]
+    sampling = [dict(draft="auto"), dict(temperature=1.0, seed=3, draft="off"),
+                dict(temperature=0.8, top_k=5, top_p=0.9, seed=11, draft="off")]
+    with load(model_dir, activations="f32", prefix_cache=0, prefill_chunk=chunk) as engine:
+        alone = []
+        for prompt, how in zip(prompts, sampling):
+            session = engine.new_session()
+            tokens = engine.generate(prompt, new, stop_ids=(), session=session, **how)
+            alone.append((tokens, session.state.arrays()))
+        sessions = [engine.new_session() for _ in prompts]
+        with engine.batch() as batch:
+            runs = [batch.add(p, new, stop_ids=(), session=s, **how) for p, s, how in list(zip(prompts, sessions, sampling))[:2]]
+            batch.step()  # the first two's first forwards (the long prompt's first chunk)
+            runs.append(batch.add(prompts[2], new, stop_ids=(), session=sessions[2], **sampling[2]))
+            while batch.running():
+                batch.step()
+    for i, (run, session, (tokens, arrays)) in enumerate(zip(runs, sessions, alone)):
+        what = f"generation {i} of 3 ({len(prompts[i])}-token prompt, {sampling[i] or 'greedy'})"
+        if run.error is not None:
+            fail(check, f"{what} failed in the batch: {type(run.error).__name__}: {run.error}")
+        d = _first_difference(run.tokens, tokens)
+        if d is not None:
+            fail(check, f"{what}: token {d} differs from the same generation alone ({run.tokens} against {tokens}): "
+                        f"a forward's rows must not depend on the other generations' rows beside them")
+        got = session.state.arrays()
+        differ = sorted(k for k in arrays.keys() | got.keys() if k not in got or k not in arrays
+                        or not np.array_equal(arrays[k], got[k]))
+        if differ:
+            fail(check, f"{what}: the state arrays {differ[:3]} differ from the same generation's alone")
+
+
 def _compare_cached(check: str, what: str, want: dict, got: dict, expected: int) -> None:
     """Fail `check` where a call served from the prefix cache (`got`) differs from the cold one."""
     if got["cached"] != expected:
@@ -526,8 +567,12 @@ def check_container_round_trip(oracle: Oracle, q: str, work: Path) -> None:
         for name in sorted(got.keys() & want):
             w, s = got[name], source[name]
             exact = q == "f32" or (name in oracle.layout.resident and oracle.layout.stays_f32(name, s.ndim))
-            rows = s.reshape(-1, s.shape[-1])  # (·, C): a fused expert tensor's rows are its experts' rows
-            expect = s if exact else quant.dequantize(quant.quantize(rows, q)).reshape(s.shape)
+            # a fused expert tensor's rows are its experts' rows; stored transposed (x @ W), its columns are
+            turned = s.ndim == 3 and name not in oracle.layout.resident and oracle.layout.experts.fused_transposed
+            m = np.swapaxes(s, 1, 2) if turned else s
+            rows = m.reshape(-1, m.shape[-1])  # (·, C)
+            back = quant.dequantize(quant.quantize(rows, q)).reshape(m.shape)
+            expect = s if exact else np.swapaxes(back, 1, 2) if turned else back
             if not np.array_equal(w, expect.astype(np.float32)):
                 fail(check, f"at {q}, from {src.name}/: {name} {list(s.shape)} differs after the round trip by up to "
                             f"{float(np.abs(w - expect).max()):.3g}")

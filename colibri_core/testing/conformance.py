@@ -23,7 +23,7 @@ QUANT_PARAMS = [pytest.param(q, marks=pytest.mark.system) if q == "int8" else q 
 # the names `unsupported` may give: every check a test of the suite runs through `_check`
 CHECKS = frozenset({*(f"{kind}_{q}" for kind in ("greedy", "logits") for q in QUANTS), "config_variants",
                     "container_round_trip", "kv_cache_floats", "leftover_tensor", "lookahead_active",
-                    "lookahead_predicts_routing", "missing_tensor", "moe_layers", "one_forward_is_pieces",
+                    "lookahead_predicts_routing", "missing_tensor", "moe_layers", "one_forward_is_pieces", "batch_equals_solo",
                     "placement_invariance", "plan", "prefetch_invisible", "prefix_cache", "session",
                     "short_forward_is_decode_exact", "state_round_trip"})
 
@@ -148,6 +148,13 @@ class ConformanceSuite:
         shorter, longer and diverging prompts) = a cold prefill: tokens and logits, bit for bit."""
         self._check("prefix_cache")
         checks.check_prefix_cache_is_invisible(oracle.container("int4"), self.hf_config.vocab_size)
+
+    def test_batch_equals_solo(self, oracle: Oracle):
+        """Three generations decoded together (different prompt lengths, samplers, one joining later,
+        a long prompt prefilled in chunks between the others' steps) = each alone: tokens and final
+        states, bit for bit."""
+        self._check("batch_equals_solo")
+        checks.check_batch_equals_solo(oracle.container("int4"), self.hf_config.vocab_size)
 
     def test_config_variant(self, oracle: Oracle, config_variant: str, tmp_path):
         """A released-style config.json (`config_variants`) is read as the same model: same parsed config

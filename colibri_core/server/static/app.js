@@ -11,6 +11,7 @@ const state = {
   history: [],         // hit-rate samples from /api/stats
   lastSample: 0,
   brain: null,         // the latest /api/brain document
+  atlas: null,         // /api/atlas (`colibri atlas`): each expert's topic shares, for the Brain's hover
   flashAt: 0,          // when the latest token's experts were last updated (ms)
   model: null,
 };
@@ -211,13 +212,15 @@ function renderStats(s) {
     if (+field.value > s.max_tokens) field.value = s.max_tokens;
   }
   const last = s.turns.length ? s.turns[s.turns.length - 1] : null;
-  if (s.live && !s.live.prefilling) showSpeed(s.live.tokens_per_second, "live");
+  const decoding = s.running.filter((r) => !r.prefilling);
+  if (decoding.length) showSpeed(decoding.reduce((sum, r) => sum + r.tokens_per_second, 0),
+                                 decoding.length > 1 ? "live, " + decoding.length + " together" : "live");
   else if (!state.abort && last) showSpeed(last.decode_tokens_per_second, "last turn");
   $("ttft").textContent = last ? secs(last.time_to_first_token) : "–";
   $("queue").textContent = s.queue.running + " · " + s.queue.waiting;
   $("hit").textContent = s.engine ? pct(s.engine.hit_rate) : "–";
   renderDrafting(s.engine);
-  renderLive(s.live);
+  renderRunning(s.running, s.queue.parallel);
   renderPrefixCache(s.engine);
   const rates = s.engine && s.engine.layer_hit_rate;
   if (rates) $("layer-rates").textContent = "Cache hit rate per layer: " +
@@ -276,11 +279,15 @@ function renderDrafting(e) {
     : "Drafting: nothing drafted yet (drafts come from a grammar's forced tokens or the model's MTP head)";
 }
 
-function renderLive(l) {
-  // the request being generated: its prompt (and how much of it the prefix cache served), how far it is
-  $("live").textContent = !l ? "Running: nothing" : "Running: " + l.kind + " · " + l.prompt_tokens + " prompt tokens" +
+function renderRunning(running, parallel) {
+  // the requests decoding together (at most --parallel): each one's prompt (and how much of it the prefix
+  // cache served), how far it is
+  const one = (l) => l.kind + " · " + l.prompt_tokens + " prompt tokens" +
     (l.prefilling ? ", prefilling" : l.cached_tokens ? " (" + l.cached_tokens + " from the prefix cache)" : "") +
     " · " + l.tokens + " generated · " + secs(l.seconds);
+  $("live").textContent = !running.length ? "Running: nothing"
+    : "Running" + (parallel > 1 ? " (" + running.length + " of " + parallel + " places)" : "") + ": " +
+      running.map(one).join(" | ");
 }
 
 function renderPrefixCache(e) {
@@ -480,7 +487,20 @@ function hover(e) {
   tip.hidden = false;
   tip.style.left = e.clientX + 12 + "px"; tip.style.top = e.clientY + 12 + "px";
   tip.textContent = `layer ${b.layers[i]} · expert ${ex} · ${["on disk", "cached", "pinned"][+b.tiers[i][ex]]} · ` +
-    `routed ${b.heat[i][ex]}×`;
+    `routed ${b.heat[i][ex]}×` + atlasTopics(b.layers[i], ex);
+}
+
+function atlasTopics(layer, ex) {
+  // the expert's top topics with their shares, from the atlas (none until `colibri atlas` has run)
+  const a = state.atlas, row = a ? a.layers.indexOf(layer) : -1;
+  if (row < 0 || ex >= a.n_experts) return "";
+  const top = a.experts[row * a.n_experts + ex].shares.map((s, t) => [a.topics[t].name, s]).filter(([, s]) => s > 0)
+    .sort((p, q) => q[1] - p[1]).slice(0, 3);
+  return top.length ? " · " + top.map(([name, s]) => `${name} ${pct(s)}`).join(" · ") : "";
+}
+
+async function refreshAtlas() {
+  try { state.atlas = await getJSON("/api/atlas"); } catch (e) { /* no atlas yet: the hover shows tier and heat */ }
 }
 $("brain-full").addEventListener("mousemove", hover);
 $("brain-full").addEventListener("mouseleave", () => { $("brain-tip").hidden = true; });
@@ -490,6 +510,8 @@ window.addEventListener("resize", () => { drawBrains(); drawHitChart(); });
 route();
 refreshStats();
 refreshBrain().then(drawBrains);
+refreshAtlas();
+setInterval(refreshAtlas, 30000);  // a `colibri atlas` run may be adding prompts
 setInterval(refreshStats, 1000);
 setInterval(() => refreshBrain().then(drawBrains), 300);
 requestAnimationFrame(animate);
