@@ -10,7 +10,8 @@ Characterisation runs each prompt through the normal engine (the tiered store as
 larger than RAM works) for a bounded number of greedy tokens, and counts per topic how often each
 (MoE layer, expert) was routed to: the engine's probe counts (probe.py), diffed around each prompt.
 An expert's *topic shares* are then how much more of each topic's routing in its layer it takes
-than its layer's other experts, normalised over topics: `shares`.
+than its layer's other experts, normalised over topics: `shares`. Beside them it counts each layer's
+*co-activation*: how many tokens routed to both of two experts (the router's top-k of one token).
 
 The file ``.coli_atlas`` lives in the model's state directory beside ``.coli_usage`` (statedir.py)
 and is bound to the model the same way (store/usage.py's fingerprint):
@@ -21,7 +22,8 @@ and is bound to the model the same way (store/usage.py's fingerprint):
      "counts": [[[…n_experts ints…] per MoE layer] per topic],
      "done": ["prompt key", …],                      # prompts counted so far (`prompt_key`)
      "workload": null or {"tokens": n, "counts": [[…] per MoE layer]},   # from .coli_usage
-     "crc32": crc32 of the JSON of [topics, counts, done, workload]}
+     "coactivation": [[[…n_experts ints…] per expert] per MoE layer],  # tokens routed to both
+     "crc32": crc32 of the JSON of [topics, counts, done, workload, coactivation]}
 
 It is written atomically after every prompt, so a run stopped at any point is continued by the
 next one; a file of another model, another version or a damaged one is refused with one line
@@ -50,12 +52,13 @@ __all__ = ["ATLAS_FILE", "Prompt", "Atlas", "AtlasRefused", "read_prompts", "def
 
 ATLAS_FILE = ".coli_atlas"
 FORMAT = "colibri-atlas"
-VERSION = 1
+VERSION = 2  # 2: co-activation counts
 WORKLOAD = "your workload"  # the topic the routing history (.coli_usage) adds: what the user ran
 MAX_COUNT = 2**53
 MAX_PROMPT_FILE = 16 << 20  # a prompt set larger than this is no prompt set
 MAX_TOPICS = 256  # topics in a prompt set at most (what bounds an atlas file's size: `max_file_bytes`)
 NEIGHBOURS = 8  # an expert's neighbourhood: its nearest experts by topic profile (`place`)
+PULL, PULLS = 0.5, 2  # `place`: how far, and how many times, experts move toward those they fire with
 SHARED_LAYERS = 3  # an expert in the neighbourhoods of experts from this many other layers is a cross-layer hub
 TIERS = ("disk", "cached", "pinned")  # as the Brain's (server/brain.py)
 
@@ -123,8 +126,9 @@ def _counts_ok(rows, layers: int, n_experts: int) -> bool:
 
 def max_file_bytes(topics: int, layers: int, n_experts: int) -> int:
     """The bound on an atlas file: every count at MAX_COUNT's 16 digits for `topics` + 1 (the
-    workload), twice over, plus 16 MiB for topic names, sources and prompt keys."""
-    return 2 * (topics + 1) * layers * n_experts * 17 + (16 << 20)
+    workload) and the co-activation's experts² per layer, twice over, plus 16 MiB for topic names,
+    sources and prompt keys."""
+    return 2 * (topics + 1 + n_experts) * layers * n_experts * 17 + (16 << 20)
 
 
 @dataclass
@@ -140,10 +144,13 @@ class Atlas:
     counts: np.ndarray = None  # (topics, MoE layers, experts) int64
     done: set[str] = field(default_factory=set)
     workload: dict | None = None  # {"tokens": n, "counts": (MoE layers, experts) int64} from .coli_usage
+    coactivation: np.ndarray = None  # (MoE layers, experts, experts) int64: tokens routed to both (0 diagonal)
 
     def __post_init__(self):
         if self.counts is None:
             self.counts = np.zeros((len(self.topics), len(self.moe_layers), self.n_experts), np.int64)
+        if self.coactivation is None:
+            self.coactivation = np.zeros((len(self.moe_layers), self.n_experts, self.n_experts), np.int64)
 
     @property
     def complete(self) -> bool:
@@ -189,14 +196,15 @@ class Atlas:
     def _body(self) -> list:
         workload = None if self.workload is None else {"tokens": self.workload["tokens"],
                                                        "counts": self.workload["counts"].tolist()}
-        return [self.topics, self.counts.tolist(), sorted(self.done), workload]
+        return [self.topics, self.counts.tolist(), sorted(self.done), workload, self.coactivation.tolist()]
 
     def save(self, path: Path) -> None:
         """Write the atlas atomically (a temporary file renamed over the old one)."""
         body = self._body()
         d = {"format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint, "moe_layers": self.moe_layers,
              "n_experts": self.n_experts, "max_tokens": self.max_tokens, "prompts_total": self.prompts_total,
-             "topics": body[0], "counts": body[1], "done": body[2], "workload": body[3], "crc32": _crc(body)}
+             "topics": body[0], "counts": body[1], "done": body[2], "workload": body[3], "coactivation": body[4],
+             "crc32": _crc(body)}
         path.parent.mkdir(parents=True, exist_ok=True)  # a state directory not made yet
         try:
             write_atomic(path, json.dumps(d, separators=(",", ":")).encode())
@@ -218,7 +226,8 @@ class Atlas:
             raise AtlasRefused(f"{path}: atlas version {str(d.get('version'))[:20]}, this colibri reads version {VERSION}")
         if d.get("fingerprint") != fingerprint:
             raise AtlasRefused(f"{path}: the atlas was made with another model")
-        topics, counts, done, workload = (d.get(k) for k in ("topics", "counts", "done", "workload"))
+        topics, counts, done, workload, coact = (d.get(k) for k in ("topics", "counts", "done", "workload",
+                                                                     "coactivation"))
         layers = len(moe_layers)
         ok = (d.get("moe_layers") == list(moe_layers) and d.get("n_experts") == n_experts
               and all(isinstance(d.get(k), int) and d[k] >= 0 for k in ("max_tokens", "prompts_total"))
@@ -230,16 +239,19 @@ class Atlas:
               and all(_counts_ok(c, layers, n_experts) for c in counts)
               and isinstance(done, list) and all(isinstance(k, str) for k in done)
               and (workload is None or (isinstance(workload, dict) and isinstance(workload.get("tokens"), int)
-                                        and _counts_ok(workload.get("counts"), layers, n_experts))))
+                                        and _counts_ok(workload.get("counts"), layers, n_experts)))
+              and isinstance(coact, list) and len(coact) == layers
+              and all(_counts_ok(per_layer, n_experts, n_experts) for per_layer in coact))
         if not ok:
             raise AtlasRefused(f"{path}: the atlas is corrupt (bad counts)")
-        if d.get("crc32") != _crc([topics, counts, done, workload]):
+        if d.get("crc32") != _crc([topics, counts, done, workload, coact]):
             raise AtlasRefused(f"{path}: the atlas is corrupt (checksum mismatch)")
         shape = (len(topics), layers, n_experts)
         return cls(fingerprint, list(moe_layers), n_experts, d["max_tokens"], d["prompts_total"], topics,
                    np.asarray(counts, np.int64).reshape(shape), set(done),
                    None if workload is None else {"tokens": workload["tokens"],
-                                                  "counts": np.asarray(workload["counts"], np.int64)})
+                                                  "counts": np.asarray(workload["counts"], np.int64)},
+                   np.asarray(coact, np.int64).reshape(layers, n_experts, n_experts))
 
 
 # ---- characterisation ---------------------------------------------------------------------------
@@ -281,9 +293,10 @@ def characterise(engine, prompts: list[Prompt], path: Path, max_tokens: int = 16
             if on_prompt:
                 on_prompt(prompt, False)
             continue
-        routed, tokens = _route(engine, prompt, max_tokens)
+        routed, together, tokens = _route(engine, prompt, max_tokens)
         t = atlas.topic_index(prompt.topic, prompt.source)
         atlas.counts[t] += routed
+        atlas.coactivation += together
         atlas.topics[t]["prompts"] += 1
         atlas.topics[t]["tokens"] += tokens
         atlas.done.add(key)
@@ -293,19 +306,37 @@ def characterise(engine, prompts: list[Prompt], path: Path, max_tokens: int = 16
     return atlas
 
 
-def _route(engine, prompt: Prompt, max_tokens: int) -> tuple[np.ndarray, int]:
-    """(how often `prompt` and its greedy continuation routed to each (MoE layer, expert), the
-    tokens they are): the engine probe's counts (probe.py) diffed around it, (MoE layers, experts)
-    int64."""
-    layers, probe = list(engine.container.moe_layers), engine.probe
+def _route(engine, prompt: Prompt, max_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(how often `prompt` and its greedy continuation routed to each (MoE layer, expert); how many
+    of their tokens routed to both of two experts, (MoE layers, experts, experts); the tokens they
+    are): the engine probe's counts (probe.py) diffed around it, and each layer's routing as the
+    probe is told it."""
+    layers, probe, E = list(engine.container.moe_layers), engine.probe, engine.container.n_experts
     before = [probe.routed.get(layer, np.zeros(probe.n_experts, np.int64)).copy() for layer in layers]
+    together = np.zeros((len(layers), E, E), np.int64)
+    index = {layer: i for i, layer in enumerate(layers)}
+    told = probe.add_route
+
+    def add_route(layer: int, ids: np.ndarray) -> None:  # ids (T, k): each token's experts
+        if layer in index:
+            chosen = np.zeros((len(ids), E), np.int64)  # (T, E) one-hot of each token's experts
+            np.put_along_axis(chosen, np.asarray(ids, np.int64).reshape(len(ids), -1), 1, axis=1)
+            together[index[layer]] += chosen.T @ chosen
+        told(layer, ids)
+
     ids = engine.tokenizer.encode(prompt.text)
     if not ids:
         raise ColibriError(f"a prompt of topic {prompt.topic!r} is no tokens")
-    # a session of its own: the whole prompt is prefilled (a prefix-cache hit would route nothing)
-    answer = engine.generate(ids, max_tokens, temperature=0.0, stop_ids=(), session=engine.new_session(), draft="off")
+    probe.add_route = add_route
+    try:  # a session of its own: the whole prompt is prefilled (a prefix-cache hit would route nothing)
+        answer = engine.generate(ids, max_tokens, temperature=0.0, stop_ids=(), session=engine.new_session(),
+                                 draft="off")
+    finally:
+        del probe.add_route
+    together[:, np.arange(E), np.arange(E)] = 0  # an expert with itself: its count, already in `routed`
     # the last token is generated, never fed: it routed nothing
-    return np.stack([probe.routed[layer] - b for layer, b in zip(layers, before)]), len(ids) + len(answer) - 1
+    return (np.stack([probe.routed[layer] - b for layer, b in zip(layers, before)]), together,
+            len(ids) + len(answer) - 1)
 
 
 def add_workload(atlas: Atlas, counts: np.ndarray, tokens: int) -> None:
@@ -329,14 +360,18 @@ class Placed:
 
 
 def place(atlas: Atlas, seed: int = 0) -> Placed:
-    """Each expert's position from its topic profile, reduced to 3 dimensions.
+    """Each expert's position from its topic profile, reduced to 3 dimensions, then drawn toward the
+    experts it fires with.
 
     The profile is the square root of its topic shares (so Euclidean distance is the Hellinger
     distance between two experts' topic distributions); the reduction is PCA by LAPACK's SVD
     (numpy.linalg): exact, deterministic, and seconds for GLM-5.2's 19,456 experts, where a
     neighbour-graph method (UMAP, t-SNE) would bring scikit-learn and SciPy into the engine's
-    dependencies for one picture. Each axis's sign is fixed (its largest loading positive), and a
-    small jitter from `seed` parts experts with the same profile (those never routed to).
+    dependencies for one picture. Each axis's sign is fixed (its largest loading positive). Then
+    co-activation, which lives within a layer (expert 3 of two layers has nothing in common): PULLS
+    times, each expert moves PULL of the way toward the mean position of its layer's experts
+    weighted by the tokens routed to both (an expert that fires with no other stays). A small
+    jitter from `seed` parts experts with the same profile (those never routed to).
     """
     topics, shares = atlas.shares()
     L, E, T = shares.shape
@@ -346,7 +381,14 @@ def place(atlas: Atlas, seed: int = 0) -> Placed:
     axes = np.zeros((3, T))
     axes[: min(3, len(vt))] = vt[:3]
     axes *= np.where(np.take_along_axis(axes, np.abs(axes).argmax(axis=1)[:, None], axis=1) < 0, -1.0, 1.0)
-    positions = centred @ axes.T  # (N, 3)
+    positions = (centred @ axes.T).reshape(L, E, 3)
+    weights = atlas.coactivation.astype(np.float64)  # (L, E, E)
+    total = weights.sum(axis=2, keepdims=True)
+    weights = np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
+    fires = total > 0  # (L, E, 1)
+    for _ in range(PULLS):
+        positions = np.where(fires, (1 - PULL) * positions + PULL * (weights @ positions), positions)
+    positions = positions.reshape(L * E, 3)
     radius = float(np.percentile(np.linalg.norm(positions, axis=1), 95)) or 1.0  # a few outliers do not shrink the rest
     positions = positions / radius + np.random.default_rng(seed).normal(0.0, 0.01, positions.shape)
     routed = shares.reshape(L * E, T).sum(axis=1) > 0

@@ -65,8 +65,13 @@ def test_characterise_counts_every_prompt_and_shares_sum_to_one(demo, kjv, tmp_p
     assert (atlas.counts.sum(axis=2) == k * tokens[:, None]).all()
     names, shares = atlas.shares()
     assert shares.shape == (4, 8, 6) and np.allclose(shares.sum(axis=2), 1.0)
+    # co-activation: each token's k experts pairwise, both ways, in every MoE layer; none with itself
+    c = atlas.coactivation
+    assert (c.sum(axis=(1, 2)) == k * (k - 1) * tokens.sum()).all()
+    assert (c == c.transpose(0, 2, 1)).all() and not c[:, np.arange(8), np.arange(8)].any()
     again = A.Atlas.load(path, model_fingerprint(demo.container), list(demo.container.moe_layers), 8)
     assert (again.counts == atlas.counts).all() and again.done == atlas.done and again.topics == atlas.topics
+    assert (again.coactivation == atlas.coactivation).all()
 
 
 def test_the_file_is_refused_for_another_model_or_damage(demo, kjv, tmp_path):
@@ -106,6 +111,7 @@ def test_an_interrupted_characterisation_resumes_where_it_stopped(demo, kjv, tmp
     resumed = A.characterise(demo, kjv, path, TOKENS, on_prompt=lambda p, c: counted.append(c))
     assert counted.count(True) == len(kjv) - 5 and counted.count(False) == 5
     assert (resumed.counts == whole.counts).all() and resumed.topics == whole.topics
+    assert (resumed.coactivation == whole.coactivation).all()
     # another token bound is another characterisation: begun anew, with a note
     said = []
     A.characterise(demo, kjv[:2], path, TOKENS + 1, warn=said.append)
@@ -155,7 +161,7 @@ def test_held_out_passages_route_closer_to_their_own_genre(demo, kjv, tmp_path):
     own, other, right = [], [], 0
     for genre, refs in HELD_OUT.items():
         for ref in refs:
-            routed, _ = A._route(demo, A.Prompt(genre, passage(ref), ref), 4)
+            routed, _, _ = A._route(demo, A.Prompt(genre, passage(ref), ref), 4)
             v = unit((routed / routed.sum(axis=1, keepdims=True)).ravel() - mean)
             sims = np.array([unit(p - mean) @ v for p in profiles])
             t = names.index(genre)
@@ -190,6 +196,16 @@ def test_placement_is_deterministic_for_a_seed_and_clusters_by_topic():
     own = np.linalg.norm(one.positions - np.array(names), axis=1)
     nearest = np.min([np.linalg.norm(one.positions - c, axis=1) for c in centres.values()], axis=0)
     assert (own <= nearest + 1e-6).mean() > 0.9
+
+
+def test_experts_that_fire_together_are_drawn_together():
+    """Co-activation moves an expert toward those its layer routes the same tokens to."""
+    atlas = synthetic(2, 32, 5)
+    a, b = (int(np.flatnonzero(A.place(atlas).dominant[:32] == t)[0]) for t in (0, 1))  # layer 0, two topics
+    apart = np.linalg.norm(np.subtract(*A.place(atlas).positions[[a, b]]))
+    atlas.coactivation[0, a, b] = atlas.coactivation[0, b, a] = 1000
+    near = np.linalg.norm(np.subtract(*A.place(atlas).positions[[a, b]]))
+    assert near < 0.5 * apart
 
 
 def test_a_glm_sized_atlas_places_in_seconds():
