@@ -49,7 +49,7 @@ class Session:
         self.ids: list[int] = []  # tokens whose state is in `state`
 
 
-BUSY = ("this engine is already generating (an engine runs one generation at a time: finish or close the other "
+BUSY = ("this engine is already generating (an engine runs one generation at a time, or one batch of them: finish or close the other "
         "stream first, or give each thread its own engine)")
 
 

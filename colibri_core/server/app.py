@@ -12,9 +12,9 @@
     GET  /  /atlas                 the dashboard and its Atlas page (`colibri web`)
 
 The model loads on a thread after the server starts listening; requests are validated on the
-event loop, then run one at a time by the `Worker`, the engine's only user once it is loaded.
-/metrics, /api/stats, /api/brain and the once-a-second sampler read the `Snapshot` the worker
-publishes between two tokens, never the engine (whose tokenizer, chat template and generation
+event loop, then decoded together (up to --parallel) by the `Worker`, the engine's only user once it
+is loaded. /metrics, /api/stats, /api/brain and the once-a-second sampler read the `Snapshot` the
+worker publishes between two steps, never the engine (whose tokenizer, chat template and generation
 defaults are read-only and shared); chat templates and tokenizers run on worker threads, never on
 the event loop. Every error is a JSON body of the OpenAI form with a 4xx status (503 while
 loading); a 500 is a bug. security.py guards every route (Host, Origin, the API key).

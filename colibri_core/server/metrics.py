@@ -107,7 +107,7 @@ def prometheus(metrics: Metrics, stats: dict | None, queue: dict, model: str) ->
     lines.append(f"colibri_queue_depth {queue['waiting']}")
     _help(lines, "colibri_queue_capacity", "gauge", "Requests that may wait before new ones get 429.")
     lines.append(f"colibri_queue_capacity {queue['capacity']}")
-    _help(lines, "colibri_requests_running", "gauge", "Generations running now (0 or 1).")
+    _help(lines, "colibri_requests_running", "gauge", "Generations running now, decoded together (at most --parallel).")
     lines.append(f"colibri_requests_running {queue['running']}")
     _help(lines, "colibri_model_loaded", "gauge", "1 once the model is loaded.")
     lines.append(f"colibri_model_loaded{{{label}}} {0 if stats is None else 1}")
