@@ -14,6 +14,7 @@ from colibri_core.demo import demo_model
 from colibri_core.errors import ColibriError
 from colibri_core.generate import Sampling, Token, distribution, token_logprobs
 from colibri_core.structured import Constraint, Vocabulary
+from conftest import colibri
 
 LOOPING = "In the beginning"  # greedy, the demo writes ", and the Levites, and the Levites, …"
 
@@ -201,8 +202,6 @@ def test_penalties_that_overflow_the_logits_are_an_error():
 def test_cli_sampling_options_reach_the_engine(engine):
     """`run`'s sampling options give the engine's answer: a penalty ends the loop, llama.cpp's names
     and its ID+BIAS / ID-BIAS forms work, a bad one is one line."""
-    from conftest import colibri
-
     ids = engine.tokenizer.encode(LOOPING)
     levites = engine.tokenizer.encode(" Levites", add_special_tokens=False)[0]
 

@@ -194,7 +194,8 @@ def test_bench_serve_quick_runs_every_part(tmp_path):
         assert (s["ratios"] is None) == (not r["serve_has_parallel"]), s
     session = r["session"]
     assert session["cached_tokens"]["no_cache"] == [0, 0, 0], session
-    assert session["cached_tokens"]["cache"] == session["cached_tokens"]["restart"] == [0, 256, 256], session
+    # prompts of 300, 384 and 468 tokens: a state of rows is reused to the last multiple of 64 shared
+    assert session["cached_tokens"]["cache"] == session["cached_tokens"]["restart"] == [0, 256, 384], session
     if "skipped" in r["llamacpp"]:
         assert importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("gguf") is None
     else:

@@ -162,7 +162,7 @@ def regimes(args) -> list[Regime]:
     out = []
     if "resident" in args.regimes:
         model = resident_model(args)
-        out.append(Regime("resident", model, ("--cache-slots", str(experts_per_layer(model))),
+        out.append(Regime("resident", model, ("--cache-slots", str(experts_per_layer(model)), "--pin-gb", "0"),
                           "every expert cached in RAM"))
     if "streamed" in args.regimes:
         model = streamed_model(args)
