@@ -1,4 +1,4 @@
-"""Models by hub id: `colibri pull ORG/NAME[@REVISION]`, `colibri list`, `colibri rm`, and
+"""Models by hub id: `colibri pull ORG/NAME[@REVISION][:QUANT]`, `colibri list`, `colibri rm`, and
 `--model ORG/NAME` wherever a command takes a model.
 
 Everything goes through `huggingface_hub`: its cache (HF_HOME / HF_HUB_CACHE), token (HF_TOKEN),
@@ -10,6 +10,11 @@ each as it lands and deleting it from the hub cache once all its tensors are wri
 (`container.streamed`; `--keep-source` keeps them). A pull killed at any point resumes where it
 stopped: the downloads by `huggingface_hub`'s own resume, the conversion from its progress log,
 which the commit hash binds.
+
+A GGUF repository (llama.cpp's `-hf ORG/NAME:QUANT` convention: `:Q4_K_M` picks the file by the
+quantisation its name ends with, case-insensitively; the suffix may be left out where the repository
+holds one) is pulled whole, its file or all the parts of a split one, then converted by `gguf_in`
+and deleted unless `--keep-source`: its peak disk is the GGUF plus the container.
 
 Pulled models live in one place, ``$COLIBRI_HOME/models`` (default ``$XDG_DATA_HOME/colibri/models``,
 i.e. ``~/.local/share/colibri/models``), one directory per hub id, ``ORG--NAME`` (a container; with
@@ -31,7 +36,9 @@ from .errors import ColibriError
 
 __all__ = ["models_dir", "parse_id", "model_path", "resolve", "plan_paths", "hub_config", "pull", "list_models", "remove"]
 
-HUB_ID = re.compile(r"([A-Za-z0-9][\w.-]*)/([A-Za-z0-9][\w.-]*)(?:@([\w./-]+))?")
+HUB_ID = re.compile(r"([A-Za-z0-9][\w.-]*)/([A-Za-z0-9][\w.-]*)(?:@([\w./-]+))?(?::([\w.-]+))?")
+# the quantisation a GGUF file's name ends with (Qwen3-30B-A3B-Q4_K_M.gguf, gpt-oss-20b-MXFP4.gguf, …-UD-Q4_K_XL-…)
+GGUF_QUANT = re.compile(r"[-._]((?:UD-)?(?:I?Q\d[A-Z0-9_]*|T?Q\d_\d|BF16|F16|F32|MXFP4[A-Z0-9_]*))$", re.I)
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PULL_RECORD = "colibri-pull.json"  # in a checkpoint pulled with --quant native: what it was pulled from
@@ -47,10 +54,11 @@ def models_dir() -> Path:
     return Path(data) / "colibri" / "models"
 
 
-def parse_id(spec: str) -> tuple[str, str | None] | None:
-    """("ORG/NAME", revision or None) of a hub id "ORG/NAME[@REVISION]"; None if `spec` is not one."""
+def parse_id(spec: str) -> tuple[str, str | None, str | None] | None:
+    """("ORG/NAME", revision or None, GGUF quantisation or None) of a hub id
+    "ORG/NAME[@REVISION][:QUANT]"; None if `spec` is not one."""
     m = HUB_ID.fullmatch(str(spec))
-    return (f"{m[1]}/{m[2]}", m[3]) if m else None
+    return (f"{m[1]}/{m[2]}", m[3], m[4]) if m else None
 
 
 def model_path(repo: str) -> Path:
@@ -81,7 +89,7 @@ def resolve(model: str | os.PathLike | None) -> Path | None:
     parsed = parse_id(str(model))
     if parsed is None:
         return Path(model)
-    repo, revision = parsed
+    repo, revision, gguf_quant = parsed
     path = model_path(repo)
     record = _pulled(path)
     if record is None:
@@ -89,6 +97,9 @@ def resolve(model: str | os.PathLike | None) -> Path | None:
     if revision is not None and revision not in (record["revision"], record.get("asked")):
         raise ColibriError(f"{repo} is pulled at revision {record['revision'][:12]}, not {revision}: run "
                            f"`colibri pull {model}`")
+    if gguf_quant is not None and gguf_quant.upper() != record.get("gguf_quant"):
+        raise ColibriError(f"{repo} is pulled from {record.get('gguf_quant') or 'its safetensors'}, not {gguf_quant}: "
+                           f"run `colibri pull {model}`")
     return path
 
 
@@ -136,8 +147,11 @@ def _download(hf, repo: str, name: str, commit: str) -> Path:
 def hub_config(spec: str) -> Path:
     """config.json of the hub model `spec` (downloaded alone): what `plan --model ORG/NAME` reads."""
     hf = _hub()
-    repo, revision = parse_id(spec)
-    return _download(hf, repo, "config.json", _commit(hf, repo, revision).sha)
+    repo, revision, _ = parse_id(spec)
+    info = _commit(hf, repo, revision)
+    if "config.json" not in {s.rfilename for s in info.siblings or ()}:
+        raise ColibriError(f"{repo} has no config.json (a GGUF repository is planned once pulled: colibri pull {spec})")
+    return _download(hf, repo, "config.json", info.sha)
 
 
 def _free(path: Path) -> tuple[int, int]:
@@ -157,9 +171,10 @@ def _shards(hf, repo: str, commit: str, files: dict[str, int]) -> list[str]:
 
 
 def pull(spec: str, quant: str = "int4", keep_source: bool = False, progress: bool = True) -> tuple[Path, dict]:
-    """Pull the hub model `spec` ("ORG/NAME[@REVISION]") into `model_path`, converted at `quant`
-    (int4, int8, f32; "native": the checkpoint kept as it is). Returns its directory and the figures
-    of the pull: {"container_bytes", "largest_shard", "margin", "peak_bytes"}."""
+    """Pull the hub model `spec` ("ORG/NAME[@REVISION][:QUANT]", QUANT a GGUF repository's file)
+    into `model_path`, converted at `quant` (int4, int8, f32; "native": the checkpoint kept as it is).
+    Returns its directory and the figures of the pull: {"container_bytes", "largest_shard" (a GGUF
+    pull: the GGUF), "margin", "peak_bytes"} (a GGUF pull adds "gguf": its files)."""
     from . import plugins, quant as q
     from .container.streamed import RemoteCheckpoint, convert_streamed
     from .convert import generation_defaults, parse_config, read_config
@@ -168,20 +183,28 @@ def pull(spec: str, quant: str = "int4", keep_source: bool = False, progress: bo
 
     parsed = parse_id(spec)
     if parsed is None:
-        raise ColibriError(f"{spec!r} is not a hub id: ORG/NAME or ORG/NAME@REVISION")
+        raise ColibriError(f"{spec!r} is not a hub id: ORG/NAME, ORG/NAME@REVISION or ORG/NAME:QUANT (a GGUF's)")
     if quant not in (*q.KINDS, NATIVE):
         raise ColibriError(f"unknown quantisation {quant!r}: choose one of {', '.join((*q.KINDS, NATIVE))}")
     hf = _hub()
-    repo, revision = parsed
+    repo, revision, gguf_quant = parsed
     info = _commit(hf, repo, revision)
     commit, files = info.sha, {s.rfilename: s.size or 0 for s in info.siblings or ()}
+    gguf = None
+    if gguf_quant is not None or not (INDEX in files or SINGLE in files) and any(n.endswith(".gguf") for n in files):
+        gguf = gguf_choice(repo, files, gguf_quant)
+        if quant == NATIVE:
+            raise ColibriError(f"{repo} is pulled from a GGUF, which colibri converts: --quant int4, int8 or f32")
     dst = model_path(repo)
     record = _pulled(dst)
-    if record and record["revision"] == commit and record["quant"] == quant:
+    if record and record["revision"] == commit and record["quant"] == quant and \
+            record.get("gguf_quant") == (gguf and gguf[0]):
         print(f"{repo} is pulled already at {commit[:12]} ({quant}): {dst}", file=sys.stderr)
         return dst, {}
     say = (lambda m: print(m, file=sys.stderr)) if progress else (lambda m: None)
-    say(f"pulling {repo} at {commit[:12]} ({quant}) into {dst}")
+    say(f"pulling {repo} at {commit[:12]} ({f'{gguf[0]} GGUF → ' if gguf else ''}{quant}) into {dst}")
+    if gguf is not None:
+        return _pull_gguf(hf, repo, commit, revision, files, gguf, quant, keep_source, dst, progress)
     small = [_download(hf, repo, name, commit) for name in COPIED_FILES if name in files]
     if "config.json" not in files:
         raise ColibriError(f"{repo}@{commit[:12]} has no config.json: not a Hugging Face model repository")
@@ -230,6 +253,88 @@ def pull(spec: str, quant: str = "int4", keep_source: bool = False, progress: bo
                                    dst.with_name(dst.name + ".partial"), dst))
     figures["peak_bytes"] = peak
     return dst, figures
+
+
+def gguf_choice(repo: str, files: dict[str, int], quant: str | None) -> tuple[str, list[str]]:
+    """(quantisation, its GGUF file or the parts of its split GGUF in order) among the repository's
+    `files`, chosen by `quant` (case-insensitive; None: the only one there is); one line naming
+    the quantisations there are when `quant` is absent or ambiguous."""
+    from .gguf_in import SPLIT
+
+    by_quant: dict[str, dict[str, list[str]]] = {}  # quantisation -> the file's stem -> its files
+    for name in files:
+        base = name.rsplit("/", 1)[-1]
+        if not base.endswith(".gguf") or base.startswith("mmproj"):  # a vision projector, not the model
+            continue
+        stem = SPLIT.sub("", base).removesuffix(".gguf")
+        m = GGUF_QUANT.search(stem)
+        by_quant.setdefault((m[1] if m else stem).upper(), {}).setdefault(name[:len(name) - len(base)] + stem, []).append(name)
+    have = ", ".join(sorted(by_quant)) or "none"
+    if quant is None:
+        if len(by_quant) != 1:
+            raise ColibriError(f"{repo} holds GGUF files of several quantisations: name one, {repo}:QUANT ({have})")
+        quant = next(iter(by_quant))
+    stems = by_quant.get(quant.upper())
+    if stems is None:
+        raise ColibriError(f"{repo} has no {quant} GGUF file; its quantisations: {have}")
+    if len(stems) > 1:
+        raise ColibriError(f"{repo} has {len(stems)} {quant.upper()} GGUF models ({', '.join(sorted(stems))}): "
+                           "colibri pulls a repository holding one")
+    parts = sorted(next(iter(stems.values())))  # one file, or the parts of a split one
+    split = SPLIT.search(parts[0])
+    if split and len(parts) != int(split[2]):
+        raise ColibriError(f"{repo}'s {quant.upper()} GGUF is split in {int(split[2])} parts and the repository "
+                           f"holds {len(parts)} of them")
+    return quant.upper(), parts
+
+
+def _pull_gguf(hf, repo: str, commit: str, asked: str | None, files: dict[str, int], gguf: tuple[str, list[str]],
+               quant: str, keep_source: bool, dst: Path, progress: bool) -> tuple[Path, dict]:
+    """The GGUF file (every part of a split one) downloaded whole, converted by gguf_in into `dst`,
+    then deleted from the hub cache unless `keep_source`: peak disk, the GGUF and the container."""
+    from .container.streamed import disk_bytes
+    from .gguf_in import convert_gguf, hf_config, read
+    from .planning import sizes_from_config
+    from .sizes import format_bytes
+
+    label, names = gguf
+    source = sum(files[n] for n in names)
+    _, free = _free(Path(hf.constants.HF_HUB_CACHE))
+    if source > free:
+        raise ColibriError(f"the pull needs {format_bytes(source)} free on {hf.constants.HF_HUB_CACHE} for "
+                           f"{repo}'s {label} GGUF; it has {format_bytes(free)}")
+    parts = [_download(hf, repo, n, commit) for n in names]
+    config = hf_config(read(parts))
+    staged = dst.with_name(dst.name + ".config.json")  # sizes_from_config reads a file
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staged.write_text(json.dumps(config))
+    try:
+        sizes, _ = sizes_from_config(staged, quant)
+    finally:
+        staged.unlink()
+    container = sizes.dense_bytes + sizes.experts_total * sizes.expert_nbytes
+    done = disk_bytes(dst.with_name(dst.name + ".partial"))
+    _, free = _free(dst.parent)
+    if container + MARGIN - done > free:
+        raise ColibriError(f"the pull needs {format_bytes(container + MARGIN - done)} free on {dst.parent} for the "
+                           f"container of {repo}; it has {format_bytes(free)}")
+    force = (dst / MANIFEST).is_file()
+    if dst.exists() and not force:
+        raise ColibriError(f"{dst} exists and is not a pulled model: remove it (colibri rm {repo})")
+    _, errors = convert_gguf(parts, dst, quant, progress=progress, force=force,
+                             origin={"repo": repo, "revision": commit, "asked": asked, "gguf_quant": label})
+    for kind, e in errors.items():
+        if progress:
+            print(f"requantised {e['tensors']} {kind} tensors to {quant}: relative RMS error mean "
+                  f"{e['mean_rel_rms']:.2e}, max {e['max_rel_rms']:.2e}", file=sys.stderr)
+    peak = disk_bytes(*{Path(os.path.realpath(p)) for p in parts}, dst)
+    if not keep_source:
+        for path in parts:
+            blob = Path(os.path.realpath(path))
+            path.unlink(missing_ok=True)
+            blob.unlink(missing_ok=True)
+    return dst, {"container_bytes": container, "largest_shard": source, "margin": MARGIN, "peak_bytes": peak,
+                 "gguf": names}
 
 
 def _disk_plan(sizes, headers: dict, shard_sizes: dict[str, int], dst: Path, cache: Path) -> dict:

@@ -177,3 +177,15 @@ class HubServer:
                 left -= len(chunk)
                 if self.rate:
                     time.sleep(len(chunk) / self.rate)
+
+
+if __name__ == "__main__":
+    # tools/check_dist.sh: python hubserver.py ROOT ORG/NAME CHECKPOINT publishes the checkpoint (in
+    # 2 shards) as ORG/NAME into the hub at ROOT, prints the hub's URL, then serves until killed
+    import sys
+
+    root, repo, checkpoint = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    publish(root, repo, shard(checkpoint, root.parent / "sharded", 2))
+    with HubServer(root) as server:
+        print(server.url, flush=True)
+        threading.Event().wait()

@@ -160,3 +160,94 @@ def test_kill_during_pull_resumes_identically(hub_repo, tmp_path):
 @pytest.mark.system
 def test_kill_during_pull_resumes_identically_many(hub_repo, tmp_path):
     assert kill_trials(hub_repo, tmp_path, 20, seed=2) >= 10
+
+
+# ----------------------------------------------------------------------------- GGUF repositories
+
+GGUF_REPO = "tiny/olmoe-gguf"
+
+
+@pytest.fixture(scope="module")
+def gguf_hub(tmp_path_factory):
+    """(hub root, the GGUFs it serves): a tiny OLMoE at Q8_0 and Q4_0, and at F16 split in parts, in
+    one repository, named as llama.cpp's converter and gguf-split name them."""
+    pytest.importorskip("gguf", reason="the bench extra (gguf) writes the GGUF files")
+    from colibri_olmoe.demo import write_checkpoint, write_tokenizer
+    from test_gguf_in import write_gguf
+
+    tmp = tmp_path_factory.mktemp("gguf-hub")
+    ckpt = tmp / "ckpt"
+    ckpt.mkdir()
+    eos = write_tokenizer(ckpt, ["the quick brown fox jumps over the lazy dog " * 20, "colibri streams experts"], 300)
+    write_checkpoint(ckpt, vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                     num_experts=8, num_experts_per_tok=2, eos_token_id=eos)
+    files = tmp / "files"
+    files.mkdir()
+    for qtype in ("Q8_0", "Q4_0"):
+        write_gguf(ckpt, files / f"Tiny-OLMoE-{qtype}.gguf", qtype)
+    write_gguf(ckpt, files / "Tiny-OLMoE-F16.gguf", "F16", split=12)
+    assert len(list(files.glob("Tiny-OLMoE-F16-*-of-*.gguf"))) > 1
+    (files / "README.md").write_text("a GGUF repository\n")
+    publish(tmp / "root", GGUF_REPO, files)
+    return tmp / "root", files
+
+
+@pytest.fixture()
+def gguf_env(gguf_hub, tmp_path):
+    with HubServer(gguf_hub[0]) as server:
+        yield {**os.environ, "HF_ENDPOINT": server.url, "HF_HOME": str(tmp_path / "hf"),
+               "COLIBRI_HOME": str(tmp_path / "colibri"), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def test_pull_gguf_by_quantisation(gguf_hub, gguf_env, tmp_path):
+    """ORG/NAME:QUANT (case-insensitive) pulls that GGUF and converts it: the container `colibri
+    convert` makes of the same file; the GGUF is deleted once converted; run finds it by hub id."""
+    _, files = gguf_hub
+    r = colibri("plan", "--model", GGUF_REPO, "--ram", "1GB", "--disk-bw", "1GB", "--mem-bw", "10GB", env=gguf_env)
+    assert r.returncode == 1 and "a GGUF repository is planned once pulled" in r.stderr, r.stderr
+    r = colibri("pull", f"{GGUF_REPO}:q4_0", "--json", env=gguf_env)
+    assert r.returncode == 0, r.stderr
+    assert "requantised" in r.stderr and json.loads(r.stdout)["gguf"] == ["Tiny-OLMoE-Q4_0.gguf"]
+    assert colibri("convert", files / "Tiny-OLMoE-Q4_0.gguf", tmp_path / "converted").returncode == 0
+    pulled = tmp_path / "colibri" / "models" / "tiny--olmoe-gguf"
+    same_tensors(pulled, tmp_path / "converted")
+    assert not list((tmp_path / "hf").rglob("*.gguf")), "the GGUF is deleted once converted"
+    for model in (GGUF_REPO, f"{GGUF_REPO}:Q4_0"):
+        r = colibri("run", "--model", model, "--max-tokens", "4", "the quick", env=gguf_env)
+        assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    r = colibri("run", "--model", f"{GGUF_REPO}:Q8_0", "x", env=gguf_env)
+    assert r.returncode == 1 and "pulled from Q4_0, not Q8_0" in r.stderr
+    r = colibri("pull", f"{GGUF_REPO}:Q4_0", env=gguf_env)
+    assert r.returncode == 0 and "pulled already" in r.stderr
+    listed = colibri("list", env=gguf_env)
+    assert GGUF_REPO in listed.stdout and "int4" in listed.stdout
+
+
+def test_pull_split_gguf(gguf_hub, gguf_env, tmp_path):
+    """A GGUF split in parts is pulled whole (every part) and converted as one file."""
+    _, files = gguf_hub
+    r = colibri("pull", f"{GGUF_REPO}:F16", "--quant", "int8", "--keep-source", env=gguf_env)
+    assert r.returncode == 0, r.stderr
+    parts = sorted(files.glob("Tiny-OLMoE-F16-*-of-*.gguf"))
+    assert sorted(p.name for p in (tmp_path / "hf").rglob("*.gguf") if p.is_symlink()) == [p.name for p in parts]
+    assert colibri("convert", parts[0], tmp_path / "converted", "--quant", "int8").returncode == 0
+    same_tensors(tmp_path / "colibri" / "models" / "tiny--olmoe-gguf", tmp_path / "converted")
+    r = colibri("convert", parts[1], tmp_path / "second", env=gguf_env)
+    assert r.returncode == 1 and "give its first part" in r.stderr
+
+
+@pytest.mark.parametrize("spec,message", [
+    (GGUF_REPO, f"{GGUF_REPO} holds GGUF files of several quantisations: name one, {GGUF_REPO}:QUANT (F16, Q4_0, Q8_0)"),
+    (f"{GGUF_REPO}:Q4_K_M", f"{GGUF_REPO} has no Q4_K_M GGUF file; its quantisations: F16, Q4_0, Q8_0"),
+    (f"{REPO}:Q4_0", f"{REPO} has no Q4_0 GGUF file; its quantisations: none"),
+])
+def test_gguf_quantisation_absent_or_ambiguous_is_one_line(hub_repo, gguf_hub, tmp_path, spec, message):
+    import shutil
+
+    root = tmp_path / "root"  # both repositories on one hub
+    for hub in (hub_repo[0], gguf_hub[0]):
+        shutil.copytree(hub, root, dirs_exist_ok=True)
+    with HubServer(root) as server:
+        r = colibri("pull", spec, env={**os.environ, "HF_ENDPOINT": server.url, "HF_HOME": str(tmp_path / "hf"),
+                                       "COLIBRI_HOME": str(tmp_path / "colibri")})
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and r.stderr.rstrip().endswith(message), r.stderr

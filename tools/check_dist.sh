@@ -3,8 +3,9 @@
 # of every plugin under plugins/ with `python -m build` (each wheel built from its sdist), install
 # the wheels, never -e, into a fresh venv outside the checkout, and use them from there as a user
 # would: colibri --version, colibri run on the bundled demo model, colibri plugins --json, colibri
-# install WHEEL | DIR | NAME, colibri uninstall, an unknown name's one-line error, and every plugin's
-# own tests (its conformance suite) run against the installed wheels. The built files stay in dist/.
+# install WHEEL | DIR | NAME, colibri uninstall, an unknown name's one-line error, colibri pull of a tiny
+# model from a hub on localhost (tests/hubserver.py) then colibri run --model ORG/NAME, and every
+# plugin's own tests (its conformance suite) run against the installed wheels. The built files stay in dist/.
 #
 # A new plugins/NAME/ is covered once git tracks its pyproject.toml (and plugins.py names it: the
 # shipped-plugin table `colibri install NAME` reads). PYTHON: the interpreter that builds and makes
@@ -81,6 +82,28 @@ DEMO=$(python -c "from colibri_core.demo import demo_model; print(demo_model())"
 
 listed() { colibri plugins --json | python -c "import json, sys; print(' '.join(sorted(p['name'] for p in json.load(sys.stdin) if p['loaded'])))"; }
 expect() { local got; got=$(listed); [ "$got" = "$1" ] || fail "colibri plugins lists '$got', expected '$1'"; echo "colibri plugins: $got"; }
+
+step "colibri pull tiny/olmoe from a hub on localhost (tests/hubserver.py), then colibri run --model tiny/olmoe"
+mkdir tiny
+python - tiny <<'PY'
+import sys
+from colibri_olmoe.demo import write_checkpoint, write_tokenizer
+eos = write_tokenizer(sys.argv[1], ["the quick brown fox jumps over the lazy dog " * 20], 300)
+write_checkpoint(sys.argv[1], vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                 num_experts=8, num_experts_per_tok=2, eos_token_id=eos)
+PY
+python "$ROOT/tests/hubserver.py" hub tiny/olmoe tiny >hub.url &
+HUB_PID=$!
+for _ in $(seq 100); do [ -s hub.url ] && break; sleep 0.1; done
+[ -s hub.url ] || { kill "$HUB_PID"; fail "the local hub server did not start"; }
+hub() { env HF_ENDPOINT="$(cat hub.url)" HF_HOME="$WORK/hf" COLIBRI_HOME="$WORK/colibri" HF_HUB_DISABLE_PROGRESS_BARS=1 "$@"; }
+hub colibri pull tiny/olmoe >pull.log 2>&1 || { kill "$HUB_PID"; cat pull.log; fail "colibri pull tiny/olmoe"; }
+tail -n 2 pull.log
+hub colibri run --model tiny/olmoe --max-tokens 4 "hi" >run.out 2>run.err || { kill "$HUB_PID"; cat run.err; fail "colibri run --model tiny/olmoe"; }
+kill "$HUB_PID"
+cat run.out
+grep -q 'tok/s' run.err || fail "colibri run --model tiny/olmoe: no stats line"
+hub colibri list
 
 step "colibri plugins --json"
 colibri plugins --json
