@@ -6,6 +6,10 @@ count — and the several-token row kernels equal the NumPy reference's reductio
 A code path this CPU lacks is skipped with its reason in the summary (pytest -ra), never silently.
 """
 import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +22,7 @@ from test_kernels import assert_close, assert_same_bits, ffn_bound, random_x, su
 # (kind, act): the formats quantize writes, and DeepSeek's native ones as loaded
 MODES = [("f32", "f32"), ("int8", "f32"), ("int8", "int8"), ("int4", "f32"), ("int4", "int8"),
          ("fp8", "f32"), ("fp4", "f32"), ("fp4", "int8")]
-PER_EXPERT = (2, 3, 4, 5, 8, 13, 16)  # tokens per expert: every remainder of the kernels' token steps
+PER_EXPERT = tuple(range(1, 17))  # tokens per expert: 1 (the dot) and every count the row kernels take
 
 
 def weights(rng, kind, rows, cols):
@@ -94,3 +98,17 @@ def test_several_token_rows_match_reference_bit_for_bit(simd_path, kind, act):
             x = random_x(rng, n, cols)
             assert_same_bits(kernels.matmul(w, x, act), reference.matmul(w, x, act),
                              f"{simd_path} {kind} act={act} [{rows}, {cols}] n={n}")
+
+
+def test_bench_expert_tokens_reports_every_path_arithmetic_and_count():
+    """tools/bench_expert_tokens.py (the several-token figures in BENCHMARKS.md), on a small working set."""
+    paths = [p for p in supported_paths() if p != "portable"] or pytest.skip("no SIMD path on this CPU to measure")
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "tools" / "bench_expert_tokens.py"), "--tokens", "2,3",
+                        "--kinds", "int4,int8", "--acts", "int8,f32", "--simd", ",".join(paths), "--min-seconds", "0.01",
+                        "--working-set-mb", "32", "--json"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    got = {(row["kind"], row["activations"], row["tokens"], row["simd"]) for row in rows}
+    assert got == set(itertools.product(("int4", "int8"), ("int8", "f32"), (2, 3), paths))
+    assert all(row["ms"] > 0 and row["read_gbps"] > 0 and row["fraction_of_read"] > 0 for row in rows)
