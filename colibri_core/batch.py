@@ -186,7 +186,13 @@ class Batch:
         """A generation with `Engine.stream`'s arguments (prompt_ids, max_new_tokens, sampling,
         stop_ids, session, constraint, draft, …), joining at the next step. Its arguments are
         checked then (a bad one ends it with a ColibriError in `error`)."""
-        g = Generation(self, lambda: self._start(*stream, **options), on_token)
+        return self.run(lambda: self._start(*stream, **options), on_token)
+
+    def run(self, tokens: Callable[[], Any], on_token: Callable[[int], Any] | None = None) -> Generation:
+        """An entry of any other engine call that pauses between forwards as `stream` does (e.g.
+        Engine.embed's prefill chunks): `tokens()` returns its token iterator (possibly empty),
+        started in the entry's greenlet at the next step."""
+        g = Generation(self, tokens, on_token)
         self.generations.append(g)
         return g
 

@@ -92,6 +92,8 @@ GrammarOpt = typer.Option(None, "--grammar", help="A grammar file the answer fol
 JsonSchemaOpt = typer.Option(None, "--json-schema", help="A JSON schema file: the answer is JSON valid against it.")
 SystemOpt = typer.Option(None, "--system", metavar="<text>", help="A system message before the conversation "
                          "(with the chat template; a model without one: a first line of text).")
+StopOpt = typer.Option(None, "--stop", metavar="<text>", help="End the answer where this text appears (it is not "
+                       "printed); repeat for several.")
 DraftOpt = typer.Option("auto", "--draft", metavar="<auto|mtp|grammar|off|NAME>", help="Speculative decoding: auto (a grammar's forced tokens, and the model's MTP head while it pays), mtp, grammar, off, or a drafter a plugin registers. Never changes a greedy token.")
 # `plan` and `doctor` take a few of the engine's options alone (every command that loads a model takes
 # them all: `command_options`)
@@ -297,8 +299,7 @@ def run(
     logit_bias: Optional[list[str]] = LogitBiasOpt,
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template as a user turn."),
     system: Optional[str] = SystemOpt,
-    stop: Optional[list[str]] = typer.Option(None, "--stop", metavar="<text>", help="End the answer where this "
-                                             "text appears (it is not printed); repeat for several."),
+    stop: Optional[list[str]] = StopOpt,
     session_name: Optional[str] = typer.Option(None, "--session", metavar="<name>", help="One chat turn of the "
                                                "conversation saved as NAME (as chat --session keeps it: either "
                                                "resumes it): PROMPT is the next user message."),
@@ -429,13 +430,14 @@ def chat(
     grammar: Optional[Path] = GrammarOpt,
     json_schema: Optional[Path] = JsonSchemaOpt,
     system: Optional[str] = SystemOpt,
+    stop: Optional[list[str]] = StopOpt,
     session_name: Optional[str] = typer.Option(None, "--session", help="Save the conversation as NAME in the "
                                                "state directory (--state-dir) after every turn and resume it when "
                                                "started again."),
     *, options: EngineOptions,  # every engine option (colibri_core/options.py): command_options
 ):
     """Chat interactively, streaming tokens. Commands: /reset, /stats, /exit."""
-    from .tokenizer import StreamDecoder
+    from .server.text import TextStream
 
     knobs = _knobs(min_p, presence_penalty, frequency_penalty, repetition_penalty, repeat_last_n, logit_bias)
     engine = _open(model, options)
@@ -483,7 +485,7 @@ def chat(
                 messages.pop()
                 print(f"colibri: error: {e}; /reset starts over", file=sys.stderr)
                 continue
-            decoder, answer = StreamDecoder(engine.tokenizer), []
+            out, answer, shown = TextStream(engine.tokenizer, stop or []), [], []
             t0, before = time.perf_counter(), engine.stats()
             # one turn, one record: the state the answer leaves and the messages with the answer together
             turn = session.turn() if session_name is not None else contextlib.nullcontext()
@@ -494,17 +496,22 @@ def chat(
                     try:
                         for token in tokens:
                             answer.append(token)
-                            sys.stdout.write(decoder.push(token))
+                            shown.append(out.push(token))
+                            sys.stdout.write(shown[-1])
                             sys.stdout.flush()
+                            if out.stopped:  # a --stop string: the answer ends before it
+                                break
                     finally:
                         tokens.close()  # an answer cut short ends here, inside the turn (which then saves nothing)
-                    messages.append({"role": "assistant", "content": engine.tokenizer.decode(answer)})
+                    shown.append(out.flush())
+                    messages.append({"role": "assistant", "content": "".join(shown)})
             except KeyboardInterrupt:  # Ctrl-C stops the answer, not the chat: the turn never happened
                 messages.pop()
                 print("\n(interrupted: the question and its partial answer are forgotten)", file=sys.stderr)
                 continue
-            print()
-            _context_note(engine, len(ids), len(answer), max_tokens)
+            print(shown[-1])
+            if not out.stopped:
+                _context_note(engine, len(ids), len(answer), max_tokens)
             if log.isEnabledFor(logging.WARNING):
                 print(stats_line(engine, time.perf_counter() - t0, before), file=sys.stderr)
 
@@ -633,7 +640,7 @@ def web(model: Optional[Path] = ModelOpt, host: str = HostOpt, port: int = PortO
 
 @app.command()
 def convert(
-    src: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json + safetensors), or a GGUF file."),
+    src: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json + safetensors), or a GGUF file (a split one's first part, -00001-of-0000N.gguf)."),
     dst: Path = typer.Argument(..., help="Container directory to create."),
     quant: str = typer.Option("int4", "--quant", "-q", metavar="<f32|int8|int4>", help="f32, int8 or int4 for weight matrices (routers and norms stay f32)."),
 ):
@@ -642,9 +649,9 @@ def convert(
     from .convert import convert_checkpoint
 
     if src.suffix == ".gguf" and src.is_file():
-        from .gguf_in import convert_gguf
+        from .gguf_in import convert_gguf, parts_of
 
-        arch, errors = convert_gguf(src, dst, quant)
+        arch, errors = convert_gguf(parts_of(src), dst, quant)
         for kind, e in errors.items():
             print(f"requantised {e['tensors']} {kind} tensors to {quant}: relative RMS error mean "
                   f"{e['mean_rel_rms']:.2e}, max {e['max_rel_rms']:.2e}", file=sys.stderr)
@@ -655,14 +662,15 @@ def convert(
 
 @app.command()
 def pull(
-    model: str = typer.Argument(..., help="A hub id, ORG/NAME or ORG/NAME@REVISION (a branch, tag or commit)."),
+    model: str = typer.Argument(..., help="A hub id, ORG/NAME or ORG/NAME@REVISION (a branch, tag or commit); ORG/NAME:QUANT picks a GGUF repository's file by its quantisation (Q4_K_M, Q8_0, …; case-insensitive)."),
     quant: str = typer.Option("int4", "--quant", "-q", help="int4, int8, f32, or native (the checkpoint kept as it is, run without conversion)."),
     keep_source: bool = typer.Option(False, "--keep-source", help="Keep the downloaded shards in the hub cache."),
     as_json: bool = typer.Option(False, "--json", help="Print the pull's figures as JSON."),
 ):
     """Download a model from the hub (huggingface_hub: HF_TOKEN, HF_ENDPOINT, its cache) and convert
     it shard by shard as it lands, deleting each shard once written: peak disk is the container plus
-    about one shard. Resumable after a kill; `run --model ORG/NAME` then finds it."""
+    about one shard. Resumable after a kill; `run --model ORG/NAME` then finds it. A GGUF
+    repository (ORG/NAME:Q4_K_M, as llama.cpp's -hf) is downloaded whole, then converted."""
     from . import hub
 
     path, figures = hub.pull(model, quant, keep_source)
@@ -836,6 +844,7 @@ def plan(
     prefix_cache: Optional[str] = cli_option("prefix_cache"),
     parallel: int = typer.Option(1, "--parallel", min=1, max=256, help="Requests a server decodes together "
                                  "(serve --parallel): --context tokens of state reserved for each."),
+    direct: Optional[bool] = cli_option("direct"),
 ):
     """Show how a model fits a RAM budget: resident bytes, experts, the budget split (with --parallel
     requests' states), the prefix cache beside it, expected bytes read per token and the floor times from this machine's measured
@@ -848,7 +857,7 @@ def plan(
         model, config = hub.plan_paths(model)
     p = planning.report(model, config, quant, ram=ram, pin_gb=pin_gb, context=context, kv_cache=kv_cache or "f32",
                         disk_bw=disk_bw, mem_bw=mem_bw, ray=ray, ray_split=ray_split, prefix_cache=prefix_cache,
-                        parallel=parallel)
+                        parallel=parallel, read_asked=direct)
     print(json.dumps(p, indent=2) if as_json else planning.format_report(p))
 
 

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import numbers
-import os
 import resource
 import threading
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+from filelock import FileLock
 
 from . import batch as batching, planning, plugins
 from .container import Container
@@ -35,7 +35,7 @@ from .kv.session import lock as lock_session
 from .model import MoEModel, Weights
 from .options import EngineOptions
 from .prefix import DIRNAME as PREFIX_DIRNAME, PrefixCache
-from .probe import Probe
+from .probe import Probe, recording
 from .store import ExpertStore
 from .statedir import state_dir
 from .store.usage import USAGE_FILE, UsageHistory
@@ -109,7 +109,10 @@ class Engine:
             self.split = self._split(options.ram, options.cache_slots, options.pin_gb, history, layout.top_k)
             self.store = ExpertStore(self.container, self.split.cache_slots, policy_info,
                                      pinned=self.split.pinned_experts, transient=self.split.transient_experts,
-                                     prefetch=options.prefetch, direct=options.direct,
+                                     prefetch=options.prefetch,
+                                     direct=planning.read_direct(options.direct, self.split.cache_slots,
+                                                                 self.container.n_experts),
+                                     direct_asked=options.direct is not None,
                                      mirror=None if options.mirror is None else str(options.mirror),
                                      io_threads=options.io_threads,
                                      usage=history)
@@ -137,7 +140,7 @@ class Engine:
         self._tokenizer: Tokenizer | None = None
         self.probe = Probe(self.container.n_experts)  # seconds per section, routing per (layer, expert)
         self._sessions: dict[str, PersistentSession] = {}
-        self._session_locks: dict[str, int] = {}  # name -> its lock file's descriptor, held until close
+        self._session_locks: dict[str, FileLock] = {}  # name -> its lock (kv/session.py), held until close
         self.drafting = DraftCounters()  # speculative decoding: drafted, accepted, tokens per forward
         self._drafters = weakref.WeakKeyDictionary()  # session -> (its state, {name: Drafter or None})
         self.counters = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_seconds": 0.0,
@@ -525,6 +528,57 @@ class Engine:
         penalties, logit_bias, logprobs, top_logprobs, stop_ids, session, constraint, draft)."""
         return list(self.stream(prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, **options))
 
+    # ---- embeddings ----------------------------------------------------------------------------
+    def embed(self, ids) -> np.ndarray:
+        """The embedding of token ids `ids`, float32 (H,): the mean over its tokens of the model's last
+        decoder layer's output (its `l_out`, the residual stream before the final norm), from the very
+        forwards a prefill runs, in pieces of `prefill_chunk` tokens (cut or not, the same bits), the
+        logits left uncomputed but the last. The sequence's state is then dropped: no session is
+        touched, and the prefix cache is neither read nor fed (it keeps states, not the hidden states
+        of every position, so it could not serve an embedding). At most `context_length` tokens.
+
+        A generation of a batch may call it (`stream`'s rule): the server's worker embeds in its batch,
+        a prefill chunk per step. A ColibriError where the plugin records no layer output, or one that
+        is not a row per token (a model of several residual streams): there is no final hidden state to
+        pool."""
+        ids = self._token_ids(ids)
+        if not ids:
+            raise ColibriError("there is nothing to embed: no token ids")
+        if self.context_length is not None and len(ids) > self.context_length:
+            raise ColibriError(f"{len(ids)} tokens to embed; this model's context is {self.context_length}")
+        batched = batching.current() is not None  # a generation of a batch (`batch`), which holds the lock
+        if not batched and not self._busy.acquire(blocking=False):
+            raise ColibriError(BUSY)
+        try:
+            state, chunk, rows = self.new_state(), self.options.prefill_chunk, []
+            for start in range(0, len(ids), chunk):  # pieces bound the layer outputs held while recording
+                piece = np.asarray(ids[start:start + chunk], np.int64)
+                if not batched:
+                    self.store.new_step()  # a forward of its own (a batch begins each of its steps)
+                with recording(("l_out",)) as recorder, self.probe.listening():
+                    self.model.forward(piece, state, last_only=True)
+                rows.append(self._last_layer_output(recorder, len(piece)))  # (T_piece, H)
+                batching.pause()  # in a batch: this entry's forward of the step is done
+            self._end_turn()
+        finally:
+            if not batched:
+                self._busy.release()
+        return np.mean(np.concatenate(rows), axis=0, dtype=np.float64).astype(np.float32)
+
+    def _last_layer_output(self, recorder, tokens: int) -> np.ndarray:
+        """The last decoder layer's `l_out` (tokens, H) a forward recorded, or a ColibriError saying why
+        this architecture has none to pool."""
+        layers = recorder.layers("l_out")
+        out = recorder.get("l_out", layers[-1]) if layers else None
+        where = f"plugin {self.arch.plugin} {self.arch.version}: {self.arch.name}"
+        if out is None:
+            raise ColibriError(f"{where} records no layer output (`record(i, l_out=h)` after each layer, "
+                               "docs/plugins.md): it has no hidden states to embed with")
+        if out.ndim != 2 or len(out) != tokens:
+            raise ColibriError(f"{where} gives no embeddings: its layers' output is {out.shape} for {tokens} tokens, "
+                               "not one hidden state per token (several residual streams)")
+        return out
+
     def stats(self) -> dict:
         c = self.counters
         decoded = max(0, c["generated_tokens"] - 1)
@@ -550,8 +604,8 @@ class Engine:
             self.experts.close()  # the remote shards
         if self.store is not None:
             self.store.close()
-        for fd in getattr(self, "_session_locks", {}).values():
-            os.close(fd)
+        for held in getattr(self, "_session_locks", {}).values():
+            held.release()
         self._session_locks = {}
         self.container.close()
         self.closed = True  # what needs the store and files says so (`_token_ids`), never a crash in C

@@ -51,8 +51,11 @@ class EngineOptions:
     # ---- the expert store (store/): none of these changes an output, only speed
     prefetch: bool = _option(True, "--prefetch/--no-prefetch", "Router lookahead: read the next layer's predicted "
                              "experts early.", cli=bool)
-    direct: bool = _option(False, "--direct", "Read experts with O_DIRECT (bypass the page cache; falls back with a "
-                           "warning where refused).", cli=bool)
+    direct: bool | None = _option(None, "--direct/--no-direct", "Read experts with O_DIRECT, bypassing the page "
+                                  "cache (default: on where experts are read while decoding, i.e. they do not all "
+                                  "fit the expert budget, and the filesystem takes it: copying out of the page "
+                                  "cache costs the CPU the kernels need; asked for and refused: a warning).",
+                                  cli=Optional[bool])
     mirror: str | Path | None = _option(None, "--mirror", "A byte-identical copy of the model on another disk to read "
                                         "experts from too.", cli=Optional[Path])
     policy: str = _option("lru", "--policy", "Expert cache eviction policy: lru, lfu, or one a plugin registers.",
@@ -96,6 +99,8 @@ class EngineOptions:
     prefix_cache: int | str | None = _option(None, "--prefix-cache", "RAM for the states of recent prompts, so a "
                                              "prompt sharing a prefix with one is prefilled only past it, e.g. 2GB "
                                              "(default: a tenth of --ram, beside it; 0: off).", cli=Optional[str])
+    no_prefix_cache: bool = _option(False, "--no-prefix-cache", "Turn the prefix cache off (as --prefix-cache 0): "
+                                    "every prompt is prefilled from its first token.", cli=bool)
     # tokens between the boundaries the prefix cache keeps states at: a multiple of 64
     # (kernels.deltanet.BLOCK; a test makes it small)
     prefill_chunk: int = _option(PREFILL_CHUNK, None, "")
@@ -104,6 +109,11 @@ class EngineOptions:
         for f in fields(self):  # a None takes its environment variable, else its `unset`
             if f.metadata["env"] and getattr(self, f.name) is None:
                 object.__setattr__(self, f.name, os.environ.get(f.metadata["env"]) or f.metadata["unset"])
+        if self.no_prefix_cache:
+            if self.prefix_cache not in (None, 0, "0"):
+                raise ColibriError(f"--no-prefix-cache and --prefix-cache {self.prefix_cache} contradict each other: "
+                                   "give one")
+            object.__setattr__(self, "prefix_cache", 0)
         object.__setattr__(self, "ray_models", tuple(self.ray_models))
         object.__setattr__(self, "ray_options", dict(self.ray_options or {}))  # a copy: these options never change
         self._check()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from .errors import ColibriError
 from .fsio import TOKENIZER_BYTES, read_text
@@ -37,19 +38,39 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Turns a growing list of ids into text deltas, holding back incomplete UTF-8 sequences."""
+    """Token ids in, text deltas out: together what `decode` gives for all of them (special tokens
+    skipped), at a cost per token that does not grow with the answer.
+
+    tokenizers' `DecodeStream` decodes each new id with the ids of the piece before it as context
+    (so a leading space, or a character split over byte-fallback tokens, comes out as in the whole)
+    and holds ids back while their text ends in an incomplete UTF-8 character (U+FFFD); decoding the
+    whole answer again on every token would make an answer's detokenisation quadratic."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = ""
+        self.stream = DecodeStream(skip_special_tokens=True)
+        self.piece: list[int] = []  # the ids of the last text given out: the next one's context
+        self.held: list[int] = []  # ids pushed since, whose text is not complete yet
 
     def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+        try:
+            text = self.stream.step(self.tokenizer.tok, token)
+        except Exception as e:  # tokenizers raises a plain Exception (vLLM's detokenizer matches it the same way)
+            if "Invalid prefix encountered" not in str(e):
+                raise
+            # The piece's text changed under the new token: bytes that made a character alone do not
+            # with the bytes after them (decode shows each byte of such a run as U+FFFD). What was
+            # given out stays out, the rest follows it, and the stream goes on from here.
+            ids = [*self.piece, *self.held, token]
+            text = self.tokenizer.decode(ids)[len(self.tokenizer.decode(self.piece)):]
+            self.stream = DecodeStream([*self.held, token], skip_special_tokens=True)
+        if text is None:
+            self.held.append(token)
             return ""
-        delta, self.emitted = text[len(self.emitted):], text
-        return delta
+        self.piece, self.held = [*self.held, token], []
+        return text
 
-
+    def flush(self) -> str:
+        """The held ids' text, once the answer has ended: an incomplete UTF-8 character as U+FFFD."""
+        ids, self.held = self.piece + self.held, []
+        return self.tokenizer.decode(ids)[len(self.tokenizer.decode(self.piece)):]

@@ -84,6 +84,25 @@ def test_stop_ends_the_answer_before_the_stop_text(env):
     assert cut.stdout == text[:text.index(stop)] + "\n"
 
 
+def test_chat_stop_ends_the_answer_and_the_conversation_keeps_it_cut(env):
+    """chat --stop as run --stop: the answer shown ends before the stop text, and so does the answer the
+    conversation keeps (the next turn's prompt is the template's rendering of the cut one)."""
+    question, then = "Who made the light?", "And the earth?"
+    full = colibri("chat", "--max-tokens", "40", "--temperature", "0", env=env, input=f"{question}\n/exit\n")
+    assert full.returncode == 0, full.stderr
+    text = full.stdout.removeprefix("> ").removesuffix("\n> ")  # "> " is each question's prompt
+    stop = text[len(text) // 2: len(text) // 2 + 5]
+    assert stop.strip() and len(text) > 20 and "\n> " not in text, text
+    cut = colibri("chat", "--max-tokens", "40", "--temperature", "0", "--stop", stop, "--stop", "no such text",
+                  env=env, input=f"{question}\n{then}\n/exit\n")
+    assert cut.returncode == 0, cut.stderr
+    kept = text[:text.index(stop)]
+    assert cut.stdout.startswith(f"> {kept}\n> "), cut.stdout
+    turns = [int(n) for n in re.findall(r"prefill (\d+) tokens at", cut.stderr)]
+    assert turns[1] == chat_tokens([{"role": "user", "content": question}, {"role": "assistant", "content": kept},
+                                    {"role": "user", "content": then}]), cut.stderr
+
+
 def test_run_session_is_a_chat_turn_that_chat_resumes(env, tmp_path):
     """`run --session` answers one turn of a saved conversation: the second run's prompt is the whole
     conversation rendered, and `chat --session` resumes all of it; the demo's directory stays as it is."""
@@ -139,7 +158,9 @@ def test_help_lists_choices_extras_and_the_prompt_as_written():
 
 def test_shell_completion_is_offered_and_completes():
     script = Path(sys.executable).with_name("colibri")  # the console script: completion is keyed on its name
-    r = subprocess.run([script, "--show-completion", "bash"], capture_output=True, text=True)
+    # --show-completion names the shell it is run from (typer asks shellingham, which walks the parent
+    # processes): run it from bash, whatever runs the tests (`; exit`: bash would exec a lone command)
+    r = subprocess.run(["bash", "-c", f"'{script}' --show-completion; exit $?"], capture_output=True, text=True)
     assert r.returncode == 0 and "_COLIBRI_COMPLETE=complete_bash" in r.stdout, r.stdout + r.stderr
     r = subprocess.run([script], capture_output=True, text=True,
                        env={**os.environ, "_COLIBRI_COMPLETE": "complete_bash", "COMP_WORDS": "colibri ser",

@@ -91,6 +91,23 @@ def test_plan_shows_the_prefix_cache_the_engine_holds(tiny_model):
 
 
 
+def test_plan_shows_the_read_path_the_engine_takes(tiny_model):
+    """`plan`'s read path is the engine's choice (planning.read_direct): O_DIRECT where experts are
+    read while decoding, the page cache where all are cached, as --direct / --no-direct say."""
+    bw = dict(disk_bw="1GB", mem_bw="1GB")
+    m = report(model=tiny_model, ram="50MB", **bw)["model"]
+    small = m["dense_bytes"] + 3 * m["moe_layers"] * m["expert_nbytes"]  # 3 experts a layer cached, or about
+    for ram, asked, streamed in ((small, None, True), ("50MB", None, False), (small, False, True), ("50MB", True, False)):
+        p = report(model=tiny_model, ram=ram, read_asked=asked, **bw)
+        assert streamed == (p["split"]["cache_slots"] < p["model"]["n_experts"])
+        assert p["read_direct"] == (streamed if asked is None else asked)
+        with load(tiny_model, ram=ram, direct=asked, usage=False) as engine:
+            assert engine.store.sources[0].direct_asked == p["read_direct"]
+    args = ("plan", "--model", tiny_model, "--ram", "50MB", "--disk-bw", "1GB", "--mem-bw", "1GB")
+    assert "read path: page cache (by default: every expert is cached)" in colibri(*args).stdout
+    assert "read path: O_DIRECT (--direct)" in colibri(*args, "--direct").stdout
+
+
 def test_the_engine_prefix_cache_never_holds_more_than_its_budget(tiny_model):
     """Prompts past the budget evict the least recently used: after every one the cache holds whole
     entries (each prompt's of the same size) within the budget, and still serves the latest."""

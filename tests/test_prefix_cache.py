@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from colibri_core import load
+from colibri_core.options import EngineOptions
 from colibri_core.errors import ColibriError
 from colibri_core.kv import SequenceState
 from colibri_core.kv.cache import KVCache
@@ -161,10 +162,13 @@ def test_only_calls_without_a_session_use_the_cache_and_stats_count_it(tiny_mode
         s = engine.stats()
         assert (s["prefix_cache_hits"], s["prefix_cached_tokens"], s["prefix_cache_entries"]) == (1, 64, 1)
         assert 0 < s["prefix_cache_bytes"] <= s["prefix_cache_budget"] == 64_000_000
-    with load(tiny_model, prefill_chunk=64, prefix_cache=0) as engine:
-        engine.generate(prompt, 2, stop_ids=())
-        engine.generate(prompt, 2, stop_ids=())
-        assert engine.stats()["prefix_cached_tokens"] == 0 and engine.stats()["prefix_cache_bytes"] == 0
+    for off in ({"prefix_cache": 0}, {"no_prefix_cache": True}):  # --prefix-cache 0, --no-prefix-cache
+        with load(tiny_model, prefill_chunk=64, **off) as engine:
+            engine.generate(prompt, 2, stop_ids=())
+            engine.generate(prompt, 2, stop_ids=())
+            assert engine.stats()["prefix_cached_tokens"] == 0 and engine.stats()["prefix_cache_bytes"] == 0
+    with pytest.raises(ColibriError, match="contradict"):
+        EngineOptions(prefix_cache="1GB", no_prefix_cache=True)
 
 
 def test_a_prefill_is_one_forward(tiny_model, monkeypatch):

@@ -273,7 +273,7 @@ BAD = [  # (name, path, raw body or json, status, param)
     ("top_p zero", "/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
     ("stream not bool", "/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
     ("stop wrong type", "/v1/completions", {"prompt": "a", "stop": [1, 2]}, 400, "stop[0]"),
-    ("n=2", "/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n"),
+    ("n=9", "/v1/chat/completions", {"messages": CHAT, "n": 9}, 400, "n"),
     ("penalty out of range", "/v1/chat/completions", {"messages": CHAT, "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("stream_options without stream", "/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("prompt missing", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
@@ -281,7 +281,7 @@ BAD = [  # (name, path, raw body or json, status, param)
     ("unknown model", "/v1/chat/completions", {"model": "gpt-17", "messages": CHAT}, 404, "model"),
     ("image part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0]"),
     ("long prompt + max_tokens", "/v1/completions", {"prompt": [5] * 4000, "max_tokens": 200}, 400, "max_tokens"),
-    ("unknown endpoint", "/v1/embeddings", {"input": "x"}, 404, None),
+    ("unknown endpoint", "/v1/images/generations", {"prompt": "x"}, 404, None),
     ("detokenize wrong type", "/detokenize", {"tokens": "abc"}, 400, "tokens"),
 ]
 
@@ -432,12 +432,15 @@ def test_metrics_are_prometheus_text(server, tiny_model):
 
 def test_metrics_escape_the_model_name():
     """--model-name is the user's text: a quote, backslash or newline in it must not break the scrape."""
+    from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from colibri_core.server.metrics import Metrics, prometheus
+    from colibri_core.server.metrics import Exporter, Metrics
 
     name = 'org/kjv "demo"\\x\ny'
-    text = prometheus(Metrics(), None, {"waiting": 0, "capacity": 4, "running": 0}, name)
+    metrics = Metrics()
+    metrics.registry.register(Exporter(metrics, name, lambda: None, lambda: {"waiting": 0, "capacity": 4, "running": 0}))
+    text = generate_latest(metrics.registry).decode()
     (sample,) = [s for f in text_string_to_metric_families(text) if f.name == "colibri_model_loaded" for s in f.samples]
     assert sample.labels == {"model": name}
 
@@ -469,7 +472,12 @@ def test_dashboard_json_shows_the_prefix_cache_and_the_running_request(server, t
     stream = Stream(server.url + "/v1/completions", {**body, "max_tokens": 2000, "ignore_eos": True, "stream": True})
     assert stream.response.status == 200
     next(stream.events())  # its prefill is done
-    [live] = server.json("/api/stats")["running"]
+    deadline = time.monotonic() + 30
+    while True:  # the snapshot is published at the end of the step that sent the first token: soon after it
+        [live] = server.json("/api/stats")["running"]
+        if not live["prefilling"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     stream.close()
     wait_idle(server)
     cached = (prompt_tokens - 1) // 64 * 64  # all of the same prompt but its last piece (of 64 tokens: rows alone)

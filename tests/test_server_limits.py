@@ -112,7 +112,7 @@ def test_special_tokens_typed_in_a_message_are_text(server, tiny_model):
 # ---- bounds ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "a", "max_tokens": 65}, "max_tokens"),  # --max-tokens 64
-    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "n": 9}, "n"),  # at most MAX_CHOICES
     ({"prompt": "a", "stop": ["s"] * 17}, "stop"),
     ({"prompt": "a", "stop": "x" * 513}, "stop"),
     ({"prompt": "a", "stop": [""]}, "stop[0]"),

@@ -167,7 +167,7 @@ def test_a_forced_call_cut_by_max_tokens_is_a_partial_call(client):
 OPENAI_CHAT = [
     ("model", None, "ok"), ("messages", ASK, "ok"), ("frequency_penalty", 0.5, "ok"), ("presence_penalty", -0.5, "ok"),
     ("logit_bias", {"5": -100}, "ok"), ("logprobs", True, "ok"), ("top_logprobs", 2, "needs logprobs"),
-    ("max_tokens", 3, "ok"), ("max_completion_tokens", 3, "ok"), ("n", 2, 400), ("seed", 3, "ok"),
+    ("max_tokens", 3, "ok"), ("max_completion_tokens", 3, "ok"), ("n", 9, 400), ("seed", 3, "ok"),
     ("stop", ["\n"], "ok"), ("stream", True, "ok"), ("stream_options", {"include_usage": True}, "needs stream"),
     ("temperature", 0.5, "ok"), ("top_p", 0.9, "ok"), ("tools", [WEATHER], "ok"), ("tool_choice", "none", "ok"),
     ("parallel_tool_calls", False, "ok"), ("response_format", {"type": "json_object"}, "ok"), ("user", "u1", "ok"),
@@ -180,7 +180,7 @@ OPENAI_CHAT = [
 ]
 OPENAI_COMPLETIONS = [
     ("prompt", "And", "ok"), ("best_of", 2, 400), ("echo", True, "ok"), ("frequency_penalty", 1.0, "ok"),
-    ("logit_bias", {"5": 50}, "ok"), ("logprobs", 2, "ok"), ("max_tokens", 3, "ok"), ("n", 2, 400),
+    ("logit_bias", {"5": 50}, "ok"), ("logprobs", 2, "ok"), ("max_tokens", 3, "ok"), ("n", 9, 400),
     ("presence_penalty", 1.0, "ok"), ("seed", 1, "ok"), ("stop", "x", "ok"), ("stream", True, "ok"),
     ("suffix", "tail", 400), ("temperature", 1.0, "ok"), ("top_p", 0.5, "ok"), ("user", "u", "ok"),
 ]

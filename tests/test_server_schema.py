@@ -49,13 +49,17 @@ def test_the_document_is_generated_from_the_request_models(server):
     doc = document(server)
     assert doc["openapi"] == "3.1.0" and doc["security"] == [{"bearer": []}]
     lim = schemas.Limits(context=4096, vocab=300, max_tokens=8)
-    for path, model in (("/v1/chat/completions", schemas.chat_model), ("/v1/completions", schemas.completion_model),
-                        ("/tokenize", schemas.tokenize_model), ("/detokenize", schemas.detokenize_model)):
+    components = doc["components"]["schemas"]
+    for path, model in (("/v1/chat/completions", schemas.ChatBody), ("/v1/completions", schemas.CompletionBody),
+                        ("/tokenize", schemas.TokenizeBody), ("/detokenize", schemas.DetokenizeBody)):
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-        assert body == json.loads(json.dumps(model(lim).doc())), path
-    sampling = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert sampling["properties"]["max_tokens"]["type"] == ["integer", "null"]
-    assert sampling["properties"]["max_tokens"]["maximum"] == 8  # --max-tokens, as the handlers enforce it
+        assert body == {"$ref": f"#/components/schemas/{model.__name__}"}, path
+        generated = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, schema in {**generated.pop("$defs", {}), model.__name__: generated}.items():
+            assert components[name] == json.loads(json.dumps(schemas.limited(schema, lim))), (path, name)
+    max_tokens = components["CompletionBody"]["properties"]["max_tokens"]["anyOf"][0]
+    assert max_tokens == {"type": "integer", "minimum": 1, "maximum": 8}  # --max-tokens, as the handlers enforce it
+    assert "x-limit" not in json.dumps(doc)  # every placeholder filled in
     assert doc["paths"]["/health"]["get"]["security"] == []  # the one open endpoint
 
 

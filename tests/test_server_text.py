@@ -1,5 +1,6 @@
 """Stop strings in streamed text, the request checks, and the engine's timing and routing probe."""
 import random
+import time
 
 import numpy as np
 import pytest
@@ -104,13 +105,17 @@ class FakeEngine:
     """Yields token 1 then fails, as an engine meeting a damaged expert file does; has the parts a
     snapshot reads (one MoE layer of 2 experts, nothing cached)."""
 
-    def __init__(self):
+    def __init__(self, tmp_path):
         from types import SimpleNamespace
+
+        from tokenizers import Tokenizer as HFTokenizer, models
 
         from colibri_core.probe import Probe
         from colibri_core.store.stats import Placement
+        from colibri_core.tokenizer import Tokenizer
 
-        self.tokenizer = type("T", (), {"decode": staticmethod(lambda ids: "x" * len(ids))})()
+        HFTokenizer(models.WordLevel({"y": 0, "x": 1}, unk_token="y")).save(str(tmp_path / "tokenizer.json"))
+        self.tokenizer = Tokenizer(tmp_path / "tokenizer.json")  # token 1 is "x"
         self.gate = __import__("threading").Event()
         self.arch = SimpleNamespace(name="fake")
         self.container = SimpleNamespace(moe_layers=[0], n_experts=2, expert_nbytes=1)
@@ -137,19 +142,21 @@ class FakeEngine:
         raise ColibriError("expert file experts/layer0.bin is truncated; reconvert the model")
 
 
-def test_worker_queue_bounds_and_engine_failures():
+def test_worker_queue_bounds_and_engine_failures(tmp_path):
     import asyncio
 
     from colibri_core.server.worker import Delta, Failed, Job, Params, QueueFull, Worker
 
     async def main():
         loop = asyncio.get_running_loop()
-        engine = FakeEngine()
+        engine = FakeEngine(tmp_path)
         worker = Worker(engine, max_queue=2)
         params = Params(max_tokens=5, temperature=0, top_p=1, top_k=0, seed=None, stop=[], stop_ids=())
         jobs = [Job("completion", [1], params, loop)]
         worker.submit(jobs[0])
+        deadline = time.monotonic() + 30
         while not worker.running:  # the first job is taken at once and blocks on the gate
+            assert time.monotonic() < deadline and jobs[0].events.empty(), "the first job did not start"
             await asyncio.sleep(0.01)
         jobs += [Job("completion", [1], params, loop) for _ in range(2)]
         for job in jobs[1:]:
@@ -161,7 +168,7 @@ def test_worker_queue_bounds_and_engine_failures():
         assert len(worker.waiting) == 1
         worker.submit(Job("completion", [1], params, loop))
         engine.gate.set()
-        first = [await jobs[0].events.get() for _ in range(2)]
+        first = [(await jobs[0].events.get())[1] for _ in range(2)]
         assert isinstance(first[0], Delta) and first[0].text == "x"
         assert isinstance(first[1], Failed) and "truncated" in first[1].message
         worker.stop()

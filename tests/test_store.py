@@ -659,6 +659,29 @@ def test_direct_io_refused_falls_back_with_a_message(model, baseline, tmp_path, 
         shutil.rmtree(m, ignore_errors=True)
 
 
+def test_the_default_read_path_is_o_direct_where_experts_are_streamed(model, baseline, tmp_path, monkeypatch):
+    """Without --direct/--no-direct: O_DIRECT where experts are read while decoding (fewer slots than
+    experts), the page cache where every expert is cached; a refusal of the default is silent (the
+    page cache serves), and --no-direct is page-cache reads. Outputs identical throughout."""
+    import errno
+
+    m = copy_model(model, tmp_path / "m")
+    accepts = io._open_direct(str(m / "experts" / "layer-000.bin"), 4096)
+    if accepts[0] >= 0:
+        io.close_fd(accepts[0])
+    for slots, asked, expected in [(2, None, accepts[1] == 0), (16, None, False), (2, False, False)]:
+        with load(m, cache_slots=slots, direct=asked, usage=False) as e:
+            check_same(e, baseline, turns=1)
+            assert e.stats()["direct_io"] is expected, (slots, asked)
+    monkeypatch.setattr(io, "_open_direct", lambda path, probe: (-errno.EINVAL, errno.EINVAL))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with load(m, cache_slots=2, usage=False) as e:
+            check_same(e, baseline, turns=1)
+            assert e.stats()["direct_io"] is False
+    assert not [w for w in caught if "O_DIRECT" in str(w.message)]
+
+
 def test_io_pool_reads_what_python_reads(tmp_path):
     data = os.urandom(5 * 4096 + 100)
     f = tmp_path / "data.bin"

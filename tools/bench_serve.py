@@ -1,9 +1,12 @@
 """Benchmark: `colibri serve` under many clients — concurrent streams, a replayed agent session, and
-llama.cpp decoding as many sequences together — each figure against the same server one at a time.
+llama.cpp (its server under the same load, and decoding as many sequences together) — each figure
+against the same server one at a time.
 
     .venv/bin/python tools/bench_serve.py --quick [--json OUT]          # seconds: tiny model, every part
     .venv/bin/python tools/bench_serve.py --parts sweep --regimes resident --clients 1,8 --parallel 8
-    .venv/bin/python tools/bench_serve.py [--parts sweep,session,llamacpp] [--resident-layers 16]
+    .venv/bin/python tools/bench_serve.py --parts sweep,llamaserver --regimes resident --clients 1,8 \
+        [--resident-model bench-data/olmoe-synth-16l] [--llama-server bench-data/llama-server]
+    .venv/bin/python tools/bench_serve.py [--parts sweep,session,llamacpp,llamaserver] [--resident-layers 16]
         [--streamed-layers 4] [--clients 1,2,4,8,16] [--parallel 8] [--prompt 32] [--tokens 64]
         [--threads N] [--data bench-data] [--json OUT]
 
@@ -20,7 +23,9 @@ i written "<ti>", so every generated token streams as one chunk and answers map 
             container instead (tools/make_synthetic_olmoe.py's routes as skewed as real models).
   streamed  Qwen3.6-35B-A3B's dimensions (tools/bench_real_dims.py make; `--streamed-layers N` is a
             slice of its first N of 40 layers), the expert cache at 25 % of the experts' bytes
-            (`--cache-slots` = a quarter of the experts per layer, no hot-store, O_DIRECT reads).
+            (`--cache-slots` = a quarter of the experts per layer, no hot-store, O_DIRECT reads);
+            `--streamed-model DIR` streams another container (the skewed routers above), and
+            `--streamed-policy lfu` keeps the most used experts instead of the most recent.
   --quick   tools/bench_llamacpp.py's `tiny` dimensions in a temporary directory: colibri's container
             from the converter's random pool in both regimes, llama.cpp's GGUF apart (the figures
             check the tool, they compare nothing).
@@ -54,6 +59,15 @@ Parts (`--parts`):
             tokens/s (the same wall-time definition) against colibri's at C = P clients. Needs the
             `bench` extra (gguf, llama-cpp-python): without it this part says why and measures
             nothing.
+  llamaserver
+            llama.cpp's own server (`--llama-server`, built from the llama.cpp sources llama-cpp-python
+            vendors: its `llama-server` target) under the sweep's load — the same prompts, warm-up,
+            clients and --tokens, `ignore_eos` — at `--parallel 1` and `--parallel P` (`--cont-batching`,
+            `-t`/`-tb` --threads, a context of P × each slot's), on the resident regime's weights as a
+            GGUF (`--resident-gguf`; by default the GGUF the container was converted from, or with
+            --resident-model its Q4_0 written beside it, bit-exact: colibri's int4 groups of 64 are
+            two Q4_0 blocks each); each aggregate tokens/s against colibri's resident sweep at the
+            same clients. Without the binary this part says why and measures nothing.
 
 Prints a table per part and, with --json, writes every figure with the commands' settings, the
 machine (CPU, cores, memory read bandwidth) and the date.
@@ -62,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import http.client
 import importlib.util
 import json
@@ -70,6 +83,7 @@ import os
 import platform
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -80,6 +94,7 @@ from pathlib import Path
 from statistics import median
 
 import numpy as np
+from filelock import FileLock, Timeout
 
 import bench_llamacpp
 import bench_real_dims
@@ -149,6 +164,9 @@ def resident_model(args) -> Path:
 
 
 def streamed_model(args) -> Path:
+    """--streamed-model, or a Qwen3.6 slice at real dimensions (uniformly random routers)."""
+    if args.streamed_model:
+        return args.streamed_model
     if args.quick:
         return tiny_model(args.data)
     dst = args.data / f"qwen36-{args.streamed_layers}l"
@@ -167,9 +185,10 @@ def regimes(args) -> list[Regime]:
     if "streamed" in args.regimes:
         model = streamed_model(args)
         quarter = max(1, experts_per_layer(model) // 4)
-        out.append(Regime("streamed", model, ("--cache-slots", str(quarter), "--pin-gb", "0", "--direct"),
+        out.append(Regime("streamed", model, ("--cache-slots", str(quarter), "--policy", args.streamed_policy,
+                                              "--pin-gb", "0", "--direct"),
                           f"{quarter} of {experts_per_layer(model)} experts a layer cached (25 % of the experts' "
-                          "bytes), no hot-store, O_DIRECT reads"))
+                          f"bytes, {args.streamed_policy}), no hot-store, O_DIRECT reads"))
     for r in out:
         word_tokenizer(r.model)
     return out
@@ -188,6 +207,113 @@ def gguf_model(args) -> Path:
         bench_llamacpp.build_gguf(d, path.with_suffix(".partial"), "int4")
         path.with_suffix(".partial").rename(path)
     return path
+
+
+def resident_gguf(args) -> Path:
+    """llama-server's model for the resident regime: the same weights as colibri's container. The GGUF
+    the container was converted from, or with --resident-model its Q4_0 written beside it."""
+    if args.resident_gguf:
+        return args.resident_gguf
+    if not args.resident_model:
+        return gguf_model(args)
+    model = args.resident_model
+    path = model.with_name(model.name + "-q4_0.gguf")
+    if not path.is_file():
+        gguf_of_container(model, path.with_suffix(".partial"))
+        path.with_suffix(".partial").rename(path)
+    return path
+
+
+def q4_0_blocks(t) -> np.ndarray:
+    """An int4 QTensor as Q4_0 rows, bit-exact: each group of 64 (values q in -8..7, one f16 scale) is
+    two Q4_0 blocks of 32 with that scale (nibble q + 8; byte j holds elements j and j + 16).
+    uint8 (rows, cols / 32 × 18)."""
+    from colibri_core import quant
+
+    if t.kind != "int4" or t.cols % quant.INT4_GROUP:
+        raise SystemExit(f"no exact Q4_0 of a {t.kind} matrix of {t.cols} columns")
+    nib = (quant.int4_values(t) + 8).astype(np.uint8).reshape(t.rows, -1, 32)  # (rows, blocks, 32)
+    qs = nib[..., :16] | (nib[..., 16:] << 4)  # (rows, blocks, 16)
+    d = np.repeat(t.scales, 2, axis=1).view(np.uint8).reshape(t.rows, -1, 2)  # (rows, blocks, 2): f16 bytes
+    return np.concatenate([d, qs], axis=2).reshape(t.rows, -1)
+
+
+def gguf_of_container(model: Path, path: Path) -> None:
+    """An OLMoE container with int4 matrices (make_synthetic_olmoe.py's) as a Q4_0 GGUF of the same
+    weights, the header as bench_llamacpp.build_gguf writes it (tokens "<ti>"): llama.cpp then runs the
+    model colibri runs, routers included (f32 in both)."""
+    import gguf
+
+    from colibri_core.container.reader import Container
+
+    cfg = config(model)
+    H, E, V, L = cfg["hidden_size"], cfg["num_experts"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    with Container(model) as c:
+        res = c.resident()
+        w = gguf.GGUFWriter(str(path), "olmoe")
+        w.add_name(model.name)
+        w.add_context_length(cfg["max_position_embeddings"])
+        w.add_embedding_length(H)
+        w.add_block_count(L)
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_rope_freq_base(cfg["rope_theta"])
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        w.add_expert_count(E)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+        w.add_tokenizer_model("llama")
+        w.add_token_list([f"<t{i}>".encode() for i in range(V)])
+        w.add_token_scores([0.0] * V)
+        w.add_token_types([gguf.TokenType.NORMAL] * V)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(0)
+        Q4, I = gguf.GGMLQuantizationType.Q4_0, cfg["intermediate_size"]
+        tensors = []  # (GGUF name, shape, dtype, raw type or None, make): written one at a time
+
+        def dense(gname, name):
+            t = res[name]
+            if isinstance(t, np.ndarray):  # norms (ones), routers: f32 in both engines
+                tensors.append((gname, t.shape, np.float32, None, lambda: np.ascontiguousarray(t, np.float32)))
+            elif t.kind == "f32":
+                tensors.append((gname, t.data.shape, np.float32, None, lambda: np.ascontiguousarray(t.data)))
+            else:
+                tensors.append((gname, (t.rows, t.cols // 32 * 18), np.uint8, Q4, lambda: q4_0_blocks(t)))
+
+        def experts(gname, layer, proj):
+            rows, cols = (H, I) if proj == 2 else (I, H)  # gate, up (I, H); down (H, I)
+            tensors.append((gname, (E, rows, cols // 32 * 18), np.uint8, Q4,
+                            lambda: np.stack([q4_0_blocks(c.read_expert(layer, e)[proj]) for e in range(E)])))
+
+        dense("token_embd.weight", "model.embed_tokens.weight")
+        for i in range(L):
+            b, p = f"blk.{i}.", f"model.layers.{i}."
+            for gname, name in (("attn_norm", "input_layernorm"), ("attn_q", "self_attn.q_proj"),
+                                ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+                                ("attn_output", "self_attn.o_proj"), ("attn_q_norm", "self_attn.q_norm"),
+                                ("attn_k_norm", "self_attn.k_norm"), ("ffn_norm", "post_attention_layernorm"),
+                                ("ffn_gate_inp", "mlp.gate")):
+                dense(b + gname + ".weight", p + name + ".weight")
+            for proj, gname in enumerate(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+                experts(b + gname + ".weight", i, proj)
+        dense("output_norm.weight", "model.norm.weight")
+        dense("output.weight", "lm_head.weight")
+        for gname, shape, dtype, raw, _ in tensors:
+            w.add_tensor_info(gname, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize,
+                              raw_dtype=raw)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for i, (gname, shape, dtype, raw, make) in enumerate(tensors):
+            a = make()
+            if a.shape != shape:
+                raise SystemExit(f"{gname}: made {a.shape}, declared {shape}")
+            w.write_tensor_data(a)
+            print(f"\rgguf {i + 1}/{len(tensors)}", end="", file=sys.stderr)
+        print(file=sys.stderr)
+        w.close()
 
 
 # ----------------------------------------------------------------------------- the server
@@ -243,6 +369,55 @@ class Server:
     def __exit__(self, *exc):
         if self.proc.poll() is None:
             self.stop()
+
+
+LLAMA_SERVER_CRASH_HINT = (" — on a CPU with AMX, llama.cpp built with -DGGML_NATIVE=ON crashes in its warm-up: "
+                           "build it with -DGGML_NATIVE=OFF and the AVX-512 flags (BENCHMARKS.md, 'Many clients at once')")
+
+
+class LlamaServer(Server):
+    """llama.cpp's `llama-server` on a free loopback port: `--parallel N --cont-batching`, a context of
+    N × `slot` tokens (each slot's), `--threads` and `--threads-batch` as colibri's. It has no
+    /api/stats: no expert traffic is counted."""
+
+    def __init__(self, binary: Path, gguf: Path, parallel: int, slot: int, threads: int, timeout: float):
+        self.timeout, self.host = timeout, "127.0.0.1"
+        with socket.socket() as s:  # llama-server has no port 0: a free port, taken back just before
+            s.bind((self.host, 0))
+            self.port = str(s.getsockname()[1])
+        self.flags = ["--parallel", str(parallel), "--cont-batching", "-t", str(threads), "-tb", str(threads),
+                      "--ctx-size", str(parallel * slot)]
+        self.proc = subprocess.Popen([str(binary), "-m", str(gguf), "--host", self.host, "--port", self.port,
+                                      *self.flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        log = []
+        threading.Thread(target=lambda: log.extend(self.proc.stderr), daemon=True).start()
+        deadline = time.monotonic() + 600
+        while not self.ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                hint = LLAMA_SERVER_CRASH_HINT if (self.proc.poll() or 0) < 0 else ""
+                raise SystemExit(f"llama-server {' '.join(self.flags)} did not start (exit {self.proc.poll()}){hint}:\n"
+                                 f"{''.join(log[-20:])}")
+            time.sleep(0.5)
+        self.model = self.get("/v1/models")["data"][0]["id"]
+
+    def ready(self) -> bool:
+        conn = http.client.HTTPConnection(self.host, int(self.port), timeout=5)
+        try:
+            conn.request("GET", "/health")
+            return conn.getresponse().status == 200  # 503 while the model loads
+        except OSError:
+            return False
+        finally:
+            conn.close()
+
+    def engine_stats(self) -> None:
+        return None
+
+
+def llama_server_version(binary: Path) -> str:
+    out = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
+    return " ".join((out.stdout + out.stderr).split())
 
 
 @dataclass
@@ -344,15 +519,20 @@ def concurrent(server: Server, prompts: Prompts, clients: int, tokens: int) -> d
     if errors:  # the cause, not the other clients' broken barrier
         raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
     after = server.engine_stats()
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in ENGINE_COUNTERS}
     generated = sum(s.completion_tokens for s in results)
     wall = max(s.chunks[-1] for s in results) - min(s.sent for s in results)
-    per_token = max(1, d["generated_tokens"])
-    return {
+    point = {
         "clients": clients, "generated_tokens": generated, "wall_s": wall, "aggregate_tok_s": generated / wall,
         "ttft_s": percentiles([s.ttft for s in results]),
         "itl_s": percentiles([g for s in results for g in s.gaps]),
         "chunks_per_token": sum(len(s.chunks) for s in results) / generated,  # 1: the gaps are per token
+    }
+    if before is None:  # llama-server: no expert counters
+        return point
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ENGINE_COUNTERS}
+    per_token = max(1, d["generated_tokens"])
+    return {
+        **point,
         "bytes_read_per_token": d["bytes_read"] / per_token, "reads_per_token": d["reads"] / per_token,
         "expert_lookups_per_token": (d["expert_hits"] + d["expert_misses"]) / per_token,
         # forward steps (one per generation alone, one for all of a batch's), and experts read twice in one
@@ -363,19 +543,25 @@ def concurrent(server: Server, prompts: Prompts, clients: int, tokens: int) -> d
 def sweep_server(regime: Regime, flags: list[str], args, label: str) -> list[dict]:
     with Server(regime.model, [*flags, *regime.flags, *ARITHMETIC, "--prefix-cache", "0",
                                "--queue", str(max(args.clients))], args.threads, args.timeout) as server:
-        prompts = Prompts(vocab_size(regime.model), args.prompt)
-        # warm: the kernels, and (a long prompt routes to most experts) the experts read in
-        complete(server, random_ids(0, vocab_size(regime.model), args.warm), min(8, args.tokens))
-        points = []
-        for c in args.clients:
-            points.append(concurrent(server, prompts, c, args.tokens))
-            p = points[-1]
-            # against the first C's (1 client's in the default sweep)
+        return measure(server, vocab_size(regime.model), args, f"{regime.name:9} {label}")
+
+
+def measure(server: Server, vocab: int, args, label: str) -> list[dict]:
+    """The sweep's load on one server: warmed, then each of --clients concurrent clients in turn."""
+    prompts = Prompts(vocab, args.prompt)
+    # warm: the kernels, and (a long prompt routes to most experts) the experts read in
+    complete(server, random_ids(0, vocab, args.warm), min(8, args.tokens))
+    points = []
+    for c in args.clients:
+        points.append(concurrent(server, prompts, c, args.tokens))
+        p = points[-1]
+        traffic = ""
+        if "bytes_read_per_token" in p:  # against the first C's (1 client's in the default sweep)
             p["bytes_read_vs_first"] = ratio(p["bytes_read_per_token"], points[0]["bytes_read_per_token"])
-            print(f"{regime.name:9} {label:13} {c:3} clients: {p['aggregate_tok_s']:8.2f} tok/s · TTFT median "
-                  f"{p['ttft_s']['median'] * 1e3:8.1f} ms p90 {p['ttft_s']['p90'] * 1e3:8.1f} · ITL median "
-                  f"{p['itl_s']['median'] * 1e3:7.1f} ms p90 {p['itl_s']['p90'] * 1e3:7.1f} · "
-                  f"{p['bytes_read_per_token'] / 1e6:8.2f} MB read a token", file=sys.stderr)
+            traffic = f" · {p['bytes_read_per_token'] / 1e6:8.2f} MB read a token"
+        print(f"{label:23} {c:3} clients: {p['aggregate_tok_s']:8.2f} tok/s · TTFT median "
+              f"{p['ttft_s']['median'] * 1e3:8.1f} ms p90 {p['ttft_s']['p90'] * 1e3:8.1f} · ITL median "
+              f"{p['itl_s']['median'] * 1e3:7.1f} ms p90 {p['itl_s']['p90'] * 1e3:7.1f}{traffic}", file=sys.stderr)
     return points
 
 
@@ -573,20 +759,61 @@ def _importable(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+# ----------------------------------------------------------------------------- llama.cpp's server
+
+
+def llama_server(args, sweep_result: dict | None) -> dict:
+    """llama-server at `--parallel 1` and `--parallel P` under the sweep's load (the same prompts, warm-up
+    and --tokens, end of sequence ignored), on the resident regime's model as a GGUF, against colibri's
+    resident sweep at each client count."""
+    binary = args.llama_server
+    if not binary.is_file():
+        print(f"llama-server: not measured: no binary at {binary} (llama.cpp's llama-server target)",
+              file=sys.stderr)
+        return {"skipped": f"no llama-server at {binary}"}
+    gguf, vocab = resident_gguf(args), vocab_size(resident_model(args))
+    slot = max(args.warm + 8, args.prompt + args.tokens) + 16  # each slot's context, in tokens
+    result = {"binary": str(binary), "version": llama_server_version(binary), "gguf": str(gguf),
+              "slot_context": slot}
+    for mode, n in (("one_at_a_time", 1), ("batched", args.parallel)):
+        with LlamaServer(binary, gguf, n, slot, args.threads, args.timeout) as server:
+            result[mode + "_flags"] = server.flags
+            result[mode] = measure(server, vocab, args, f"llama-server --parallel {n}")
+    result["batched_vs_one_at_a_time"] = [{"clients": one["clients"],
+                                           "aggregate_tok_s": ratio(many["aggregate_tok_s"], one["aggregate_tok_s"])}
+                                          for one, many in zip(result["one_at_a_time"], result["batched"])]
+    resident = (sweep_result or {}).get("resident")
+    if resident is None:
+        print("colibri / llama-server: no ratio (the resident sweep did not run)", file=sys.stderr)
+        return result
+    result["colibri_over_llama_server"] = []
+    for mode in ("one_at_a_time", "batched"):
+        for ours, theirs in zip(resident[mode] or [], result[mode]):
+            q = {"mode": mode, "clients": ours["clients"], "colibri_tok_s": ours["aggregate_tok_s"],
+                 "llama_server_tok_s": theirs["aggregate_tok_s"],
+                 "aggregate_tok_s": ratio(ours["aggregate_tok_s"], theirs["aggregate_tok_s"])}
+            result["colibri_over_llama_server"].append(q)
+            print(f"colibri / llama-server, {mode.replace('_', ' ')}, {q['clients']:3} clients: "
+                  f"{q['aggregate_tok_s']:.2f}x", file=sys.stderr)
+    return result
+
+
 # ----------------------------------------------------------------------------- the run
 
 
 @contextlib.contextmanager
 def cpu_lock():
     """The machine's CPU lock (colibri-cpu.lock in the temp directory), as `flock` takes it."""
-    path = Path(tempfile.gettempdir()) / "colibri-cpu.lock"
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for {path}", file=sys.stderr)
-            fcntl.flock(f, fcntl.LOCK_EX)
+    lock = FileLock(Path(tempfile.gettempdir()) / "colibri-cpu.lock", fallback_to_soft=False)
+    try:
+        lock.acquire(blocking=False)
+    except Timeout:
+        print(f"waiting for {lock.lock_file}", file=sys.stderr)
+        lock.acquire()
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def machine(threads: int) -> dict:
@@ -603,7 +830,8 @@ def machine(threads: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model, few tokens (seconds): the tool's own check")
-    ap.add_argument("--parts", default="sweep,session,llamacpp", help="comma-separated: sweep, session, llamacpp")
+    ap.add_argument("--parts", default="sweep,session,llamacpp,llamaserver",
+                    help="comma-separated: sweep, session, llamacpp, llamaserver")
     ap.add_argument("--regimes", default="resident,streamed", help="the sweep's: resident, streamed")
     ap.add_argument("--clients", default="1,2,4,8,16", help="concurrent clients of the sweep")
     ap.add_argument("--parallel", type=int, default=8, help="the batched server's --parallel (and llama.cpp's N)")
@@ -612,7 +840,13 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=512, help="prompt ids of the request that warms each sweep server")
     ap.add_argument("--resident-layers", type=int, default=16, help="OLMoE-1B-7B layers kept (16: all)")
     ap.add_argument("--resident-model", type=Path, help="the resident regime's container (default: built)")
+    ap.add_argument("--resident-gguf", type=Path, help="llama-server's model for the resident regime (default: the "
+                    "GGUF the container was built from; with --resident-model, its Q4_0 written beside it)")
+    ap.add_argument("--llama-server", type=Path, default=ROOT / "bench-data" / "llama-server",
+                    help="llama.cpp's llama-server binary (the llamaserver part)")
     ap.add_argument("--streamed-layers", type=int, default=4, help="Qwen3.6 layers kept (40: all, 17.9 GB)")
+    ap.add_argument("--streamed-model", type=Path, help="the streamed regime's container (default: the Qwen3.6 slice)")
+    ap.add_argument("--streamed-policy", default="lru", help="the streamed regime's expert cache policy (lru, lfu)")
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--first", type=int, default=1024, help="the session's first prompt, in ids")
     ap.add_argument("--growth", type=int, default=256, help="new ids each later turn adds")
@@ -659,6 +893,8 @@ def main() -> None:
                 result["session"] = session(args)
             if "llamacpp" in parts:
                 result["llamacpp"] = llamacpp(args, result.get("sweep"))
+            if "llamaserver" in parts:
+                result["llamaserver"] = llama_server(args, result.get("sweep"))
     finally:
         if temporary:
             shutil.rmtree(args.data, ignore_errors=True)

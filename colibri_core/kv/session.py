@@ -37,7 +37,6 @@ earlier one (``.bad1``, ``.torn1``, … after it).
 """
 from __future__ import annotations
 
-import fcntl
 import itertools
 import json
 import os
@@ -49,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock, Timeout
 
 from ..errors import ColibriError
 from ..fsio import SESSION_HEADER_BYTES, fsync_dir
@@ -340,22 +340,22 @@ class SessionWarning(UserWarning):
     """A saved session could not be (wholly) used: the message says why and what happened."""
 
 
-def lock(path: Path) -> int:
-    """The open descriptor of session file `path`'s lock file (PATH.lock), locked exclusively until it
-    is closed or the process ends; a ColibriError if another engine or process holds it (two engines
-    appending to one session file would tear it)."""
+def lock(path: Path) -> FileLock:
+    """Session file `path`'s lock (PATH.lock, flock), taken exclusively until it is released or the
+    process ends; a ColibriError if another engine or process holds it (two engines appending to one
+    session file would tear it)."""
+    # not per thread: a server locks on its worker thread and closes the engine on another; flock
+    # only, never a marker file that a crash would leave behind, locking the session for good
+    held = FileLock(path.with_name(path.name + ".lock"), blocking=False, thread_local=False, fallback_to_soft=False)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise ColibriError(f"cannot open session {path.stem} in {path.parent}: {e.strerror}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+        held.acquire()
+    except Timeout:
         raise ColibriError(f"session {path.stem} is open in another engine or process ({path}); close it "
                            "there, or use another name") from None
-    return fd
+    except OSError as e:
+        raise ColibriError(f"cannot open session {path.stem} in {path.parent}: {e.strerror}") from None
+    return held
 
 
 class PersistentSession:

@@ -4,6 +4,7 @@
     GET  /v1/models                the one model this server serves
     POST /v1/chat/completions      chat (the model's own template), streamed as SSE or not
     POST /v1/completions           completion of a prompt (text or token ids), streamed or not
+    POST /v1/embeddings            mean-pooled hidden states of texts or token ids (embeddings.py)
     POST /tokenize  /detokenize    text ↔ token ids with the model's tokenizer
     GET  /metrics                  Prometheus text (colibri_ prefix)
     GET  /api/stats  /api/brain    JSON the dashboard draws (queue, timings, memory, the expert map)
@@ -32,15 +33,16 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
+from prometheus_client import generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -48,11 +50,12 @@ from ..errors import ColibriError
 from ..options import EngineOptions
 from . import brain, memory, metrics as metrics_mod
 from . import atlas_view, openapi, security, structure
-from .schemas import (CHARS_PER_TOKEN, ApiError, Limits, Sampling, detokenize_model, invalid, parse_chat, parse_completion, parse_json,
-                      tokenize_model)
+from .schemas import (CHARS_PER_TOKEN, ApiError, Limits, Sampling, invalid, parse_chat, parse_completion, parse_detokenize,
+                      parse_json, parse_tokenize)
+from .embeddings import encoded, parse_embeddings
 from .snapshot import Snapshot
 from .text import ChatText
-from .worker import Delta, End, Job, Params, QueueFull, Worker
+from .worker import Delta, EmbeddingJob, End, Failed, Job, Params, QueueFull, Worker
 
 log = logging.getLogger("colibri.server")
 # The dashboard's files: package data (pyproject: package-data), found through importlib.resources;
@@ -344,36 +347,76 @@ def _usage(turn: dict) -> dict:
                                           "rejected_prediction_tokens": turn["draft_drafted"] - turn["draft_accepted"]}}
 
 
-class Generation:
-    """One accepted request: its job in the worker's queue, and how its answer is shaped."""
+class Choice:
+    """One of a request's answers (OpenAI's `n`): its job, and the state of its shaping."""
 
-    def __init__(self, server: Server, kind: str, prompt_ids: list[int], params: Params, sampling: Sampling,
+    def __init__(self, generation: Generation, index: int, job: Job):
+        self.index, self.job = index, job
+        self.text_offset = len(generation.echo)  # where the next token's text begins (completions' logprobs.text_offset)
+        # tool calls as they stream (structure.py): text held until it is known not to be a call
+        self.calls = structure.CallStream(generation.forced_call) if generation.tools else None
+        self.ended = False  # End or Failed received
+
+
+class Generation:
+    """One accepted request: the jobs of its `n` choices in the worker's queue, and how its answer is
+    shaped. The choices after the first join the batch once the first's prompt is prefilled, so they
+    start from its state in the prefix cache (worker.Job.after)."""
+
+    def __init__(self, server: Server, kind: str, prompt_ids: list[int], choices: list[Params], sampling: Sampling,
                  echo: str = "", tools: bool = False, forced_call: str | None = None):
         self.server, self.kind, self.sampling, self.echo = server, kind, sampling, echo
         self.tools = tools  # the answer may be tool calls (structure.py): answered as `tool_calls`
         self.forced_call = forced_call  # the function the answer's first call is known to be (structure.forced_name)
-        self.text_offset = len(echo)  # where the next token's text begins (completions' logprobs.text_offset)
         self.endpoint = "chat" if kind == "chat" else "completions"
         self.object = "chat.completion" if kind == "chat" else "text_completion"
         self.chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
-        self.finished = False  # the job has ended (End or Failed received)
-        self.job = Job(kind, prompt_ids, params, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()  # (choice, event) of every choice, as they come
+        jobs, lead = [], None
+        for params in choices:
+            job = Job(kind, prompt_ids, params, loop, events=self.events, after=lead)
+            jobs.append(job)
+            lead = lead or (job if server.engine.prefix_cache.budget else None)  # no cache: all start at once
+        self.choices = [Choice(self, i, job) for i, job in enumerate(jobs)]
+        self.by_job = {id(c.job): c for c in self.choices}
         try:
-            server.worker.submit(self.job)
+            server.worker.submit(*jobs)
         except QueueFull as e:
             server.metrics.count(self.endpoint, "rejected")
             raise ApiError(429, str(e), type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(e.retry_after)}) from None
 
+    @property
+    def finished(self) -> bool:
+        return all(c.ended for c in self.choices)
+
     def cancel(self) -> None:
-        """The client has gone: drop the job from the queue, or stop it at the next token."""
-        if not self.finished and not self.job.cancelled.is_set():
-            self.server.worker.cancel(self.job)
+        """The client has gone: drop the jobs from the queue, or stop them at the next token."""
+        live = [c.job for c in self.choices if not c.ended and not c.job.cancelled.is_set()]
+        for job in live:
+            self.server.worker.cancel(job)
+        if live:
             self.server.metrics.count(self.endpoint, "cancelled")
 
-    def _logprobs(self, entries: list[dict] | None, whole: bool = False) -> dict | None:
+    async def next_event(self) -> tuple[Choice, object]:
+        """The next event of any choice (worker.Job.emit puts (job, event) on the shared queue)."""
+        job, event = await self.events.get()
+        choice = self.by_job[id(job)]
+        if isinstance(event, (End, Failed)):
+            choice.ended = True
+        return choice, event
+
+    def usage(self, turns: list[dict]) -> dict:
+        """OpenAI's usage of the whole request: the prompt counted once (with the first choice's cached
+        tokens: it prefilled the prompt the others start from), the choices' completions summed."""
+        first = turns[0]
+        return _usage({"prompt_tokens": first["prompt_tokens"], "cached_tokens": first["cached_tokens"],
+                       **{k: sum(t[k] for t in turns) for k in ("completion_tokens", "draft_accepted", "draft_drafted")}})
+
+    def _logprobs(self, choice: Choice, entries: list[dict] | None, whole: bool = False) -> dict | None:
         """Tokens' log-probabilities (worker.logprob_entry's) in the answer's shape: chat's
         {"content": [...]}, or completions' tokens / token_logprobs / top_logprobs / text_offset;
         None for none (a chunk without tokens, a request that asked for none), but a `whole`
@@ -384,116 +427,134 @@ class Generation:
             return {"content": entries, "refusal": None}
         offsets = []
         for e in entries:
-            offsets.append(self.text_offset)
-            self.text_offset += len(e["token"])
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(e["token"])
         return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
                 "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
                 "text_offset": offsets}
 
-    def _chunk(self, text: str | None, finish: str | None, first: bool = False, calls: list | None = None,
-               logprobs: list[dict] | None = None) -> dict:
+    def _chunk(self, choice: Choice, text: str | None, finish: str | None, first: bool = False,
+               calls: list | None = None, logprobs: list[dict] | None = None) -> dict:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
             if calls:
                 delta = {"tool_calls": calls}
-            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": finish}
+            body = {"index": choice.index, "delta": delta, "logprobs": self._logprobs(choice, logprobs),
+                    "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": self._logprobs(logprobs), "finish_reason": finish}
+            body = {"index": choice.index, "text": text or "", "logprobs": self._logprobs(choice, logprobs),
+                    "finish_reason": finish}
         chunk = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.server.model_id,
-                 "system_fingerprint": None, "choices": [choice]}
+                 "system_fingerprint": None, "choices": [body]}
         if self.sampling.include_usage:
             chunk["usage"] = None
         return chunk
 
-    async def events(self):
-        """The server-sent events of a streamed answer, ending with `data: [DONE]`."""
+    def _delta_chunks(self, choice: Choice, event: Delta, scores: list[dict]):
+        """The chunks of one delta of `choice`; `scores` are its log-probabilities not sent yet (they
+        go with the next chunk, and are emptied once sent)."""
+        pending = scores + (event.logprobs or [])
+        scores.clear()
+        text, deltas = event.text, []
+        if choice.calls is not None:  # text held until it is known not to be a call
+            text, deltas = choice.calls.push(event.text)
+            if event.finish:
+                rest, more = choice.calls.flush()
+                text, deltas = text + rest, deltas + more
+            if deltas:
+                yield self._chunk(choice, None, None, calls=deltas, logprobs=pending)
+                pending = []
+            if text:
+                yield self._chunk(choice, text, None, logprobs=pending)
+                pending = []
+            if event.finish:
+                finish = "tool_calls" if choice.calls.called and event.finish == "stop" else event.finish
+                yield self._chunk(choice, None, finish, logprobs=pending)
+                pending = []
+        elif text or event.finish:
+            yield self._chunk(choice, text, event.finish, logprobs=pending)
+            pending = []
+        scores += pending
+
+    async def events_sse(self):
+        """The server-sent events of a streamed answer, ending with `data: [DONE]`: each chunk holds
+        one choice's delta (its `index` says which)."""
         def sse(obj) -> bytes:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
-        if self.kind == "chat":
-            yield sse(self._chunk(None, None, first=True))
-        elif self.echo:
-            yield sse(self._chunk(self.echo, None))
-        calls = structure.CallStream(self.forced_call) if self.tools else None
-        scores = []  # log-probabilities not sent yet: they go with the next chunk
-        while True:
-            event = await self.job.events.get()
+        for choice in self.choices:
+            if self.kind == "chat":
+                yield sse(self._chunk(choice, None, None, first=True))
+            elif self.echo:
+                yield sse(self._chunk(choice, self.echo, None))
+        scores = {c.index: [] for c in self.choices}
+        turns = {}
+        while not self.finished:
+            choice, event = await self.next_event()
             if isinstance(event, Delta):
-                scores += event.logprobs or []
-            if isinstance(event, Delta) and calls is not None:  # text held until it is known not to be a call
-                text, deltas = calls.push(event.text)
-                if event.finish:
-                    rest, more = calls.flush()
-                    text, deltas = text + rest, deltas + more
-                if deltas:
-                    yield sse(self._chunk(None, None, calls=deltas, logprobs=scores))
-                    scores = []
-                if text:
-                    yield sse(self._chunk(text, None, logprobs=scores))
-                    scores = []
-                if event.finish:
-                    finish = "tool_calls" if calls.called and event.finish == "stop" else event.finish
-                    yield sse(self._chunk(None, finish, logprobs=scores))
-            elif isinstance(event, Delta):
-                if event.text or event.finish:
-                    yield sse(self._chunk(event.text, event.finish, logprobs=scores))
-                    scores = []
+                for chunk in self._delta_chunks(choice, event, scores[choice.index]):
+                    yield sse(chunk)
             elif isinstance(event, End):
-                self.finished = True
-                self.server.metrics.count(self.endpoint, "ok")
-                if self.sampling.include_usage:
-                    yield sse({"id": self.id, "object": self.chunk_object, "created": self.created,
-                               "model": self.server.model_id, "system_fingerprint": None, "choices": [],
-                               "usage": _usage(event.turn)})
-                break
+                turns[choice.index] = event.turn
             else:  # Failed: the engine could not go on (e.g. a damaged expert file)
-                self.finished = True
+                self.cancel()
                 self.server.metrics.count(self.endpoint, "error")
                 yield sse(ApiError(500, event.message, type="server_error", code="generation_failed").body())
                 break
+        else:
+            self.server.metrics.count(self.endpoint, "ok")
+            if self.sampling.include_usage:
+                yield sse({"id": self.id, "object": self.chunk_object, "created": self.created,
+                           "model": self.server.model_id, "system_fingerprint": None, "choices": [],
+                           "usage": self.usage([turns[i] for i in sorted(turns)])})
         yield b"data: [DONE]\n\n"
 
     async def answer(self, request: Request) -> Response:
         """The whole answer as one JSON response (cancelled if the client leaves first)."""
         gone = asyncio.create_task(wait_disconnect(request))
-        texts, finish, scores = [], None, []
+        texts = {c.index: [] for c in self.choices}
+        scores = {c.index: [] for c in self.choices}
+        finish, turns = {}, {}
         try:
-            while True:
-                get = asyncio.ensure_future(self.job.events.get())
+            while not self.finished:
+                get = asyncio.ensure_future(self.next_event())
                 done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if get not in done:
                     get.cancel()
                     self.cancel()
                     return Response(status_code=499)  # nobody is listening any more
-                event = get.result()
+                choice, event = get.result()
                 if isinstance(event, Delta):
-                    texts.append(event.text)
-                    scores += event.logprobs or []
-                    finish = event.finish or finish
+                    texts[choice.index].append(event.text)
+                    scores[choice.index] += event.logprobs or []
+                    finish[choice.index] = event.finish or finish.get(choice.index)
                 elif isinstance(event, End):
-                    self.finished = True
-                    break
+                    turns[choice.index] = event.turn
                 else:
-                    self.finished = True
+                    self.cancel()
                     self.server.metrics.count(self.endpoint, "error")
                     raise ApiError(500, event.message, type="server_error", code="generation_failed")
         finally:
             gone.cancel()
         self.server.metrics.count(self.endpoint, "ok")
-        text = "".join(texts)
-        logprobs = self._logprobs(scores, whole=True)
-        if self.kind == "chat":
-            message = {"role": "assistant", "content": text}
-            if self.tools:  # the calls as streamed, merged: one cut short by max_tokens included
-                content, calls = structure.answer_calls(text, self.forced_call)
-                message = {"role": "assistant", "content": None, "tool_calls": calls} if calls else \
-                    {"role": "assistant", "content": content}
-                finish = "tool_calls" if calls and finish == "stop" else finish
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": self.echo + text, "logprobs": logprobs, "finish_reason": finish}
+        bodies = []
+        for choice in self.choices:
+            i = choice.index
+            text, end = "".join(texts[i]), finish.get(i)
+            logprobs = self._logprobs(choice, scores[i], whole=True)
+            if self.kind == "chat":
+                message = {"role": "assistant", "content": text}
+                if self.tools:  # the calls as streamed, merged: one cut short by max_tokens included
+                    content, calls = structure.answer_calls(text, self.forced_call)
+                    message = {"role": "assistant", "content": None, "tool_calls": calls} if calls else \
+                        {"role": "assistant", "content": content}
+                    end = "tool_calls" if calls and end == "stop" else end
+                bodies.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": end})
+            else:
+                bodies.append({"index": i, "text": self.echo + text, "logprobs": logprobs, "finish_reason": end})
         return JSONResponse({"id": self.id, "object": self.object, "created": self.created, "model": self.server.model_id,
-                             "system_fingerprint": None, "choices": [choice], "usage": _usage(event.turn)})
+                             "system_fingerprint": None, "choices": bodies,
+                             "usage": self.usage([turns[i] for i in sorted(turns)])})
 
     async def respond(self, request: Request) -> Response:
         if self.sampling.stream:
@@ -514,7 +575,7 @@ class EventStream(Response):
     async def __call__(self, scope, receive, send) -> None:
         async def stream():
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self.generation.events():
+            async for chunk in self.generation.events_sse():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await asyncio.sleep(0)  # let the loop notice a lost connection (and serve others) between chunks
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -565,6 +626,21 @@ async def get_model(request: Request) -> Response:
     return JSONResponse(_model_card(server))
 
 
+async def _choices(server: Server, params: Params, n: int, shape) -> list[Params]:
+    """The parameters of each of `n` choices: a constraint of its own (a grammar's state is one
+    generation's), and with a seed, seed + i for choice i (so they differ, and each is reproducible)."""
+    places = server.cfg.parallel + server.cfg.max_queue
+    if n > places:
+        raise invalid("n", f"n={n} is more choices than this server holds at once ({places}: --parallel "
+                      "plus --queue)")
+    choices = []
+    for i in range(n):
+        seed = params.seed + i if params.seed is not None else None
+        constraint = await server.off_loop(structure.constraint, server.engine, shape)
+        choices.append(replace(params, seed=seed, constraint=constraint))
+    return choices
+
+
 async def chat_completions(request: Request) -> Response:
     server = server_of(request)
     req = server.parse(parse_chat, await read_json(request, server))
@@ -572,9 +648,8 @@ async def chat_completions(request: Request) -> Response:
     messages = await server.off_loop(structure.chat_messages, server.template, req.messages, shape) if shape.tools \
         else req.messages
     ids = await server.encode_chat(messages, req.tools)
-    params = server.resolve(req.sampling, len(ids), "messages")
-    params.constraint = await server.off_loop(structure.constraint, server.engine, shape)
-    return await Generation(server, "chat", ids, params, req.sampling, tools=shape.calls_tools,
+    choices = await _choices(server, server.resolve(req.sampling, len(ids), "messages"), req.n, shape)
+    return await Generation(server, "chat", ids, choices, req.sampling, tools=shape.calls_tools,
                             forced_call=structure.forced_name(shape) if shape.calls_tools else None).respond(request)
 
 
@@ -584,14 +659,60 @@ async def completions(request: Request) -> Response:
     engine = server.engine
     ids = await server.encode(req.prompt, "prompt") if isinstance(req.prompt, str) else req.prompt
     echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(ids)
-    params = server.resolve(req.sampling, len(ids), "prompt")
-    params.constraint = await server.off_loop(structure.constraint, engine, req.structure)
-    return await Generation(server, "completion", ids, params, req.sampling, echo).respond(request)
+    choices = await _choices(server, server.resolve(req.sampling, len(ids), "prompt"), req.n, req.structure)
+    return await Generation(server, "completion", ids, choices, req.sampling, echo).respond(request)
+
+
+async def embeddings(request: Request) -> Response:
+    """One vector per input (embeddings.py says what it is), computed in the worker's batch."""
+    server = server_of(request)
+    req = server.parse(parse_embeddings, await read_json(request, server))
+    context, batch = server.context_length, []
+    for i, item in enumerate(req["input"]):
+        name = "input" if len(req["input"]) == 1 else f"input[{i}]"
+        ids = await server.encode(item, name) if isinstance(item, str) else item
+        if not ids:
+            raise invalid(name, f"'{name}' is empty: there is nothing to embed")
+        if context is not None and len(ids) > context:
+            raise invalid(name, f"this model's maximum context length is {context} tokens, but '{name}' has "
+                          f"{len(ids)} tokens", "context_length_exceeded")
+        batch.append(ids)
+    job = EmbeddingJob(batch, asyncio.get_running_loop())
+    try:
+        server.worker.submit(job)
+    except QueueFull as e:
+        server.metrics.count("embeddings", "rejected")
+        raise ApiError(429, str(e), type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(e.retry_after)}) from None
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    answer = asyncio.ensure_future(job.events.get())
+    try:
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not answer.done():  # nobody is listening any more
+        answer.cancel()
+        server.worker.cancel(job)
+        server.metrics.count("embeddings", "cancelled")
+        return Response(status_code=499)
+    _, event = answer.result()
+    if isinstance(event, Failed):
+        server.metrics.count("embeddings", "error")
+        raise ApiError(500, event.message, type="server_error", code="embedding_failed")
+    server.metrics.count("embeddings", "ok")
+    tokens = sum(map(len, batch))
+    return JSONResponse({
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": encoded(v, req["base64"])}
+                 for i, v in enumerate(event.vectors)],
+        "model": server.model_id,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    })
 
 
 async def tokenize(request: Request) -> Response:
     server = server_of(request)
-    v = server.parse(lambda body, lim: tokenize_model(lim).check(body, ""), await read_json(request, server))
+    v = server.parse(parse_tokenize, await read_json(request, server))
     special = v["add_special_tokens"] if v["add_special_tokens"] is not None else v["add_special"]
     if v["messages"] is not None:
         add_prompt = v["add_generation_prompt"] if v["add_generation_prompt"] is not None else True
@@ -607,7 +728,7 @@ async def tokenize(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     server = server_of(request)
-    v = server.parse(lambda body, lim: detokenize_model(lim).check(body, ""), await read_json(request, server))
+    v = server.parse(parse_detokenize, await read_json(request, server))
     engine = server.engine
     text = await server.off_loop(engine.tokenizer.decode, v["tokens"])
     return JSONResponse({"content": text, "prompt": text})  # llama-server's name, and vLLM's
@@ -620,11 +741,9 @@ async def openapi_json(request: Request) -> Response:
 
 
 async def prometheus_metrics(request: Request) -> Response:
-    server = server_of(request)
-    snap = server.snapshot()
-    stats = snap.stats if snap is not None else None
-    text = metrics_mod.prometheus(server.metrics, stats, server.queue_state(), server.model_id)
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    # the text format generate_latest writes, by the name Prometheus negotiates it with
+    return Response(generate_latest(server_of(request).metrics.registry),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def api_stats(request: Request) -> Response:
@@ -739,6 +858,7 @@ def create_app(cfg: ServerConfig) -> Starlette:
         Route("/v1/models/{model:path}", get_model),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/metrics", prometheus_metrics),
@@ -765,6 +885,8 @@ def create_app(cfg: ServerConfig) -> Starlette:
                 await asyncio.get_running_loop().run_in_executor(None, server.worker.stop)
             server.text_pool.shutdown(wait=False, cancel_futures=True)
 
+    server.metrics.registry.register(metrics_mod.Exporter(server.metrics, server.model_id, server.snapshot,
+                                                          server.queue_state))
     policy = security.Policy(cfg.api_key, cfg.allow_origins, cfg.host, cfg.trusted_hosts)
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         ApiError: api_error, HTTPException: http_error, Exception: internal_error},

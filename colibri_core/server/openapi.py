@@ -1,14 +1,22 @@
 """The OpenAPI 3.1 document the server publishes at /openapi.json.
 
-Its request bodies are the very models the handlers validate with (schemas.py), built with this
-server's limits (context length, vocabulary, `--max-tokens`, body size), so the document and the
-checks cannot drift apart; the responses are described here, and the test suite holds the server
-to them (schemathesis: tests/test_server_schema.py).
+Its request bodies are generated from the very pydantic models the handlers validate with
+(schemas.py; in components/schemas, the models' $defs beside them), with this server's limits
+(context length, vocabulary, `--max-tokens`) written in, so the document and the checks cannot
+drift apart. The paths, the responses and the error body are described here, and the test suite
+holds the server to them (schemathesis: tests/test_server_schema.py).
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
 from .. import __version__ as VERSION
 from . import schemas
+from .embeddings import EmbeddingBody
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
@@ -45,21 +53,25 @@ COMPLETION_LOGPROBS = {"type": ["object", "null"],
                                       "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}
 
 
+INDEX = {"type": "integer", "minimum": 0, "maximum": schemas.MAX_CHOICES - 1}  # of a choice (`n`)
+
+
 def _completion(kind: str) -> dict:
     if kind == "chat":  # with `tools`, the answer may be calls: content null, finish_reason "tool_calls"
         choice = {"type": "object", "required": ["index", "message", "finish_reason"], "properties": {
-            "index": {"const": 0}, "finish_reason": {**FINISH, "enum": [*FINISH["enum"], "tool_calls"]},
+            "index": INDEX, "finish_reason": {**FINISH, "enum": [*FINISH["enum"], "tool_calls"]},
             "logprobs": CHAT_LOGPROBS,
             "message": {"type": "object", "required": ["role", "content"], "properties": {
                 "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
                 "tool_calls": {"type": "array", "items": TOOL_CALL, "minItems": 1}}}}}
     else:
         choice = {"type": "object", "required": ["index", "text", "finish_reason"], "properties": {
-            "index": {"const": 0}, "text": {"type": "string"}, "finish_reason": FINISH, "logprobs": COMPLETION_LOGPROBS}}
+            "index": INDEX, "text": {"type": "string"}, "finish_reason": FINISH, "logprobs": COMPLETION_LOGPROBS}}
     return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
         "id": {"type": "string"}, "object": {"const": "chat.completion" if kind == "chat" else "text_completion"},
         "created": {"type": "integer"}, "model": {"type": "string"}, "system_fingerprint": {"type": "null"},
-        "choices": {"type": "array", "items": choice, "minItems": 1, "maxItems": 1}, "usage": USAGE}}
+        "choices": {"type": "array", "items": choice, "minItems": 1, "maxItems": schemas.MAX_CHOICES},
+        "usage": USAGE}}
 
 
 MODEL = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
@@ -72,6 +84,14 @@ TOKENS = {"type": "object", "required": ["tokens", "count", "max_model_len"], "p
     "max_model_len": {"type": ["integer", "null"]}}}
 TEXT = {"type": "object", "required": ["content", "prompt"],
         "properties": {"content": {"type": "string"}, "prompt": {"type": "string"}}}
+EMBEDDINGS = {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
+    "object": {"const": "list"}, "model": {"type": "string"},
+    "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"], "properties": {
+        "object": {"const": "embedding"}, "index": {"type": "integer", "minimum": 0},
+        "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}},
+                                {"type": "string", "description": "base64 of the little-endian float32 vector"}]}}}},
+    "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"],
+              "properties": {k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "total_tokens")}}}}
 SSE = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
        "description": "One server-sent event: 'data: {chunk}' (a JSON object 'chat.completion.chunk' or "
        "'text_completion'; 'usage' in a last chunk if asked), the last one 'data: [DONE]'."}
@@ -104,12 +124,9 @@ def _errors(*statuses: int) -> dict:
     return out
 
 
-def _op(summary: str, responses: dict, body: schemas.Obj | None = None, *, errors=(), secured=True,
-        params: list | None = None, key: bool = False) -> dict:
+def _op(summary: str, responses: dict, *, errors=(), secured=True, params: list | None = None,
+        key: bool = False) -> dict:
     op = {"summary": summary, "responses": {**responses, **_errors(*errors, 403, *((401,) if key and secured else ()))}}
-    if body is not None:
-        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body.doc()}}}
-        op["responses"].update(_errors(408, 413))
     if params:
         op["parameters"] = params
     if not secured:
@@ -117,15 +134,52 @@ def _op(summary: str, responses: dict, body: schemas.Obj | None = None, *, error
     return op
 
 
+@dataclass(frozen=True)
+class Post:
+    """A route that takes a JSON body, validated by the pydantic model `body`; `ok` is its 200
+    response (an OpenAPI response object)."""
+
+    path: str
+    summary: str
+    body: type[BaseModel]
+    ok: dict
+    errors: tuple[int, ...] = (400, 404, 503)
+
+
+def _streamed(kind: str, what: str) -> dict:
+    return {"description": f"{what} (JSON), or its stream (\"stream\": true).", "content": {
+        "application/json": {"schema": _completion(kind)}, "text/event-stream": {"schema": SSE}}}
+
+
+# the routes with a request body, one line each (the models' schemas are generated)
+POSTS = [
+    Post("/v1/chat/completions", "Chat, with the model's own chat template.", schemas.ChatBody,
+         _streamed("chat", "The answer"), (400, 404, 429, 503)),
+    Post("/v1/completions", "Completion of a prompt (text or token ids).", schemas.CompletionBody,
+         _streamed("completion", "The completion"), (400, 404, 429, 503)),
+    Post("/tokenize", "Text, or a conversation through the chat template, to token ids.", schemas.TokenizeBody,
+         _json(TOKENS, "The token ids.")),
+    Post("/detokenize", "Token ids to text.", schemas.DetokenizeBody, _json(TEXT, "The text.")),
+    Post("/v1/embeddings", "Mean-pooled final hidden states of texts or token ids.", EmbeddingBody,
+         _json(EMBEDDINGS, "One embedding per input, in order."), (400, 404, 429, 503)),
+]
+
+
+@functools.cache
+def _body_schemas(models: tuple[type[BaseModel], ...]) -> tuple[dict, dict]:
+    """Each model's reference, and the schemas they refer to (as the models declare them: the
+    bounds of a server are written in by `schemas.limited`)."""
+    refs, top = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
+    return {m: refs[m, "validation"] for m in models}, top["$defs"]
+
+
 def document(lim: schemas.Limits, *, model_id: str, api_key: bool, dashboard: bool) -> dict:
     """The OpenAPI 3.1 document of a server with these limits (and key, and dashboard)."""
-    gen_errors = (400, 404, 429, 503)
-    chat = {"200": {"description": "The answer (JSON), or its stream (\"stream\": true).", "content": {
-        "application/json": {"schema": _completion("chat")}, "text/event-stream": {"schema": SSE}}}}
-    completion = {"200": {"description": "The completion (JSON), or its stream (\"stream\": true).", "content": {
-        "application/json": {"schema": _completion("completion")}, "text/event-stream": {"schema": SSE}}}}
     k = dict(key=api_key)
-    paths = {
+    refs, defs = _body_schemas(tuple(p.body for p in POSTS))
+    paths = {p.path: {"post": {**_op(p.summary, {"200": p.ok}, errors=(*p.errors, 408, 413), **k), "requestBody": {
+        "required": True, "content": {"application/json": {"schema": refs[p.body]}}}}} for p in POSTS}
+    paths |= {
         "/health": {"get": _op("503 while the model loads, then 200.", {
             "200": _json(HEALTH, "The model is loaded."), "503": _json(HEALTH, "Loading, or failed to load.")},
             secured=False)},
@@ -135,15 +189,6 @@ def document(lim: schemas.Limits, *, model_id: str, api_key: bool, dashboard: bo
         "/v1/models/{model}": {"get": _op("One model, by id.", {"200": _json(MODEL, "The model.")}, errors=(404,),
                                           params=[{"name": "model", "in": "path", "required": True,
                                                    "schema": {"type": "string"}}], **k)},
-        "/v1/chat/completions": {"post": _op("Chat, with the model's own chat template.", chat,
-                                             schemas.chat_model(lim), errors=gen_errors, **k)},
-        "/v1/completions": {"post": _op("Completion of a prompt (text or token ids).", completion,
-                                        schemas.completion_model(lim), errors=gen_errors, **k)},
-        "/tokenize": {"post": _op("Text, or a conversation through the chat template, to token ids.",
-                                  {"200": _json(TOKENS, "The token ids.")}, schemas.tokenize_model(lim),
-                                  errors=(400, 404, 503), **k)},
-        "/detokenize": {"post": _op("Token ids to text.", {"200": _json(TEXT, "The text.")},
-                                    schemas.detokenize_model(lim), errors=(400, 404, 503), **k)},
         "/metrics": {"get": _op("Prometheus text exposition (colibri_ prefix).", {"200": {
             "description": "The metrics.", "content": {"text/plain": {"schema": {"type": "string"}}}}}, **k)},
         "/api/stats": {"get": _op("What the dashboard shows: queue, timings, memory, recent turns.",
@@ -184,7 +229,7 @@ def document(lim: schemas.Limits, *, model_id: str, api_key: bool, dashboard: bo
                                 f"text ≤ {lim.max_chars} characters, ≤ {schemas.MAX_STOP} stop strings of "
                                 f"≤ {schemas.MAX_STOP_CHARS} characters, max_tokens ≤ {lim.tokens_cap or 'the context'}."},
         "paths": paths,
-        "components": {"schemas": {"Error": ERROR}},
+        "components": {"schemas": {**schemas.limited(defs, lim), "Error": ERROR}},
     }
     if api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}

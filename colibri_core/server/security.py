@@ -1,22 +1,27 @@
 """Who may talk to the server: the Host and Origin checks, CORS for allowed origins, and the API key.
 
-Every request passes through `Guard`, an ASGI middleware in front of every route:
+Every request passes through `Guard`, a chain of ASGI middlewares in front of every route:
 
-- **Host**: a browser that a web page has pointed at the server through its own domain name (DNS
-  rebinding) sends that name as Host; only loopback names, IP literals, this machine's own names
-  and the names of `--trusted-host` (a reverse proxy's public name; '*' any) are served, anything
-  else is 403 naming `--trusted-host`.
+- **One of each**: a request with two Host, Origin or Authorization headers is a 400, since a proxy
+  in front may have checked the one this server would not read.
+- **Host** (Starlette's `TrustedHostMiddleware`): a browser that a web page has pointed at the
+  server through its own domain name (DNS rebinding) sends that name as Host; only loopback names,
+  IP literals, this machine's own names and the names of `--trusted-host` (a reverse proxy's public
+  name; '*' any) are served, anything else is 403 naming `--trusted-host`.
 - **Origin**: a browser says which page sent a request; one from a page other than the server's
-  own (a foreign site, a sandboxed frame's "null") is 403 unless `--allow-origin` names it, and then
-  it gets CORS headers (and preflights are answered). Requests without an Origin (curl, SDKs) pass.
-  The two lists are apart: an allowed origin is a page elsewhere, which never makes its own name a
-  Host this server answers to.
+  own (a foreign site, a sandboxed frame's "null") is 403 unless `--allow-origin` names it. Starlette
+  has no such check (its CORS middleware only decides which responses a page may read, and a
+  "simple" text/plain POST runs whatever it answers), so it is written here. Requests without an
+  Origin (curl, SDKs) pass. The two lists are apart: an allowed origin is a page elsewhere, which
+  never makes its own name a Host this server answers to.
+- **CORS** (Starlette's `CORSMiddleware`): pages of `--allow-origin` get CORS headers, and their
+  preflights are answered.
 - **API key** (`--api-key`, `COLIBRI_API_KEY`): required on every endpoint but `/health`, as
   `Authorization: Bearer KEY`; the dashboard's pages (which a browser cannot send a header for) take
   a cookie set by its login form instead, holding a MAC of the key, never the key, and sent by the
   browser only to this site (SameSite=Strict, HttpOnly).
-- **One of each**: a request with two Host, Origin or Authorization headers is a 400, since a proxy
-  in front may have checked the one this server would not read.
+
+Every refusal is a JSON body of the OpenAI error form naming what to change.
 """
 from __future__ import annotations
 
@@ -29,11 +34,18 @@ import re
 import socket
 import urllib.parse
 
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.middleware.cors import CORSMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+
 COOKIE = "colibri_key"
 LOOPBACK_NAMES = ("localhost",)
-PREFLIGHT_HEADERS = "Authorization, Content-Type"  # allowed when a preflight names none
+PREFLIGHT_HEADERS = "Authorization, Content-Type"  # allowed when a preflight's list is not one
 SINGLE = ("host", "origin", "authorization")  # the headers the checks read: one of each, or none
 HEADER_LIST = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+(\s*,\s*[!#$%&'*+.^_`|~0-9A-Za-z-]+)*")  # RFC 9110 tokens
+LOGIN_BYTES = 8192  # the most of a login form read
 
 
 def normalize_origin(origin: str) -> str:
@@ -96,12 +108,6 @@ class Policy:
             self.hosts |= {name, f"{name}.local", socket.getfqdn().lower()}
         self.token = dashboard_token(api_key) if api_key else None
 
-    def host_ok(self, host: str | None) -> bool:
-        if host is None or self.any_host:
-            return True
-        name = split_host(host)[0]
-        return name in self.hosts or _is_ip(name)
-
     def origin_ok(self, origin: str, host: str | None) -> bool:
         """Same-origin (the server's own pages), or allowed by --allow-origin."""
         if self.any_origin:
@@ -115,25 +121,14 @@ class Policy:
         netloc = o.split("://", 1)[1]
         return host is not None and split_host(netloc) == _default_port(split_host(host), o)
 
-    def cors_origin(self, origin: str | None) -> str | None:
-        """The Access-Control-Allow-Origin to send: only to foreign origins allowed by name (or '*')."""
-        if origin is None:
-            return None
-        if self.any_origin:
-            return origin
-        try:
-            return origin if normalize_origin(origin) in self.origins else None
-        except ValueError:
-            return None
-
-    def authorized(self, headers: dict[str, str]) -> bool:
+    def authorized(self, request: Request) -> bool:
         if not self.api_key:
             return True
-        scheme, _, token = headers.get("authorization", "").partition(" ")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), self.api_key.encode()):
             return True
-        cookie = _cookies(headers.get("cookie", "")).get(COOKIE)
-        return cookie is not None and hmac.compare_digest(cookie.encode("latin-1"), self.token.encode())
+        cookie = request.cookies.get(COOKIE)
+        return cookie is not None and hmac.compare_digest(cookie.encode("utf-8", "replace"), self.token.encode())
 
 
 def _default_port(host: tuple[str, str], origin: str) -> tuple[str, str]:
@@ -143,16 +138,10 @@ def _default_port(host: tuple[str, str], origin: str) -> tuple[str, str]:
     return name, "" if port == default else port
 
 
-def _cookies(header: str) -> dict[str, str]:
-    out = {}
-    for part in header.split(";"):
-        name, _, value = part.strip().partition("=")
-        out.setdefault(name, value)
-    return out
-
-
-def error_body(status: int, message: str, code: str, type: str = "invalid_request_error") -> bytes:
-    return json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
+def error(status: int, message: str, code: str, headers=None) -> Response:
+    """A refusal in the OpenAI error form."""
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    return Response(json.dumps(body), status, headers, media_type="application/json")
 
 
 LOGIN_PAGE = """<!doctype html>
@@ -169,96 +158,140 @@ button{{background:#3b82f6;border:0;color:#fff;cursor:pointer}} .err{{color:#f87
 """
 
 
-def login_page(error: str = "") -> bytes:
-    return LOGIN_PAGE.format(error=f'<div class="err">{html.escape(error)}</div>' if error else "").encode()
+def login_page(problem: str = "") -> str:
+    return LOGIN_PAGE.format(error=f'<div class="err">{html.escape(problem)}</div>' if problem else "")
 
 
 class Guard:
-    """ASGI middleware: the Host, Origin and key checks in front of every route, CORS for allowed
-    origins, and the dashboard's login form (`POST /login`)."""
+    """ASGI middleware: the checks above in front of every route (outermost first), and the
+    dashboard's login form (`POST /login`)."""
+
+    def __init__(self, app, policy: Policy, dashboard: bool):
+        self.app = app
+        self.checks = TrustedHosts(OriginCheck(CORS(KeyCheck(app, policy, dashboard), policy), policy), policy)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":  # the lifespan
+            return await self.app(scope, receive, send)
+        names = [k.decode("latin-1").lower() for k, _ in scope["headers"]]
+        for name in SINGLE:
+            if names.count(name) > 1:
+                response = error(400, f"the {name.title()} header is sent {names.count(name)} times; send it once",
+                                 "duplicate_header")
+                return await response(scope, receive, send)
+        await self.checks(scope, receive, send)
+
+
+class TrustedHosts(TrustedHostMiddleware):
+    """Starlette's Host allow-list (`Policy.hosts`, or '*'), IP literals besides (rebinding needs a
+    name, and requests without a Host have none), its refusal the project's 403 naming --trusted-host."""
+
+    def __init__(self, app, policy: Policy):
+        super().__init__(self._trusted, allowed_hosts=["*"] if policy.any_host else sorted(policy.hosts),
+                         www_redirect=False)
+        self.next = app
+
+    async def __call__(self, scope, receive, send):
+        host = Headers(scope=scope).get("host")
+        if host is None or _is_ip(split_host(host)[0]):
+            return await self.next(scope, receive, send)
+        await super().__call__(scope, receive, _Refusal(scope, receive, send, host))
+
+    async def _trusted(self, scope, receive, send: _Refusal):
+        await self.next(scope, receive, send.send)  # what the route answers goes out as it is
+
+
+class _Refusal:
+    """The `send` TrustedHostMiddleware gets: it answers only a refused Host through it (a trusted
+    one reaches `_trusted`, which sends past it), and its plain-text 400 goes out as this 403."""
+
+    def __init__(self, scope, receive, send, host: str):
+        self.scope, self.receive, self.send, self.host = scope, receive, send, host
+
+    async def __call__(self, message):
+        if message["type"] == "http.response.start":
+            response = error(403, f"requests for host {self.host!r} are refused (a web page may be using its own "
+                             f"domain name to reach this server); start colibri with --trusted-host "
+                             f"{split_host(self.host)[0]} to serve it (behind a reverse proxy: its public name)",
+                             "forbidden_host")
+            await response(self.scope, self.receive, self.send)
+
+
+class OriginCheck:
+    """A browser's request from a page that is neither the server's own nor of --allow-origin: 403."""
+
+    def __init__(self, app, policy: Policy):
+        self.app, self.policy = app, policy
+
+    async def __call__(self, scope, receive, send):
+        headers = Headers(scope=scope)
+        origin = headers.get("origin")
+        if origin is not None and not self.policy.origin_ok(origin, headers.get("host")):
+            response = error(403, f"requests from the web page {origin!r} are refused; start colibri with "
+                             f"--allow-origin {origin} to allow it", "forbidden_origin")
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class CORS(CORSMiddleware):
+    """Starlette's CORS for the pages of --allow-origin. A preflight may ask for any headers (the
+    OpenAI SDKs send x-stainless-*): the origin is allowed by name, and the key check still applies
+    to the request itself; a list that is no list of header names is not echoed back."""
+
+    def __init__(self, app, policy: Policy):
+        super().__init__(app, allow_origins=["*"] if policy.any_origin else sorted(policy.origins),
+                         allow_methods=("GET", "POST", "OPTIONS"), allow_headers=("*",), expose_headers=("Retry-After",))
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        asked = request_headers.get("access-control-request-headers")
+        if asked is not None and not HEADER_LIST.fullmatch(asked.strip()):
+            request_headers = MutableHeaders(raw=list(request_headers.raw))
+            request_headers["access-control-request-headers"] = PREFLIGHT_HEADERS
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:
+            return response
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        return error(400, f"{response.body.decode()} (a method other than GET, POST or OPTIONS, or private network "
+                     "access)", "cors_refused", headers)
+
+
+class KeyCheck:
+    """The API key on every route but /health: a Bearer header, or the dashboard's cookie, set by its
+    login form (`POST /login`); a browser opening the dashboard without either gets the form."""
 
     def __init__(self, app, policy: Policy, dashboard: bool):
         self.app, self.policy, self.dashboard = app, policy, dashboard
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["path"] == "/health":
             return await self.app(scope, receive, send)
-        names = [k.decode("latin-1").lower() for k, _ in scope["headers"]]
-        for name in SINGLE:
-            if names.count(name) > 1:
-                return await self._json(send, 400, f"the {name.title()} header is sent {names.count(name)} times; "
-                                        f"send it once", "duplicate_header")
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        path, method = scope["path"], scope["method"]
-        host, origin = headers.get("host"), headers.get("origin")
-        p = self.policy
-        if not p.host_ok(host):
-            return await self._json(send, 403, f"requests for host {host!r} are refused (a web page may be using its own "
-                                    f"domain name to reach this server); start colibri with --trusted-host "
-                                    f"{split_host(host)[0]} to serve it (behind a reverse proxy: its public name)",
-                                    "forbidden_host")
-        if origin is not None and not p.origin_ok(origin, host):
-            return await self._json(send, 403, f"requests from the web page {origin!r} are refused; start colibri "
-                                    f"with --allow-origin {origin} to allow it", "forbidden_origin")
-        cors = p.cors_origin(origin)
-        if method == "OPTIONS" and cors and "access-control-request-method" in headers:  # a CORS preflight
-            # the headers the page asks for, whatever they are (the OpenAI SDKs send x-stainless-*): the
-            # origin is allowed by name, and the key check still applies to the request itself
-            asked = headers.get("access-control-request-headers", "").strip()
-            allow = asked if HEADER_LIST.fullmatch(asked) else PREFLIGHT_HEADERS
-            return await self._send(send, 204, b"", [(b"content-type", b"text/plain")], cors, allow)
-        if path == "/health":
-            return await self.app(scope, receive, self._with_cors(send, cors))
-        if self.dashboard and path == "/login" and method == "POST":
-            return await self._login(receive, send)
-        if not p.authorized(headers):
-            if self.dashboard and path == "/" and method == "GET":  # a browser opening the dashboard
-                return await self._send(send, 401, login_page(), [(b"content-type", b"text/html; charset=utf-8")], cors)
-            return await self._json(send, 401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
-                                    "invalid_api_key", cors, [(b"www-authenticate", b"Bearer")])
-        return await self.app(scope, receive, self._with_cors(send, cors))
+        request = Request(scope, receive)
+        if self.dashboard and scope["path"] == "/login" and scope["method"] == "POST":
+            response = await self._login(request)
+            return await response(scope, receive, send)
+        if self.policy.authorized(request):
+            return await self.app(scope, receive, send)
+        if self.dashboard and scope["path"] == "/" and scope["method"] == "GET":  # a browser opening the dashboard
+            response = HTMLResponse(login_page(), 401)
+        else:
+            response = error(401, "invalid or missing API key: send 'Authorization: Bearer KEY'", "invalid_api_key",
+                             {"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
 
-    def _with_cors(self, send, cors: str | None):
-        if cors is None:
-            return send
-
-        async def sending(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), *_cors_headers(cors)]}
-            await send(message)
-        return sending
-
-    async def _json(self, send, status, message, code, cors=None, extra=()):
-        await self._send(send, status, error_body(status, message, code),
-                         [(b"content-type", b"application/json"), *extra], cors)
-
-    async def _send(self, send, status, body, headers, cors=None, allow_headers=PREFLIGHT_HEADERS):
-        headers = [*headers, (b"content-length", str(len(body)).encode())]
-        if cors:
-            headers += _cors_headers(cors, allow_headers)
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-    async def _login(self, receive, send):
+    async def _login(self, request: Request) -> Response:
         """The dashboard's login form: the right key sets the cookie and goes to the dashboard."""
-        body, more = b"", True
-        while more and len(body) <= 8192:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-        key = urllib.parse.parse_qs(body[:8192].decode("utf-8", "replace")).get("key", [""])[0]
+        body = b""
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > LOGIN_BYTES:
+                    break
+        except ClientDisconnect:
+            return Response(status_code=400)  # nobody is left to read it
+        key = urllib.parse.parse_qs(body[:LOGIN_BYTES].decode("utf-8", "replace")).get("key", [""])[0]
         p = self.policy
         if not p.api_key or not hmac.compare_digest(key.encode("utf-8", "replace"), p.api_key.encode()):
-            return await self._send(send, 401, login_page("That is not this server's key."),
-                                    [(b"content-type", b"text/html; charset=utf-8")])
-        cookie = f"{COOKIE}={p.token}; Path=/; HttpOnly; SameSite=Strict".encode()
-        await self._send(send, 303, b"", [(b"location", b"/"), (b"set-cookie", cookie)])
-
-
-def _cors_headers(origin: str, allow_headers: str = PREFLIGHT_HEADERS) -> list[tuple[bytes, bytes]]:
-    return [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin"),
-            (b"access-control-allow-headers", allow_headers.encode("latin-1")),
-            (b"access-control-allow-methods", b"GET, POST, OPTIONS"), (b"access-control-max-age", b"600"),
-            (b"access-control-expose-headers", b"Retry-After")]
+            return HTMLResponse(login_page("That is not this server's key."), 401)
+        response = RedirectResponse("/", 303)
+        response.set_cookie(COOKIE, p.token, path="/", httponly=True, samesite="Strict")
+        return response

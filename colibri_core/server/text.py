@@ -52,10 +52,7 @@ class TextStream:
 
     def flush(self) -> str:
         """Whatever is still held: an incomplete UTF-8 sequence (as U+FFFD) and text held for `stop`."""
-        d = self.decoder
-        rest = d.tokenizer.decode(d.ids)[len(d.emitted):]
-        d.emitted += rest
-        return self.matcher.push(rest) + self.matcher.flush()
+        return self.matcher.push(self.decoder.flush()) + self.matcher.flush()
 
 
 class ChatText:

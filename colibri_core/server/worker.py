@@ -10,7 +10,8 @@ at the end of every job. HTTP handlers (on the event loop) submit a `Job` and re
 back through an asyncio queue; for statistics and the expert map they read `Worker.snapshot`.
 Beyond `max_queue` waiting jobs a request is refused at once (`QueueFull` → 429 with
 Retry-After). A job whose client went away is cancelled: dropped from the queue if it has not
-started, stopped after its current forward if it has.
+started, stopped after its current forward if it has. An `EmbeddingJob` takes a place like a
+generation: its inputs' forwards (Engine.embed) run in the batch, a prefill chunk per step.
 """
 from __future__ import annotations
 
@@ -95,18 +96,45 @@ class Job:
     prompt_ids: list[int]
     params: Params
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Delta… then End or Failed
+    # (job, event): Delta… then End or Failed; the choices of one request (OpenAI's `n`) share one queue
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
     tokens: int = 0  # generated so far (the worker counts them)
     tokens_at_cancel: int | None = None  # how many there were when the client went away
+    # a job that joins the batch only once this one's prompt is prefilled (or it has ended): OpenAI's
+    # `n`, whose other choices then start from that prompt's state in the prefix cache
+    after: Job | None = None
 
     def emit(self, event) -> None:
         """From the worker thread: hand `event` to the handler waiting on the event loop."""
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (self, event))
         except RuntimeError:  # the event loop has closed: the server is shutting down
             self.cancelled.set()
+
+
+@dataclass(eq=False)
+class EmbeddingJob:
+    """Inputs to embed (lists of token ids), answered by one `Embedded` (or `Failed`) event; it waits,
+    joins and is cancelled as a `Job` does."""
+
+    inputs: list[list[int]]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (job, event), as a Job's
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+    tokens: int = 0  # it generates none (Worker.cancel reads them)
+    tokens_at_cancel: int | None = None
+    after: None = None  # never held back (Job.after)
+    emit = Job.emit
+
+
+@dataclass
+class Embedded:
+    """An embedding job's vectors, float32 (H,) each, in the order of its inputs."""
+
+    vectors: list
 
 
 def _number_stats(engine) -> dict:
@@ -150,11 +178,12 @@ class Worker:
         self._thread.start()
 
     # ---- the event-loop side ----------------------------------------------------------------
-    def submit(self, job: Job) -> None:
-        with self._cv:  # a place in the batch, or one in the queue behind it
-            if len(self.waiting) + len(self.running) >= self.max_queue + self.parallel:
+    def submit(self, *jobs: Job) -> None:
+        """Queue `jobs` (one request's), all or none: each needs a place in the batch or in the queue."""
+        with self._cv:
+            if len(self.waiting) + len(self.running) + len(jobs) > self.max_queue + self.parallel:
                 raise QueueFull(self.retry_after())
-            self.waiting.append(job)
+            self.waiting.extend(jobs)
             self._cv.notify()
 
     def cancel(self, job: Job) -> None:
@@ -194,12 +223,17 @@ class Worker:
                     trimmed = False
                     if self._stop:
                         return  # closing the batch cancels what still runs
-                    while self.waiting and len(self.running) < self.parallel:  # join the batch
-                        job = self.waiting.popleft()
+                    for job in list(self.waiting):  # join the batch, first come first, unless held
+                        if len(self.running) >= self.parallel:
+                            break
+                        if job.after is not None and not self._prefilled(job.after):
+                            continue
+                        self.waiting.remove(job)
                         if job.cancelled.is_set():
                             continue
                         try:
-                            self.running[job] = _Running(self, batch, job)
+                            start = _Embedding if isinstance(job, EmbeddingJob) else _Running
+                            self.running[job] = start(self, batch, job)
                         except Exception as e:  # a bug: report it, keep serving
                             log.error("a job could not start:\n%s", traceback.format_exc())
                             job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
@@ -218,6 +252,10 @@ class Worker:
                 self._publish()  # before their ends are sent: a client then sees its request gone
                 for run in ended:
                     run.end()
+
+    def _prefilled(self, job: Job) -> bool:
+        """`job`'s prompt has been prefilled (its state is in the prefix cache), or it has ended."""
+        return job.tokens > 0 or (job not in self.running and job not in self.waiting)
 
     def _publish(self) -> None:
         """Replace the snapshot with the engine as it is now (worker thread, between two steps)."""
@@ -324,3 +362,33 @@ class _Running:
         }
         self.worker.on_turn(turn)
         job.emit(End(turn))
+
+
+class _Embedding:
+    """An embedding job in the batch: an entry that only prefills (Engine.embed on each input in turn,
+    a chunk a step, so the streams beside it go on), its vectors sent whole when it ends."""
+
+    def __init__(self, worker: Worker, batch, job: EmbeddingJob):
+        self.worker, self.job = worker, job
+        self.started = time.perf_counter()
+        self.vectors = []
+        self.live = {"kind": "embedding", "prompt_tokens": sum(map(len, job.inputs)), "cached_tokens": 0,
+                     "tokens": 0, "started": self.started, "first_token": None}
+
+        def embed():  # an entry of the batch is a token iterator: this one yields none
+            for ids in job.inputs:
+                self.vectors.append(worker.engine.embed(ids))
+            yield from ()
+
+        self.generation = batch.run(embed)
+
+    def end(self) -> None:
+        job, error = self.job, self.generation.error
+        self.worker.turn_seconds.append(time.perf_counter() - job.arrived)
+        if isinstance(error, ColibriError):
+            job.emit(Failed(str(error)))
+        elif error is not None:  # a bug: report it, keep serving
+            log.error("embedding failed:\n%s", "".join(traceback.format_exception(error)))
+            job.emit(Failed(f"internal error: {type(error).__name__}: {error}"))
+        elif not job.cancelled.is_set():
+            job.emit(Embedded(self.vectors))

@@ -26,9 +26,10 @@ SAMPLES_PER_FILE = 4  # extents of each expert file checked when a mirror is ope
 class Source:
     """One copy of the container: its expert files opened (lazily) with or without O_DIRECT."""
 
-    def __init__(self, container: Container, direct: bool, name: str):
+    def __init__(self, container: Container, direct: bool, name: str, warn_refused: bool = True):
         self.container = container
         self.name = name  # "primary" | "mirror"
+        self.warn_refused = warn_refused  # O_DIRECT was asked for: its refusal is worth a warning
         self.direct_asked = direct and getattr(container, "direct_ok", True)  # a checkpoint's extents: no O_DIRECT
         self.direct_refused: str | None = None  # why O_DIRECT was refused, once known
         self.fds: dict[str, int] = {}  # path -> fd
@@ -50,9 +51,10 @@ class Source:
             fd, refused = io.open_expert_file(path, self.direct, probe_bytes=min(nbytes, 1 << 20))
             if refused and self.direct_refused is None:
                 self.direct_refused = refused
-                from .usage import warn
+                if self.warn_refused:
+                    from .usage import warn
 
-                warn(io.direct_refused_message(path, refused))
+                    warn(io.direct_refused_message(path, refused))
             self.fds[path] = fd
         return fd
 

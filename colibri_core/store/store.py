@@ -95,7 +95,8 @@ class StoreConfig:
     policy: PolicyInfo  # eviction policy (`Registry.cache_policy(name)`: colibri_register_cache_policies)
     pinned: int = 0  # hot-store capacity in experts, over all MoE layers (0: no pinning)
     prefetch: bool = True  # router lookahead prefetch of the next layer's experts
-    direct: bool = False  # read with O_DIRECT (falls back, with a warning, where refused)
+    direct: bool = False  # read with O_DIRECT (falls back where refused: with a warning if `direct_asked`)
+    direct_asked: bool = True  # O_DIRECT was asked for (--direct), not chosen by default (planning.read_direct)
     mirror: str | None = None  # a byte-identical copy of the container on another disk
     io_threads: int = 4  # threads of the C I/O pool
     transient: int = 0  # reads a layer may have beyond its cache slots (buffers of their own, dropped once computed)
@@ -140,13 +141,13 @@ class ExpertStore:
         self._layer_reads: list = []  # demand and lookahead reads that may be in flight
         self._orphans: list = []  # reads of experts evicted while in flight (wrong prefetches)
         self.pool = None  # the I/O threads, started once nothing before them has failed
-        self.sources = [mirror_mod.Source(container, cfg.direct, "primary")]
+        self.sources = [mirror_mod.Source(container, cfg.direct, "primary", cfg.direct_asked)]
         self.primary_share = 1.0
         self._retired = []  # a mirror that failed (its files are closed with the others)
         try:
             if cfg.mirror is not None:
                 m = mirror_mod.open_mirror(container, cfg.mirror)
-                self.sources.append(mirror_mod.Source(m, cfg.direct, "mirror"))
+                self.sources.append(mirror_mod.Source(m, cfg.direct, "mirror", cfg.direct_asked))
                 bw = [s.measure() for s in self.sources]
                 self.primary_share = bw[0] / (bw[0] + bw[1])
             else:
