@@ -235,6 +235,26 @@ def _room(engine, n_tokens: int, max_tokens: int) -> int:
     return min(max_tokens, ctx - n_tokens)
 
 
+def _print_answer(tokens, out, answer: list[int]) -> tuple[str, str]:
+    """Print each token's text (`out`, a server.text.TextStream) as the engine yields it, keeping the
+    tokens in `answer`, until the answer ends or a --stop string appears (it ends before it); the
+    stream is closed then. Returns the whole text and its held-back tail, which the caller prints
+    once the turn is recorded."""
+    shown = []
+    try:
+        for token in tokens:
+            answer.append(token)
+            shown.append(out.push(token))
+            sys.stdout.write(shown[-1])
+            sys.stdout.flush()
+            if out.stopped:
+                break
+    finally:
+        tokens.close()
+    tail = out.flush()
+    return "".join(shown) + tail, tail
+
+
 def _context_note(engine, n_tokens: int, answer: int, max_tokens: int) -> None:
     """One note when the model's context, not --max-tokens, ended an answer of `answer` tokens after a
     prompt of `n_tokens`."""
@@ -330,25 +350,15 @@ def run(
             ids = engine.tokenizer.encode(text)
         make = _structure(engine, grammar, json_schema)
         room = _room(engine, len(ids), max_tokens)
-        out, answer, shown = TextStream(engine.tokenizer, stop or []), [], []
+        out, answer = TextStream(engine.tokenizer, stop or []), []
         # a session's turn is one record: the state the answer leaves and the messages with the answer
         with session.turn() if session is not None else contextlib.nullcontext():
             tokens = engine.stream(ids, room, temperature, top_p, top_k, seed, session=session, draft=draft,
                                    constraint=make and make(), **knobs)
-            try:
-                for token in tokens:
-                    answer.append(token)
-                    shown.append(out.push(token))
-                    sys.stdout.write(shown[-1])
-                    sys.stdout.flush()
-                    if out.stopped:  # a --stop string: the answer ends before it
-                        break
-            finally:
-                tokens.close()
-            shown.append(out.flush())
+            text, tail = _print_answer(tokens, out, answer)
             if session is not None:
-                messages.append({"role": "assistant", "content": "".join(shown)})
-        sys.stdout.write(shown[-1] + "\n")
+                messages.append({"role": "assistant", "content": text})
+        sys.stdout.write(tail + "\n")
         sys.stdout.flush()
         if not out.stopped:
             _context_note(engine, len(ids), len(answer), max_tokens)
@@ -485,31 +495,21 @@ def chat(
                 messages.pop()
                 print(f"colibri: error: {e}; /reset starts over", file=sys.stderr)
                 continue
-            out, answer, shown = TextStream(engine.tokenizer, stop or []), [], []
+            out, answer = TextStream(engine.tokenizer, stop or []), []
             t0, before = time.perf_counter(), engine.stats()
             # one turn, one record: the state the answer leaves and the messages with the answer together
             turn = session.turn() if session_name is not None else contextlib.nullcontext()
             try:
-                with turn:
+                with turn:  # an answer cut short ends inside the turn (which then saves nothing)
                     tokens = engine.stream(ids, room, temperature, top_p, top_k, seed, session=session,
                                            draft=draft, constraint=make and make(), **knobs)
-                    try:
-                        for token in tokens:
-                            answer.append(token)
-                            shown.append(out.push(token))
-                            sys.stdout.write(shown[-1])
-                            sys.stdout.flush()
-                            if out.stopped:  # a --stop string: the answer ends before it
-                                break
-                    finally:
-                        tokens.close()  # an answer cut short ends here, inside the turn (which then saves nothing)
-                    shown.append(out.flush())
-                    messages.append({"role": "assistant", "content": "".join(shown)})
+                    text, tail = _print_answer(tokens, out, answer)
+                    messages.append({"role": "assistant", "content": text})
             except KeyboardInterrupt:  # Ctrl-C stops the answer, not the chat: the turn never happened
                 messages.pop()
                 print("\n(interrupted: the question and its partial answer are forgotten)", file=sys.stderr)
                 continue
-            print(shown[-1])
+            print(tail)
             if not out.stopped:
                 _context_note(engine, len(ids), len(answer), max_tokens)
             if log.isEnabledFor(logging.WARNING):
