@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -257,9 +258,14 @@ def disk_bytes(*paths: Path) -> int:
     """Bytes the files under `paths` take on disk (allocated blocks: a sparse file counts what is written)."""
     total = 0
     for root in paths:
-        for f in ([root] if root.is_file() else root.rglob("*") if root.is_dir() else []):
-            if f.is_file() and not f.is_symlink():
-                total += f.stat().st_blocks * 512
+        files = [str(root)] if root.is_file() else (os.path.join(d, n) for d, _, names in os.walk(root) for n in names)
+        for f in files:
+            try:
+                st = os.lstat(f)
+            except FileNotFoundError:  # removed while the walk goes on (a shard deleted, a part renamed)
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_blocks * 512
     return total
 
 
