@@ -21,7 +21,7 @@ from colibri_core import load
 from colibri_core.demo import demo_model
 from colibri_core.errors import ColibriError
 from colibri_core.store.usage import model_fingerprint
-from conftest import colibri
+from conftest import ARTIFACTS, colibri
 
 TOKENS = 2  # greedy tokens per prompt: the fast tier's characterisation
 # Passages of each genre that the demo's atlas prompts (tools/make_atlas_prompts.py) do not hold.
@@ -282,41 +282,6 @@ def top_topics(doc: dict, i: int, n: int) -> list[tuple[str, float]]:
     return sorted(pairs, key=lambda p: -p[1])[:n]
 
 
-@pytest.fixture(scope="module")
-def webgl_browser(tmp_path_factory):
-    """Headless Chromium as tests/test_dashboard.py drives it, with WebGL drawn by SwiftShader (a
-    CPU renderer: there is no GPU)."""
-    from test_dashboard import FLAGS, WAIT, DevTools
-
-    import urllib.request
-
-    exe = shutil.which("chromium")
-    if exe is None:
-        pytest.fail("Debian's chromium is not installed: apt-get install -y chromium (CI's .ci/run does)", pytrace=False)
-    profile = tmp_path_factory.mktemp("chromium-atlas")
-    proc = subprocess.Popen([exe, *FLAGS, "--use-angle=swiftshader", "--enable-unsafe-swiftshader",
-                             f"--user-data-dir={profile}", "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    port_file = profile / "DevToolsActivePort"
-    deadline = time.monotonic() + WAIT
-    while not (port_file.exists() and port_file.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"chromium did not start: {proc.stderr.read().decode(errors='replace')[-2000:]}")
-        time.sleep(0.05)
-    port = port_file.read_text().split()[0]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=WAIT) as r:
-        page = next(t for t in json.load(r) if t["type"] == "page")
-    tools = DevTools(page["webSocketDebuggerUrl"])
-    tools.call("Page.enable")
-    yield tools
-    tools.ws.close()
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 def mouse(b, kind: str, x: float, y: float, **extra) -> None:
     b.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1 if kind != "mouseMoved" else 0,
            **extra)
@@ -336,7 +301,6 @@ def test_atlas_page_draws_every_expert_and_shows_their_topics(webgl_browser, tmp
     all 32 experts; hovering and clicking an expert show the topic shares the JSON says; the colour
     modes switch; the search counts the experts it finds. Saves docs/atlas.png for the README."""
     from live_server import LiveServer, post_json
-    from test_dashboard import ARTIFACTS
 
     b, state = webgl_browser, tmp_path / "state"
     r = colibri("atlas", "--state-dir", state, "--max-tokens", "8", "--json")

@@ -1,99 +1,19 @@
 """`colibri web`: headless Chromium opens the dashboard, sends a message, sees the tokens stream in
 and the brain map render, and saves screenshots (pytest's tmp dir and ./artifacts/).
 
-Chromium is driven over the Chrome DevTools protocol. It must be Debian's `chromium`; CI installs
-it (.ci/run). Where it is missing this test fails and says so: it never skips.
+Chromium is driven over the Chrome DevTools protocol (the `browser` fixture, tests/conftest.py). It
+must be Debian's `chromium`; CI installs it (.ci/run). Where it is missing this test fails and says
+so: it never skips.
 """
-import base64
 import json
-import shutil
-import subprocess
-import time
 import urllib.request
-from pathlib import Path
 
 import pytest
-import websocket
 
+from conftest import ARTIFACTS, WAIT
 from live_server import LiveServer, Stream, post_json
 
 pytestmark = pytest.mark.system  # a headless browser
-
-ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--remote-debugging-port=0", "--remote-allow-origins=*", "--window-size=1500,1000", "--hide-scrollbars"]
-WAIT = 60  # seconds: a bound on waiting for the page, never a performance assertion
-
-
-class DevTools:
-    """The smallest Chrome DevTools protocol client: call a method, wait for its answer."""
-
-    def __init__(self, ws_url: str):
-        self.ws = websocket.create_connection(ws_url, timeout=WAIT, suppress_origin=True)
-        self.next_id = 0
-
-    def call(self, method: str, **params):
-        self.next_id += 1
-        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
-        while True:
-            msg = json.loads(self.ws.recv())
-            if msg.get("id") == self.next_id:
-                if "error" in msg:
-                    raise RuntimeError(f"{method}: {msg['error']}")
-                return msg["result"]
-
-    def js(self, expression: str):
-        r = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
-        if "exceptionDetails" in r:
-            raise RuntimeError(f"{expression!r} threw: {r['exceptionDetails']}")
-        return r["result"].get("value")
-
-    def wait_for(self, expression: str, what: str):
-        """Poll until `expression` is true (an exception, as on a page still loading, counts as false)."""
-        deadline = time.monotonic() + WAIT
-        while not self.js(f"(() => {{ try {{ return !!({expression}); }} catch (e) {{ return false; }} }})()"):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the dashboard never showed {what} ({expression})")
-            time.sleep(0.05)
-
-    def screenshot(self, *paths: Path) -> bytes:
-        png = base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"])
-        for p in paths:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_bytes(png)
-        return png
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    exe = shutil.which("chromium")
-    if exe is None:
-        pytest.fail("Debian's chromium is not installed, so the dashboard cannot be tested: "
-                    "apt-get install -y chromium (CI's .ci/run installs it)", pytrace=False)
-    profile = tmp_path_factory.mktemp("chromium-profile")
-    proc = subprocess.Popen([exe, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    port_file = profile / "DevToolsActivePort"
-    deadline = time.monotonic() + WAIT
-    while not (port_file.exists() and port_file.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"chromium did not start: {proc.stderr.read().decode(errors='replace')[-2000:]}")
-        time.sleep(0.05)
-    port = port_file.read_text().split()[0]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=WAIT) as r:
-        page = next(t for t in json.load(r) if t["type"] == "page")
-    tools = DevTools(page["webSocketDebuggerUrl"])
-    tools.call("Page.enable")
-    tools.call("Runtime.enable")
-    yield tools
-    tools.ws.close()
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,9 @@ import json
 import math
 
 import numpy as np
-import openai
 import pytest
 
-from colibri_core import load
-from colibri_core.demo import demo_model
-from live_server import LiveServer, post
+from live_server import post
 
 ASK = [{"role": "user", "content": "What is the weather in Ur of the Chaldees?"}]
 WEATHER = {"type": "function", "function": {
@@ -21,25 +18,6 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
                                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"], "additionalProperties": False}}}
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = LiveServer("serve", demo_model())
-    yield s
-    s.stop()
-    assert "Traceback" not in s.text_log() and "internal error" not in s.text_log(), s.text_log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def engine():
-    with load(demo_model()) as e:
-        yield e
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:
@@ -53,33 +31,33 @@ def chat(server, body: dict) -> tuple[int, dict]:
 
 
 # ---- log-probabilities ----------------------------------------------------------------------------------
-def test_completion_logprobs_are_the_engines_log_softmax(client, engine):
+def test_completion_logprobs_are_the_engines_log_softmax(demo_client, demo_engine):
     """Greedy: each token's logprob is log_softmax(engine.logits) at its position, its top 3 the most
     likely three, in the legacy shape (text_offset counting from the start of the text), streamed and not."""
-    ids = engine.tokenizer.encode("And God said")
-    r = client.completions.create(prompt=ids, model=client.models.list().data[0].id, max_tokens=8, temperature=0,
-                                  logprobs=3, extra_body={"ignore_eos": True})
+    ids = demo_engine.tokenizer.encode("And God said")
+    r = demo_client.completions.create(prompt=ids, model=demo_client.models.list().data[0].id, max_tokens=8,
+                                       temperature=0, logprobs=3, extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
-    answer = engine.tokenizer.encode(r.choices[0].text, add_special_tokens=False)
-    rows = [log_softmax(row) for row in engine.logits(ids + answer)[len(ids) - 1:-1]]
+    answer = demo_engine.tokenizer.encode(r.choices[0].text, add_special_tokens=False)
+    rows = [log_softmax(row) for row in demo_engine.logits(ids + answer)[len(ids) - 1:-1]]
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
     assert "".join(lp.tokens) == r.choices[0].text
     assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(8)]
     for token, logprob, top, row in zip(answer, lp.token_logprobs, lp.top_logprobs, rows):
         assert math.isclose(logprob, row[token], abs_tol=1e-5)
         assert np.allclose(sorted(top.values(), reverse=True), np.sort(row)[::-1][:len(top)], atol=1e-5)
-    chunks = list(client.completions.create(prompt=ids, model=r.model, max_tokens=8, temperature=0, logprobs=3,
-                                            stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(demo_client.completions.create(prompt=ids, model=r.model, max_tokens=8, temperature=0, logprobs=3,
+                                                 stream=True, extra_body={"ignore_eos": True}))
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert sum((s.tokens for s in streamed), []) == lp.tokens
     assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
     assert sum((s.text_offset for s in streamed), []) == lp.text_offset
 
 
-def test_chat_logprobs_whole_and_streamed_agree(client):
-    kw = dict(model=client.models.list().data[0].id, messages=ASK, max_tokens=12, temperature=0, logprobs=True,
+def test_chat_logprobs_whole_and_streamed_agree(demo_client):
+    kw = dict(model=demo_client.models.list().data[0].id, messages=ASK, max_tokens=12, temperature=0, logprobs=True,
               top_logprobs=4)
-    r = client.chat.completions.create(**kw)
+    r = demo_client.chat.completions.create(**kw)
     content = r.choices[0].logprobs.content
     assert 0 < len(content) <= r.usage.completion_tokens
     assert "".join(t.token for t in content) == r.choices[0].message.content
@@ -88,10 +66,10 @@ def test_chat_logprobs_whole_and_streamed_agree(client):
         tops = [x.logprob for x in t.top_logprobs]
         assert tops == sorted(tops, reverse=True) and t.logprob <= tops[0] + 1e-9
         assert sum(math.exp(x) for x in tops) <= 1 + 1e-6
-    streamed = [t for c in client.chat.completions.create(**kw, stream=True)
+    streamed = [t for c in demo_client.chat.completions.create(**kw, stream=True)
                 if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
-    plain = client.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
+    plain = demo_client.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == r.choices[0].message.content
 
 
@@ -101,19 +79,19 @@ def test_chat_logprobs_whole_and_streamed_agree(client):
     ("/v1/completions", {"prompt": "a", "logprobs": 2, "echo": True}, "logprobs"),
     ("/v1/completions", {"prompt": "a", "logprobs": True}, "logprobs"),
 ])
-def test_logprobs_refused_by_name(server, path, body, param):
-    status, _, raw = post(server.url + path, body)
+def test_logprobs_refused_by_name(demo_server, path, body, param):
+    status, _, raw = post(demo_server.url + path, body)
     assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
 
 
 # ---- penalties, min_p, logit_bias ----------------------------------------------------------------------------
-def test_penalties_min_p_and_bias_through_the_client(client, engine):
-    model = client.models.list().data[0].id
+def test_penalties_min_p_and_bias_through_the_client(demo_client, demo_engine):
+    model = demo_client.models.list().data[0].id
     kw = dict(model=model, prompt="In the beginning", max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
 
     def text(**more) -> str:
         extra = {**kw["extra_body"], **more.pop("extra_body", {})}
-        return client.completions.create(**{**kw, **more, "extra_body": extra}).choices[0].text
+        return demo_client.completions.create(**{**kw, **more, "extra_body": extra}).choices[0].text
 
     looping = text()
     assert looping.count("Levites") >= 5
@@ -123,36 +101,36 @@ def test_penalties_min_p_and_bias_through_the_client(client, engine):
     assert text(extra_body={"repeat_penalty": 1.3}) == text(extra_body={"repetition_penalty": 1.3})
     assert text(extra_body={"repeat_penalty": 1.3, "repeat_last_n": 0}) == looping
     assert text(extra_body={"repeat_penalty": 1.3, "repeat_last_n": -1}).count("Levites") <= 2
-    levites = engine.tokenizer.encode(" Levites", add_special_tokens=False)
+    levites = demo_engine.tokenizer.encode(" Levites", add_special_tokens=False)
     assert "Levites" not in text(logit_bias={str(t): -100 for t in levites})
-    egypt = engine.tokenizer.encode(" Egypt", add_special_tokens=False)[0]
+    egypt = demo_engine.tokenizer.encode(" Egypt", add_special_tokens=False)[0]
     assert text(max_tokens=5, logit_bias={str(egypt): 100}) == " Egypt" * 5
     sampled = dict(temperature=1.5, seed=7, extra_body={"min_p": 0.2})
     assert text(**sampled) == text(**sampled) and text(temperature=1.5, seed=7, extra_body={"min_p": 1.0}) == looping
 
 
-def test_two_names_of_one_penalty_that_differ_are_refused(server):
-    status, body = chat(server, {"repeat_penalty": 1.1, "repetition_penalty": 1.2})
+def test_two_names_of_one_penalty_that_differ_are_refused(demo_server):
+    status, body = chat(demo_server, {"repeat_penalty": 1.1, "repetition_penalty": 1.2})
     assert status == 400 and body["error"]["param"] == "repeat_penalty"
 
 
 # ---- a forced tool call cut by max_tokens ---------------------------------------------------------------------
-def test_a_forced_call_cut_by_max_tokens_is_a_partial_call(client):
+def test_a_forced_call_cut_by_max_tokens_is_a_partial_call(demo_client):
     """Whatever max_tokens cuts it at, a forced call comes back as tool_calls (its name, the arguments so
     far), finish_reason "length", content null, streamed and not, never the template's markup."""
-    model = client.models.list().data[0].id
+    model = demo_client.models.list().data[0].id
     kw = dict(model=model, messages=ASK, tools=[WEATHER], parallel_tool_calls=False, temperature=0,
               tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    whole = client.chat.completions.create(**kw, max_tokens=120)
+    whole = demo_client.chat.completions.create(**kw, max_tokens=120)
     assert whole.choices[0].finish_reason == "tool_calls" and whole.usage.completion_tokens > 10
     arguments = whole.choices[0].message.tool_calls[0].function.arguments
     for n in range(1, whole.usage.completion_tokens):
-        r = client.chat.completions.create(**kw, max_tokens=n)
+        r = demo_client.chat.completions.create(**kw, max_tokens=n)
         m = r.choices[0].message
         assert r.choices[0].finish_reason == "length" and m.content is None, (n, m)
         [call] = m.tool_calls
         assert call.function.name == "get_weather" and arguments.startswith(call.function.arguments), (n, call)
-        chunks = list(client.chat.completions.create(**kw, max_tokens=n, stream=True))
+        chunks = list(demo_client.chat.completions.create(**kw, max_tokens=n, stream=True))
         deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
         assert not any(c.choices[0].delta.content for c in chunks if c.choices), n
         assert deltas[0].function.name == "get_weather"
@@ -215,14 +193,14 @@ def _every_field():
 
 
 @pytest.mark.parametrize("path,name,value,expect", list(_every_field()))
-def test_every_field_works_or_is_refused_by_name(server, path, name, value, expect):
+def test_every_field_works_or_is_refused_by_name(demo_server, path, name, value, expect):
     base = {"messages": ASK} if path.endswith("chat/completions") else {"prompt": "And God"}
     body = {**base, "max_tokens": 3, name: value}
     if expect == "needs logprobs":
         body["logprobs"], expect = True, "ok"
     if expect == "needs stream":
         body["stream"], expect = True, "ok"
-    status, _, raw = post(server.url + path, body)
+    status, _, raw = post(demo_server.url + path, body)
     if expect == "ok":
         assert status == 200, raw
     else:

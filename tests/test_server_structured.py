@@ -23,9 +23,8 @@ import openai
 import pydantic
 import pytest
 
-from colibri_core.demo import demo_model
 from colibri_core.structured import endless_gbnf_rule, endless_schema_part
-from live_server import LiveServer, Stream, post
+from live_server import Stream, post
 
 N_SCHEMAS = 50
 MAX_BOUND = 700  # the demo model's context is 1024 tokens; the prompt takes ~20
@@ -48,21 +47,8 @@ TRAP = {**DEEP, "required": ["a"]}
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = LiveServer("serve", demo_model())
-    yield s
-    s.stop()
-    assert "Traceback" not in s.text_log() and "internal error" not in s.text_log(), s.text_log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(server):
-    return server.json("/v1/models")["data"][0]["id"]
+def model(demo_server):
+    return demo_server.json("/v1/models")["data"][0]["id"]
 
 
 # ---- random schemas, with the most bytes their compact JSON may take ------------------------------------
@@ -131,11 +117,11 @@ def test_the_schema_generator_covers_what_the_issue_asks_for():
     assert sum(bool(s["required"]) for s, _ in made) >= 40 and text.count('"integer"') >= 10
 
 
-def test_random_schemas_give_valid_json(client, model):
+def test_random_schemas_give_valid_json(demo_client, model):
     made, _ = schemas(N_SCHEMAS)
     for i, (schema, bound) in enumerate(made):
         sampled = i % 2 == 1
-        r = client.chat.completions.create(
+        r = demo_client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "Describe the ark as JSON."}],
             response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}},
             max_tokens=bound, temperature=1.0 if sampled else 0.0, seed=i)
@@ -145,29 +131,30 @@ def test_random_schemas_give_valid_json(client, model):
         jsonschema.validate(value, schema)
 
 
-def test_json_object_streamed_and_not(client, model):
-    r = client.chat.completions.create(model=model, messages=ASK, response_format={"type": "json_object"},
-                                       max_tokens=60, temperature=0)
+def test_json_object_streamed_and_not(demo_client, model):
+    r = demo_client.chat.completions.create(model=model, messages=ASK, response_format={"type": "json_object"},
+                                            max_tokens=60, temperature=0)
     text = r.choices[0].message.content
     assert text.startswith("{")
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
-    chunks = list(client.chat.completions.create(model=model, messages=ASK, response_format={"type": "json_object"},
-                                                 max_tokens=60, temperature=0, stream=True))
+    chunks = list(demo_client.chat.completions.create(model=model, messages=ASK,
+                                                      response_format={"type": "json_object"}, max_tokens=60,
+                                                      temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text  # greedy: the same
 
 
-def test_usage_counts_the_drafted_tokens(client, model):
+def test_usage_counts_the_drafted_tokens(demo_client, model):
     """A schema's forced tokens (keys, punctuation) are drafted and always accepted; the usage block
     reports them where OpenAI counts a prediction's tokens."""
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
               "required": ["name", "ok"], "additionalProperties": False}
-    r = client.chat.completions.create(model=model, messages=ASK, max_tokens=60, temperature=0, response_format={
+    r = demo_client.chat.completions.create(model=model, messages=ASK, max_tokens=60, temperature=0, response_format={
         "type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
     details = r.usage.completion_tokens_details
     assert details.accepted_prediction_tokens >= len('{"name":"",ok":}') // 4, details  # at least the keys' tokens
     assert details.rejected_prediction_tokens == 0 and details.accepted_prediction_tokens < r.usage.completion_tokens
-    plain = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=0)
+    plain = demo_client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=0)
     assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0  # no grammar, no MTP head
 
 
@@ -197,9 +184,9 @@ def streamed_calls(stream) -> tuple[list[dict], str | None, str]:
     return [calls[i] for i in sorted(calls)], finish, content
 
 
-def test_a_tool_call_round_trips(client, model):
-    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=120)
+def test_a_tool_call_round_trips(demo_client, model):
+    r = demo_client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=120)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -207,29 +194,30 @@ def test_a_tool_call_round_trips(client, model):
     # the call and its result go back into the conversation; the model answers in text
     history = ASK + [choice.message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 31}'}]
-    r = client.chat.completions.create(model=model, messages=history, tools=[WEATHER, CLOCK], tool_choice="none",
-                                       max_tokens=8)
+    r = demo_client.chat.completions.create(model=model, messages=history, tools=[WEATHER, CLOCK], tool_choice="none",
+                                            max_tokens=8)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
-def test_a_tool_call_answer_is_what_the_published_schema_says(server):
+def test_a_tool_call_answer_is_what_the_published_schema_says(demo_server):
     """Content null, `tool_calls`, finish_reason "tool_calls": all in /openapi.json's chat answer, which
     clients generated from it would otherwise reject."""
-    doc = server.json("/openapi.json")
+    doc = demo_server.json("/openapi.json")
     schema = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
     for choice in ("required", "none"):
         body = {"messages": ASK, "tools": [WEATHER], "tool_choice": choice, "parallel_tool_calls": False, "max_tokens": 120}
-        status, _, raw = post(server.url + "/v1/chat/completions", body)
+        status, _, raw = post(demo_server.url + "/v1/chat/completions", body)
         answer = json.loads(raw)
         assert status == 200 and (answer["choices"][0]["finish_reason"] == "tool_calls") == (choice == "required"), raw
         jsonschema.validate(answer, schema)
 
 
-def test_a_tool_call_round_trips_streamed(client, model):
+def test_a_tool_call_round_trips_streamed(demo_client, model):
     kw = dict(model=model, messages=ASK, tools=[WEATHER, CLOCK], parallel_tool_calls=False, max_tokens=120,
               temperature=0)
-    whole = client.chat.completions.create(tool_choice={"type": "function", "function": {"name": "get_weather"}}, **kw)
-    calls, finish, content = streamed_calls(client.chat.completions.create(
+    whole = demo_client.chat.completions.create(
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, **kw)
+    calls, finish, content = streamed_calls(demo_client.chat.completions.create(
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True, **kw))
     assert finish == "tool_calls" and content == "" and len(calls) == 1
     (call,) = whole.choices[0].message.tool_calls
@@ -238,8 +226,8 @@ def test_a_tool_call_round_trips_streamed(client, model):
     assert json.loads(calls[0]["arguments"]) == tool_args(call)  # greedy: the same call
 
 
-def test_several_calls_streamed(client, model):
-    calls, finish, _ = streamed_calls(client.chat.completions.create(
+def test_several_calls_streamed(demo_client, model):
+    calls, finish, _ = streamed_calls(demo_client.chat.completions.create(
         model=model, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=200, stream=True))
     assert calls and all(c["name"] in ("get_weather", "now") for c in calls)
     assert finish in ("tool_calls", "length")  # a weak model may go on calling until max_tokens
@@ -247,20 +235,21 @@ def test_several_calls_streamed(client, model):
         json.loads(c["arguments"])
 
 
-def test_auto_is_text_or_calls(client, model):
-    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=40)
+def test_auto_is_text_or_calls(demo_client, model):
+    r = demo_client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=40)
     m = r.choices[0].message
     assert (m.tool_calls is None and m.content) or (m.content is None and m.tool_calls)
 
 
-def test_completions_take_response_format_and_grammar(client, model):
-    r = client.completions.create(model=model, prompt="And God said", max_tokens=40,
-                                  extra_body={"response_format": {"type": "json_schema", "json_schema": {
+def test_completions_take_response_format_and_grammar(demo_client, model):
+    r = demo_client.completions.create(model=model, prompt="And God said", max_tokens=40,
+                                       extra_body={"response_format": {"type": "json_schema", "json_schema": {
                                       "name": "n", "schema": {"type": "object", "properties": {"n": {"enum": [1, 2]}},
                                                               "required": ["n"], "additionalProperties": False}}}})
     assert json.loads(r.choices[0].text)["n"] in (1, 2) and r.choices[0].finish_reason == "stop"
     for grammar in ('root ::= ("yes" | "no") "!"', 'start: ("yes" | "no") "!"'):
-        r = client.completions.create(model=model, prompt="Is it good?", max_tokens=10, extra_body={"grammar": grammar})
+        r = demo_client.completions.create(model=model, prompt="Is it good?", max_tokens=10,
+                                           extra_body={"grammar": grammar})
         assert r.choices[0].text in ("yes!", "no!")
 
 
@@ -299,35 +288,35 @@ def test_completions_take_response_format_and_grammar(client, model):
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": TRAP}}]}, "tools",
      "the parameters of 'f': the JSON schema cannot be followed: #/properties/b: "),
 ])
-def test_what_cannot_be_compiled_is_a_400_in_openais_shape(server, body, param, message):
-    status, _, raw = post(server.url + "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, **body})
+def test_what_cannot_be_compiled_is_a_400_in_openais_shape(demo_server, body, param, message):
+    status, _, raw = post(demo_server.url + "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, **body})
     error = json.loads(raw)["error"]
     assert status == 400 and error["type"] == "invalid_request_error" and error["param"] == param, error
     assert message in error["message"] and "\n" not in error["message"]
 
 
-def test_a_grammar_that_cannot_be_followed_is_a_400_before_a_stream_begins(server):
+def test_a_grammar_that_cannot_be_followed_is_a_400_before_a_stream_begins(demo_server):
     body = {"messages": ASK, "max_tokens": 4, "stream": True, "grammar": 'root ::= "(" root ")"'}
-    status, _, raw = post(server.url + "/v1/chat/completions", body)
+    status, _, raw = post(demo_server.url + "/v1/chat/completions", body)
     assert status == 400 and json.loads(raw)["error"]["type"] == "invalid_request_error", raw  # JSON, not events
 
 
-def test_a_grammar_given_up_on_mid_answer_is_a_clean_error(server):
+def test_a_grammar_given_up_on_mid_answer_is_a_clean_error(demo_server):
     """A Lark grammar (not analysed before it runs): "a" or "b" first (the model's choice), then a
     recursion without end: llguidance gives up mid-answer. A one-line server_error, streamed or not; no
     traceback in the log (the fixture)."""
     body = {"messages": ASK, "max_tokens": 60, "temperature": 0, "grammar": 'start: ("a" | "b") loop\nloop: "(" loop'}
-    status, _, raw = post(server.url + "/v1/chat/completions", body)
+    status, _, raw = post(demo_server.url + "/v1/chat/completions", body)
     error = json.loads(raw)["error"]
     assert status == 500 and error["code"] == "generation_failed", raw
     assert error["message"].startswith("the Lark grammar cannot be followed after ") and "\n" not in error["message"]
-    s = Stream(server.url + "/v1/chat/completions", {**body, "stream": True})
+    s = Stream(demo_server.url + "/v1/chat/completions", {**body, "stream": True})
     *_, last, done = s.events()
     s.close()
     assert json.loads(last)["error"]["message"] == error["message"] and done == "[DONE]"
 
 
-def test_a_pydantic_tool_with_defs_round_trips(client, model):
+def test_a_pydantic_tool_with_defs_round_trips(demo_client, model):
     """openai.pydantic_function_tool puts a nested model in "$defs", referred to as "#/$defs/Addr"."""
 
     class Addr(pydantic.BaseModel):
@@ -339,34 +328,35 @@ def test_a_pydantic_tool_with_defs_round_trips(client, model):
 
     tool = openai.pydantic_function_tool(Ship, name="ship")
     assert "$defs" in tool["function"]["parameters"]
-    r = client.chat.completions.create(model=model, messages=ASK, tools=[tool], tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=80)
+    r = demo_client.chat.completions.create(model=model, messages=ASK, tools=[tool], tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=80)
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "ship"
     Ship.model_validate_json(call.function.arguments)
 
 
-def test_the_openai_client_sees_a_bad_schema_as_bad_request(client, model):
+def test_the_openai_client_sees_a_bad_schema_as_bad_request(demo_client, model):
     with pytest.raises(openai.BadRequestError, match="Invalid type: foo"):
-        client.chat.completions.create(model=model, messages=ASK, response_format={
+        demo_client.chat.completions.create(model=model, messages=ASK, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}})
 
 
-def test_openapi_describes_the_structured_fields(server):
-    doc = server.json("/openapi.json")
+def test_openapi_describes_the_structured_fields(demo_server):
+    doc = demo_server.json("/openapi.json")
     text = json.dumps(doc)
     assert '"json_schema"' in text and '"parallel_tool_calls"' in text and '"required"' in text
 
 
-def test_an_answer_that_ends_on_its_last_allowed_token_is_a_stop(server):
+def test_an_answer_that_ends_on_its_last_allowed_token_is_a_stop(demo_server):
     body = {"messages": [{"role": "user", "content": "Yes?"}], "temperature": 0, "response_format": {
         "type": "json_schema", "json_schema": {"name": "b", "schema": {
             "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}}}
-    whole = json.loads(post(server.url + "/v1/chat/completions", {**body, "max_tokens": 50})[2])
+    whole = json.loads(post(demo_server.url + "/v1/chat/completions", {**body, "max_tokens": 50})[2])
     n = whole["usage"]["completion_tokens"]
     for stream in (False, True):
         for m, finish in ((n, "stop"), (n - 1, "length")):
-            raw = post(server.url + "/v1/chat/completions", {**body, "max_tokens": m, "stream": stream})[2].decode()
+            raw = post(demo_server.url + "/v1/chat/completions",
+                       {**body, "max_tokens": m, "stream": stream})[2].decode()
             assert re.search(f'"finish_reason": ?"{finish}"', raw), (m, raw)
 
 
@@ -397,13 +387,13 @@ def test_call_stream_gives_the_same_calls_however_the_text_is_cut():
     assert s.flush() == ("", [])  # a second call cut short before its name: dropped
 
 
-def test_auto_with_a_response_format_is_valid_json_or_calls(client, model):
+def test_auto_with_a_response_format_is_valid_json_or_calls(demo_client, model):
     schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
               "additionalProperties": False}
     for seed in range(4):
-        r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=80, seed=seed,
-                                           temperature=1.0, response_format={"type": "json_schema", "json_schema": {
-                                               "name": "a", "schema": schema}})
+        r = demo_client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=80, seed=seed,
+                                                temperature=1.0, response_format={"type": "json_schema", "json_schema": {
+                                                    "name": "a", "schema": schema}})
         m = r.choices[0].message
         if m.tool_calls:
             assert r.choices[0].finish_reason in ("tool_calls", "length") and m.content is None
@@ -584,14 +574,14 @@ def test_the_engine_refuses_exactly_the_fuzz_cases_without_end():
 
 
 @pytest.mark.system
-def test_recursive_schemas_grammars_and_tools_are_answered_or_refused(server):
+def test_recursive_schemas_grammars_and_tools_are_answered_or_refused(demo_server):
     """Every case: a finished answer (200) or a 400 invalid_request_error in one line, streamed or not;
     a 400 naming the part without end for every schema, tool or GBNF grammar that has one; never a 5xx,
     but the one-line generation_failed of a Lark grammar without end; no traceback."""
     rng, seen = random.Random(54), {}
     for i in range(FUZZ_CASES):
         what, body, path, kind = fuzz_case(rng, i)
-        status, _, raw = post(server.url + path, body, timeout=120)
+        status, _, raw = post(demo_server.url + path, body, timeout=120)
         text = raw.decode()
         if kind != "clean" and what != "lark":  # refused: no end (or a body nested too deep, a prompt too long)
             assert status == 400 and re.search(r"no finite (JSON answers|text matches) it|nested more|context length",
@@ -618,4 +608,5 @@ def test_recursive_schemas_grammars_and_tools_are_answered_or_refused(server):
                 (i, kind, body, error)
         seen[(kind, outcome)] = seen.get((kind, outcome), 0) + 1
     print(f"\n{FUZZ_CASES} requests (seed 54):", ", ".join(f"{k} {o}: {n}" for (k, o), n in sorted(seen.items())))
-    assert "Traceback" not in server.text_log() and "internal error" not in server.text_log(), server.text_log()
+    log = demo_server.text_log()
+    assert "Traceback" not in log and "internal error" not in log, log
