@@ -151,17 +151,27 @@ def store_report(engine) -> str:
     s = engine.stats()
     layers = " ".join(f"{layer}:{100 * r:.0f}%" for layer, r in s["layer_hit_rate"].items())
     stalls = " ".join(f"{layer}:{1e3 * t:.0f}" for layer, t in s["layer_io_stall_seconds"].items())
+    stripe = f"{s['stripe']} ({100 * s['stripe_share']:.0f}% of experts)" if s["stripe"] else "off"
+    # per directory read from (the model's, its stripe directory's, a mirror's): its bytes and the
+    # summed time of its reads (the I/O threads read several at once: not wall time)
+    disks = "".join(f"disk {d}: {format_bytes(c['bytes'])} in {c['reads']} reads, {c['read_seconds']:.3f} s "
+                    f"reading ({format_bytes(c['bytes'] / max(c['read_seconds'], 1e-9))}/s a thread)\n"
+                    for d, c in s["disks"].items())
     return (f"expert_hits {s['expert_hits']} · expert_misses {s['expert_misses']} · bytes_read "
             f"{format_bytes(s['bytes_read'])} ({s['reads']} reads) · prefetch_issued {s['prefetch_issued']} · "
             f"prefetch_used {s['prefetch_used']} · prefetch_skipped {s['prefetch_skipped']} · "
             f"prefetch_recall {100 * s['prefetch_recall']:.1f}% · "
             f"io_stall_seconds {s['io_stall_seconds']:.3f}\n"
+            f"lookahead depth {s['lookahead_depth']}: " + (" · ".join(
+                f"distance {d} issued {c['issued']} used {c['used']} skipped {c['skipped']} recall {100 * c['recall']:.0f}%"
+                for d, c in s["prefetch_by_distance"].items()) or "off") + "\n"
             f"cache {s['cache_slots_per_layer']} slots/layer ({s['policy']}), {s['transient_reads']} reads past them · pinned {s['pinned_experts']} experts "
             f"({format_bytes(s['pinned_bytes'])}) · direct I/O {'on' if s['direct_io'] else 'off'} · mirror "
-            f"{s['mirror'] if s['mirror_in_use'] else 'off'} · history {s['history_tokens']} tokens · activations "
-            f"{s['activations']} · KV cache {s['kv_cache']}\n"
+            f"{s['mirror'] if s['mirror_in_use'] else 'off'} · stripe {stripe} · history {s['history_tokens']} tokens · "
+            f"activations {s['activations']} · KV cache {s['kv_cache']}\n"
             f"per-layer hit rate {layers}\n"
             f"per-layer I/O stall (ms) {stalls}\n"
+            f"{disks}"
             f"drafts {s['draft_drafted']} · accepted {s['draft_accepted']} ({100 * s['draft_acceptance']:.0f}%) · "
             f"forced tokens {s['draft_forced_tokens']} · tokens per forward {s['tokens_per_forward']:.2f}\n"
             f"prefix cache {s['prefix_cache_entries']} entries ({format_bytes(s['prefix_cache_bytes'])} of "
@@ -643,9 +653,12 @@ def convert(
     src: Path = typer.Argument(..., help="Hugging Face checkpoint directory (config.json + safetensors), or a GGUF file (a split one's first part, -00001-of-0000N.gguf)."),
     dst: Path = typer.Argument(..., help="Container directory to create."),
     quant: str = typer.Option("int4", "--quant", "-q", metavar="<f32|int8|int4>", help="f32, int8 or int4 for weight matrices (routers and norms stay f32)."),
+    stripe_dir: Optional[Path] = typer.Option(None, "--stripe", metavar="DIR2", help="Then stripe the experts across DST's disk and DIR2's (colibri stripe)."),
+    share: str = typer.Option("auto", "--share", metavar="<auto|0.4>", help="With --stripe: the part of the experts in DIR2 (auto: by measured bandwidth)."),
 ):
     """Convert a Hugging Face checkpoint, or a GGUF file (dequantised and requantised: the error is
-    reported), into a colibri container (resumable, published atomically)."""
+    reported), into a colibri container (resumable, published atomically); --stripe DIR2 then
+    stripes its experts across two disks (`colibri stripe`)."""
     from .convert import convert_checkpoint
 
     if src.suffix == ".gguf" and src.is_file():
@@ -658,6 +671,39 @@ def convert(
     else:
         arch = convert_checkpoint(src, dst, quant)
     print(f"converted {src} → {dst} ({arch.name}, {quant})", file=sys.stderr)
+    if stripe_dir is not None:
+        stripe(dst, stripe_dir, share, undo=False)
+
+
+@app.command()
+def stripe(
+    model: Path = typer.Argument(..., help="Converted model directory."),
+    directory: Optional[Path] = typer.Argument(None, help="A directory on another disk to move a share of the experts into."),
+    share: str = typer.Option("auto", "--share", metavar="<auto|0.4>", help="The part of each layer's experts moved: "
+                              "auto (in proportion to the two disks' measured bandwidths) or a number between 0 and 1."),
+    undo: bool = typer.Option(False, "--undo", help="Bring every striped expert back into the model directory."),
+):
+    """Stripe a model's experts across two disks, each expert read from the disk that holds it, both
+    disks reading at once (no doubled space, unlike --mirror). Moves a share of every layer's experts
+    to DIR2 a layer at a time, each copy checked before the original's space is freed; crash-safe
+    and resumable (rerun it); --undo brings them back. Run it while no engine has the model open."""
+    from .container import Container
+    from .store import stripe as stripe_mod
+
+    if not undo and directory is None:
+        raise ColibriError("name the directory to stripe into (colibri stripe MODEL DIR2), or pass --undo")
+    if share != "auto":
+        try:
+            share = float(share)
+        except ValueError:
+            raise ColibriError(f"--share must be auto or a number between 0 and 1, got {share!r}") from None
+    with Container(model) as c:
+        label = f"moving {model}'s experts " + ("back" if undo else f"into {directory}")
+        with typer.progressbar(length=len(c.moe_layers), label=label, file=sys.stderr) as bar:
+            step = lambda layer: bar.update(1)  # noqa: E731  one layer moved
+            done = stripe_mod.unstripe(model, step) if undo else stripe_mod.stripe(model, directory, share, step)
+        print(f"{model}: " + ("every expert is back in the model directory" if undo
+                              else stripe_mod.summary(c, done)), file=sys.stderr)
 
 
 @app.command()
@@ -689,7 +735,8 @@ def list_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
         return
     for m in models:
         print(f"{m['id']:40} {(m['revision'] or '-')[:12]:12} {m['architecture'] or '-':14} {m['plugin'] or '-':18} "
-              f"{m['quant'] or '-':6} {format_bytes(m['bytes']):>10}  {m['state']}")
+              f"{m['quant'] or '-':6} {format_bytes(m['bytes']):>10}  {m['state']}"
+              + (f", striped: {m['striped']}" if m.get("striped") else ""))
 
 
 @app.command("rm")
@@ -858,7 +905,15 @@ def plan(
     p = planning.report(model, config, quant, ram=ram, pin_gb=pin_gb, context=context, kv_cache=kv_cache or "f32",
                         disk_bw=disk_bw, mem_bw=mem_bw, ray=ray, ray_split=ray_split, prefix_cache=prefix_cache,
                         parallel=parallel, read_asked=direct)
-    print(json.dumps(p, indent=2) if as_json else planning.format_report(p))
+    from .store import stripe as stripe_mod
+
+    if model is not None and (Path(model) / stripe_mod.STRIPE_FILE).exists():  # striped: where its experts are
+        from .container import Container
+
+        with Container(model) as c:
+            p["stripe"] = stripe_mod.summary(c, stripe_mod.load(c))
+    print(json.dumps(p, indent=2) if as_json else planning.format_report(p) + (
+        f"\nstripe: {p['stripe']}" if "stripe" in p else ""))
 
 
 @app.command()

@@ -89,7 +89,13 @@ def run_checks(model_dir: str | Path, deep: bool = False, ray: str | None = None
         add("RAM", ram >= need, f"{format_bytes(ram)} available; the model needs at least {format_bytes(need)} "
                                 f"(resident weights + one expert per layer)")
         from .store import io
+        from .store import stripe as stripe_mod
 
+        stripe = container.stripe  # experts striped across two disks: its files checked present as it opened
+        if stripe is not None:
+            found = stripe_mod.problems(container, stripe, deep=False)
+            add("stripe", not found, found[0] if found else stripe_mod.summary(container, stripe) +
+                "; its files present with their sizes, sampled extents match the manifest")
         path, _, nbytes = container.expert_location(container.moe_layers[0], 0)
         fd, refused = io.open_expert_file(path, True, probe_bytes=nbytes)
         io.close_fd(fd)
@@ -104,7 +110,7 @@ def run_checks(model_dir: str | Path, deep: bool = False, ray: str | None = None
                 h = UsageHistory(container)
             add("routing history", not caught, f"{h.tokens} tokens recorded" if not caught
                 else str(caught[0].message), warn=True)
-        if deep:
+        if deep:  # a striped container's extents read from the file that holds each
             problems = container.verify(deep=True)
             add("checksums (deep)", not problems, "every expert extent and file matches the manifest" if not problems
                 else f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))

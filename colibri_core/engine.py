@@ -109,7 +109,7 @@ class Engine:
             self.split = self._split(options.ram, options.cache_slots, options.pin_gb, history, layout.top_k)
             self.store = ExpertStore(self.container, self.split.cache_slots, policy_info,
                                      pinned=self.split.pinned_experts, transient=self.split.transient_experts,
-                                     prefetch=options.prefetch,
+                                     prefetch=options.prefetch, lookahead=options.lookahead,
                                      direct=planning.read_direct(options.direct, self.split.cache_slots,
                                                                  self.container.n_experts),
                                      direct_asked=options.direct is not None,
@@ -623,7 +623,7 @@ def load(model_dir: str | Path, options: EngineOptions | None = None, **settings
 
         load(dir, ram="2GB")                      # the budget for weights and the expert cache
         load(dir, cache_slots=8, pin_gb=1.5)      # experts cached per layer; the hot-store's size
-        load(dir, prefetch=True, direct=False, mirror=None, policy="lru", io_threads=4, usage=True)
+        load(dir, prefetch=True, direct=False, mirror=None, policy="lfu_aging", io_threads=4, usage=True)
         load(dir, activations="int8", kv_cache="f16")    # a different arithmetic: changes the output
         load(dir, ray="auto", ray_split="layer", ray_timeout=5.0, ray_options={"retry": 1.0})
 

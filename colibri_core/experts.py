@@ -6,7 +6,7 @@ source to fill every (token, rank) slot with its expert's FFN, computed with the
 (`layers.moe.ExpertFFN`):
 
 - without remote shards, the store yields the experts resident first, the others as their reads
-  arrive, and the lookahead for the next MoE layer starts once this layer's reads are queued; a
+  arrive, and the lookahead for the next MoE layers starts once this layer's reads are queued; a
   layer holding all its experts hands the block one C table instead (`resident_table`);
 - with remote shards, every expert of the batch a live shard holds and the store does not hold
   ready goes to its shard first (one call per shard); the store computes the others meanwhile
@@ -18,11 +18,20 @@ source to fill every (token, rank) slot with its expert's FFN, computed with the
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from .store.store import ExpertStore, Lookahead
+
+# The lookahead as the MoE block hands it over: (a later MoE layer, its guess of ids (T, k) or None),
+# nearest first
+Predict = Sequence[tuple[int, Callable[[], np.ndarray | None]]]
+
+
+def lookaheads(predict: Predict) -> list[Lookahead]:
+    """The store's `Lookahead`s of `predict`, each with its distance (1: the next MoE layer)."""
+    return [Lookahead(nxt, guess, distance=d) for d, (nxt, guess) in enumerate(predict, 1)]
 
 
 class ExpertSource:
@@ -33,36 +42,35 @@ class ExpertSource:
         self.store, self.remote = store, remote
         self.local_fills = 0  # reads `fill` started for experts the shards computed
 
-    def resident_table(self, layer: int, predict: tuple[int, Callable[[], np.ndarray | None]] | None = None):
+    def resident_table(self, layer: int, predict: Predict = ()):
         """The C table (kernels.ExpertTable) of every expert of `layer` when all of them are resident
-        here and no remote shard computes any, with the lookahead `predict` (the later MoE layer,
-        its guess of ids (T, k)) started; else None (call `compute`). The caller then counts the
-        routing it ran over the table (`count_resident`)."""
+        here and no remote shard computes any, with the lookahead `predict` (later MoE layers, nearest
+        first, and their guesses of ids (T, k)) started; else None (call `compute`). The caller then
+        counts the routing it ran over the table (`count_resident`)."""
         if self.remote is not None:
             return None
-        return self.store.resident_table(layer, None if predict is None else Lookahead(*predict))
+        return self.store.resident_table(layer, lookaheads(predict))
 
     def count_resident(self, layer: int, ids: np.ndarray) -> None:
         """Count the routing `ids` (T, k) run over `resident_table(layer)`: hits, and the history."""
         self.store.count_resident(layer, ids)
 
     def compute(self, layer: int, outs: np.ndarray, x: np.ndarray, ids: np.ndarray, ffn,
-                predict: tuple[int, Callable[[], np.ndarray | None]] | None = None,
-                meanwhile: Callable[[], object] | None = None):
+                predict: Predict = (), meanwhile: Callable[[], object] | None = None):
         """Fill every slot of outs (T, k, H): outs[t, r] = the FFN of expert ids[t, r] on x[t]
         (x (T, H), ids (T, k)) with the block's math `ffn` (`layers.moe.ExpertFFN`), wherever the
-        expert is. `predict` (the later MoE layer, its guess of
-        ids (T, k)): the lookahead, started once this layer's reads are queued. `meanwhile` is
+        expert is. `predict` (later MoE layers, nearest first, and their guesses of ids (T, k)):
+        the lookahead, started once this layer's reads are queued. `meanwhile` is
         called once, when the first experts are computed and the rest are still being read (or
         computed remotely); its result is returned (None without one)."""
         remote, sent, skip = self.remote, None, frozenset()
-        lookahead = None if predict is None else Lookahead(*predict)
+        lookahead = lookaheads(predict)
         if remote is not None:  # experts not resident here go to their shard now, one call per shard
             sent = remote.dispatch(layer, x, ids, self.store.resident(layer), ffn)
             skip = frozenset() if sent is None else sent.experts
-            if predict is not None:  # the lookahead also warms the shards, and reads nothing a live one serves
-                nxt, guess = predict
-                lookahead = Lookahead(nxt, remote.watch(nxt, guess), remote.serving(nxt))
+            # the lookahead also warms the shards, and reads nothing a live one serves
+            lookahead = [p._replace(guess=remote.watch(p.layer, p.guess), elsewhere=remote.serving(p.layer))
+                         for p in lookahead]
         result = None
         for ready in self.store.experts(layer, ids, predict=lookahead, skip=skip):  # {expert: (gate, up, down)}
             ffn(outs, x, ids, ready)

@@ -26,6 +26,12 @@ from .prefix import PREFILL_CHUNK
 
 __all__ = ["EngineOptions", "check_pin_gb", "cli_option", "command_options", "ray_paths"]
 
+# --lookahead's default: the next MoE layer alone. Measured (BENCHMARKS.md, "Lookahead beyond one
+# layer"): on the demo model the guesses' recall falls from 79 % one layer ahead to 72 % and 58 %;
+# in a cold 50 % session at OLMoE size reading 2 or 3 layers ahead cut the I/O stall 2-3 ms a token
+# but not the time (85-88 ms against 85), at the same bytes: deeper is an option, not the default.
+LOOKAHEAD_DEPTH = 1
+
 
 def _option(default, flag: str | None, help: str, cli=None, env: str | None = None, unset=None,
             metavar: str | None = None):
@@ -51,6 +57,9 @@ class EngineOptions:
     # ---- the expert store (store/): none of these changes an output, only speed
     prefetch: bool = _option(True, "--prefetch/--no-prefetch", "Router lookahead: read the next layer's predicted "
                              "experts early.", cli=bool)
+    lookahead: int = _option(LOOKAHEAD_DEPTH, "--lookahead", "MoE layers ahead the router lookahead reads predicted "
+                             "experts for (1-3; each distance read only while its guesses are mostly right).",
+                             cli=int)
     direct: bool | None = _option(None, "--direct/--no-direct", "Read experts with O_DIRECT, bypassing the page "
                                   "cache (default: on where experts are read while decoding, i.e. they do not all "
                                   "fit the expert budget, and the filesystem takes it: copying out of the page "
@@ -58,8 +67,9 @@ class EngineOptions:
                                   cli=Optional[bool])
     mirror: str | Path | None = _option(None, "--mirror", "A byte-identical copy of the model on another disk to read "
                                         "experts from too.", cli=Optional[Path])
-    policy: str = _option("lru", "--policy", "Expert cache eviction policy: lru, lfu, or one a plugin registers.",
-                          cli=str, metavar="<lru|lfu|NAME>")
+    policy: str = _option("lfu_aging", "--policy", "Expert cache eviction policy: lfu_aging (LFU whose counts halve "
+                          "as they age), lru, lfu, or one a plugin registers.", cli=str,
+                          metavar="<lfu_aging|lru|lfu|NAME>")
     io_threads: int = _option(4, "--io-threads", "Threads reading experts from disk.", cli=int)
     # routing history: in .coli_usage in the state directory (True), in another file (a path), or none (False)
     usage: bool | str | Path = _option(True, None, "")
@@ -122,6 +132,7 @@ class EngineOptions:
         """A one-line ColibriError for the first setting out of its range (before anything loads)."""
         from . import kernels, plugins
         from .kv.cache import check_cache_type
+        from .layers.moe import LOOKAHEAD_DISTANCES
         from .remote.placement import SPLITS
         from .sizes import parse_size
 
@@ -135,6 +146,8 @@ class EngineOptions:
             raise ColibriError(f"--cache-slots must be at least 1, got {self.cache_slots}")
         if self.pin_gb is not None:
             check_pin_gb(self.pin_gb)
+        if not (_integer(self.lookahead) and 1 <= self.lookahead <= LOOKAHEAD_DISTANCES):
+            raise ColibriError(f"--lookahead must be 1 to {LOOKAHEAD_DISTANCES} MoE layers, got {self.lookahead}")
         if not (_integer(self.io_threads) and self.io_threads >= 1):
             raise ColibriError(f"--io-threads must be at least 1, got {self.io_threads}")
         if not isinstance(self.usage, (bool, str, os.PathLike)):  # None would have become a file named "None"

@@ -154,7 +154,7 @@ def plan_config(config: dict, kind: str, where: str = "config.json", kv_cache: s
 def measured(model_dir) -> dict:
     """The same sizes, measured on a converted container (what `plan` must predict)."""
     with Container(model_dir) as c:
-        files = [Path(c.expert_location(layer, 0)[0]) for layer in c.moe_layers]
+        files = [Path(c.expert_file(layer)) for layer in c.moe_layers]  # as long as ever when striped (holes)
         return {
             "quant": c.quant,
             "resident_bytes": c.resident_nbytes,
@@ -266,24 +266,40 @@ def split(ram: int | str | None, dense: int, expert_nbytes: int, moe_layers: int
 
 def disk_bandwidth(paths, nbytes: int = 256 << 20, chunk: int = 4 << 20, threads: int = 4) -> tuple[float, bool]:
     """(bytes/s reading up to `nbytes` from the start of `paths` (one path or several), whether O_DIRECT
-    was used for all of them): `chunk`-byte preads on the C I/O pool with `threads` threads, as
-    the store reads. With O_DIRECT the page cache is bypassed, so this is the device; where
-    O_DIRECT is refused, a cold page cache is the caller's business."""
+    was used for all of them): `read_bandwidth` of the files from their start."""
     paths = [str(paths)] if isinstance(paths, (str, os.PathLike)) else [str(p) for p in paths]
+    return read_bandwidth([(path, 0, Path(path).stat().st_size) for path in paths], nbytes, chunk, threads)
+
+
+def expert_bandwidth(c: Container, nbytes: int = 256 << 20, threads: int = 4) -> tuple[float, bool]:
+    """(bytes/s, O_DIRECT used) reading up to `nbytes` of the container's expert extents, a layer after
+    another, each whole from the file that holds it (`expert_location`): what decode reads. A
+    striped container's experts come from both directories at once, in the stripe's share, so the
+    figure is of the two disks together (reading the model's files from their start would read the
+    moved experts' holes, which cost no disk time)."""
+    extents = [c.expert_location(layer, e) for layer in c.moe_layers for e in range(c.n_experts)]
+    return read_bandwidth(extents, nbytes, max(n for _, _, n in extents), threads)
+
+
+def read_bandwidth(extents, nbytes: int, chunk: int = 4 << 20, threads: int = 4) -> tuple[float, bool]:
+    """(bytes/s reading up to `nbytes` of `extents` ((path, offset, bytes), in order; offsets 4 KB-
+    aligned), whether O_DIRECT was used for all of them): `chunk`-byte preads on the C I/O pool with
+    `threads` threads, as the store reads. With O_DIRECT the page cache is bypassed, so this is the
+    device; where O_DIRECT is refused, a cold page cache is the caller's business."""
     pool = io.IOPool(threads)
-    fds, direct, jobs, total = [], True, [], 0
+    fds, direct, jobs, total = {}, True, [], 0
     try:
-        for path in paths:
-            size = min(nbytes - total, Path(path).stat().st_size) // 4096 * 4096
+        for path, offset, length in extents:
+            size = min(nbytes - total, length) // 4096 * 4096
             if size <= 0:
                 continue
-            fd, refused = io.open_expert_file(path, True, probe_bytes=4096)
-            fds.append(fd)
-            direct = direct and refused is None
-            jobs += [(fd, off, min(chunk, size - off)) for off in range(0, size, chunk)]
+            if path not in fds:
+                fds[path], refused = io.open_expert_file(path, True, probe_bytes=4096)
+                direct = direct and refused is None
+            jobs += [(fds[path], offset + off, min(chunk, size - off)) for off in range(0, size, chunk)]
             total += size
         if not jobs:
-            raise ColibriError(f"{paths[0]} is too small to measure disk bandwidth")
+            raise ColibriError(f"{extents[0][0]} is too small to measure disk bandwidth")
         t0 = time.perf_counter()
         reads = [pool.submit(fd, off, n) for fd, off, n in jobs]
         done = 0
@@ -293,7 +309,7 @@ def disk_bandwidth(paths, nbytes: int = 256 << 20, chunk: int = 4 << 20, threads
         dt = time.perf_counter() - t0
     finally:
         pool.close()
-        for fd in fds:
+        for fd in fds.values():
             io.close_fd(fd)
     return done / max(dt, 1e-9), direct
 
@@ -458,22 +474,24 @@ def report(model: Path | None = None, config: Path | None = None, quant: str = "
         with Container(model) as c, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a damaged history is the engine's to report; here it plans none
             history = UsageHistory(c)
-            files = [c.expert_location(layer, 0)[0] for layer in c.moe_layers]
+        # the directories the disk probe reads the experts from: the model's, and a stripe's
+        disk_dirs = [str(model)] + ([str(c.stripe.directory)] if c.stripe is not None else [])
     else:
         sizes, out = sizes_from_config(config, quant, kv_cache)
-        history = None
+        history, disk_dirs = None, [str(Path(config).resolve().parent)]
     # then the split (no floors yet): a budget, --pin-gb or --context it refuses is one line before
     # the probes spend seconds measuring
     make_plan(sizes, ram, context, pin_gb, history, 0.0, 0.0, prefix_cache, parallel)
     if disk_bw is not None:
         disk, direct = float(parse_size(disk_bw)), None
     elif model is not None:
-        disk, direct = disk_bandwidth(files)
+        disk, direct = expert_bandwidth(c)  # (closed above: the probe opens the files it reads)
     else:
         disk, direct = disk_bandwidth_at(Path(config).resolve().parent)
     memory = float(parse_size(mem_bw)) if mem_bw is not None else memory_bandwidth()
     plan = make_plan(sizes, ram, context, pin_gb, history, disk, memory, prefix_cache, parallel)
     out = {"source": str(model if model is not None else config), **out, **plan, "disk_bandwidth_direct": direct,
+           "disk_bandwidth_directories": None if disk_bw is not None else disk_dirs,
            "read_direct_asked": read_asked,
            "read_direct": read_direct(read_asked, plan["split"]["cache_slots"], sizes.n_experts)}
     if ray is not None:
@@ -506,6 +524,13 @@ def read_path_line(p: dict) -> str:
     if p["read_direct"] and p["disk_bandwidth_direct"] is False:
         return f"page cache ({why}, but this filesystem refuses O_DIRECT)"
     return f"{'O_DIRECT' if p['read_direct'] else 'page cache'} ({why})"
+
+
+def disk_dirs_note(dirs: list[str] | None) -> str:
+    """What `format_report` adds to the disk figure of a striped model: both disks read together."""
+    if not dirs or len(dirs) == 1:
+        return ""
+    return f"; the experts read from {' and '.join(dirs)} together, in the stripe's share, as decode reads them"
 
 
 def format_report(p: dict) -> str:
@@ -541,7 +566,8 @@ def format_report(p: dict) -> str:
         f"read less), touched in RAM {fb(p['bytes_touched_per_token'])}",
         f"read path: {read_path_line(p)}",
         f"machine: disk {fb(p['disk_bandwidth'])}/s "
-        f"({'given' if direct is None else 'O_DIRECT' if direct else 'page cache: may be optimistic'}), "
+        f"({'given' if direct is None else 'O_DIRECT' if direct else 'page cache: may be optimistic'}"
+        f"{disk_dirs_note(p['disk_bandwidth_directories'])}), "
         f"memory {fb(p['memory_bandwidth'])}/s",
         f"floor per token: disk {f['disk']:.3f} s, memory {f['memory']:.3f} s → {f['floor']:.3f} s "
         f"({1 / f['floor'] if f['floor'] else float('inf'):.1f} tok/s at best)",

@@ -149,7 +149,7 @@ def test_help_lists_choices_extras_and_the_prompt_as_written():
 
     shown = " ".join(CliRunner().invoke(app, ["run", "--help"]).output.split())  # as one line: wrapped anywhere
     assert "Usage: colibri run [OPTIONS] [PROMPT]" in re.sub(r"Usage: \S+", "Usage: colibri", shown), shown
-    for values in (kernels.ACTIVATIONS, KV_CACHES, SPLITS, (*DRAFT_MODES, "NAME"), ("lru", "lfu", "NAME")):
+    for values in (kernels.ACTIVATIONS, KV_CACHES, SPLITS, (*DRAFT_MODES, "NAME"), ("lfu_aging", "lru", "lfu", "NAME")):
         assert f"<{'|'.join(values)}>" in shown, values
     assert "(needs colibri[ray])" in shown and "{prompt}" not in shown
     convert = CliRunner().invoke(app, ["convert", "--help"]).output

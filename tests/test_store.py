@@ -81,6 +81,7 @@ PLACEMENTS = {
     "direct": dict(cache_slots=2, direct=True),
     "lru": dict(cache_slots=2, policy="lru"),
     "lfu": dict(cache_slots=2, policy="lfu"),
+    "lfu_aging": dict(cache_slots=2, policy="lfu_aging"),
     "io-1-thread": dict(cache_slots=2, io_threads=1),
     "io-2-threads": dict(cache_slots=2, io_threads=2),
     "ram-budget": dict(ram="budget-30%"),
@@ -256,7 +257,7 @@ def test_lookahead_stops_reading_a_rank_whose_guesses_are_wrong_and_starts_again
         def step(guessed, needed):  # layer `first` guesses `second`'s experts; then `second` runs
             guess["ids"] = guessed
             for layer, ids in ((first, [0, 1]), (second, needed)):
-                for _ in s.experts(layer, np.array([ids]), predict=predict(second) if layer == first else None):
+                for _ in s.experts(layer, np.array([ids]), predict=[predict(second)] if layer == first else ()):
                     pass
 
         c = s.counters
@@ -264,7 +265,7 @@ def test_lookahead_stops_reading_a_rank_whose_guesses_are_wrong_and_starts_again
             step([2 + 2 * i, 3 + 2 * i], [14, 15])
         assert c.prefetch_issued == 2 and c.prefetch_skipped == 10
         guess["ids"] = [4, 5]  # the same ranks guessing another layer's experts: still read
-        for _ in s.experts(second, np.array([[14, 15]]), predict=predict(third)):
+        for _ in s.experts(second, np.array([[14, 15]]), predict=[predict(third)]):
             pass
         assert c.prefetch_issued == 4 and c.prefetch_skipped == 10
         for i in range(12):  # right every time: the ranks earn their reads back
@@ -327,7 +328,7 @@ def test_the_source_computes_a_failed_shards_experts_here_within_the_call(model)
         ffn = ExpertFFN()
         guess = np.array([[0, 8], [1, 9]])  # the next layer's guess: 0 and 1 on the live shard
         asked = []
-        assert source.compute(layer, outs, x, ids, ffn, (nxt, lambda: guess), lambda: asked.append(1) or "shared") \
+        assert source.compute(layer, outs, x, ids, ffn, [(nxt, lambda: guess)], lambda: asked.append(1) or "shared") \
             == "shared" and asked == [1]
         want = np.zeros_like(outs)
         ffn(want, x, ids, {expert: c.read_expert(layer, expert) for expert in np.unique(ids).tolist()})
@@ -559,7 +560,7 @@ def test_core_policies_are_registered_through_the_hook():
     reg = plugins.Registry()
     policies = reg.cache_policies()
     assert {"lru", "lfu"} <= set(policies) and policies["lru"].plugin == "colibri"
-    with pytest.raises(ColibriError, match="unknown cache policy 'nope': choose one of lfu, lru"):
+    with pytest.raises(ColibriError, match="unknown cache policy 'nope': choose one of lfu, lfu_aging, lru"):
         reg.cache_policy("nope")
 
 
@@ -885,7 +886,7 @@ def test_bench_protocol_smoke(model, tmp_path):
     d = json.loads(r.stdout)
     sess = d["budgets"][0]["sessions"]
     assert set(sess) == {"cold", "learned"} and "warm_repeat" in sess["cold"] and d["activations"] == "f32"
-    assert d["policy"] == "lru" and d["disk_bandwidth"] > 0 and d["disk_bandwidth_sequential"] > 0
+    assert d["policy"] == "lfu_aging" and d["disk_bandwidth"] > 0 and d["disk_bandwidth_sequential"] > 0
     for key in ("tokens_per_second", "ttft_seconds", "hit_rate", "bytes_read_per_token", "prefetch_recall",
                 "io_stall_seconds_per_token", "layer_io_stall_seconds_per_token", "floor_seconds_per_token",
                 "vs_floor", "cpu_steal", "measured_floor_seconds_per_token", "vs_measured_floor"):

@@ -25,7 +25,7 @@ i written "<ti>", so every generated token streams as one chunk and answers map 
             slice of its first N of 40 layers), the expert cache at 25 % of the experts' bytes
             (`--cache-slots` = a quarter of the experts per layer, no hot-store, O_DIRECT reads);
             `--streamed-model DIR` streams another container (the skewed routers above), and
-            `--streamed-policy lfu` keeps the most used experts instead of the most recent.
+            `--streamed-policy P` sets its expert cache policy (default: the engine's).
   --quick   tools/bench_llamacpp.py's `tiny` dimensions in a temporary directory: colibri's container
             from the converter's random pool in both regimes, llama.cpp's GGUF apart (the figures
             check the tool, they compare nothing).
@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import http.client
 import importlib.util
 import json
@@ -94,10 +95,10 @@ from pathlib import Path
 from statistics import median
 
 import numpy as np
-from filelock import FileLock, Timeout
 
 import bench_llamacpp
 import bench_real_dims
+from colibri_core.options import EngineOptions
 from colibri_core.prefix import DIRNAME as PREFIX_DIRNAME
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -803,17 +804,15 @@ def llama_server(args, sweep_result: dict | None) -> dict:
 
 @contextlib.contextmanager
 def cpu_lock():
-    """The machine's CPU lock (colibri-cpu.lock in the temp directory), as `flock` takes it."""
-    lock = FileLock(Path(tempfile.gettempdir()) / "colibri-cpu.lock", fallback_to_soft=False)
-    try:
-        lock.acquire(blocking=False)
-    except Timeout:
-        print(f"waiting for {lock.lock_file}", file=sys.stderr)
-        lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
+    """The machine's CPU lock (colibri-cpu.lock in the temp directory), taken as `flock` takes it: a
+    blocking flock(2), queued with the other waiters (a polling lock, as filelock's, loses to them)."""
+    with open(Path(tempfile.gettempdir()) / "colibri-cpu.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for {f.name}", file=sys.stderr)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # closing the file releases it
 
 
 def machine(threads: int) -> dict:
@@ -846,7 +845,8 @@ def main() -> None:
                     help="llama.cpp's llama-server binary (the llamaserver part)")
     ap.add_argument("--streamed-layers", type=int, default=4, help="Qwen3.6 layers kept (40: all, 17.9 GB)")
     ap.add_argument("--streamed-model", type=Path, help="the streamed regime's container (default: the Qwen3.6 slice)")
-    ap.add_argument("--streamed-policy", default="lru", help="the streamed regime's expert cache policy (lru, lfu)")
+    ap.add_argument("--streamed-policy", default=EngineOptions().policy,
+                    help="the streamed regime's expert cache policy (lru, lfu, lfu_aging; default: the engine's)")
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--first", type=int, default=1024, help="the session's first prompt, in ids")
     ap.add_argument("--growth", type=int, default=256, help="new ids each later turn adds")

@@ -271,7 +271,7 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
     from ..engine import load
     from ..sizes import available_memory, format_bytes
     from ..errors import ColibriError
-    from ..planning import disk_bandwidth, memory_bandwidth, sizes_from_container
+    from ..planning import expert_bandwidth, memory_bandwidth, sizes_from_container
 
     options = options or EngineOptions()
     if options.ram is not None or options.cache_slots is not None:
@@ -284,8 +284,7 @@ def run_protocol(model_dir: Path, fractions=(0.25, 0.5), n_prompts: int = 3, pro
                            f"and {format_bytes(free)} is available; benchmark a model that fits (such as "
                            f"tools/make_synthetic_olmoe.py's, with --layers to size it)")
     c = Container(model_dir)
-    expert_files = [c.expert_location(layer, 0)[0] for layer in c.moe_layers]
-    scan_bw, _ = disk_bandwidth(expert_files, 1 << 30)
+    scan_bw, _ = expert_bandwidth(c, 1 << 30)  # the experts' extents in order, each from the file holding it
     reads = _TokenReads(c, seed)
     try:
         disk_bw, direct_measured = reads.bandwidth(min(1 << 30, experts_bytes)), reads.direct  # the floor's disk term

@@ -250,6 +250,10 @@ class Container:
     checksums of the small files (config, tokenizer, resident tensors). Expert extents are checked
     when read (`parse_expert`); `verify(deep=True)` re-hashes everything.
 
+    A striped container (`colibri stripe`: part of each layer's experts moved to a second
+    directory) is opened with its stripe (`stripe`, from `.coli_stripe`, checked), and
+    `expert_location` answers the file that holds each expert: every reader follows it.
+
     `resident()` returns a QTensor for every resident matrix stored quantised or as a float32
     matrix (manifest kind f32/int8/int4), and a float32 ndarray of the logical shape for every
     tensor kept as is (manifest kind ``array``: all 1-D tensors and those the layout keeps f32,
@@ -310,8 +314,11 @@ class Container:
         self.config = read_json(p / "config.json", "reconvert the model")
         if not isinstance(self.config, dict):
             raise ColibriError(f"{p / 'config.json'} is not a model configuration (a JSON object): reconvert the model")
-        self._fds: dict[int, int] = {}  # layer -> fd of its expert file, opened on first read
+        self._fds: dict[str, int] = {}  # expert file path -> its fd, opened on first read
         self._lock = threading.Lock()
+        from ..store.stripe import load  # (here: the store's package imports this one)
+
+        self.stripe = load(self)  # stripe.Stripe: the experts moved to a second directory, or None
 
     # -- manifest
 
@@ -477,12 +484,20 @@ class Container:
         return self._extents[layer][2]
 
     def expert_location(self, layer: int, expert: int) -> tuple[str, int, int]:
-        """(file path, byte offset, byte count) of one expert's extent."""
+        """(file path, byte offset, byte count) of one expert's extent: in the layer's file, or in the
+        stripe directory's file of that layer if the expert was moved there (the same offset)."""
         if layer not in self._layers or not 0 <= expert < self.n_experts:
             raise ValueError(f"no expert {expert} in layer {layer} (MoE layers {self.moe_layers}, "
                              f"{self.n_experts} experts)")
         nbytes = self._extents[layer][2]
-        return self._paths[layer], expert * nbytes, nbytes
+        path = self.stripe.path(layer) if self.stripe is not None and self.stripe.holds(layer, expert) \
+            else self._paths[layer]
+        return path, expert * nbytes, nbytes
+
+    def expert_file(self, layer: int) -> str:
+        """The path of the layer's own expert file in the model directory (where the manifest puts
+        it; a striped container's moved experts are holes there)."""
+        return self._paths[layer]
 
     def expert_extents(self, layer: int, expert: int) -> list[tuple[str, int, int]]:
         """[(file path, byte offset, byte count)]: a container holds each expert in one extent."""
@@ -508,7 +523,7 @@ class Container:
         mv = mv[:n]
         crc, magic, layer, expert = TRAILER.unpack_from(mv, n - TRAILER.size)
         if magic != TRAILER_MAGIC or extent_crc(mv) != crc:
-            where = (f"{self.path / self._layers[layer]['path']} layer {layer} expert {expert}"
+            where = (f"{self.expert_location(layer, expert)[0]} layer {layer} expert {expert}"
                      if layer in self._layers and expert < self.n_experts and magic == TRAILER_MAGIC
                      else f"{self.path} (an extent with an unreadable trailer)")
             raise ColibriError(f"corrupt expert data in {where}: checksum mismatch; "
@@ -521,13 +536,13 @@ class Container:
     def read_expert(self, layer: int, expert: int) -> tuple[quant.QTensor, quant.QTensor, quant.QTensor]:
         """(gate, up, down) of one expert: one pread of its extent, then `parse_expert`."""
         path, offset, nbytes = self.expert_location(layer, expert)
-        fd = self._fds.get(layer)
+        fd = self._fds.get(path)
         if fd is None:
             with self._lock:
-                fd = self._fds.get(layer)
+                fd = self._fds.get(path)
                 if fd is None:
                     try:
-                        fd = self._fds[layer] = os.open(path, os.O_RDONLY)
+                        fd = self._fds[path] = os.open(path, os.O_RDONLY)
                     except OSError as e:
                         raise ColibriError(f"cannot open expert file {path}: {e.strerror}") from None
         buf = os.pread(fd, nbytes, offset)
@@ -542,7 +557,7 @@ class Container:
         kind, offsets, n = self._extents[layer]
         mv = memoryview(buf)
         mv = (mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B"))[:n]
-        path = self._paths[layer]
+        path = self.expert_location(layer, expert)[0]
         stored, magic, got_layer, got_expert = TRAILER.unpack_from(mv, n - TRAILER.size)
         if crc is None:
             crc = extent_crc(mv)
@@ -575,30 +590,43 @@ class Container:
     # -- verification
 
     def verify(self, deep: bool = False) -> list[str]:
-        """Problems found (empty: the container is whole). `deep` re-hashes every expert extent."""
+        """Problems found (empty: the container is whole). `deep` re-hashes every expert extent, each
+        read from the file that holds it (`expert_location`)."""
         problems = self._cheap_problems()
         if not deep:
             return problems
         for layer in self.moe_layers:
-            entry = self._layers[layer]
-            path = self.path / entry["path"]
-            if not path.is_file() or path.stat().st_size != entry["size"]:
+            path = self.path / self._layers[layer]["path"]
+            if not path.is_file() or path.stat().st_size != self._layers[layer]["size"]:
                 continue  # reported above
-            crc = 0
-            with open(path, "rb") as f:
-                for e in range(self.n_experts):
-                    buf = f.read(self.layer_expert_nbytes(layer))
-                    crc = crc32(buf, crc)
-                    got = extent_crc(buf)
-                    if got != entry["extent_crc32"][e]:
-                        problems.append(f"{path}: layer {layer} expert {e} fails its checksum (corrupt)")
-                        continue
-                    trailer = TRAILER.unpack_from(buf, len(buf) - TRAILER.size)
-                    if trailer != (got, TRAILER_MAGIC, layer, e):
-                        problems.append(f"{path}: layer {layer} expert {e} has a bad extent trailer")
-            if crc != entry["crc32"]:
+            found, crc = self.extent_problems(layer, range(self.n_experts))
+            problems += found
+            if crc != self._layers[layer]["crc32"]:
                 problems.append(f"{path} fails its whole-file checksum (corrupt)")
         return problems
+
+    def extent_problems(self, layer: int, experts) -> tuple[list[str], int]:
+        """(what is wrong with the extents of `experts` of `layer`, each read from the file that holds
+        it and checked against the manifest and its trailer; the crc32 of them all, in order: of the
+        whole file when `experts` are all of the layer's)."""
+        problems, crc, entry, files = [], 0, self._layers[layer], {}
+        try:
+            for e in experts:
+                path, offset, nbytes = self.expert_location(layer, e)
+                if path not in files:
+                    files[path] = open(path, "rb")
+                files[path].seek(offset)
+                buf = files[path].read(nbytes)
+                crc = crc32(buf, crc)
+                got = extent_crc(buf)
+                if got != entry["extent_crc32"][e]:
+                    problems.append(f"{path}: layer {layer} expert {e} fails its checksum (corrupt)")
+                elif TRAILER.unpack_from(buf, len(buf) - TRAILER.size) != (got, TRAILER_MAGIC, layer, e):
+                    problems.append(f"{path}: layer {layer} expert {e} has a bad extent trailer")
+        finally:
+            for f in files.values():
+                f.close()
+        return problems, crc
 
     def __repr__(self) -> str:
         return f"Container({str(self.path)!r}, architecture={self.architecture!r}, quant={self.quant!r})"

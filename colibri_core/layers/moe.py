@@ -1,5 +1,5 @@
 """The routed-expert block: the core runs a layer's declared router, the lookahead for the next MoE
-layer, and every expert the batch needs, which it asks of the expert source (colibri_core/experts.py:
+layers, and every expert the batch needs, which it asks of the expert source (colibri_core/experts.py:
 the local store, and the remote shards where there are some) and the C kernels compute.
 
 Placement never changes the result: each expert's FFN is computed by the same kernel wherever its
@@ -21,6 +21,11 @@ from ..probe import listening, record, route, timed
 from ..quant import QTensor, dequantize
 from .router import Router, SoftmaxTopK
 from .shared_expert import SharedExpert
+
+# The farthest MoE layer a layer's lookahead guesses: the store reads up to its `lookahead` of these
+# (--lookahead); a guess not asked for is never computed. Recall falls with distance (the demo model:
+# 79 %, 72 %, 58 % at 1, 2, 3 layers ahead; BENCHMARKS.md, "Lookahead beyond one layer").
+LOOKAHEAD_DISTANCES = 3
 
 
 def run_experts(outs: np.ndarray, x: np.ndarray, ids: np.ndarray, experts: dict, limit: float | None = None,
@@ -97,10 +102,10 @@ class MoE:
     `store` the expert source (`colibri_core.experts.ExpertSource`, the model's `store`): the one
     object asked for a layer's experts; `routers` {layer: Router} in the order the forward pass runs
     them; `lookahead` {layer: the MoE layer whose experts it predicts} (by default each layer's
-    successor in `routers`); `activation` the experts' gated unit (or the plugin's `ExpertFunction`),
-    `swiglu_limit` its clamp and `swiglu_alpha` GPT-OSS's slope (the layout's `expert_math`):
-    `ExpertFFN`; `biases` {layer: (gate
-    (E, I), up (E, I), down (E, H))} the experts' biases where a model has them (GPT-OSS).
+    successor in `routers`), followed up to LOOKAHEAD_DISTANCES layers ahead (`ahead`);
+    `activation` the experts' gated unit (or the plugin's `ExpertFunction`), `swiglu_limit` its
+    clamp and `swiglu_alpha` GPT-OSS's slope (the layout's `expert_math`): `ExpertFFN`; `biases`
+    {layer: (gate (E, I), up (E, I), down (E, H))} the experts' biases where a model has them (GPT-OSS).
     """
 
     def __init__(self, store, routers: dict[int, Router], lookahead: dict[int, int] | None = None,
@@ -115,6 +120,16 @@ class MoE:
                        for layer, parts in (biases or {}).items()}
         self.experts, self.routers = store, routers
         self.lookahead = dict(zip(layers, layers[1:])) if lookahead is None else dict(lookahead)
+        self.ahead = {layer: self._chain(layer) for layer in layers}  # {layer: the MoE layers it guesses, nearest first}
+
+    def _chain(self, layer: int) -> list[int]:
+        """The MoE layers `layer`'s lookahead guesses, nearest first: `lookahead` followed from it,
+        at most LOOKAHEAD_DISTANCES of them."""
+        chain, nxt = [], self.lookahead.get(layer)
+        while nxt is not None and len(chain) < LOOKAHEAD_DISTANCES:
+            chain.append(nxt)
+            nxt = self.lookahead.get(nxt)
+        return chain
 
     @timed("moe")
     def __call__(self, layer: int, x: np.ndarray, residual: np.ndarray, token_ids: np.ndarray,
@@ -126,12 +141,14 @@ class MoE:
 
         The source fills every (token, rank) slot (`ExpertSource.compute`): experts already resident
         first, the others as their reads (or remote shards' answers) arrive, so compute overlaps
-        the reads; once this layer's reads are queued, the next MoE layer's router guesses its
-        experts from `residual` and the source starts fetching those too. A layer whose experts are
-        all resident here (the source's `resident_table`) runs its experts and their weighted sum
-        as one C call (`kernels.moe_block`), the same bits, and a `SoftmaxTopK` router in that call
-        too (`kernels.moe_block_softmax`: the Python between them was ~5 % of an OLMoE-size decode
-        step). The shared expert runs in that call too, as one more rank (when it has the routed
+        the reads; once this layer's reads are queued, each of the next MoE layers' routers (up to
+        LOOKAHEAD_DISTANCES ahead, applied to `residual`, a stream the layers in between have not
+        changed yet) guesses its experts, and the source starts fetching as many of those as the
+        store's `lookahead` asks for, nearest first; a guess not asked for is never computed. A
+        layer whose experts are all resident here (the source's `resident_table`) runs its experts
+        and their weighted sum as one C call (`kernels.moe_block`), the same bits, and a
+        `SoftmaxTopK` router in that call too (`kernels.moe_block_softmax`: the Python between them
+        was ~5 % of an OLMoE-size decode step). The shared expert runs in that call too, as one more rank (when it has the routed
         experts' gated unit and clamp, and no probe listens for the routed sum alone), or else
         while the first reads are in flight.
         """
@@ -139,8 +156,7 @@ class MoE:
         if router is None:
             raise ColibriError(f"MoE layer {layer} has no declared router (declared: {list(self.routers)})")
         xe = x if expert_input is None else expert_input  # (T, H)
-        nxt = self.lookahead.get(layer)
-        predict = None if nxt is None else (nxt, lambda: self.routers[nxt].predict(residual, token_ids))
+        predict = [(nxt, lambda nxt=nxt: self.routers[nxt].predict(residual, token_ids)) for nxt in self.ahead[layer]]
         # a layer with expert biases, or a plugin's expert function, runs its experts through the
         # source (the fused table holds no biases; the fused C call computes only the core kinds)
         biases = self.biases.get(layer)

@@ -1,4 +1,5 @@
-"""The copies of a container an expert can be read from: the model directory and an optional
+"""The copies of a container an expert can be read from: the model directory (where its experts
+are striped across two disks, the container answers each expert's file: stripe.py) and an optional
 mirror (a byte-identical copy on another disk, ``--mirror DIR``).
 
 The mirror is validated when the engine starts: its manifest must describe the same container
@@ -24,10 +25,14 @@ SAMPLES_PER_FILE = 4  # extents of each expert file checked when a mirror is ope
 
 
 class Source:
-    """One copy of the container: its expert files opened (lazily) with or without O_DIRECT."""
+    """One copy of the container: its expert files opened (lazily) with or without O_DIRECT, each
+    expert read from the file the container names (`expert_extents`: a striped expert's is in the
+    stripe directory, `stripe`, which `disk` names for the per-disk counts)."""
 
     def __init__(self, container: Container, direct: bool, name: str, warn_refused: bool = True):
         self.container = container
+        # stripe.Stripe: which experts live in a second directory, or None (a checkpoint run as it is: never)
+        self.stripe = container.stripe if isinstance(container, Container) else None
         self.name = name  # "primary" | "mirror"
         self.warn_refused = warn_refused  # O_DIRECT was asked for: its refusal is worth a warning
         self.direct_asked = direct and getattr(container, "direct_ok", True)  # a checkpoint's extents: no O_DIRECT
@@ -58,12 +63,10 @@ class Source:
             self.fds[path] = fd
         return fd
 
-    def location(self, layer: int, expert: int) -> tuple[str, int, int]:
-        return self.container.expert_location(layer, expert)
-
-    def extents(self, layer: int, expert: int) -> list[tuple[str, int, int]]:
-        """(file, offset, bytes) of each extent of one expert (a container's: exactly one)."""
-        return self.container.expert_extents(layer, expert)
+    def disk(self, layer: int, expert: int) -> str:
+        """The directory one expert is read from (the store counts bytes and time per disk)."""
+        striped = self.stripe is not None and self.stripe.holds(layer, expert)
+        return str(self.stripe.directory if striped else self.container.path)
 
     def measure(self, samples: int = 4) -> float:
         """Bytes/s of reading up to `samples` extents spread over the files (one thread)."""
@@ -73,8 +76,8 @@ class Source:
         buf, ptr = io.aligned_buffer(c.expert_nbytes)
         t0 = time.perf_counter()
         for layer, expert in picks:
-            _, offset, nbytes = self.location(layer, expert)
-            io.lib.io_pread_all(self.fd(layer), ptr, nbytes, offset)
+            path, offset, nbytes = self.container.expert_location(layer, expert)
+            io.lib.io_pread_all(self.fd_for(path, nbytes), ptr, nbytes, offset)
         dt = max(time.perf_counter() - t0, 1e-6)
         self.bandwidth = len(picks) * c.expert_nbytes / dt
         return self.bandwidth
@@ -84,7 +87,8 @@ class Source:
             io.close_fd(self.fds.popitem()[1])
 
 
-def _expert_table(c: Container) -> list:
+def expert_table(c: Container) -> list:
+    """Each expert file's (layer, size, crc32, extent crc32s): what a copy of the container must share."""
     return [(f["layer"], f["size"], f["crc32"], list(f["extent_crc32"])) for f in c.manifest["experts"]["files"]]
 
 
@@ -99,27 +103,32 @@ def open_mirror(primary: Container, mirror_dir: str | Path) -> Container:
         raise ColibriError(f"mirror refused: {e}") from None
     pm, mm = primary.manifest, m.manifest
     differs = [key for key in ("architecture", "quant", "source", "files", "resident") if pm.get(key) != mm.get(key)]
-    if _expert_table(primary) != _expert_table(m) or (primary.expert_nbytes, primary.n_experts) != (
+    if expert_table(primary) != expert_table(m) or (primary.expert_nbytes, primary.n_experts) != (
             m.expert_nbytes, m.n_experts):
         differs.append("experts")
     if differs:
         raise ColibriError(f"mirror {mirror_dir} is not a copy of {primary.path}: its manifest differs "
                            f"({', '.join(differs)}); copy the model directory byte for byte")
+    n = m.n_experts
+    picks = sorted({0, n - 1, n // 3, (2 * n) // 3})[:SAMPLES_PER_FILE] if n > SAMPLES_PER_FILE else range(n)
     for layer in m.moe_layers:
-        path, _, nbytes = m.expert_location(layer, 0)
         want = dict((f["layer"], f["extent_crc32"]) for f in m.manifest["experts"]["files"])[layer]
-        n = m.n_experts
-        picks = sorted({0, n - 1, n // 3, (2 * n) // 3})[:SAMPLES_PER_FILE] if n > SAMPLES_PER_FILE else range(n)
-        with open(path, "rb") as f:
-            for e in picks:
-                f.seek(e * nbytes)
+        for e in picks:
+            path, offset, nbytes = m.expert_location(layer, e)  # a striped mirror's: the file that holds it
+            with open(path, "rb") as f:
+                f.seek(offset)
                 if extent_crc(f.read(nbytes)) != want[e]:
                     raise ColibriError(f"mirror {mirror_dir} differs from {primary.path}: {path} expert {e} "
                                        f"does not match the manifest's checksum; copy the model again")
     return m
 
 
+def expert_hash(layer: int, expert: int, salt: str = "") -> float:
+    """A fixed number in [0, 1) for (layer, expert): experts ranked by it are spread evenly; another
+    `salt`, another ranking (the stripe's must not follow the mirror's choice)."""
+    return zlib.crc32(f"{salt}{layer}:{expert}".encode()) / 2**32
+
+
 def choose(layer: int, expert: int, primary_share: float) -> int:
     """0 (primary) or 1 (mirror) for one expert: a fixed hash of (layer, expert) against the share."""
-    u = zlib.crc32(f"{layer}:{expert}".encode()) / 2**32
-    return 0 if u < primary_share else 1
+    return 0 if expert_hash(layer, expert) < primary_share else 1

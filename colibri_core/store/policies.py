@@ -1,4 +1,4 @@
-"""Eviction policies of the per-layer expert cache, and the built-in ones (LRU, LFU).
+"""Eviction policies of the per-layer expert cache, and the built-in ones (LRU, LFU, aging LFU).
 
 A policy only ever chooses *which* cached expert to drop; what an expert computes never depends on
 it. The store makes one policy object per MoE layer and tells it what happens to that layer's
@@ -85,6 +85,34 @@ class LFU(LRU):
         return min(candidates, key=lambda e: (self.uses[e], self.last.get(e, 0)))
 
 
+# The aging LFU halves its counts each time the layer has seen AGING_PERIOD uses per expert of the
+# layer (AGING_PERIOD × n_experts hits and inserts), as TinyLFU ages its sketch (Einziger et al.,
+# "TinyLFU: A Highly Efficient Cache Admission Policy", 2017): a use a period old weighs half a use
+# now, so a workload that moves to other experts replaces the old favourites within a few periods.
+# Chosen by measurement (BENCHMARKS.md, "Which experts the cache keeps").
+AGING_PERIOD = 16
+
+
+class AgingLFU(LFU):
+    """LFU whose counts fade: every AGING_PERIOD × n_experts uses of the layer, each expert's count
+    is halved (rounded down), ties to the least recently used. It keeps LFU's choice on a steady
+    workload and forgets a past one within a few periods, where LFU keeps it for the session."""
+
+    def __init__(self, slots: int, n_experts: int):
+        super().__init__(slots, n_experts)
+        self.period = AGING_PERIOD * n_experts
+        self.since_halving = 0  # uses of the layer since the counts were last halved
+
+    def on_hit(self, expert: int) -> None:
+        super().on_hit(expert)
+        self.since_halving += 1
+        if self.since_halving == self.period:
+            self.uses = [n // 2 for n in self.uses]
+            self.since_halving = 0
+
+    on_insert = on_hit
+
+
 @dataclass(frozen=True)
 class PolicyInfo:
     """One registered cache policy."""
@@ -97,5 +125,7 @@ class PolicyInfo:
 
 @hookimpl
 def colibri_register_cache_policies(register):
-    register("lru", LRU, "least recently used (default)")
+    register("lru", LRU, "least recently used")
     register("lfu", LFU, "least frequently used this session, ties to least recently used")
+    register("lfu_aging", AgingLFU, "least frequently used, the counts halved every "
+             f"{AGING_PERIOD} uses per expert of the layer; ties to least recently used (default)")

@@ -6,12 +6,13 @@ asks for the *batch union* of its experts (`experts`): each one is read at most 
 start at once on the C I/O pool, and the layer computes the experts already resident while they
 run, then the read ones in groups as they arrive; misses past the layer's free slots (a cache under
 top-k slots a layer) are read at once into buffers of their own (`transient`), dropped once computed,
-up to the budget's allowance. Before that it asks the caller for its guess of
-a later layer's experts (router lookahead: the core's MoE block runs that layer's declared router
-on the current residual stream) and queues reads for them, so the next layer's reads overlap this
-layer's compute; each guess is scored when that layer runs, and a rank whose guesses for that layer
-have lately been mostly wrong is not read (PREFETCH_MIN_PRECISION). A demand read that finds the cache full takes the slot of a wrong guess
-still being read rather than wait for that read (which ends as an orphan).
+up to the budget's allowance. Before that it asks the caller for its guesses of
+the next `lookahead` MoE layers' experts (router lookahead: the core's MoE block runs each later
+layer's declared router on the current residual stream) and queues reads for them, nearest first,
+behind this layer's own, so later layers' reads overlap this layer's compute; each guess is scored
+when its layer runs, and a rank whose guesses for that layer from that distance have lately been
+mostly wrong is not read (PREFETCH_MIN_PRECISION). A demand read that finds the cache full takes
+the slot of a wrong guess still being read rather than wait for that read (which ends as an orphan).
 
 Pinned experts are read in the background, hottest first, behind the demand reads: at most one at
 a time while layers' reads are in flight, one per I/O thread while the disk is idle (`warm_up`
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -60,33 +61,61 @@ from .usage import UsageHistory, hot_set, pin_value, warn
 # model the guesses are mostly right and the gate changes neither reads (±2 %) nor time.
 PREFETCH_MIN_PRECISION = 0.65
 PREFETCH_DECAY = 0.95
+# The gate scores each distance apart ((layer, distance, rank)); a guess two or three MoE layers ahead
+# (--lookahead 2, 3) is read only at PREFETCH_MIN_PRECISION_AHEAD, so it starts unread and earns its
+# reads (9 right in a row). It saves only the head start over the nearer guess that would read the
+# same expert a layer later, while a wrong one costs a read and a slot as any: gated at 0.65 like the
+# next layer's, reading 2 and 3 layers ahead read 7 % and 12 % more bytes a token than 1 layer (a cold
+# 50 % session at OLMoE size, skewed routers; the reads' precision 91 % and 88 % against 93 %) for no
+# time; at 0.9, 0.3 % and 0.6 % more, the I/O stall 2-3 ms a token less (BENCHMARKS.md).
+PREFETCH_MIN_PRECISION_AHEAD = 0.9
 
 
 class GuessRecord:
-    """How often the lookahead's guesses of each (layer, rank) were right lately
+    """How often the lookahead's guesses of each (layer, distance, rank) were right lately
     (PREFETCH_MIN_PRECISION)."""
 
     def __init__(self):
-        self._counts: dict[tuple[int, int], list[float]] = {}  # (layer, rank) -> [right, guesses], decayed
+        self._counts: dict[tuple[int, int, int], list[float]] = {}  # (layer, distance, rank) -> [right, guesses], decayed
 
-    def score(self, layer: int, rank: int, right: bool) -> None:
-        counts = self._counts.setdefault((layer, rank), [0.0, 0.0])
+    def score(self, layer: int, distance: int, rank: int, right: bool) -> None:
+        counts = self._counts.setdefault((layer, distance, rank), [0.0, 0.0])
         counts[0] = counts[0] * PREFETCH_DECAY + right
         counts[1] = counts[1] * PREFETCH_DECAY + 1
 
-    def worth_reading(self, layer: int, rank: int) -> bool:
-        right, guessed = self._counts.get((layer, rank), (0.0, 0.0))
-        return (right + 2) / (guessed + 3) >= PREFETCH_MIN_PRECISION
+    def worth_reading(self, layer: int, distance: int, rank: int) -> bool:
+        right, guessed = self._counts.get((layer, distance, rank), (0.0, 0.0))
+        return (right + 2) / (guessed + 3) >= (PREFETCH_MIN_PRECISION if distance == 1 else PREFETCH_MIN_PRECISION_AHEAD)
 
 
 class Lookahead(NamedTuple):
     """What a layer tells the store of a later MoE layer (router lookahead): `guess()` returns the ids
-    (T, k) that layer will likely need, each token's likeliest first, or None; the experts of that
-    layer in `elsewhere` are computed elsewhere (a live remote shard) and never read ahead here."""
+    (T, k) that layer will likely need, each token's likeliest first, or None; `distance` how many MoE
+    layers ahead it is (1: the next); the experts of that layer in `elsewhere` are computed elsewhere
+    (a live remote shard) and never read ahead here."""
 
     layer: int
     guess: Callable[[], np.ndarray | None]
     elsewhere: frozenset = frozenset()
+    distance: int = 1
+
+
+@dataclass
+class DistanceCounts:
+    """The lookahead's counters of one distance (`ExpertStore.stats()["prefetch_by_distance"]`)."""
+
+    issued: int = 0  # reads started for its guesses
+    used: int = 0  # of those, experts their layer then needed (prefetch hits)
+    skipped: int = 0  # guesses not read: the gate
+    predicted_needed: int = 0  # experts layers needed that its guess had named
+    needed: int = 0  # experts needed in layers it guessed
+
+    def recall(self) -> float:
+        """Of the experts layers needed, the share this distance's guesses named."""
+        return self.predicted_needed / self.needed if self.needed else 0.0
+
+    def as_dict(self) -> dict:
+        return {"issued": self.issued, "used": self.used, "skipped": self.skipped, "recall": self.recall()}
 
 
 @dataclass
@@ -94,7 +123,8 @@ class StoreConfig:
     slots: int  # cache slots per MoE layer (pinned experts are not counted here)
     policy: PolicyInfo  # eviction policy (`Registry.cache_policy(name)`: colibri_register_cache_policies)
     pinned: int = 0  # hot-store capacity in experts, over all MoE layers (0: no pinning)
-    prefetch: bool = True  # router lookahead prefetch of the next layer's experts
+    prefetch: bool = True  # router lookahead prefetch of later layers' experts
+    lookahead: int = 1  # MoE layers ahead the lookahead reads (1: the next; at most layers.moe.LOOKAHEAD_DISTANCES)
     direct: bool = False  # read with O_DIRECT (falls back where refused: with a warning if `direct_asked`)
     direct_asked: bool = True  # O_DIRECT was asked for (--direct), not chosen by default (planning.read_direct)
     mirror: str | None = None  # a byte-identical copy of the container on another disk
@@ -105,16 +135,18 @@ class StoreConfig:
 
 class _Entry:
     """An expert in a cache or the hot-store: being read (`read`), parsed (`tensors`), or (hot-store
-    only) neither yet: queued for a background read."""
+    only) neither yet: queued for a background read. `prefetched`: the distance of the lookahead
+    guess that read it, until a layer uses it (0: not a prefetch)."""
 
     __slots__ = ("read", "tensors", "prefetched")
 
-    def __init__(self, read=None, tensors=None, prefetched=False):
+    def __init__(self, read=None, tensors=None, prefetched: int = 0):
         self.read, self.tensors, self.prefetched = read, tensors, prefetched
 
 
 class ExpertStore:
-    """Per-layer expert caches and hot-store over the container (and its mirror), with counters."""
+    """Per-layer expert caches and hot-store over the container (its stripe directory, its mirror),
+    with counters (also per directory read from: `disks`)."""
 
     def __init__(self, container, slots: int, policy: PolicyInfo, **options):
         """Per-layer caches of `slots` experts of the open `container`, evicting under `policy`; the
@@ -132,9 +164,10 @@ class ExpertStore:
         self.pinned: dict[int, dict[int, _Entry]] = {layer: {} for layer in layers}
         self.counters = StoreCounters()
         self._step_reads: set[tuple[int, int]] = set()  # (layer, expert) read since `new_step`
-        self._predicted: dict[int, set[int]] = {}  # layer -> experts the lookahead predicted for it
-        self._guesses: dict[int, list[tuple[int, int]]] = {}  # layer -> (expert, rank) guessed, not resident
+        self._predicted: dict[tuple[int, int], set[int]] = {}  # (layer, distance) -> experts guessed for it
+        self._guesses: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (layer, distance) -> (expert, rank) guessed, not resident
         self._guess_record = GuessRecord()
+        self.by_distance = {d: DistanceCounts() for d in range(1, cfg.lookahead + 1)}
         self._tables: dict = {}  # layer -> kernels.ExpertTable of a layer holding all its experts (`resident_table`)
         self._pin_queue: list[tuple[int, int]] = []  # (layer, expert) pinned but not read yet, hottest first
         self._pin_reads: list = []  # background reads of pinned experts that may be in flight
@@ -142,6 +175,8 @@ class ExpertStore:
         self._orphans: list = []  # reads of experts evicted while in flight (wrong prefetches)
         self.pool = None  # the I/O threads, started once nothing before them has failed
         self.sources = [mirror_mod.Source(container, cfg.direct, "primary", cfg.direct_asked)]
+        self.stripe = self.sources[0].stripe  # experts striped across two disks (`colibri stripe`), or None
+        self.disks: dict[str, dict] = {}  # directory -> reads, bytes and read seconds from it (`--stats`)
         self.primary_share = 1.0
         self._retired = []  # a mirror that failed (its files are closed with the others)
         try:
@@ -161,14 +196,15 @@ class ExpertStore:
             raise
 
     # ---- a layer's experts ---------------------------------------------------------------
-    def experts(self, layer: int, ids: np.ndarray, predict: Lookahead | None = None, skip=frozenset(),
+    def experts(self, layer: int, ids: np.ndarray, predict: Sequence[Lookahead] = (), skip=frozenset(),
                 record: bool = True):
         """Yield {expert: (gate, up, down)} groups covering the batch union of `ids` (T, k).
 
         First the experts already resident, then the others as their reads arrive (each group: the
-        next to arrive and every other that has meanwhile). `predict`: once this layer's reads are
-        queued, and unless every expert of that later layer is resident already, the store asks
-        for its guess and starts reading the guessed experts. Call `next` only after computing the
+        next to arrive and every other that has meanwhile). `predict` (later layers, nearest first):
+        once this layer's reads are queued, for each of them up to `lookahead` layers ahead whose
+        experts are not all resident already, the store asks for its guess and starts reading the
+        guessed experts. Call `next` only after computing the
         group yielded before: its experts may then be evicted. Experts in `skip` are computed
         elsewhere (remote shards): neither read nor counted; `record` False leaves the routing
         history alone (a second call for the same tokens: the experts of a remote shard that
@@ -179,14 +215,18 @@ class ExpertStore:
         if self.usage is not None and record:
             self.usage.record(self.layer_index[layer], ids)
         need = sorted(set(np.asarray(ids).ravel().tolist()).difference(skip))  # the batch union, ascending
-        predicted = self._predicted.pop(layer, None)
-        if predicted is not None:
-            c.needed_after_prediction += len(need)
-            c.predicted_needed += len(predicted.intersection(need))
-        cache, pinned, policy = self.cache[layer], self.pinned[layer], self.policies[layer]
         protected = set(need)  # never evicted until computed
-        for e, rank in self._guesses.pop(layer, ()):  # score the lookahead's guesses for this layer
-            self._guess_record.score(layer, rank, e in protected)
+        for d, counts in self.by_distance.items():  # score the lookahead's guesses for this layer
+            predicted = self._predicted.pop((layer, d), None)
+            if predicted is not None:
+                counts.needed += len(need)
+                counts.predicted_needed += len(predicted.intersection(need))
+                if d == 1:  # `prefetch_recall`: the next layer's guess, as before there were others
+                    c.needed_after_prediction += len(need)
+                    c.predicted_needed += len(predicted.intersection(need))
+            for e, rank in self._guesses.pop((layer, d), ()):
+                self._guess_record.score(layer, d, rank, e in protected)
+        cache, pinned, policy = self.cache[layer], self.pinned[layer], self.policies[layer]
         ready, waiting = {}, []
         for e in need:
             entry = pinned.get(e) or cache.get(e)
@@ -202,7 +242,8 @@ class ExpertStore:
                 policy.on_hit(e)
             if entry.prefetched:
                 c.prefetch_used += 1
-                entry.prefetched = False
+                self.by_distance[entry.prefetched].used += 1
+                entry.prefetched = 0
             if entry.read is None or self.pool.done(entry.read):
                 ready[e] = self._tensors(layer, e, entry, stall=False)
             else:
@@ -215,12 +256,11 @@ class ExpertStore:
             if e in cache or e in pinned:
                 continue
             if self._make_room(layer, protected, block=False, demand=True):
-                self._insert(layer, e, prefetched=False)
+                self._insert(layer, e, prefetched=0)
             elif len(transient) < self.config.transient:
                 transient[e] = _Entry(read=self._submit(layer, e))
                 self._layer_reads.append(transient[e].read)
-        if predict is not None and self.config.prefetch:
-            self._lookahead(predict)  # queued behind this layer's reads
+        self._lookahead(predict)  # queued behind this layer's reads
         self._read_pinned()  # … and the hot-store behind both
         if ready:
             yield ready
@@ -238,7 +278,7 @@ class ExpertStore:
                 entry = held(e)
                 if entry is None:  # deferred: the cache was full of experts this layer still needed
                     self._make_room(layer, protected, block=True, demand=True)
-                    entry = self._insert(layer, e, prefetched=False)
+                    entry = self._insert(layer, e, prefetched=0)
                 group = {e: self._tensors(layer, e, entry, stall=True)}
                 still = []
                 for other in waiting:
@@ -255,7 +295,7 @@ class ExpertStore:
         finally:  # a pass that stopped early: reads of its own still in flight end as orphans
             self._orphans += [entry.read for entry in transient.values() if entry.read is not None]
 
-    def resident_table(self, layer: int, predict: Lookahead | None = None):
+    def resident_table(self, layer: int, predict: Sequence[Lookahead] = ()):
         """The C table (kernels.ExpertTable) of every expert of `layer` when the layer holds all of
         them, read, none a prefetch not yet used, with the lookahead `predict` started as `experts`
         does; else None (call `experts`, which does both). The caller then counts the routing it
@@ -276,8 +316,7 @@ class ExpertStore:
                 return None
             table = self._tables[layer] = kernels.ExpertTable(
                 [self._tensors(layer, e, entry, stall=False) for e, entry in enumerate(entries)])
-        if predict is not None and self.config.prefetch:
-            self._lookahead(predict)
+        self._lookahead(predict)
         if self._pin_queue:
             self._read_pinned()
         return table
@@ -307,7 +346,7 @@ class ExpertStore:
             if len(cache) >= self.slots:
                 break
             if e not in cache and e not in pinned:
-                self._insert(layer, e, prefetched=False)
+                self._insert(layer, e, prefetched=0)
                 n += 1
         return n
 
@@ -325,7 +364,7 @@ class ExpertStore:
         if which is None:
             which = 0 if len(self.sources) == 1 else mirror_mod.choose(layer, expert, self.primary_share)
         src = self.sources[which]
-        extents = src.extents(layer, expert)
+        extents = src.container.expert_extents(layer, expert)  # a striped expert's: in the stripe directory
         path, offset, nbytes = extents[0]
         if len(extents) == 1:  # a container's extent: one pread, crc'd by the I/O thread
             read = self.pool.submit(src.fd_for(path, nbytes), offset, nbytes, layer=layer, expert=expert, source=src,
@@ -336,6 +375,9 @@ class ExpertStore:
         c.reads += 1
         c.bytes_read += sum(n for _, _, n in extents)
         c.mirror_reads += which
+        disk = self.disks.setdefault(src.disk(layer, expert), {"reads": 0, "bytes": 0, "read_seconds": 0.0})
+        disk["reads"] += 1
+        disk["bytes"] += sum(n for _, _, n in extents)
         if (layer, expert) in self._step_reads:
             c.step_rereads += 1
         self._step_reads.add((layer, expert))
@@ -347,7 +389,7 @@ class ExpertStore:
         self.counters.steps += 1
         self._step_reads.clear()
 
-    def _insert(self, layer: int, expert: int, prefetched: bool) -> _Entry:
+    def _insert(self, layer: int, expert: int, prefetched: int) -> _Entry:
         entry = _Entry(read=self._submit(layer, expert), prefetched=prefetched)
         self._changed(layer)
         self._layer_reads.append(entry.read)
@@ -366,6 +408,7 @@ class ExpertStore:
         self.counters.read_seconds += read.req.seconds
         buf, err = self.pool.result(read)
         src = read.source
+        self.disks[src.disk(layer, expert)]["read_seconds"] += read.req.seconds
         try:
             if err:
                 raise ColibriError(f"cannot read layer {layer} expert {expert} from {read.path}: {err}")
@@ -437,12 +480,15 @@ class ExpertStore:
         """Evict until the layer's cache has a free slot; False if that needs waiting and not `block`.
 
         For a `demand` read, a prefetch still in flight that this layer does not need (a wrong guess)
-        gives up its slot at once rather than after its read: the read finishes as an orphan."""
+        gives up its slot at once rather than after its read, the farthest guess's first (the least
+        likely right): the read finishes as an orphan."""
         cache = self.cache[layer]
         while len(cache) >= self.slots:
             candidates = [e for e, entry in cache.items() if e not in protected and self._settled(entry)]
             if not candidates and demand:
-                guesses = [e for e, entry in cache.items() if e not in protected and entry.prefetched]
+                guessed = {e: entry.prefetched for e, entry in cache.items() if e not in protected and entry.prefetched}
+                farthest = max(guessed.values(), default=0)
+                guesses = [e for e, d in guessed.items() if d == farthest]
                 if guesses:
                     self._orphan(layer, self._victim(layer, guesses))
                     continue
@@ -458,10 +504,19 @@ class ExpertStore:
         return True
 
     # ---- router lookahead ----------------------------------------------------------------
-    def _lookahead(self, predict: Lookahead) -> None:
+    def _lookahead(self, predict: Sequence[Lookahead]) -> None:
+        """Start reading the experts each of `predict` (nearest first) up to `lookahead` layers ahead
+        says its layer will need: the nearer layers' reads queue first."""
+        if not self.config.prefetch:
+            return
+        for p in predict:
+            if p.distance <= self.config.lookahead:
+                self._guess_ahead(p)
+
+    def _guess_ahead(self, predict: Lookahead) -> None:
         """Start reading the experts `predict.guess()` says its layer will need (but those computed
         `elsewhere`)."""
-        nxt = predict.layer
+        nxt, d = predict.layer, predict.distance
         if len(self.cache[nxt]) + len(self.pinned[nxt]) == self.container.n_experts:
             return  # every expert of that layer is resident: nothing to predict
         ids = predict.guess()
@@ -474,26 +529,28 @@ class ExpertStore:
         rank_weights = np.broadcast_to(np.arange(k, 0, -1), (T, k))
         votes = np.bincount(ids.ravel(), weights=rank_weights.ravel(), minlength=self.container.n_experts)
         order = np.argsort(-votes, kind="stable")[: np.count_nonzero(votes)].tolist()  # voted for, most first
-        self._predicted[nxt] = set(order)
+        self._predicted[nxt, d] = set(order)
         if predict.elsewhere:  # computed by a live remote shard: nothing to read here
             order = [e for e in order if e not in predict.elsewhere]
         wanted = order[: self.slots]  # never more than the cache holds
         protected = set(wanted)
-        cache, pinned = self.cache[nxt], self.pinned[nxt]
-        guesses = self._guesses[nxt] = []  # (expert, rank) a single token guessed and the cache lacks
+        cache, pinned, counts = self.cache[nxt], self.pinned[nxt], self.by_distance[d]
+        guesses = self._guesses[nxt, d] = []  # (expert, rank) a single token guessed and the cache lacks
         room = True
         for rank, e in enumerate(wanted):
             if e in cache or e in pinned:
                 continue
             if T == 1:
                 guesses.append((e, rank))
-                if not self._guess_record.worth_reading(nxt, rank):
+                if not self._guess_record.worth_reading(nxt, d, rank):
                     self.counters.prefetch_skipped += 1
+                    counts.skipped += 1
                     continue
             room = room and self._make_room(nxt, protected, block=False)
             if room:
-                self._insert(nxt, e, prefetched=True)
+                self._insert(nxt, e, prefetched=d)
                 self.counters.prefetch_issued += 1
+                counts.issued += 1
 
     # ---- hot-store and history -----------------------------------------------------------
     def _read_pinned(self) -> None:
@@ -592,9 +649,15 @@ class ExpertStore:
             "pin_capacity": self.config.pinned,
             "policy": self.config.policy.name,
             "prefetch": self.config.prefetch,
+            "lookahead_depth": self.config.lookahead if self.config.prefetch else 0,
+            "prefetch_by_distance": {d: counts.as_dict() for d, counts in self.by_distance.items()
+                                     if self.config.prefetch},
             "direct_io": self.sources[0].direct,
             "mirror": str(self.config.mirror) if self.config.mirror else None,
             "mirror_in_use": len(self.sources) > 1,
+            "stripe": str(self.stripe.directory) if self.stripe is not None else None,
+            "stripe_share": self.stripe.share if self.stripe is not None else 0.0,
+            "disks": {d: dict(counts) for d, counts in self.disks.items()},
             "io_threads": self.config.io_threads,
             "transient_reads": self.config.transient,
             "history_tokens": self.usage.tokens if self.usage is not None else 0,

@@ -1,0 +1,336 @@
+"""Weighted striping: a container's expert extents split between the model directory and a second
+directory on another disk, in the share of the two disks' measured bandwidths, so that each expert
+is read from the disk that holds it and both disks read at once (colibrì's dual-SSD mode, without
+a mirror's doubled space).
+
+A container keeps one file per MoE layer, so the unit moved is an expert's extent: in every layer
+the same share of its experts (chosen by `mirror.expert_hash`, so each layer's reads go to both
+disks). `DIR2/colibri-stripe-ID/layer-LLL.bin` is as long as the model's own file and holds the
+moved extents at their own offsets (a sparse file); in the model's file those extents' blocks are
+freed (holes punched: its size, and so the container's manifest, are unchanged). `.coli_stripe`
+in the model directory (JSON, then a crc32 line of the lines above) names the directory, the share,
+the bandwidths it was chosen from and each layer's moved experts. It is the one record of where an
+expert is: `Container` loads it when it opens the model (`load`) and answers each expert's file
+from it (`expert_location`), so every reader follows it; `doctor` checks it (`problems`); `colibri
+rm` removes the stripe directory with the model (`recorded`).
+
+Moving is crash-safe a layer at a time: the layer's extents are copied to a temporary file in the
+stripe directory, fsynced, read back and checked against the manifest's crc32s, renamed into place;
+only then is the layer written into `.coli_stripe` (atomically), and only then are its extents'
+blocks freed in the model's file. `--undo` runs the same steps backwards (copied back, fsynced and
+checked, the record updated, the stripe file removed). A crash at any point leaves the recorded
+placement whole (the other copy, if any, is only space not yet freed): rerunning the command
+finishes it. Run it while no engine has the model open.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import json
+import os
+import statistics
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..container import Container
+from ..container.reader import TRAILER, TRAILER_MAGIC, extent_crc, manifest_checksum_line
+from ..errors import ColibriError
+from ..fsio import fsync_dir, read_text, write_atomic
+from .mirror import SAMPLES_PER_FILE, expert_hash, expert_table
+
+STRIPE_FILE = ".coli_stripe"
+FORMAT = "colibri-stripe"
+VERSION = 1
+STRIPE_BYTES = 16 << 20  # .coli_stripe: a list of expert ids per layer, a few hundred KB at most
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (linux/falloc.h)
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+
+
+@dataclass(frozen=True)
+class Stripe:
+    """Where a striped container's moved extents are: `directory` (DIR2/colibri-stripe-ID), the
+    share of each layer's experts moved there, the bandwidths (bytes/s) it was chosen from, and
+    layer -> the experts moved (a layer not moved yet is absent)."""
+
+    directory: Path
+    share: float
+    bandwidth: dict  # {"model": bytes/s, "stripe": bytes/s}, as measured when the share was chosen
+    moved: dict  # layer -> frozenset of experts held in `directory`
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return expert in self.moved.get(layer, ())
+
+    def path(self, layer: int) -> str:
+        return str(self.directory / f"layer-{layer:03d}.bin")
+
+    def moved_bytes(self, c: Container) -> int:
+        return sum(len(experts) * c.layer_expert_nbytes(layer) for layer, experts in self.moved.items())
+
+
+def binding(c: Container) -> str:
+    """An id of the container's expert section (every extent's crc32): a stripe belongs to one."""
+    table = json.dumps([expert_table(c), c.expert_nbytes, c.n_experts]).encode()
+    return f"{zlib.crc32(table):08x}"
+
+
+def selection(c: Container, share: float) -> dict[int, list[int]]:
+    """layer -> the experts to move for `share`: round(share × experts) of each layer, those with the
+    lowest `expert_hash` salted "stripe" (a fixed choice, so a rerun picks the same ones, and one
+    apart from a mirror's, so that each of the three files is read)."""
+    k = round(share * c.n_experts)
+    return {layer: sorted(sorted(range(c.n_experts), key=lambda e: expert_hash(layer, e, "stripe"))[:k])
+            for layer in c.moe_layers}
+
+
+def load(c: Container) -> Stripe | None:
+    """The stripe of the container `c` being opened (None if it is not striped; `Container.stripe`),
+    checked: its record whole and of this container, its directory and every file there present
+    with the right size."""
+    path = Path(c.path) / STRIPE_FILE
+    if not path.exists():
+        return None
+    try:
+        d = _record(path, "reconvert the model")
+        if d["format"] != FORMAT or d["version"] != VERSION or d["container"] != binding(c):
+            raise ColibriError(f"{path} is a stripe record of another container or colibri (the model was "
+                               f"reconverted?): move its files back by hand or reconvert the model")
+        stripe = Stripe(Path(d["directory"]), float(d["share"]), dict(d["bandwidth"]),
+                        {int(layer): frozenset(int(e) for e in experts) for layer, experts in d["moved"].items()})
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ColibriError(f"{path} fails its checksum or is not a stripe record (damaged or edited): the "
+                           f"placement of the model's experts is unknown; reconvert the model") from None
+    if not stripe.directory.is_dir():
+        raise ColibriError(f"{c.path}: its experts are striped into {stripe.directory}, which is missing "
+                           f"(a disk not mounted?): mount it, or reconvert the model")
+    for layer, experts in stripe.moved.items():
+        if layer not in c.moe_layers or not all(0 <= e < c.n_experts for e in experts):
+            raise ColibriError(f"{path} names layer {layer} experts that the container lacks: reconvert the model")
+        size = c.n_experts * c.layer_expert_nbytes(layer)
+        try:
+            got = os.stat(stripe.path(layer)).st_size
+        except OSError:
+            raise ColibriError(f"{stripe.path(layer)} (striped experts of {c.path}) is missing: restore it, "
+                               f"or reconvert the model") from None
+        if got != size:
+            raise ColibriError(f"{stripe.path(layer)} is {got} bytes, expected {size}: restore it, or reconvert "
+                               f"the model")
+    return stripe
+
+
+def _record(path: Path, fix: str):
+    """The JSON body of the stripe record `path`; ValueError if it fails its checksum line."""
+    lines = read_text(path, STRIPE_BYTES, "stripe record", fix).splitlines(keepends=True)
+    body = "".join(lines[:-1])
+    if not lines or lines[-1] != manifest_checksum_line(body):
+        raise ValueError
+    return json.loads(body)
+
+
+def _save(c: Container, stripe: Stripe) -> None:
+    body = json.dumps({"format": FORMAT, "version": VERSION, "container": binding(c),
+                       "directory": str(stripe.directory), "share": stripe.share, "bandwidth": stripe.bandwidth,
+                       "moved": {str(layer): sorted(experts) for layer, experts in sorted(stripe.moved.items())}},
+                      indent=1) + "\n"
+    write_atomic(Path(c.path) / STRIPE_FILE, (body + manifest_checksum_line(body)).encode())
+
+
+def measure_share(model_dir: str | os.PathLike, directory: str | os.PathLike, rounds: int = 3) -> tuple[float, dict]:
+    """(share of the experts for `directory`, {"model", "stripe"} bytes/s): the bandwidth of each
+    directory's disk measured (`planning.disk_bandwidth_at`: a file written there and read back,
+    with O_DIRECT where the filesystem takes it), the share in proportion to them. The median of
+    `rounds` probes, the two disks in turn: a disk's first read runs fast while a throttle or a
+    drive's cache lets a burst through (a throttled loop device: 406 MB/s first, then 322-331)."""
+    from ..planning import disk_bandwidth_at
+
+    probes = {"model": [], "stripe": []}
+    for _ in range(rounds):
+        for key, where in (("model", model_dir), ("stripe", directory)):
+            try:
+                probes[key].append(disk_bandwidth_at(where)[0])
+            except OSError as e:
+                raise ColibriError(f"cannot measure the disk bandwidth of {where} ({e.strerror or e}: the probe "
+                                   f"writes a 64 MB file there): pass --share instead of auto") from None
+    bw = {key: statistics.median(values) for key, values in probes.items()}
+    return bw["stripe"] / (bw["model"] + bw["stripe"]), bw
+
+
+def _entries(c: Container) -> dict:
+    """layer -> its expert file's manifest entry (sizes, the file's crc32 and each extent's)."""
+    return {f["layer"]: f for f in c.manifest["experts"]["files"]}
+
+
+def _extent_ok(entry: dict, layer: int, expert: int, buf: bytes) -> bool:
+    """The extent's crc32 is the manifest's (`entry`: its layer's) and its trailer names (layer, expert)."""
+    got = extent_crc(buf)
+    return got == entry["extent_crc32"][expert] and \
+        TRAILER.unpack_from(buf, len(buf) - TRAILER.size) == (got, TRAILER_MAGIC, layer, expert)
+
+
+def _copy_extents(c: Container, src: str, dst: str, layer: int, experts, create: bool) -> None:
+    """Copy the extents of `experts` from file `src` into file `dst` (created as a sparse file as long
+    as the layer's, if `create`), fsync it, and read them back: each must match the manifest."""
+    nbytes, entry = c.layer_expert_nbytes(layer), _entries(c)[layer]
+    flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
+    s, d = os.open(src, os.O_RDONLY), os.open(dst, flags, 0o644)
+    try:
+        if create:
+            os.ftruncate(d, c.n_experts * nbytes)
+        for e in experts:
+            if os.pwrite(d, os.pread(s, nbytes, e * nbytes), e * nbytes) != nbytes:
+                raise ColibriError(f"writing {dst} stopped short (disk full?)")
+        os.fsync(d)
+        for e in experts:
+            if not _extent_ok(entry, layer, e, os.pread(d, nbytes, e * nbytes)):
+                raise ColibriError(f"layer {layer} expert {e} copied into {dst} does not match the manifest's "
+                                   f"checksum (a disk error?): nothing was changed; check the disk and rerun")
+    finally:
+        os.close(s)
+        os.close(d)
+
+
+def _punch(path: str, c: Container, layer: int, experts) -> None:
+    """Free the blocks of `experts`' extents in `path` (its size unchanged)."""
+    nbytes = c.layer_expert_nbytes(layer)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for e in experts:
+            if _libc.fallocate(fd, _PUNCH_HOLE, e * nbytes, nbytes) != 0:
+                err = ctypes.get_errno()
+                why = "the filesystem cannot free part of a file" if err == errno.EOPNOTSUPP else os.strerror(err)
+                raise ColibriError(f"cannot free the moved experts' space in {path}: {why}; the stripe is "
+                                   f"recorded and reads from both disks, `colibri stripe --undo` takes it back")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def stripe(model_dir: str | os.PathLike, directory: str | os.PathLike, share: str | float = "auto",
+           progress=None) -> Stripe:
+    """Move `share` of every layer's experts ("auto": in proportion to the measured bandwidths) of
+    the container `model_dir` into `directory` (DIR2/colibri-stripe-ID), a layer at a time; a stripe
+    begun before into the same directory is finished with its own share. `progress(layer)` is called
+    after each layer (the CLI's progress bar)."""
+    with Container(model_dir) as c:
+        target = Path(directory).absolute() / f"colibri-stripe-{binding(c)}"
+        if Path(directory).resolve() == Path(c.path).resolve() or target.resolve().is_relative_to(
+                Path(c.path).resolve()):
+            raise ColibriError(f"stripe directory {directory} is inside the model directory: name one on another disk")
+        old = c.stripe
+        if old is not None and old.directory != target:
+            raise ColibriError(f"{c.path} is striped into {old.directory} already: `colibri stripe {c.path} --undo` "
+                               f"first")
+        if old is not None:
+            if share != "auto" and float(share) != old.share:
+                raise ColibriError(f"{c.path} is striped at share {old.share:g} already: `colibri stripe "
+                                   f"{c.path} --undo` first to change it")
+            current = old
+        else:
+            if share == "auto":
+                Path(directory).mkdir(parents=True, exist_ok=True)
+                share, bw = measure_share(c.path, directory)
+            else:
+                share, bw = float(share), {}
+            if not 0 < share < 1:
+                raise ColibriError(f"--share must be between 0 and 1 (the part of the experts moved), got {share:g}")
+            if round(share * c.n_experts) == 0:
+                raise ColibriError(f"share {share:.3g} moves none of a layer's {c.n_experts} experts: nothing to stripe")
+            current = Stripe(target, share, bw, {})
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            fsync_dir(target.parent)
+            _save(c, current)
+            for layer, experts in selection(c, current.share).items():
+                primary = c.expert_file(layer)
+                if layer not in current.moved:
+                    tmp = current.path(layer) + ".tmp"
+                    _copy_extents(c, primary, tmp, layer, experts, create=True)
+                    os.replace(tmp, current.path(layer))
+                    fsync_dir(target)
+                    current = Stripe(target, current.share, current.bandwidth,
+                                     {**current.moved, layer: frozenset(experts)})
+                    _save(c, current)
+                _punch(primary, c, layer, experts)  # again after a crash: freeing freed blocks changes nothing
+                if progress is not None:
+                    progress(layer)
+        except OSError as e:  # a full disk, a permission: what is done is recorded
+            raise ColibriError(f"striping {c.path} into {target} stopped: {e.strerror or e}"
+                               f"{f' ({e.filename})' if e.filename else ''}; fix that and rerun the same command: "
+                               f"it goes on from the layers already moved") from None
+        return current
+
+
+def unstripe(model_dir: str | os.PathLike, progress=None) -> None:
+    """Bring every striped expert of `model_dir` back into the model's own files and remove the stripe
+    (`progress(layer)` after each layer)."""
+    with Container(model_dir) as c:
+        current = c.stripe
+        if current is None:
+            raise ColibriError(f"{c.path} is not striped (no {STRIPE_FILE})")
+        try:
+            for layer in sorted(current.moved):
+                _copy_extents(c, current.path(layer), c.expert_file(layer), layer,
+                              sorted(current.moved[layer]), create=False)
+                current = Stripe(current.directory, current.share, current.bandwidth,
+                                 {k: v for k, v in current.moved.items() if k != layer})
+                _save(c, current)
+                os.unlink(current.path(layer))
+                if progress is not None:
+                    progress(layer)
+            os.unlink(Path(c.path) / STRIPE_FILE)
+            fsync_dir(Path(c.path))
+            for leftover in current.directory.glob("layer-*.bin*"):  # a copy a crash left unrecorded
+                leftover.unlink()
+            current.directory.rmdir()
+        except OSError as e:  # a full disk (the holes filled again), a permission: what is done is recorded
+            raise ColibriError(f"bringing the experts of {c.path} back from {current.directory} stopped: "
+                               f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}; fix that and rerun "
+                               f"`colibri stripe {c.path} --undo`") from None
+
+
+def problems(c: Container, stripe: Stripe, deep: bool) -> list[str]:
+    """What is wrong with a striped container's expert files (empty: nothing): a few extents of each
+    stripe file (every extent of every file, and each file's whole crc32, if `deep`: `verify`'s
+    deep pass) read from the file that holds them and checked against the manifest. (`load`
+    checked presence and sizes.)"""
+    if deep:
+        return c.verify(deep=True)
+    found = []
+    for layer, moved in sorted(stripe.moved.items()):
+        picks = sorted(moved)[:: max(1, len(moved) // SAMPLES_PER_FILE)][:SAMPLES_PER_FILE]
+        found += c.extent_problems(layer, picks)[0]
+    return found
+
+
+def recorded(model_dir: str | os.PathLike) -> tuple[Path, float] | None:
+    """(the stripe directory DIR2/colibri-stripe-ID, the share) `.coli_stripe` in `model_dir` names,
+    or None if the model is not striped; read without opening the container (`colibri list` and
+    `rm`: a model whose container or second disk is damaged or missing is removed all the same)."""
+    path = Path(model_dir) / STRIPE_FILE
+    if not path.exists():
+        return None
+    try:
+        d = _record(path, "remove the stripe directory by hand")
+        directory, share = Path(d["directory"]), float(d["share"])
+    except (ValueError, KeyError, TypeError):
+        directory = None
+    if directory is None or not directory.name.startswith("colibri-stripe-"):
+        raise ColibriError(f"{path} fails its checksum or is not a stripe record: which directory holds the "
+                           f"model's striped experts is unknown; remove {path} and that directory by hand")
+    return directory, share
+
+
+def summary(c: Container, stripe: Stripe) -> str:
+    """One line on where a striped container's experts are (`plan`, `doctor`, `colibri stripe`)."""
+    from ..sizes import format_bytes
+
+    total = sum(c.n_experts * c.layer_expert_nbytes(layer) for layer in c.moe_layers)
+    moved = stripe.moved_bytes(c)
+    bw = stripe.bandwidth
+    chosen = (f"share {stripe.share:.2f} from {format_bytes(bw['model'])}/s measured beside the model and "
+              f"{format_bytes(bw['stripe'])}/s there" if bw else f"share {stripe.share:.2f} as given")
+    unfinished = "" if len(stripe.moved) == len(c.moe_layers) else \
+        f"; {len(c.moe_layers) - len(stripe.moved)} layers not moved yet (rerun `colibri stripe` to finish)"
+    return f"{format_bytes(moved)} of {format_bytes(total)} of experts in {stripe.directory} ({chosen}){unfinished}"
