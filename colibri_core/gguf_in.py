@@ -7,8 +7,9 @@ template; its tensors are mapped back to the Hugging Face names the plugin's lay
 ``ffn_{gate,up,down}_exps``) and converted by the shard-by-shard converter (`container.streamed`),
 one block at a time: each block's tensors are dequantised (`gguf.quants.dequantize`) into a float32
 safetensors file that is deleted once written, so the disk holds the container and one block.
-Where llama.cpp's converter reshapes a tensor on its way in (Qwen3.5/3.6's DeltaNet, `UNDO`), the
-reshape is undone here; a split GGUF's parts are read as one file.
+Where llama.cpp's converter reshapes, renames or splits a tensor on its way in (Qwen3.5/3.6's
+DeltaNet; GPT-OSS's fused, interleaved, transposed experts and their biases: `UNDO`), that is undone
+here; a split GGUF's parts are read as one file.
 
 No GGUF format maps onto colibri's bit for bit: Q8_0 and Q4_0 scale blocks of 32 values (an f16
 scale; Q4_0 stores -8..7) where colibri's int8 scales a whole row (f32) and its int4 groups of 64
@@ -21,8 +22,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import tempfile
+import shutil
+from functools import partial
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -36,6 +39,8 @@ ARCHS = {
     "olmoe": ("OlmoeForCausalLM", "olmoe", {"norm_topk_prob": False, "clip_qkv": None}),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", {"norm_topk_prob": True}),
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", {}),  # Qwen3.5 / Qwen3.6 MoE
+    # llama.cpp's gpt-oss graph has its SwiGLU's clamp and slope built in: these, the released ones
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss", {"attention_bias": True, "swiglu_limit": 7.0, "swiglu_alpha": 1.702}),
 }
 
 
@@ -131,7 +136,31 @@ def hf_config(reader) -> dict:
             # text alone: the multimodal rope's sections all see one position, which is plain RoPE
             rope_parameters={"rope_type": "default", "rope_theta": config.pop("rope_theta"),
                              "partial_rotary_factor": _field(reader, f"{arch}.rope.dimension_count") / config["head_dim"]})
+    if model_type == "gpt_oss":
+        # llama.cpp's sliding-window pattern: a per-layer array, or n (every layer but each n-th; 2 unless said)
+        pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", 2)
+        sliding = pattern if isinstance(pattern, list) else [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+        config.update(num_local_experts=config.pop("num_experts"),
+                      sliding_window=_field(reader, f"{arch}.attention.sliding_window"),
+                      layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+                      rope_parameters=_rope(reader, arch, config.pop("rope_theta")))
     return config
+
+
+def _rope(reader, arch: str, theta: float) -> dict:
+    """rope_parameters from the GGUF's rope.scaling keys: plain RoPE or YaRN. YaRN's `truncate` is not in
+    a GGUF: False, as GPT-OSS's released config.json says (the only model converted here with YaRN)."""
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    if kind != "yarn":
+        raise ColibriError(f"GGUF rope scaling {kind!r}: colibri converts {arch} GGUF files with YaRN or none")
+    rope = {"rope_type": "yarn", "rope_theta": theta, "factor": _field(reader, f"{arch}.rope.scaling.factor"),
+            "original_max_position_embeddings": _field(reader, f"{arch}.rope.scaling.original_context_length"),
+            "beta_fast": _field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": _field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0), "truncate": False}
+    attention_factor = _field(reader, f"{arch}.rope.scaling.yarn_attn_factor")
+    return rope if attention_factor is None else {**rope, "attention_factor": attention_factor}
 
 
 def _untile(w: np.ndarray, axis: int, key_heads: int, head_dim: int) -> np.ndarray:
@@ -171,14 +200,43 @@ def _from_qwen35(config: dict):
     return undo
 
 
-# GGUF architecture -> (the Hugging Face tensor names llama.cpp renames outside its name map, as
-# (HF suffix, the GGUF name's HF form); the function undoing its converter's reshapes, given config.json)
-UNDO = {"qwen35moe": (((".linear_attn.dt_bias", ".linear_attn.dt_proj.bias"),), _from_qwen35)}
+def _alternate(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """(E, I) gate and up biases -> (E, 2I), gate and up alternating: GPT-OSS's gate_up_proj_bias,
+    which llama.cpp's converter (GptOssModel.modify_tensors) splits into [..., ::2] and [..., 1::2]."""
+    return np.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)
+
+
+class Undo(NamedTuple):
+    """What llama.cpp's converter does to one architecture's tensors beyond its name map, to be undone.
+
+    `renames`: (HF suffix, the GGUF name's HF form) of the tensors it renames; `joins`: (HF suffix, the
+    HF forms of the GGUF tensors it splits that tensor into, the function joining their float32 arrays
+    back); `reshape`: given config.json, the function (HF name, array) -> array undoing its reshapes."""
+    renames: tuple[tuple[str, str], ...] = ()
+    joins: tuple[tuple[str, tuple[str, ...], Callable], ...] = ()
+    reshape: Callable[[dict], Callable[[str, np.ndarray], np.ndarray]] | None = None
+
+
+UNDO = {
+    "qwen35moe": Undo(renames=((".linear_attn.dt_bias", ".linear_attn.dt_proj.bias"),), reshape=_from_qwen35),
+    # GPT-OSS (convert_hf_to_gguf.py's GptOssModel): the sinks get a .weight, down_proj_bias becomes
+    # down_proj.bias and the alternating gate_up_proj_bias two biases; its fused experts are split
+    # into ffn_{gate,up,down}_exps (out, in) like any other's, so the layout's fused form is rebuilt
+    # from those (`_fused`). MXFP4 experts are repacked bit for bit: dequantised, they are the release's.
+    "gpt-oss": Undo(renames=((".self_attn.sinks", ".self_attn.sinks.weight"),
+                             (".mlp.experts.down_proj_bias", ".mlp.experts.down_proj.bias")),
+                    joins=((".mlp.experts.gate_up_proj_bias", (".mlp.experts.gate_proj.bias", ".mlp.experts.up_proj.bias"),
+                            _alternate),)),
+}
 
 
 # llama.cpp's pre-tokenizer names -> the split regex its tokenizer.json has (default: GPT-2's)
 PRE_SPLITS = {
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    # o200k (GPT-4o, GPT-OSS): the "original regex from tokenizer.json" of llama-vocab.cpp's GPT4O
+    "gpt-4o": r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+              r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+              r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 
 
@@ -215,14 +273,37 @@ def write_tokenizer(reader, out: Path) -> None:
         (out / "chat_template.jinja").write_text(template)
 
 
-def _block_tensors(reader, layout, tmap, layers: int, renames=()) -> dict[str, dict[str, tuple]]:
-    """Virtual shard ("globals", "blk.N") -> HF name -> (GGUF tensor, expert index or None, HF shape)
-    of the model's `layers` layers (blocks past them: an MTP head colibri does not run)."""
+class Entry(NamedTuple):
+    """How one Hugging Face tensor is made from the GGUF: its `sources` ((GGUF tensor, expert index or
+    None, the shape to read it in), dequantised in order), `join`ed when there are several (None: the
+    one source as it is), in the HF `shape`."""
+    sources: tuple[tuple[object, int | None, tuple[int, ...]], ...]  # (gguf ReaderTensor, expert, shape)
+    shape: tuple[int, ...]
+    join: Callable[..., np.ndarray] | None = None
+
+
+def _fused(names, *stacks: np.ndarray) -> np.ndarray:
+    """llama.cpp's stacked experts (E, out, in) as the layout's fused tensor holds them (`names`, its
+    `ExpertNames`): gate and up (E, I, H) joined into gate_up, after one another or alternating, or
+    down (E, H, I) alone; transposed to (in, out) where the layout says so."""
+    if len(stacks) == 1:
+        w = stacks[0]
+    elif names.gate_up_interleaved:
+        gate, up = stacks
+        w = np.stack([gate, up], axis=2).reshape(gate.shape[0], -1, gate.shape[2])  # (E, 2I, H)
+    else:
+        w = np.concatenate(stacks, axis=1)  # (E, 2I, H)
+    return w.transpose(0, 2, 1) if names.fused_transposed else w
+
+
+def _block_tensors(reader, layout, tmap, layers: int, undo: Undo) -> dict[str, dict[str, Entry]]:
+    """Virtual shard ("globals", "blk.N") -> HF name -> its `Entry` for the model's `layers` layers
+    (blocks past them: an MTP head colibri does not run)."""
     gguf_tensors = {t.name: t for t in reader.tensors}
     used, shards = set(), {}
 
     def gguf_of(hf: str) -> str:
-        for ours, theirs in renames:
+        for ours, theirs in undo.renames:
             hf = hf[:-len(ours)] + theirs if hf.endswith(ours) else hf
         base, suffix = hf, ""  # A_log, dt_bias: a parameter without .weight
         for end in (".weight", ".bias"):
@@ -233,32 +314,52 @@ def _block_tensors(reader, layout, tmap, layers: int, renames=()) -> dict[str, d
             raise ColibriError(f"the GGUF has no tensor for {hf} (looked for {g}{suffix})")
         return g + suffix
 
-    def shard_of(gname: str) -> str:
-        m = re.match(r"blk\.(\d+)\.", gname)
-        return f"blk.{int(m[1]):05d}" if m else "globals"
+    def shape_of(t) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(t.shape))  # GGUF lists the axes innermost first
 
+    def add(name: str, entry: Entry) -> None:
+        first = entry.sources[0][0].name
+        m = re.match(r"blk\.(\d+)\.", first)
+        shards.setdefault(f"blk.{int(m[1]):05d}" if m else "globals", {})[name] = entry
+        used.update(t.name for t, _, _ in entry.sources)
+
+    joins = {suffix: (sources, join) for suffix, sources, join in undo.joins}
     for name in layout.resident:
+        joined = next((s for s in joins if name.endswith(s)), None)
+        if joined:
+            sources, join = joins[joined]
+            ts = [gguf_tensors[gguf_of(name[:-len(joined)] + s)] for s in sources]
+            shape = join(*(np.empty(shape_of(t), np.float32) for t in ts)).shape  # joined: biases, small
+            add(name, Entry(tuple((t, None, shape_of(t)) for t in ts), shape, join))
+            continue
         if name == "lm_head.weight" and "output.weight" not in gguf_tensors:  # tied embeddings
             g = "token_embd.weight"
         else:
             g = gguf_of(name)
         t = gguf_tensors[g]
-        shape = tuple(int(d) for d in reversed(t.shape))
+        shape = shape_of(t)
         if name.endswith("conv1d.weight") and len(shape) == 2:  # llama.cpp squeezes (channels, 1, kernel)
             shape = (shape[0], 1, shape[1])
-        shards.setdefault(shard_of(g), {})[name] = (t, None, shape)
-        used.add(g)
-    names = layout.experts.per_expert
+        add(name, Entry(((t, None, shape),), shape))
+    names = layout.experts
     for layer in layout.moe_layers:
-        for proj, part in (("gate", "ffn_gate_exps"), ("up", "ffn_up_exps"), ("down", "ffn_down_exps")):
-            g = f"blk.{layer}.{part}.weight"
+        parts = {}
+        for proj in ("gate", "up", "down"):
+            g = f"blk.{layer}.ffn_{proj}_exps.weight"
             if g not in gguf_tensors:
                 raise ColibriError(f"the GGUF lacks {g} (the experts of layer {layer})")
-            t = gguf_tensors[g]
-            shape = tuple(int(d) for d in reversed(t.shape))  # (E, rows, cols)
-            for e in range(layout.n_experts):
-                shards.setdefault(shard_of(g), {})[names[proj].format(layer=layer, expert=e)] = (t, e, shape[1:])
-            used.add(g)
+            parts[proj] = gguf_tensors[g]
+        if names.per_expert:
+            for proj, t in parts.items():
+                shape = shape_of(t)[1:]  # (rows, cols) of one expert
+                for e in range(layout.n_experts):
+                    add(names.per_expert[proj].format(layer=layer, expert=e), Entry(((t, e, shape),), shape))
+        else:  # the layout's fused form, (E, 2I, H) and (E, H, I) or both transposed
+            gate_up, down = names.fused_shapes(layout.n_experts, layout.hidden, layout.intermediate)
+            add(names.fused_gate_up.format(layer=layer),
+                Entry(tuple((parts[p], None, shape_of(parts[p])) for p in ("gate", "up")), gate_up, partial(_fused, names)))
+            add(names.fused_down.format(layer=layer),
+                Entry(((parts["down"], None, shape_of(parts["down"])),), down, partial(_fused, names)))
     mtp = {g for g in gguf_tensors if (m := re.match(r"blk\.(\d+)\.", g)) and int(m[1]) >= layers}
     unused = sorted(set(gguf_tensors) - used - mtp - {"rope_freqs.weight"})  # the MTP head's layers: not run
     if unused:
@@ -302,9 +403,10 @@ def convert_gguf(src: str | Path | list[Path], dst: str | Path, quant: str, prog
     layout = model_cls.layout(parse_config(model_cls, config, parts[0]))
     gguf_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == _field(reader, "general.architecture"))
     tmap = gguf.get_tensor_name_map(gguf_arch, config["num_hidden_layers"])
-    renames, undo = UNDO.get(_field(reader, "general.architecture"), ((), None))
-    undo = (lambda name, w: w) if undo is None else undo(config)
-    blocks = _block_tensors(reader, layout, tmap, config["num_hidden_layers"], renames)
+    undo = UNDO.get(_field(reader, "general.architecture"), Undo())
+    reshape = (lambda name, w: w) if undo.reshape is None else undo.reshape(config)
+    blocks = _block_tensors(reader, layout, tmap, config["num_hidden_layers"], undo)
+    resident = set(layout.resident)
     digest = hashlib.sha256()
     for part in parts:
         with open(part, "rb") as f:
@@ -312,7 +414,12 @@ def convert_gguf(src: str | Path | list[Path], dst: str | Path, quant: str, prog
                 digest.update(chunk)
     errors: dict[str, list[float]] = {}
 
-    with tempfile.TemporaryDirectory(prefix="colibri-gguf-", dir=dst.parent if dst.parent.exists() else None) as tmp:
+    # the dequantised blocks, one at a time, in a directory named after `dst`: a killed conversion's is
+    # found and replaced by the next one (a randomly named temporary would be left beside the model)
+    tmp = dst.with_name(dst.name + ".gguf-work")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
         small = Path(tmp) / "files"
         small.mkdir()
         (small / "config.json").write_text(json.dumps(config, indent=2))
@@ -321,12 +428,18 @@ def convert_gguf(src: str | Path | list[Path], dst: str | Path, quant: str, prog
         def fetch(shard: str) -> Path:
             """The block's tensors dequantised into a float32 safetensors file; their requantisation error noted."""
             arrays = {}
-            for name, (t, expert, shape) in blocks[shard].items():
-                w = arrays[name] = np.ascontiguousarray(undo(name, _dequantised(t, expert, shape)), np.float32)
-                if w.ndim >= 2 and not layout.stays_f32(name, w.ndim):
-                    back = q.dequantize(q.quantize(w, quant))
-                    err = float(np.linalg.norm(back - w) / max(np.linalg.norm(w), 1e-30))
-                    errors.setdefault(t.tensor_type.name, []).append(err)
+            for name, entry in blocks[shard].items():
+                pieces = [_dequantised(t, expert, shape) for t, expert, shape in entry.sources]
+                w = pieces[0] if entry.join is None else entry.join(*pieces)
+                w = arrays[name] = np.ascontiguousarray(reshape(name, w), np.float32)
+                if name in resident:
+                    matrices = [] if layout.stays_f32(name, w.ndim) else [w]
+                else:  # an expert's matrices as llama.cpp holds them, (out, in): what colibri quantises
+                    matrices = [m for p in pieces for m in (p if p.ndim == 3 else (p,))]
+                for m in matrices:
+                    back = q.dequantize(q.quantize(m, quant))
+                    err = float(np.linalg.norm(back - m) / max(np.linalg.norm(m), 1e-30))
+                    errors.setdefault(entry.sources[0][0].tensor_type.name, []).append(err)
             path = Path(tmp) / f"{shard}.safetensors"
             save_file(arrays, str(path))
             return path
@@ -334,11 +447,13 @@ def convert_gguf(src: str | Path | list[Path], dst: str | Path, quant: str, prog
         def release(shard: str) -> None:
             (Path(tmp) / f"{shard}.safetensors").unlink()
 
-        headers = {shard: {n: ("F32", shape) for n, (_, _, shape) in tensors.items()} for shard, tensors in blocks.items()}
+        headers = {shard: {n: ("F32", e.shape) for n, e in entries.items()} for shard, entries in blocks.items()}
         sizes = {shard: sum(4 * int(np.prod(s)) for _, s in h.values()) for shard, h in headers.items()}
         remote = RemoteCheckpoint(small, sizes, headers, fetch, release,
                                   {**(origin or {}), "gguf": parts[0].name, "sha256": digest.hexdigest()})
         convert_streamed(remote, dst, quant=quant, layout=layout, architecture=arch.name, plugin=arch.plugin,
                          plugin_version=arch.version, progress=progress, force=force)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return arch, {k: {"tensors": len(v), "mean_rel_rms": float(np.mean(v)), "max_rel_rms": float(np.max(v))}
                   for k, v in sorted(errors.items())}

@@ -8,8 +8,11 @@ states the peak disk it needs (the container, the largest shard, a margin) and r
 if the disk cannot hold it; then it downloads the safetensors shards one after another, converting
 each as it lands and deleting it from the hub cache once all its tensors are written
 (`container.streamed`; `--keep-source` keeps them). A pull killed at any point resumes where it
-stopped: the downloads by `huggingface_hub`'s own resume, the conversion from its progress log,
-which the commit hash binds.
+stopped: the conversion from its progress log, which the commit hash binds; the downloads file by
+file (a file finished is in the cache; huggingface_hub 1.x resumes one cut short, 2.x starts it
+again, and the temporaries a kill leaves behind, the download's and its file-mode probe, are
+deleted by the next pull, `_sweep`). A pull that finds its container whole deletes the source
+files a kill left in the cache (unless `--keep-source`).
 
 A GGUF repository (llama.cpp's `-hf ORG/NAME:QUANT` convention: `:Q4_K_M` picks the file by the
 quantisation its name ends with, case-insensitively; the suffix may be left out where the repository
@@ -43,6 +46,11 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PULL_RECORD = "colibri-pull.json"  # in a checkpoint pulled with --quant native: what it was pulled from
 MARGIN = 64 << 20  # beside the stash: the small files and the file system's own blocks
+# huggingface_hub >= 2 downloads a file into a temporary of its own, BLOB.<8 hex digits>.incomplete
+# (1.x: BLOB.incomplete, which it resumes), under the lock .locks/models--ORG--NAME/BLOB.lock; before
+# renaming it to BLOB it reads the cache's file mode off an empty tmp_<uuid4> it creates beside it
+UNFINISHED = re.compile(r"([^.]+)\.[0-9a-f]{8}\.incomplete")
+MODE_PROBE = re.compile(r"tmp_[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 def models_dir() -> Path:
@@ -144,6 +152,47 @@ def _download(hf, repo: str, name: str, commit: str) -> Path:
                            "rerun the same command to resume") from None
 
 
+def _cached(hf, repo: str) -> Path:
+    """The hub cache's folder of `repo` (blobs/, snapshots/COMMIT/NAME symlinks to them)."""
+    return Path(hf.constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}"
+
+
+def _sweep(hf, repo: str) -> None:
+    """Delete the unfinished downloads of `repo` a killed pull left in the hub cache: a temporary
+    no process downloads into any more (nobody holds its blob's lock), which huggingface_hub >= 2
+    never reuses; a download running in another process keeps its own. Then, where no download
+    is running, the mode probes (tmp_<uuid4>) a kill between a probe's creation and its deletion
+    left: a probe lives only while its download's temporary does, under that temporary's lock."""
+    from filelock import FileLock, Timeout
+
+    blobs = _cached(hf, repo) / "blobs"
+    running = False
+    for tmp in sorted(blobs.glob("*.incomplete")) if blobs.is_dir() else ():
+        m = UNFINISHED.fullmatch(tmp.name)
+        if m is None:
+            continue
+        lock = FileLock(Path(hf.constants.HF_HUB_CACHE) / ".locks" / _cached(hf, repo).name / f"{m[1]}.lock")
+        try:
+            with lock.acquire(timeout=0):
+                tmp.unlink(missing_ok=True)
+        except Timeout:
+            running = True
+    for probe in () if running else blobs.glob("tmp_*"):
+        if MODE_PROBE.fullmatch(probe.name):
+            probe.unlink(missing_ok=True)
+
+
+def _drop_source(hf, repo: str, commit: str, names) -> None:
+    """Delete the files `names` of `repo`@`commit` from the hub cache, where they are: the blob
+    first, then its snapshot link, so that a kill between the two leaves the link, which the
+    next pull finds, never a blob nothing names."""
+    for name in names:
+        link = _cached(hf, repo) / "snapshots" / commit / name
+        if os.path.lexists(link):
+            Path(os.path.realpath(link)).unlink(missing_ok=True)
+            link.unlink(missing_ok=True)
+
+
 def hub_config(spec: str) -> Path:
     """config.json of the hub model `spec` (downloaded alone): what `plan --model ORG/NAME` reads."""
     hf = _hub()
@@ -196,9 +245,12 @@ def pull(spec: str, quant: str = "int4", keep_source: bool = False, progress: bo
         if quant == NATIVE:
             raise ColibriError(f"{repo} is pulled from a GGUF, which colibri converts: --quant int4, int8 or f32")
     dst = model_path(repo)
+    _sweep(hf, repo)
     record = _pulled(dst)
     if record and record["revision"] == commit and record["quant"] == quant and \
             record.get("gguf_quant") == (gguf and gguf[0]):
+        if not keep_source and quant != NATIVE:  # a kill between the container's rename and the source's deletion
+            _drop_source(hf, repo, commit, gguf[1] if gguf else [n for n in files if n.endswith(".safetensors")])
         print(f"{repo} is pulled already at {commit[:12]} ({quant}): {dst}", file=sys.stderr)
         return dst, {}
     say = (lambda m: print(m, file=sys.stderr)) if progress else (lambda m: None)
@@ -228,19 +280,13 @@ def pull(spec: str, quant: str = "int4", keep_source: bool = False, progress: bo
     figures = _disk_plan(sizes, headers, {s: files.get(s, 0) for s in shards}, dst, Path(hf.constants.HF_HUB_CACHE))
     say(f"disk: the container {format_bytes(figures['container_bytes'])} + the largest shard "
         f"{format_bytes(figures['largest_shard'])} + {format_bytes(figures['margin'])} margin at most")
-    landed: dict[str, Path] = {}
 
     def fetch(shard: str) -> Path:
-        landed[shard] = _download(hf, repo, shard, commit)
-        return landed[shard]
+        return _download(hf, repo, shard, commit)
 
     def release(shard: str) -> None:
-        if keep_source:
-            return
-        path = landed.pop(shard)
-        blob = Path(os.path.realpath(path))
-        path.unlink(missing_ok=True)
-        blob.unlink(missing_ok=True)
+        if not keep_source:
+            _drop_source(hf, repo, commit, [shard])
 
     remote = RemoteCheckpoint(snapshot, {s: files.get(s, 0) for s in shards}, headers, fetch, release,
                               {"repo": repo, "revision": commit})
@@ -249,8 +295,9 @@ def pull(spec: str, quant: str = "int4", keep_source: bool = False, progress: bo
         raise ColibriError(f"{dst} exists and is not a pulled model: remove it (colibri rm {repo})")
     peak = convert_streamed(remote, dst, quant=quant, layout=layout, architecture=arch.name, plugin=arch.plugin,
                             plugin_version=arch.version, progress=progress, force=force,
-                            watch=(Path(hf.constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}",
-                                   dst.with_name(dst.name + ".partial"), dst))
+                            watch=(_cached(hf, repo), dst.with_name(dst.name + ".partial"), dst))
+    if not keep_source:  # a shard a resumed pull found written already is never fetched nor released
+        _drop_source(hf, repo, commit, shards)
     figures["peak_bytes"] = peak
     return dst, figures
 
@@ -329,10 +376,7 @@ def _pull_gguf(hf, repo: str, commit: str, asked: str | None, files: dict[str, i
                   f"{e['mean_rel_rms']:.2e}, max {e['max_rel_rms']:.2e}", file=sys.stderr)
     peak = disk_bytes(*{Path(os.path.realpath(p)) for p in parts}, dst)
     if not keep_source:
-        for path in parts:
-            blob = Path(os.path.realpath(path))
-            path.unlink(missing_ok=True)
-            blob.unlink(missing_ok=True)
+        _drop_source(hf, repo, commit, names)
     return dst, {"container_bytes": container, "largest_shard": source, "margin": MARGIN, "peak_bytes": peak,
                  "gguf": names}
 
@@ -392,9 +436,11 @@ def _pull_native(hf, repo, commit, asked, shards, files, dst, progress) -> tuple
 
 
 def list_models() -> list[dict]:
-    """Every model in `models_dir`: its hub id, revision, architecture, plugin, quantisation and
-    size on disk; an unfinished pull as such."""
+    """Every model in `models_dir`: its hub id, revision, architecture, plugin, quantisation, size on
+    disk (with its stripe directory's), where its experts are striped ("DIR2 (share)", `colibri
+    stripe`) or None; an unfinished pull as such."""
     from .container.streamed import disk_bytes
+    from .store import stripe as stripe_mod
 
     root, out = models_dir(), []
     for d in sorted(root.iterdir()) if root.is_dir() else ():
@@ -402,22 +448,34 @@ def list_models() -> list[dict]:
             continue
         unfinished = d.name.endswith(".partial")
         rec = _pulled(d) or {}
+        try:
+            stripe = stripe_mod.recorded(d)
+            striped = None if stripe is None else f"{stripe[0]} ({stripe[1]:.2f})"
+        except ColibriError:
+            stripe, striped = None, "unknown: its stripe record is damaged"
+        on_disk = disk_bytes(d, *(() if stripe is None or not stripe[0].is_dir() else (stripe[0],)))
         out.append({"id": rec.get("repo") or d.name.removesuffix(".partial").replace("--", "/", 1),
                     "revision": rec.get("revision"), "architecture": rec.get("architecture"),
-                    "plugin": rec.get("plugin"), "quant": rec.get("quant"), "bytes": disk_bytes(d),
-                    "path": str(d), "state": "unfinished" if unfinished else "ready" if rec else "unknown"})
+                    "plugin": rec.get("plugin"), "quant": rec.get("quant"), "bytes": on_disk,
+                    "path": str(d), "striped": striped,
+                    "state": "unfinished" if unfinished else "ready" if rec else "unknown"})
     return out
 
 
 def remove(spec: str) -> list[Path]:
-    """Delete the pulled model `spec` ("ORG/NAME") and any unfinished pull of it; the paths removed."""
+    """Delete the pulled model `spec` ("ORG/NAME") and any unfinished pull of it, with the stripe
+    directory its experts are striped into (`colibri stripe`); the paths removed. The stripe
+    directory goes first: a removal cut short leaves a model that a second `rm` finishes."""
+    from .store import stripe as stripe_mod
+
     parsed = parse_id(spec)
     if parsed is None:
         raise ColibriError(f"{spec!r} is not a hub id: ORG/NAME")
     path = model_path(parsed[0])
-    gone = [p for p in (path, path.with_name(path.name + ".partial")) if p.exists()]
-    if not gone:
+    models = [p for p in (path, path.with_name(path.name + ".partial")) if p.exists()]
+    if not models:
         raise ColibriError(f"{parsed[0]} is not pulled (nothing in {models_dir()})")
-    for p in gone:
+    stripes = [s[0] for s in map(stripe_mod.recorded, models) if s is not None and s[0].is_dir()]
+    for p in stripes + models:
         shutil.rmtree(p)
-    return gone
+    return stripes + models

@@ -14,6 +14,7 @@ import hashlib
 import json
 import re
 import shutil
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -58,6 +59,15 @@ def shard(src: Path, out: Path, n: int) -> Path:
     return out
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """Quiet about a client gone (a pull killed mid-request by the kill trials); loud about the rest."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class HubServer:
     """The hub at `root`, served on a free localhost port from a thread; `url` is HF_ENDPOINT."""
 
@@ -84,8 +94,7 @@ class HubServer:
                 except (BrokenPipeError, ConnectionResetError):  # the client was killed mid-answer
                     self.close_connection = True
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
@@ -182,8 +191,6 @@ class HubServer:
 if __name__ == "__main__":
     # tools/check_dist.sh: python hubserver.py ROOT ORG/NAME CHECKPOINT publishes the checkpoint (in
     # 2 shards) as ORG/NAME into the hub at ROOT, prints the hub's URL, then serves until killed
-    import sys
-
     root, repo, checkpoint = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     publish(root, repo, shard(checkpoint, root.parent / "sharded", 2))
     with HubServer(root) as server:

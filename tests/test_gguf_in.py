@@ -8,7 +8,10 @@ GGUFs written by llama.cpp itself: its convert_hf_to_gguf.py (tools/llama_conver
 from the llama-cpp-python sdist, cached) of tiny OLMoE, Qwen3-MoE and Qwen3.6 checkpoints, at f32 (matched
 against the original checkpoint's oracle, so llama.cpp's own name map and reshapes are checked,
 not ours twice), q8_0 and split in parts; and llama.cpp's quantizer (llama_cpp.llama_model_quantize)
-making a Q4_K_M of its f32 GGUF: the mix of Q4_K, Q6_K and the fallbacks it chooses per tensor."""
+making a Q4_K_M of its f32 GGUF: the mix of Q4_K, Q6_K and the fallbacks it chooses per tensor.
+GPT-OSS: llama.cpp's GGUFs of a tiny checkpoint (f32 and f16 experts) and of its release layout
+(MXFP4 experts, which llama.cpp repacks), matched against the checkpoint it converted or the
+dequantised GGUF; the tokenizer of a "gpt-4o" GGUF splits as o200k."""
 import json
 import subprocess
 import sys
@@ -252,16 +255,16 @@ def test_gguf_converts_runs_and_matches_its_dequantised_oracle(request, model, t
 # ---------------------------------------------------------------------------- llama.cpp's own GGUFs
 
 ROOT = Path(__file__).resolve().parent.parent
-# convert_hf_to_gguf.py, its own gguf-py first on the path, told that the tiny BPE tokenizer's
-# pre-tokenizer is GPT-2's ("default"): it knows pre-tokenizers by the hash of a released model's
-# tokens and refuses any other
+# convert_hf_to_gguf.py, its own gguf-py first on the path, told which pre-tokenizer the tiny BPE
+# tokenizer has (GPT-2's "default", or GPT-OSS's o200k "gpt-4o"): it knows pre-tokenizers by the
+# hash of a released model's tokens and refuses any other
 CONVERT = """import runpy, sys
 from pathlib import Path
-script = Path(sys.argv[1])
-sys.argv = [str(script), *sys.argv[2:]]
+script, pre = Path(sys.argv[1]), sys.argv[2]
+sys.argv = [str(script), *sys.argv[3:]]
 sys.path[:0] = [str(script.parent / "gguf-py"), str(script.parent)]
 from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
 runpy.run_path(str(script), run_name="__main__")
 """
 
@@ -275,8 +278,8 @@ def llama_converter():
     return Path(r.stdout.strip())
 
 
-def llama_convert(converter, ckpt, out: Path, outtype: str, *extra) -> Path:
-    r = subprocess.run([sys.executable, "-c", CONVERT, str(converter), str(ckpt), "--outfile", str(out),
+def llama_convert(converter, ckpt, out: Path, outtype: str, *extra, pre: str = "default") -> Path:
+    r = subprocess.run([sys.executable, "-c", CONVERT, str(converter), pre, str(ckpt), "--outfile", str(out),
                         "--outtype", outtype, *extra], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
@@ -415,3 +418,226 @@ def test_llamacpp_q4_k_m_mix(olmoe256, q4_k_m, tmp_path, quant, bound):
     print(f"llama.cpp Q4_K_M GGUF of olmoe256 -> colibri {quant}: logits relative error {err:.2e} against the "
           f"dequantised GGUF ({relative(oracle_logits(deq, ids), oracle_logits(olmoe256, ids)):.2e} from the original)")
     assert err < bound
+
+
+# ---------------------------------------------------------------------------- GPT-OSS GGUFs
+
+# o200k's split (GPT-4o, GPT-OSS), as openai/gpt-oss-20b's tokenizer.json has it
+O200K = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+         r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+         r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT_OSS_TEXT = "I'm sure they'RE fine: 1234567 apples, don't WORRY!\n\nПривет, мир! 你好，世界。"
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """A tiny random GPT-OSS (transformers): YaRN, sliding and full layers alternating (llama.cpp's
+    default pattern) with a window shorter than the prompt, attention sinks; biases, sinks and norms
+    drawn at random (a zero bias would hide a misplaced one); a byte-level BPE with o200k's split
+    trained on English with digits and contractions, Russian and Chinese."""
+    torch = pytest.importorskip("torch")
+    import transformers as tf
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    d = tmp_path_factory.mktemp("gguf-gpt-oss")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(O200K), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|start|>", "<|end|>", "<|return|>"],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([PROMPT * 20, "I'm sure they're fine, don't worry: 12345 + 678 = 13023\n" * 20,
+                             "Привет, мир! Как дела? 你好，世界。" * 5], trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|return|>",
+        "chat_template": "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"}))
+    torch.manual_seed(0)
+    config = tf.GptOssConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=3,
+        max_position_embeddings=256, initializer_range=0.1, eos_token_id=tok.token_to_id("<|return|>"),
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+    model = tf.GptOssForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 or name.endswith("_bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(d)
+    return d
+
+
+def to_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 (..., R, C) -> the release's MXFP4: blocks uint8 (..., R, C/32, 16), E2M1 pairs, low nibble
+    first; scales uint8 (..., R, C/32), UE8M0, the smallest power of two that fits its 32 values."""
+    from colibri_core.quant import E2M1_VALUES
+
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    scales = np.clip(np.ceil(np.log2(np.maximum(np.abs(groups).max(-1), 1e-30) / 6)) + 127, 1, 254).astype(np.uint8)
+    scaled = groups / 2.0 ** (scales[..., None].astype(np.float64) - 127)
+    codes = np.abs(scaled[..., None] - E2M1_VALUES).argmin(-1).astype(np.uint8)  # the nearest E2M1 value
+    return codes[..., 0::2] | codes[..., 1::2] << 4, scales
+
+
+def from_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """`to_mxfp4` undone: float32 (..., R, C)."""
+    from colibri_core.quant import E2M1_VALUES
+
+    codes = np.stack([blocks & 15, blocks >> 4], -1).reshape(*blocks.shape[:-1], 32)
+    w = E2M1_VALUES[codes] * 2.0 ** (scales[..., None].astype(np.float64) - 127)
+    return w.reshape(*w.shape[:-2], -1).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(gpt_oss, tmp_path_factory):
+    """gpt_oss as OpenAI releases it: experts MXFP4 (`*_blocks`, `*_scales`, rows the output units, gate
+    and up rows alternating), the rest bfloat16, quantization_config mxfp4 (what llama.cpp repacks into
+    GGUF MXFP4 blocks). Returns (the release, its weights dequantised as a float32 checkpoint)."""
+    import shutil
+
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("gguf-gpt-oss-mxfp4")
+    release, plain = root / "release", root / "plain"
+    release.mkdir(), plain.mkdir()
+    official, dequantised = {}, {}
+    for name, t in load_file(gpt_oss / "model.safetensors").items():
+        if name.endswith(("gate_up_proj", "down_proj")):  # (E, in, out) -> rows the output units
+            blocks, scales = to_mxfp4(t.transpose(1, 2).contiguous().numpy())
+            official[name + "_blocks"], official[name + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
+            dequantised[name] = torch.from_numpy(from_mxfp4(blocks, scales)).transpose(1, 2).contiguous()
+        else:
+            official[name] = t.to(torch.bfloat16)
+            dequantised[name] = official[name].float()
+    save_file(official, str(release / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantised, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((gpt_oss / "config.json").read_text())
+    (release / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    (plain / "config.json").write_text(json.dumps(config))
+    for d in (release, plain):
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copy(gpt_oss / name, d / name)
+    return release, plain
+
+
+def dequantised_gpt_oss(path, ckpt, out):
+    """The float32 checkpoint (`ckpt`'s names, config and tokenizer) of a GPT-OSS GGUF's dequantised
+    weights, llama.cpp's GptOssModel undone as its source reads: the experts' (E, out, in) gate and up
+    alternated and transposed back into gate_up_proj (E, H, 2I), down transposed into (E, I, H), the
+    two gate and up biases alternated into gate_up_proj_bias, the sinks' .weight dropped."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    config = json.loads((ckpt / "config.json").read_text())
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, config["num_hidden_layers"])
+    gguf_tensors = {t.name: (np.asarray(t.data, np.float32) if t.tensor_type == 0 else
+                             gguf.quants.dequantize(t.data, t.tensor_type)).reshape([int(d) for d in reversed(t.shape)])
+                    for t in gguf.GGUFReader(str(path)).tensors}
+
+    tensors = {}
+    for name in load_file(ckpt / "model.safetensors"):
+        blk = "blk." + name.split(".")[2] + "." if name.startswith("model.layers.") else ""
+        if name.endswith("gate_up_proj"):
+            gate, up = gguf_tensors[blk + "ffn_gate_exps.weight"], gguf_tensors[blk + "ffn_up_exps.weight"]  # (E, I, H)
+            tensors[name] = np.stack([gate, up], axis=2).reshape(gate.shape[0], -1, gate.shape[2]).transpose(0, 2, 1)
+        elif name.endswith("down_proj"):
+            tensors[name] = gguf_tensors[blk + "ffn_down_exps.weight"].transpose(0, 2, 1)
+        elif name.endswith("gate_up_proj_bias"):
+            gate, up = gguf_tensors[blk + "ffn_gate_exps.bias"], gguf_tensors[blk + "ffn_up_exps.bias"]
+            tensors[name] = np.stack([gate, up], axis=-1).reshape(gate.shape[0], -1)
+        elif name.endswith("down_proj_bias"):
+            tensors[name] = gguf_tensors[blk + "ffn_down_exps.bias"]
+        elif name.endswith("sinks"):
+            tensors[name] = gguf_tensors[blk + "attn_sinks.weight"]
+        else:
+            base, suffix = name.rsplit(".", 1)
+            tensors[name] = gguf_tensors[f"{tmap.get_name(base)}.{suffix}"]
+    out.mkdir()
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}, str(out / "model.safetensors"))
+    for f in ckpt.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+# (fixture, llama.cpp --outtype, colibri quantisation, bound): f32 GGUFs against the checkpoint
+# llama.cpp converted (gpt_oss_mxfp4's: the release's weights dequantised, which GGUF's MXFP4
+# repacks bit for bit), so nothing but llama.cpp's mapping and reshapes can differ; f16 against the
+# oracle loaded with the GGUF's dequantised weights. The int8 / int4 bounds are colibri's own
+# quantisation of those weights (`convert` of the dequantised checkpoint, whose container the
+# GGUF's is byte for byte) with a margin: at int8 0.169 for gpt_oss (a routing choice flips on this
+# random model), 0.020 for gpt_oss_mxfp4; at int4 0.553 for gpt_oss_mxfp4
+GPT_OSS_CASES = [("gpt_oss", "f32", "f32", 1e-4), ("gpt_oss", "f16", "f32", 1e-4), ("gpt_oss", "f16", "int8", 0.25),
+                 ("gpt_oss_mxfp4", "f32", "f32", 1e-4), ("gpt_oss_mxfp4", "f16", "int8", 0.05),
+                 ("gpt_oss_mxfp4", "f16", "int4", 0.7)]
+
+
+@pytest.mark.parametrize("model,outtype,quant,bound", GPT_OSS_CASES,
+                         ids=[f"{m}-{o}-{q}" for m, o, q, _ in GPT_OSS_CASES])
+def test_llamacpp_gpt_oss_gguf_matches(request, llama_converter, tmp_path, model, outtype, quant, bound):
+    """llama.cpp's GGUF of a GPT-OSS checkpoint (its experts split out of the fused, transposed,
+    alternating gate_up, MXFP4 where the release has them; sinks, YaRN and the window in its
+    metadata) converts, passes `doctor --deep` and matches its oracle."""
+    from tokenizers import Tokenizer
+
+    source, plain = request.getfixturevalue(model) if model == "gpt_oss_mxfp4" else (request.getfixturevalue(model),) * 2
+    path = llama_convert(llama_converter, source, tmp_path / "gpt-oss.gguf", outtype, pre="gpt-4o")
+    experts = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors if t.name.endswith("_exps.weight")}
+    assert experts == {"MXFP4" if source != plain else outtype.upper()}
+    r = colibri("convert", path, tmp_path / "out", "--quant", quant)
+    assert r.returncode == 0, r.stderr
+    print("; ".join(line for line in r.stderr.splitlines() if line.startswith("requantised")))
+    assert colibri("doctor", "--model", tmp_path / "out", "--deep").returncode == 0
+    ids = Tokenizer.from_file(str(plain / "tokenizer.json")).encode(GPT_OSS_TEXT).ids
+    assert len(ids) > 2 * json.loads((plain / "config.json").read_text())["sliding_window"]
+    reference = plain if outtype == "f32" else dequantised_gpt_oss(path, plain, tmp_path / "deq")
+    if reference != plain:  # the GGUF's weights requantised are what `convert` makes of its dequantised checkpoint
+        from colibri_core.convert import convert_checkpoint
+
+        convert_checkpoint(reference, tmp_path / "from-deq", quant, progress=False)
+        files = ["resident.safetensors"] + [f"experts/layer-{i:03d}.bin" for i in range(3)]
+        for rel in files:
+            assert (tmp_path / "out" / rel).read_bytes() == (tmp_path / "from-deq" / rel).read_bytes(), rel
+    err = relative(colibri_logits(tmp_path / "out", ids), oracle_logits(reference, ids))
+    print(f"llama.cpp {outtype} GGUF ({experts.pop()} experts) of {model} -> colibri {quant}: logits relative error "
+          f"{err:.2e} against the {'original checkpoint' if outtype == 'f32' else 'dequantised GGUF'}")
+    assert err < bound
+
+
+def test_gpt_oss_gguf_tokenizer_splits_as_o200k(gpt_oss, llama_converter, tmp_path):
+    """The tokenizer rebuilt from a "gpt-4o" GGUF splits as o200k: digits in threes, contractions of
+    either case kept with their word, Cyrillic and CJK as letters; GPT-2's split would not."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    from colibri_core.gguf_in import read, write_tokenizer
+
+    path = llama_convert(llama_converter, gpt_oss, tmp_path / "gpt-oss.gguf", "f32", pre="gpt-4o")
+    write_tokenizer(read([path]), tmp_path)
+    want = Tokenizer.from_file(str(gpt_oss / "tokenizer.json")).encode(GPT_OSS_TEXT).ids
+    rebuilt = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert rebuilt.encode(GPT_OSS_TEXT).ids == want
+    assert rebuilt.decode(want) == GPT_OSS_TEXT
+    rebuilt.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split
+    assert rebuilt.encode(GPT_OSS_TEXT).ids != want
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_fused_experts_are_what_the_layout_splits_back(transposed, interleaved):
+    """gguf_in's fused gate_up and down, from llama.cpp's (E, out, in) stacks, in each of the layouts
+    `ExpertNames` declares, read back by the layout's own `split_fused` as the same matrices."""
+    from colibri_core.gguf_in import _fused
+    from colibri_core.layout import ExpertNames
+
+    names = ExpertNames(per_expert={}, fused_gate_up="g", fused_down="d", fused_transposed=transposed,
+                        gate_up_interleaved=interleaved)
+    rng = np.random.default_rng(0)
+    gate, up, down = rng.standard_normal((3, 5, 4)), rng.standard_normal((3, 5, 4)), rng.standard_normal((3, 4, 5))
+    gate_up, fused_down = _fused(names, gate, up), _fused(names, down)
+    assert (gate_up.shape, fused_down.shape) == names.fused_shapes(3, 4, 5)
+    for e in range(3):
+        for got, want in zip(names.split_fused(gate_up[e], fused_down[e]), (gate[e], up[e], down[e])):
+            assert np.array_equal(got, want)

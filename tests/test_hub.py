@@ -1,8 +1,9 @@
 """`colibri pull` / `list` / `rm` and `--model ORG/NAME`, against a model hub on localhost
 (tests/hubserver.py) with the real huggingface_hub client: a pull writes the container `convert`
-writes from the same checkpoint, byte for byte; a pull killed (SIGKILL) at random points resumes to
-that same container; the disk it takes at its peak stays within the container, the largest shard
-and the margin it states."""
+writes from the same checkpoint, byte for byte; a pull killed (SIGKILL) at random points, of a
+checkpoint or of a GGUF repository, in its download or its conversion, resumes to that same
+container and leaves nothing behind in the hub cache; the disk it takes at its peak stays within
+the container, the largest shard and the margin it states."""
 import filecmp
 import json
 import os
@@ -10,6 +11,7 @@ import random
 import signal
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,14 @@ def env(hub_repo, tmp_path):
 
 def container_files(d: Path) -> list[str]:
     return sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def left_in_cache(hf_home: Path) -> list[str]:
+    """What a finished pull (not --keep-source) left in the hub cache beyond the small files it
+    keeps: an unfinished download, a shard or GGUF, a blob no snapshot names."""
+    left = [p for p in hf_home.rglob("*") if p.name.endswith((".incomplete", ".safetensors", ".gguf"))]
+    named = {Path(os.path.realpath(p)) for p in hf_home.glob("hub/models--*/snapshots/*/*")}
+    return sorted(str(p) for p in {*left, *hf_home.glob("hub/models--*/blobs/*")} - named)
 
 
 def same_tensors(a: Path, b: Path) -> None:
@@ -123,6 +133,31 @@ def test_peak_disk_within_the_stated_bound(hub_repo, env, tmp_path):
     assert sampled <= bound and figures["peak_bytes"] <= bound
 
 
+def test_sweep_spares_a_running_download(tmp_path):
+    """What a killed download left in the hub cache (its temporary, huggingface_hub's file-mode
+    probe beside it) is deleted; while another download runs (its blob's lock held), only the
+    temporaries of the downloads no one runs are."""
+    from types import SimpleNamespace
+
+    from filelock import FileLock
+
+    from colibri_core.hub import _sweep
+
+    hf = SimpleNamespace(constants=SimpleNamespace(HF_HUB_CACHE=str(tmp_path)))
+    blobs = tmp_path / "models--tiny--olmoe" / "blobs"
+    blobs.mkdir(parents=True)
+    (tmp_path / ".locks" / "models--tiny--olmoe").mkdir(parents=True)
+    killed, running = blobs / f"{'a' * 64}.0123abcd.incomplete", blobs / f"{'b' * 64}.4567cdef.incomplete"
+    probe = blobs / f"tmp_{uuid.uuid4()}"
+    for f in (killed, running, probe):
+        f.touch()
+    with FileLock(tmp_path / ".locks" / "models--tiny--olmoe" / f"{'b' * 64}.lock"):
+        _sweep(hf, REPO)
+        assert sorted(blobs.iterdir()) == sorted([running, probe])
+    _sweep(hf, REPO)
+    assert not list(blobs.iterdir())
+
+
 def kill_trials(hub_repo, tmp_path, trials: int, seed: int) -> int:
     """`trials` pulls, each SIGKILLed at a random moment (through a slowed-down download or the
     conversion), then resumed: every one ends byte-identical to convert's container, and its
@@ -149,6 +184,8 @@ def kill_trials(hub_repo, tmp_path, trials: int, seed: int) -> int:
             pulled = tmp_path / f"c{i}" / "models" / "tiny--olmoe"
             same_tensors(pulled, hub_repo[3])
             assert (pulled / MANIFEST).read_bytes() == (reference / MANIFEST).read_bytes()
+            left = left_in_cache(tmp_path / f"hf{i}")
+            assert not left, f"trial {i}: left in the hub cache: {left}"
     print(f"{trials} pulls, {interrupted} kills left a download or conversion half done")
     return interrupted
 
@@ -251,3 +288,80 @@ def test_gguf_quantisation_absent_or_ambiguous_is_one_line(hub_repo, gguf_hub, t
         r = colibri("pull", spec, env={**os.environ, "HF_ENDPOINT": server.url, "HF_HOME": str(tmp_path / "hf"),
                                        "COLIBRI_HOME": str(tmp_path / "colibri")})
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and r.stderr.rstrip().endswith(message), r.stderr
+
+
+def gguf_kill_trials(gguf_hub, tmp_path, trials: int, seed: int) -> dict[str, int]:
+    """`trials` GGUF pulls, the single-file Q8_0 and the split F16 in turn, each SIGKILLed once or
+    twice (at a random moment of the download, through a slowed-down server, or of the conversion),
+    then resumed: every one ends with the container an uninterrupted pull writes, its manifest and
+    every file byte for byte, and nothing else left behind (no GGUF nor unfinished download in the
+    hub cache, no unfinished or temporary directory beside the model). Returns where the kills
+    landed: "download" (a file cut short), "conversion" (the container's pieces being written),
+    "between" (hashing and reading the GGUF, or between two files), "start" (before the pull
+    began), "published" (the container in place, the GGUF not yet deleted)."""
+    rng, hits = random.Random(seed), dict.fromkeys(("start", "download", "between", "conversion", "published"), 0)
+    with HubServer(gguf_hub[0], rate=500_000) as server:
+        def pull(i, quant: str) -> tuple[subprocess.Popen, Path]:
+            log = tmp_path / f"pull{i}.log"
+            env = {**os.environ, "HF_ENDPOINT": server.url, "HF_HOME": str(tmp_path / f"hf{i}"),
+                   "COLIBRI_HOME": str(tmp_path / f"c{i}"), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+            with open(log, "w") as err:
+                return subprocess.Popen([*COLIBRI, "pull", f"{GGUF_REPO}:{quant}"], env=env,
+                                        stdout=subprocess.DEVNULL, stderr=err), log
+
+        spans = {}
+        for quant in ("Q8_0", "F16"):  # the references, timing each phase
+            proc, log = pull(f"ref-{quant}", quant)
+            models = tmp_path / f"cref-{quant}" / "models"  # made once every part has landed
+            marks = [_moment(proc, lambda: "pulling" in log.read_text()), _moment(proc, models.is_dir),
+                     _moment(proc, lambda: "converting" in log.read_text()),
+                     _moment(proc, (models / "tiny--olmoe-gguf" / MANIFEST).is_file)]
+            assert proc.wait() == 0 and None not in marks, log.read_text()
+            spans[quant] = {"download": marks[1] - marks[0], "conversion": marks[3] - marks[2]}
+        for i in range(trials):
+            quant = ("Q8_0", "F16")[i % 2]
+            reference = tmp_path / f"cref-{quant}" / "models" / "tiny--olmoe-gguf"
+            pulled = tmp_path / f"c{i}" / "models" / "tiny--olmoe-gguf"
+            blobs = tmp_path / f"hf{i}" / "hub" / "models--tiny--olmoe-gguf" / "blobs"
+            for kill in range(rng.randint(1, 2)):  # killed once or twice before the run that finishes
+                # the first kill aimed at each phase in turn for each file; a second one, at either
+                phase = ("download", "conversion")[i // 2 % 2] if kill == 0 else rng.choice(("download", "conversion"))
+                cut_before = set(blobs.glob("*.incomplete"))
+                proc, log = pull(i, quant)
+                _moment(proc, lambda: ("pulling", "converting")[phase == "conversion"] in log.read_text())
+                time.sleep(rng.uniform(0, 0.9) * spans[quant][phase])
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                said = log.read_text()
+                hits["published" if (pulled / MANIFEST).is_file() else "conversion" if "converting" in said else
+                     "download" if set(blobs.glob("*.incomplete")) - cut_before else
+                     "between" if "pulling" in said else "start"] += 1
+            proc, log = pull(i, quant)
+            assert proc.wait() == 0, log.read_text()
+            assert container_files(pulled) == container_files(reference)
+            for rel in container_files(reference):
+                assert filecmp.cmp(pulled / rel, reference / rel, shallow=False), rel
+            assert [p.name for p in pulled.parent.iterdir()] == [pulled.name], "a killed conversion's temporary left"
+            left = left_in_cache(tmp_path / f"hf{i}")
+            assert not left, f"trial {i}: left in the hub cache: {left}"
+    print(f"{trials} GGUF pulls, kills: {hits}; phases (s): {spans}")
+    return hits
+
+
+def _moment(proc, ready) -> float | None:
+    """When `ready()` first holds (polled every millisecond) while `proc` runs; None if it never did."""
+    while not ready():
+        if proc.poll() is not None:
+            return None
+        time.sleep(0.001)
+    return time.monotonic()
+
+
+def test_kill_during_gguf_pull_resumes_identically(gguf_hub, tmp_path):
+    gguf_kill_trials(gguf_hub, tmp_path, 4, seed=1)
+
+
+@pytest.mark.system
+def test_kill_during_gguf_pull_resumes_identically_many(gguf_hub, tmp_path):
+    hits = gguf_kill_trials(gguf_hub, tmp_path, 20, seed=2)
+    assert hits["download"] >= 5 and hits["conversion"] >= 5, hits

@@ -299,6 +299,8 @@ def convert_streamed(remote: RemoteCheckpoint, dst: str | os.PathLike, *, quant:
         _publish(staging, dst, force)
         return disk_bytes(*watch)
     log = _Log(staging, key, say)
+    for tmp in staging.glob("*.tmp"):  # write_atomic's NAME.PID.tmp: a kill inside the manifest's write
+        tmp.unlink()
     _allocate(staging, sizes, head, log, units)
     stash_dir = staging / STASH
     stash_dir.mkdir(exist_ok=True)
