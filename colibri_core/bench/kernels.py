@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri_core import kernels
+from colibri_core.arena import huge_pages
 from colibri_core.errors import ColibriError
 from colibri_core.planning import ReadProbe
 from colibri_core.quant import INT4_GROUP, QTensor, layout
@@ -62,7 +63,16 @@ CASES = (
 
 
 def random_qtensor(rng: np.random.Generator, kind: str, rows: int, cols: int) -> QTensor:
-    """Random weights of the format's full range, made without float quantisation (fast)."""
+    """Random weights of the format's full range, made without float quantisation (fast), in huge
+    pages as the engine holds weights (`arena`, the store's slabs): with 4 KB pages a 2 MB matrix
+    streams slower, a cost of the benchmark, not of the kernel."""
+    w = _random_qtensor(rng, kind, rows, cols)
+    data = huge_pages(w.data.nbytes).view(w.data.dtype).reshape(w.data.shape)
+    data[...] = w.data
+    return QTensor(w.kind, w.rows, w.cols, data, w.scales)
+
+
+def _random_qtensor(rng: np.random.Generator, kind: str, rows: int, cols: int) -> QTensor:
     if kind == "int4":
         data = rng.integers(0, 256, (rows, (cols + 1) // 2), dtype=np.uint8)
         scales = (rng.random((rows, -(-cols // INT4_GROUP)), dtype=np.float32) * 0.02 + 0.001).astype(np.float16)
