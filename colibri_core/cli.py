@@ -152,7 +152,7 @@ def store_report(engine) -> str:
     layers = " ".join(f"{layer}:{100 * r:.0f}%" for layer, r in s["layer_hit_rate"].items())
     stalls = " ".join(f"{layer}:{1e3 * t:.0f}" for layer, t in s["layer_io_stall_seconds"].items())
     stripe = f"{s['stripe']} ({100 * s['stripe_share']:.0f}% of experts)" if s["stripe"] else "off"
-    # per directory read from (the model's, its stripe directory's, a mirror's): its bytes and the
+    # per disk read from (the model's "primary", its "stripe" directory, a "mirror"): its bytes and the
     # summed time of its reads (the I/O threads read several at once: not wall time)
     disks = "".join(f"disk {d}: {format_bytes(c['bytes'])} in {c['reads']} reads, {c['read_seconds']:.3f} s "
                     f"reading ({format_bytes(c['bytes'] / max(c['read_seconds'], 1e-9))}/s a thread)\n"
@@ -687,6 +687,7 @@ def stripe(
     disks reading at once (no doubled space, unlike --mirror). Moves a share of every layer's experts
     to DIR2 a layer at a time, each copy checked before the original's space is freed; crash-safe
     and resumable (rerun it); --undo brings them back. Run it while no engine has the model open."""
+    from . import planning
     from .container import Container
     from .store import stripe as stripe_mod
 
@@ -701,7 +702,8 @@ def stripe(
         label = f"moving {model}'s experts " + ("back" if undo else f"into {directory}")
         with typer.progressbar(length=len(c.moe_layers), label=label, file=sys.stderr) as bar:
             step = lambda layer: bar.update(1)  # noqa: E731  one layer moved
-            done = stripe_mod.unstripe(model, step) if undo else stripe_mod.stripe(model, directory, share, step)
+            done = stripe_mod.unstripe(model, step) if undo else \
+                stripe_mod.stripe(model, directory, share, step, measure=planning.stripe_share)
         print(f"{model}: " + ("every expert is back in the model directory" if undo
                               else stripe_mod.summary(c, done)), file=sys.stderr)
 
@@ -905,13 +907,14 @@ def plan(
     p = planning.report(model, config, quant, ram=ram, pin_gb=pin_gb, context=context, kv_cache=kv_cache or "f32",
                         disk_bw=disk_bw, mem_bw=mem_bw, ray=ray, ray_split=ray_split, prefix_cache=prefix_cache,
                         parallel=parallel, read_asked=direct)
-    from .store import stripe as stripe_mod
+    from .container.stripe import STRIPE_FILE
 
-    if model is not None and (Path(model) / stripe_mod.STRIPE_FILE).exists():  # striped: where its experts are
+    if model is not None and (Path(model) / STRIPE_FILE).exists():  # striped: where its experts are
         from .container import Container
+        from .store.stripe import summary
 
         with Container(model) as c:
-            p["stripe"] = stripe_mod.summary(c, stripe_mod.load(c))
+            p["stripe"] = summary(c, c.stripe)
     print(json.dumps(p, indent=2) if as_json else planning.format_report(p) + (
         f"\nstripe: {p['stripe']}" if "stripe" in p else ""))
 

@@ -53,6 +53,7 @@ class _Split:
         self.tensors = [t for r in readers for t in r.tensors]
 
 
+WORK_SUFFIX = ".gguf-work"  # beside the destination: the dequantised blocks while they are converted
 SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")  # gguf-split's part names
 
 
@@ -416,7 +417,7 @@ def convert_gguf(src: str | Path | list[Path], dst: str | Path, quant: str, prog
 
     # the dequantised blocks, one at a time, in a directory named after `dst`: a killed conversion's is
     # found and replaced by the next one (a randomly named temporary would be left beside the model)
-    tmp = dst.with_name(dst.name + ".gguf-work")
+    tmp = dst.with_name(dst.name + WORK_SUFFIX)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:

@@ -45,6 +45,9 @@ GGUF_QUANT = re.compile(r"[-._]((?:UD-)?(?:I?Q\d[A-Z0-9_]*|T?Q\d_\d|BF16|F16|F32
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 PULL_RECORD = "colibri-pull.json"  # in a checkpoint pulled with --quant native: what it was pulled from
+# a conversion's working directories beside the model: the unfinished container, a GGUF's dequantised
+# blocks (gguf_in.WORK_SUFFIX, spelled out here so that `colibri list` and `rm` load no converter)
+WORK_SUFFIXES = (".partial", ".gguf-work")
 MARGIN = 64 << 20  # beside the stash: the small files and the file system's own blocks
 # huggingface_hub >= 2 downloads a file into a temporary of its own, BLOB.<8 hex digits>.incomplete
 # (1.x: BLOB.incomplete, which it resumes), under the lock .locks/models--ORG--NAME/BLOB.lock; before
@@ -440,21 +443,22 @@ def list_models() -> list[dict]:
     disk (with its stripe directory's), where its experts are striped ("DIR2 (share)", `colibri
     stripe`) or None; an unfinished pull as such."""
     from .container.streamed import disk_bytes
-    from .store import stripe as stripe_mod
+    from .container.stripe import recorded
 
     root, out = models_dir(), []
     for d in sorted(root.iterdir()) if root.is_dir() else ():
         if not d.is_dir():
             continue
-        unfinished = d.name.endswith(".partial")
+        unfinished = d.name.endswith(WORK_SUFFIXES)
         rec = _pulled(d) or {}
         try:
-            stripe = stripe_mod.recorded(d)
+            stripe = recorded(d)
             striped = None if stripe is None else f"{stripe[0]} ({stripe[1]:.2f})"
         except ColibriError:
             stripe, striped = None, "unknown: its stripe record is damaged"
         on_disk = disk_bytes(d, *(() if stripe is None or not stripe[0].is_dir() else (stripe[0],)))
-        out.append({"id": rec.get("repo") or d.name.removesuffix(".partial").replace("--", "/", 1),
+        name = next((d.name.removesuffix(w) for w in WORK_SUFFIXES if d.name.endswith(w)), d.name)
+        out.append({"id": rec.get("repo") or name.replace("--", "/", 1),
                     "revision": rec.get("revision"), "architecture": rec.get("architecture"),
                     "plugin": rec.get("plugin"), "quant": rec.get("quant"), "bytes": on_disk,
                     "path": str(d), "striped": striped,
@@ -466,16 +470,16 @@ def remove(spec: str) -> list[Path]:
     """Delete the pulled model `spec` ("ORG/NAME") and any unfinished pull of it, with the stripe
     directory its experts are striped into (`colibri stripe`); the paths removed. The stripe
     directory goes first: a removal cut short leaves a model that a second `rm` finishes."""
-    from .store import stripe as stripe_mod
+    from .container.stripe import recorded
 
     parsed = parse_id(spec)
     if parsed is None:
         raise ColibriError(f"{spec!r} is not a hub id: ORG/NAME")
     path = model_path(parsed[0])
-    models = [p for p in (path, path.with_name(path.name + ".partial")) if p.exists()]
+    models = [p for p in (path, *(path.with_name(path.name + w) for w in WORK_SUFFIXES)) if p.exists()]
     if not models:
         raise ColibriError(f"{parsed[0]} is not pulled (nothing in {models_dir()})")
-    stripes = [s[0] for s in map(stripe_mod.recorded, models) if s is not None and s[0].is_dir()]
+    stripes = [s[0] for s in map(recorded, models) if s is not None and s[0].is_dir()]
     for p in stripes + models:
         shutil.rmtree(p)
     return stripes + models

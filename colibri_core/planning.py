@@ -326,6 +326,25 @@ def disk_bandwidth_at(directory: str | os.PathLike, nbytes: int = 64 << 20) -> t
         return disk_bandwidth(f.name, nbytes)
 
 
+def stripe_share(model_dir: str | os.PathLike, directory: str | os.PathLike, rounds: int = 3) -> tuple[float, dict]:
+    """(share of the experts for `directory`, {"model", "stripe"} bytes/s) for `colibri stripe
+    --share auto`: the bandwidth of each directory's disk measured (`disk_bandwidth_at`: a file
+    written there and read back, with O_DIRECT where the filesystem takes it), the share in
+    proportion to them. The median of `rounds` probes, the two disks in turn: a disk's first read
+    runs fast while a throttle or a drive's cache lets a burst through (a throttled loop device:
+    406 MB/s first, then 322-331)."""
+    probes = {"model": [], "stripe": []}
+    for _ in range(rounds):
+        for key, where in (("model", model_dir), ("stripe", directory)):
+            try:
+                probes[key].append(disk_bandwidth_at(where)[0])
+            except OSError as e:
+                raise ColibriError(f"cannot measure the disk bandwidth of {where} ({e.strerror or e}: the probe "
+                                   f"writes a 64 MB file there): pass --share instead of auto") from None
+    bw = {key: statistics.median(values) for key, values in probes.items()}
+    return bw["stripe"] / (bw["model"] + bw["stripe"]), bw
+
+
 class ReadProbe:
     """One pass of the kernel threads over `nbytes` of RAM (the C `mem_read`, each thread streaming
     its own share, as the matrix-vector kernels stream weights): calling it reads every byte once."""

@@ -111,6 +111,18 @@ def test_unknown_model_is_one_line(env):
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "no such model" in r.stderr
 
 
+def test_a_killed_conversions_folders_are_an_unfinished_pull(tmp_path, monkeypatch):
+    """What a kill leaves beside a model (the unfinished container, a GGUF's dequantised blocks) is
+    listed as that model's unfinished pull and removed with it."""
+    from colibri_core import hub
+
+    monkeypatch.setenv("COLIBRI_HOME", str(tmp_path))
+    for suffix in hub.WORK_SUFFIXES:
+        (hub.models_dir() / f"tiny--olmoe{suffix}").mkdir(parents=True)
+    assert [(m["id"], m["state"]) for m in hub.list_models()] == [("tiny/olmoe", "unfinished")] * 2
+    assert len(hub.remove("tiny/olmoe")) == 2 and not any(hub.models_dir().iterdir())
+
+
 def test_peak_disk_within_the_stated_bound(hub_repo, env, tmp_path):
     """The bytes on disk under the hub cache and the models directory, sampled every millisecond
     through the pull, and the pull's own figure at its moments of most use, are within the

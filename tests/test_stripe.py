@@ -13,6 +13,8 @@ import pytest
 from colibri_core import load
 from colibri_core.doctor import run_checks
 from colibri_core.errors import ColibriError
+from colibri_core.container.stripe import STRIPE_FILE
+from colibri_core.planning import stripe_share
 from colibri_core.store import stripe as stripe_mod
 
 from conftest import colibri
@@ -70,7 +72,7 @@ def test_striped_tokens_are_those_of_the_model_on_one_disk(copy, baseline, tmp_p
     stats = check_same(copy, baseline, cache_slots=slots)
     assert stats["stripe"] == str(s.directory) and stats["stripe_share"] == 0.4
     disks = stats["disks"]
-    assert set(disks) == {str(copy), str(s.directory)}, disks
+    assert set(disks) == {"primary", "stripe"}, disks
     assert all(d["bytes"] > 0 and d["reads"] > 0 and d["read_seconds"] > 0 for d in disks.values())
     assert sum(d["bytes"] for d in disks.values()) == stats["bytes_read"]
 
@@ -81,7 +83,7 @@ def test_undo_gives_back_the_original_files_byte_for_byte(copy, baseline, tmp_pa
     assert expert_files(copy) != before  # the moved extents read as holes here now
     stripe_mod.unstripe(copy)
     assert expert_files(copy) == before
-    assert not (copy / stripe_mod.STRIPE_FILE).exists() and list((tmp_path / "dir2").iterdir()) == []
+    assert not (copy / STRIPE_FILE).exists() and list((tmp_path / "dir2").iterdir()) == []
     assert check_same(copy, baseline, cache_slots=2)["stripe"] is None
     with pytest.raises(ColibriError, match="is not striped"):
         stripe_mod.unstripe(copy)
@@ -104,7 +106,7 @@ def crash_at(monkeypatch, step: str, call: int) -> None:
     monkeypatch.setattr(stripe_mod, step, step_or_crash)
 
 
-@pytest.mark.parametrize("step,call", [("_copy_extents", 2), ("_save", 2), ("_punch", 1), ("_punch", 3)])
+@pytest.mark.parametrize("step,call", [("_copy_extents", 2), ("save", 2), ("_punch", 1), ("_punch", 3)])
 def test_a_crash_while_striping_leaves_a_placement_that_reads_right(copy, baseline, tmp_path, monkeypatch,
                                                                     step, call):
     """Killed before any step of any layer (copy, record, free): the model reads the baseline's
@@ -123,7 +125,7 @@ def test_a_crash_while_striping_leaves_a_placement_that_reads_right(copy, baseli
 def test_a_torn_copy_in_the_stripe_directory_is_never_trusted(copy, baseline, tmp_path, monkeypatch):
     """A crash that left a half-written temporary file there: not recorded, so not read; the rerun
     writes it again."""
-    crash_at(monkeypatch, "_save", 1)  # layer 0's copy in place, its record not written
+    crash_at(monkeypatch, "save", 1)  # layer 0's copy in place, its record not written
     with pytest.raises(Crash):
         stripe_mod.stripe(copy, tmp_path / "dir2", 0.5)
     monkeypatch.undo()
@@ -135,7 +137,7 @@ def test_a_torn_copy_in_the_stripe_directory_is_never_trusted(copy, baseline, tm
     check_same(copy, baseline, cache_slots=2)
 
 
-@pytest.mark.parametrize("step,call", [("_copy_extents", 1), ("_save", 1)])
+@pytest.mark.parametrize("step,call", [("_copy_extents", 1), ("save", 1)])
 def test_a_crash_while_undoing_leaves_a_placement_that_reads_right(copy, baseline, tmp_path, monkeypatch, step,
                                                                    call):
     before = expert_files(copy)
@@ -167,7 +169,7 @@ def test_a_damaged_or_missing_stripe_is_an_error_never_a_wrong_token(copy, basel
         load(copy, cache_slots=2, usage=False)
     files = {c.name: c for c in run_checks(copy)}["files"]  # the container does not open without its stripe
     assert files.status == "FAIL" and "layer-002.bin (striped experts of" in files.detail
-    record = copy / stripe_mod.STRIPE_FILE
+    record = copy / STRIPE_FILE
     record.write_text(record.read_text().replace('"share": 0.5', '"share": 0.6'))
     with pytest.raises(ColibriError, match="fails its checksum"):
         load(copy, cache_slots=2, usage=False)
@@ -269,7 +271,7 @@ def test_auto_share_follows_the_measured_bandwidths(copy, baseline, tmp_path, mo
         return (1e9 if Path(directory) == tmp_path / "dir2" else 3e9), True
 
     monkeypatch.setattr("colibri_core.planning.disk_bandwidth_at", bandwidth)
-    s = stripe_mod.stripe(copy, tmp_path / "dir2")
+    s = stripe_mod.stripe(copy, tmp_path / "dir2", measure=stripe_share)
     assert measured == [copy, tmp_path / "dir2"] * 3  # the median of three rounds
     assert s.share == 0.25 and s.bandwidth == {"model": 3e9, "stripe": 1e9}
     assert all(len(experts) == 4 for experts in s.moved.values())
@@ -295,7 +297,7 @@ def test_on_two_tmpfs_mounts(model, baseline, tmp_path):
             pytest.skip("this user cannot mount a tmpfs: the two-directory tests cover striping on one filesystem")
     try:
         m = Path(shutil.copytree(model, a / "m"))
-        s = stripe_mod.stripe(m, b, "auto")
+        s = stripe_mod.stripe(m, b, "auto", measure=stripe_share)
         assert os.stat(m).st_dev != os.stat(s.directory).st_dev and 0 < s.share < 1
         stats = check_same(m, baseline, cache_slots=2)
         assert len(stats["disks"]) == 2
@@ -322,4 +324,4 @@ def test_cli_convert_stripe_run_stats_plan_doctor_undo(tiny_checkpoint, tmp_path
     assert r.returncode == 1 and "--share must be auto or a number" in r.stderr
     r = colibri("stripe", dst, "--undo")
     assert r.returncode == 0 and "back in the model directory" in r.stderr, r.stderr
-    assert not (dst / stripe_mod.STRIPE_FILE).exists()
+    assert not (dst / STRIPE_FILE).exists()

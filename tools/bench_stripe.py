@@ -35,6 +35,7 @@ from pathlib import Path
 
 from colibri_core import load
 from colibri_core.sizes import format_bytes
+from colibri_core.planning import stripe_share
 from colibri_core.store import stripe as stripe_mod
 
 
@@ -65,9 +66,9 @@ def main() -> None:
     args = ap.parse_args()
 
     t0 = time.perf_counter()
-    share, bandwidth = stripe_mod.measure_share(args.model, args.dir2)
+    share, bandwidth = stripe_share(args.model, args.dir2)
     one = decode(args.model, args.tokens, args.cache_slots, args.runs)
-    placed = stripe_mod.stripe(args.model, args.dir2, "auto")
+    placed = stripe_mod.stripe(args.model, args.dir2, "auto", measure=stripe_share)
     try:
         striped = decode(args.model, args.tokens, args.cache_slots, args.runs)
     finally:

@@ -97,7 +97,7 @@ class Sim:
         self.c["lookups"] += len(need)
         protected = set(need)
         for e, rank in self.guesses.pop(layer, ()):
-            self.record.score(layer, rank, e in protected)
+            self.record.score(layer, 1, rank, e in protected)  # the next layer's guesses: distance 1
         for e in need:
             if e in self.pinned.get(layer, ()):
                 continue
@@ -124,7 +124,7 @@ class Sim:
                     continue
                 if pids.shape[0] == 1:
                     guesses.append((e, rank))
-                    if not self.record.worth_reading(nxt, rank):
+                    if not self.record.worth_reading(nxt, 1, rank):
                         continue
                 room = room and self._room(nxt, prot)
                 if room:

@@ -22,6 +22,7 @@ from ..errors import ColibriError
 from ..fsio import MANIFEST_BYTES, read_bounded, read_json
 from ..kernels._colibri_kernels import ffi, lib
 from ..layout import PROJS
+from . import stripe
 
 FORMAT = "colibri-container"
 FORMAT_VERSION = 1
@@ -316,9 +317,7 @@ class Container:
             raise ColibriError(f"{p / 'config.json'} is not a model configuration (a JSON object): reconvert the model")
         self._fds: dict[str, int] = {}  # expert file path -> its fd, opened on first read
         self._lock = threading.Lock()
-        from ..store.stripe import load  # (here: the store's package imports this one)
-
-        self.stripe = load(self)  # stripe.Stripe: the experts moved to a second directory, or None
+        self.stripe = stripe.load(self)  # the experts moved to a second directory (`colibri stripe`), or None
 
     # -- manifest
 

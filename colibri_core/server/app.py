@@ -764,7 +764,8 @@ async def api_stats(request: Request) -> Response:
     snap = server.snapshot()
     if snap is not None:
         out["architecture"] = snap.architecture
-        out["engine"] = {k: v for k, v in snap.stats.items() if isinstance(v, (int, float, str, bool, dict))}
+        out["engine"] = {k: v for k, v in snap.stats.items()  # the mirror and stripe directories' paths: not published
+                         if isinstance(v, (int, float, str, bool, dict)) and k not in ("mirror", "stripe")}
         out["memory"] = brain.memory(snap, server.ram_budget)
         now = time.perf_counter()
         for live in snap.running:  # the jobs decoding together, in the order they joined

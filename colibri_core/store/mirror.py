@@ -64,9 +64,10 @@ class Source:
         return fd
 
     def disk(self, layer: int, expert: int) -> str:
-        """The directory one expert is read from (the store counts bytes and time per disk)."""
-        striped = self.stripe is not None and self.stripe.holds(layer, expert)
-        return str(self.stripe.directory if striped else self.container.path)
+        """Where one expert is read from, by role — this copy ("primary", "mirror") or the stripe
+        directory ("stripe") — for the store's counts per disk (a role, not a path: the server
+        publishes the counts, never a path)."""
+        return "stripe" if self.stripe is not None and self.stripe.holds(layer, expert) else self.name
 
     def measure(self, samples: int = 4) -> float:
         """Bytes/s of reading up to `samples` extents spread over the files (one thread)."""

@@ -146,7 +146,7 @@ class _Entry:
 
 class ExpertStore:
     """Per-layer expert caches and hot-store over the container (its stripe directory, its mirror),
-    with counters (also per directory read from: `disks`)."""
+    with counters (also per disk read from: `disks`)."""
 
     def __init__(self, container, slots: int, policy: PolicyInfo, **options):
         """Per-layer caches of `slots` experts of the open `container`, evicting under `policy`; the
@@ -176,7 +176,7 @@ class ExpertStore:
         self.pool = None  # the I/O threads, started once nothing before them has failed
         self.sources = [mirror_mod.Source(container, cfg.direct, "primary", cfg.direct_asked)]
         self.stripe = self.sources[0].stripe  # experts striped across two disks (`colibri stripe`), or None
-        self.disks: dict[str, dict] = {}  # directory -> reads, bytes and read seconds from it (`--stats`)
+        self.disks: dict[str, dict] = {}  # "primary" | "stripe" | "mirror" -> reads, bytes and read seconds (`--stats`)
         self.primary_share = 1.0
         self._retired = []  # a mirror that failed (its files are closed with the others)
         try:

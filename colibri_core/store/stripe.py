@@ -27,53 +27,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import json
 import os
-import statistics
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..container import Container
-from ..container.reader import TRAILER, TRAILER_MAGIC, extent_crc, manifest_checksum_line
+from ..container.reader import TRAILER, TRAILER_MAGIC, extent_crc
+from ..container.stripe import STRIPE_FILE, Stripe, binding, save
 from ..errors import ColibriError
-from ..fsio import fsync_dir, read_text, write_atomic
-from .mirror import SAMPLES_PER_FILE, expert_hash, expert_table
+from ..fsio import fsync_dir
+from .mirror import SAMPLES_PER_FILE, expert_hash
 
-STRIPE_FILE = ".coli_stripe"
-FORMAT = "colibri-stripe"
-VERSION = 1
-STRIPE_BYTES = 16 << 20  # .coli_stripe: a list of expert ids per layer, a few hundred KB at most
 _PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (linux/falloc.h)
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-
-
-@dataclass(frozen=True)
-class Stripe:
-    """Where a striped container's moved extents are: `directory` (DIR2/colibri-stripe-ID), the
-    share of each layer's experts moved there, the bandwidths (bytes/s) it was chosen from, and
-    layer -> the experts moved (a layer not moved yet is absent)."""
-
-    directory: Path
-    share: float
-    bandwidth: dict  # {"model": bytes/s, "stripe": bytes/s}, as measured when the share was chosen
-    moved: dict  # layer -> frozenset of experts held in `directory`
-
-    def holds(self, layer: int, expert: int) -> bool:
-        return expert in self.moved.get(layer, ())
-
-    def path(self, layer: int) -> str:
-        return str(self.directory / f"layer-{layer:03d}.bin")
-
-    def moved_bytes(self, c: Container) -> int:
-        return sum(len(experts) * c.layer_expert_nbytes(layer) for layer, experts in self.moved.items())
-
-
-def binding(c: Container) -> str:
-    """An id of the container's expert section (every extent's crc32): a stripe belongs to one."""
-    table = json.dumps([expert_table(c), c.expert_nbytes, c.n_experts]).encode()
-    return f"{zlib.crc32(table):08x}"
 
 
 def selection(c: Container, share: float) -> dict[int, list[int]]:
@@ -83,78 +49,6 @@ def selection(c: Container, share: float) -> dict[int, list[int]]:
     k = round(share * c.n_experts)
     return {layer: sorted(sorted(range(c.n_experts), key=lambda e: expert_hash(layer, e, "stripe"))[:k])
             for layer in c.moe_layers}
-
-
-def load(c: Container) -> Stripe | None:
-    """The stripe of the container `c` being opened (None if it is not striped; `Container.stripe`),
-    checked: its record whole and of this container, its directory and every file there present
-    with the right size."""
-    path = Path(c.path) / STRIPE_FILE
-    if not path.exists():
-        return None
-    try:
-        d = _record(path, "reconvert the model")
-        if d["format"] != FORMAT or d["version"] != VERSION or d["container"] != binding(c):
-            raise ColibriError(f"{path} is a stripe record of another container or colibri (the model was "
-                               f"reconverted?): move its files back by hand or reconvert the model")
-        stripe = Stripe(Path(d["directory"]), float(d["share"]), dict(d["bandwidth"]),
-                        {int(layer): frozenset(int(e) for e in experts) for layer, experts in d["moved"].items()})
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise ColibriError(f"{path} fails its checksum or is not a stripe record (damaged or edited): the "
-                           f"placement of the model's experts is unknown; reconvert the model") from None
-    if not stripe.directory.is_dir():
-        raise ColibriError(f"{c.path}: its experts are striped into {stripe.directory}, which is missing "
-                           f"(a disk not mounted?): mount it, or reconvert the model")
-    for layer, experts in stripe.moved.items():
-        if layer not in c.moe_layers or not all(0 <= e < c.n_experts for e in experts):
-            raise ColibriError(f"{path} names layer {layer} experts that the container lacks: reconvert the model")
-        size = c.n_experts * c.layer_expert_nbytes(layer)
-        try:
-            got = os.stat(stripe.path(layer)).st_size
-        except OSError:
-            raise ColibriError(f"{stripe.path(layer)} (striped experts of {c.path}) is missing: restore it, "
-                               f"or reconvert the model") from None
-        if got != size:
-            raise ColibriError(f"{stripe.path(layer)} is {got} bytes, expected {size}: restore it, or reconvert "
-                               f"the model")
-    return stripe
-
-
-def _record(path: Path, fix: str):
-    """The JSON body of the stripe record `path`; ValueError if it fails its checksum line."""
-    lines = read_text(path, STRIPE_BYTES, "stripe record", fix).splitlines(keepends=True)
-    body = "".join(lines[:-1])
-    if not lines or lines[-1] != manifest_checksum_line(body):
-        raise ValueError
-    return json.loads(body)
-
-
-def _save(c: Container, stripe: Stripe) -> None:
-    body = json.dumps({"format": FORMAT, "version": VERSION, "container": binding(c),
-                       "directory": str(stripe.directory), "share": stripe.share, "bandwidth": stripe.bandwidth,
-                       "moved": {str(layer): sorted(experts) for layer, experts in sorted(stripe.moved.items())}},
-                      indent=1) + "\n"
-    write_atomic(Path(c.path) / STRIPE_FILE, (body + manifest_checksum_line(body)).encode())
-
-
-def measure_share(model_dir: str | os.PathLike, directory: str | os.PathLike, rounds: int = 3) -> tuple[float, dict]:
-    """(share of the experts for `directory`, {"model", "stripe"} bytes/s): the bandwidth of each
-    directory's disk measured (`planning.disk_bandwidth_at`: a file written there and read back,
-    with O_DIRECT where the filesystem takes it), the share in proportion to them. The median of
-    `rounds` probes, the two disks in turn: a disk's first read runs fast while a throttle or a
-    drive's cache lets a burst through (a throttled loop device: 406 MB/s first, then 322-331)."""
-    from ..planning import disk_bandwidth_at
-
-    probes = {"model": [], "stripe": []}
-    for _ in range(rounds):
-        for key, where in (("model", model_dir), ("stripe", directory)):
-            try:
-                probes[key].append(disk_bandwidth_at(where)[0])
-            except OSError as e:
-                raise ColibriError(f"cannot measure the disk bandwidth of {where} ({e.strerror or e}: the probe "
-                                   f"writes a 64 MB file there): pass --share instead of auto") from None
-    bw = {key: statistics.median(values) for key, values in probes.items()}
-    return bw["stripe"] / (bw["model"] + bw["stripe"]), bw
 
 
 def _entries(c: Container) -> dict:
@@ -208,10 +102,12 @@ def _punch(path: str, c: Container, layer: int, experts) -> None:
 
 
 def stripe(model_dir: str | os.PathLike, directory: str | os.PathLike, share: str | float = "auto",
-           progress=None) -> Stripe:
-    """Move `share` of every layer's experts ("auto": in proportion to the measured bandwidths) of
-    the container `model_dir` into `directory` (DIR2/colibri-stripe-ID), a layer at a time; a stripe
-    begun before into the same directory is finished with its own share. `progress(layer)` is called
+           progress=None, measure=None) -> Stripe:
+    """Move `share` of every layer's experts of the container `model_dir` into `directory`
+    (DIR2/colibri-stripe-ID), a layer at a time; "auto": the share `measure(model_dir, directory)`
+    returns with the bandwidths it measured, (share, {"model", "stripe"} bytes/s) —
+    `planning.stripe_share`, handed in by the caller (the store knows no planning). A stripe begun
+    before into the same directory is finished with its own share. `progress(layer)` is called
     after each layer (the CLI's progress bar)."""
     with Container(model_dir) as c:
         target = Path(directory).absolute() / f"colibri-stripe-{binding(c)}"
@@ -230,7 +126,7 @@ def stripe(model_dir: str | os.PathLike, directory: str | os.PathLike, share: st
         else:
             if share == "auto":
                 Path(directory).mkdir(parents=True, exist_ok=True)
-                share, bw = measure_share(c.path, directory)
+                share, bw = measure(c.path, directory)
             else:
                 share, bw = float(share), {}
             if not 0 < share < 1:
@@ -241,7 +137,7 @@ def stripe(model_dir: str | os.PathLike, directory: str | os.PathLike, share: st
         try:
             target.mkdir(parents=True, exist_ok=True)
             fsync_dir(target.parent)
-            _save(c, current)
+            save(c, current)
             for layer, experts in selection(c, current.share).items():
                 primary = c.expert_file(layer)
                 if layer not in current.moved:
@@ -251,7 +147,7 @@ def stripe(model_dir: str | os.PathLike, directory: str | os.PathLike, share: st
                     fsync_dir(target)
                     current = Stripe(target, current.share, current.bandwidth,
                                      {**current.moved, layer: frozenset(experts)})
-                    _save(c, current)
+                    save(c, current)
                 _punch(primary, c, layer, experts)  # again after a crash: freeing freed blocks changes nothing
                 if progress is not None:
                     progress(layer)
@@ -275,7 +171,7 @@ def unstripe(model_dir: str | os.PathLike, progress=None) -> None:
                               sorted(current.moved[layer]), create=False)
                 current = Stripe(current.directory, current.share, current.bandwidth,
                                  {k: v for k, v in current.moved.items() if k != layer})
-                _save(c, current)
+                save(c, current)
                 os.unlink(current.path(layer))
                 if progress is not None:
                     progress(layer)
@@ -302,24 +198,6 @@ def problems(c: Container, stripe: Stripe, deep: bool) -> list[str]:
         picks = sorted(moved)[:: max(1, len(moved) // SAMPLES_PER_FILE)][:SAMPLES_PER_FILE]
         found += c.extent_problems(layer, picks)[0]
     return found
-
-
-def recorded(model_dir: str | os.PathLike) -> tuple[Path, float] | None:
-    """(the stripe directory DIR2/colibri-stripe-ID, the share) `.coli_stripe` in `model_dir` names,
-    or None if the model is not striped; read without opening the container (`colibri list` and
-    `rm`: a model whose container or second disk is damaged or missing is removed all the same)."""
-    path = Path(model_dir) / STRIPE_FILE
-    if not path.exists():
-        return None
-    try:
-        d = _record(path, "remove the stripe directory by hand")
-        directory, share = Path(d["directory"]), float(d["share"])
-    except (ValueError, KeyError, TypeError):
-        directory = None
-    if directory is None or not directory.name.startswith("colibri-stripe-"):
-        raise ColibriError(f"{path} fails its checksum or is not a stripe record: which directory holds the "
-                           f"model's striped experts is unknown; remove {path} and that directory by hand")
-    return directory, share
 
 
 def summary(c: Container, stripe: Stripe) -> str:
