@@ -48,6 +48,17 @@ def tiny_model(tiny_checkpoint, tmp_path_factory) -> Path:
     return dst
 
 
+def store_model(d: Path) -> Path:
+    """A converted int4 OLMoE in `d`/m: 4 MoE layers × 16 experts, top-2 — enough experts for the
+    store's eviction, lookahead and striping to matter (the store's tests build it per module)."""
+    from colibri_olmoe.demo import write_checkpoint
+
+    write_checkpoint(d / "hf", vocab_size=300, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
+                     num_experts=16, num_experts_per_tok=2, seed=3)
+    convert_checkpoint(d / "hf", d / "m", "int4", progress=False)
+    return d / "m"
+
+
 def colibri(*args, env=None, **kw) -> subprocess.CompletedProcess:
     """Run the `colibri` CLI in a subprocess."""
     return subprocess.run([*COLIBRI, *map(str, args)], capture_output=True, text=True, env=env, **kw)

@@ -14,6 +14,7 @@ from colibri_core.layers.moe import LOOKAHEAD_DISTANCES, MoE
 from colibri_core.layers.router import SoftmaxTopK
 from colibri_core.options import EngineOptions
 from colibri_core.store.store import Lookahead
+from conftest import store_model
 
 PROMPT = [5, 17, 40, 99, 230, 7, 61, 300, 12, 1000]
 N_NEW = 12
@@ -51,14 +52,7 @@ def test_tokens_are_bit_identical_at_every_lookahead_depth(baseline, depth):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     """4 MoE layers × 16 experts, top-2: room to guess right and wrong."""
-    from colibri_core.convert import convert_checkpoint
-    from colibri_olmoe.demo import write_checkpoint
-
-    d = tmp_path_factory.mktemp("lookahead")
-    write_checkpoint(d / "hf", vocab_size=300, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
-                     num_experts=16, num_experts_per_tok=2, seed=3)
-    convert_checkpoint(d / "hf", d / "m", "int4", progress=False)
-    return d / "m"
+    return store_model(tmp_path_factory.mktemp("lookahead"))
 
 
 def test_each_distance_is_gated_on_its_own_guesses(model):

@@ -22,7 +22,7 @@ from colibri_core.store import io
 from colibri_core.store.store import Lookahead
 from colibri_core.store.usage import USAGE_FILE, ColibriWarning, hot_set, pin_value
 
-from conftest import colibri
+from conftest import colibri, store_model
 
 PROMPT = list(range(3, 23))  # 20 tokens: prefill routes a batch union per layer
 N_NEW = 8
@@ -31,14 +31,7 @@ N_NEW = 8
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     """4 MoE layers × 16 experts, top-2: enough experts for eviction and prediction to matter."""
-    from colibri_core.convert import convert_checkpoint
-    from colibri_olmoe.demo import write_checkpoint
-
-    d = tmp_path_factory.mktemp("store")
-    write_checkpoint(d / "hf", vocab_size=300, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
-                     num_experts=16, num_experts_per_tok=2, seed=3)
-    convert_checkpoint(d / "hf", d / "m", "int4", progress=False)
-    return d / "m"
+    return store_model(tmp_path_factory.mktemp("store"))
 
 
 @pytest.fixture(scope="module")

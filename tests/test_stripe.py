@@ -17,7 +17,7 @@ from colibri_core.container.stripe import STRIPE_FILE
 from colibri_core.planning import stripe_share
 from colibri_core.store import stripe as stripe_mod
 
-from conftest import colibri
+from conftest import colibri, store_model
 
 PROMPT = list(range(3, 23))
 N_NEW = 8
@@ -26,14 +26,7 @@ N_NEW = 8
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     """4 MoE layers × 16 experts, top-2 (as test_store's)."""
-    from colibri_core.convert import convert_checkpoint
-    from colibri_olmoe.demo import write_checkpoint
-
-    d = tmp_path_factory.mktemp("stripe")
-    write_checkpoint(d / "hf", vocab_size=300, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
-                     num_experts=16, num_experts_per_tok=2, seed=3)
-    convert_checkpoint(d / "hf", d / "m", "int4", progress=False)
-    return d / "m"
+    return store_model(tmp_path_factory.mktemp("stripe"))
 
 
 @pytest.fixture(scope="module")
