@@ -686,7 +686,7 @@ def stripe(
     """Stripe a model's experts across two disks, each expert read from the disk that holds it, both
     disks reading at once (no doubled space, unlike --mirror). Moves a share of every layer's experts
     to DIR2 a layer at a time, each copy checked before the original's space is freed; crash-safe
-    and resumable (rerun it); --undo brings them back. Run it while no engine has the model open."""
+    and resumable (rerun it); --undo brings them back. Refused while an engine has the model open."""
     from . import planning
     from .container import Container
     from .store import stripe as stripe_mod
@@ -699,13 +699,17 @@ def stripe(
         except ValueError:
             raise ColibriError(f"--share must be auto or a number between 0 and 1, got {share!r}") from None
     with Container(model) as c:
-        label = f"moving {model}'s experts " + ("back" if undo else f"into {directory}")
-        with typer.progressbar(length=len(c.moe_layers), label=label, file=sys.stderr) as bar:
-            step = lambda layer: bar.update(1)  # noqa: E731  one layer moved
-            done = stripe_mod.unstripe(model, step) if undo else \
-                stripe_mod.stripe(model, directory, share, step, measure=planning.stripe_share)
-        print(f"{model}: " + ("every expert is back in the model directory" if undo
-                              else stripe_mod.summary(c, done)), file=sys.stderr)
+        layers = len(c.moe_layers)
+    label = f"moving {model}'s experts " + ("back" if undo else f"into {directory}")
+    with typer.progressbar(length=layers, label=label, file=sys.stderr) as bar:
+        step = lambda layer: bar.update(1)  # noqa: E731  one layer moved
+        done = stripe_mod.unstripe(model, step) if undo else \
+            stripe_mod.stripe(model, directory, share, step, measure=planning.stripe_share)
+    if undo:
+        print(f"{model}: every expert is back in the model directory", file=sys.stderr)
+        return
+    with Container(model) as c:
+        print(f"{model}: {stripe_mod.summary(c, done)}", file=sys.stderr)
 
 
 @app.command()

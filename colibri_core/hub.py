@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from .container.reader import COPIED_FILES, MANIFEST
+from .container.reader import COPIED_FILES, MANIFEST, hold
 from .errors import ColibriError
 
 __all__ = ["models_dir", "parse_id", "model_path", "resolve", "plan_paths", "hub_config", "pull", "list_models", "remove"]
@@ -479,7 +479,15 @@ def remove(spec: str) -> list[Path]:
     models = [p for p in (path, *(path.with_name(path.name + w) for w in WORK_SUFFIXES)) if p.exists()]
     if not models:
         raise ColibriError(f"{parsed[0]} is not pulled (nothing in {models_dir()})")
-    stripes = [s[0] for s in map(recorded, models) if s is not None and s[0].is_dir()]
-    for p in stripes + models:
-        shutil.rmtree(p)
+    held = []  # refused while a server or chat has one open
+    try:
+        for p in models:
+            held.append(hold(p / MANIFEST, "removing it"))
+        stripes = [s[0] for s in map(recorded, models) if s is not None and s[0].is_dir()]
+        for p in stripes + models:
+            shutil.rmtree(p)
+    finally:
+        for fd in held:
+            if fd is not None:
+                os.close(fd)
     return stripes + models

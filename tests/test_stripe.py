@@ -5,6 +5,7 @@ back the original files byte for byte, and doctor, plan and --stats say where th
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -238,6 +239,57 @@ def test_rm_removes_the_stripe_directory_too(copy, tmp_path, monkeypatch):
     assert listed["bytes"] == disk_bytes(pulled) + disk_bytes(s.directory) > disk_bytes(pulled)
     assert hub.remove("org/tiny") == [s.directory, pulled]
     assert not pulled.exists() and not s.directory.exists() and (tmp_path / "dir2").is_dir()
+
+
+def holder(model_dir: Path, exclusive: bool = False) -> subprocess.Popen:
+    """Another process holding `model_dir` open as an engine does (a Container), or exclusively as
+    `colibri stripe` does, until its stdin closes."""
+    code = ("import sys; from colibri_core.container import Container; c = Container(sys.argv[1]); "
+            + ("c.exclusive('x'); " if exclusive else "") + "print('held', flush=True); sys.stdin.read()")
+    p = subprocess.Popen([sys.executable, "-c", code, str(model_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline() == "held\n"
+    return p
+
+
+def test_a_model_open_elsewhere_is_never_rearranged(copy, baseline, tmp_path, monkeypatch):
+    """stripe, --undo and rm refuse, in one line and touching nothing, a model another process has
+    open (a server); a model being striped is not opened meanwhile; once the other lets go, each runs."""
+    from colibri_core import hub
+
+    before = expert_files(copy)
+    p = holder(copy)
+    try:
+        with pytest.raises(ColibriError, match=r"open elsewhere \(a server, chat or run uses it\): stop that before "
+                                               r"striping it"):
+            stripe_mod.stripe(copy, tmp_path / "dir2", 0.5)
+    finally:
+        p.communicate("")
+    assert expert_files(copy) == before and not (tmp_path / "dir2").exists()
+    s = stripe_mod.stripe(copy, tmp_path / "dir2", 0.5)
+    p = holder(copy, exclusive=True)
+    try:
+        with pytest.raises(ColibriError, match="being changed by another process .*: wait for it to finish"):
+            load(copy, usage=False)
+    finally:
+        p.communicate("")
+    with load(copy, usage=False) as e:  # open here: the same refusal
+        with pytest.raises(ColibriError, match="stop that before bringing its experts back"):
+            stripe_mod.unstripe(copy)
+        e.generate(PROMPT, 2, stop_ids=())
+    check_same(copy, baseline)
+    monkeypatch.setenv("COLIBRI_HOME", str(tmp_path / "home"))
+    pulled = hub.model_path("org/tiny")
+    pulled.parent.mkdir(parents=True)
+    shutil.move(copy, pulled)
+    p = holder(pulled)
+    try:
+        with pytest.raises(ColibriError, match="stop that before removing it"):
+            hub.remove("org/tiny")
+    finally:
+        p.communicate("")
+    assert pulled.is_dir() and s.directory.is_dir()
+    assert hub.remove("org/tiny") == [s.directory, pulled]
 
 
 def test_share_refusals(copy, tmp_path):

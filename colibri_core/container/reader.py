@@ -5,6 +5,7 @@ The format itself is described in `colibri_core/container/__init__.py`.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -244,6 +245,36 @@ def _safe_rel(rel: str) -> str:
     return rel
 
 
+def hold(manifest: Path, doing: str | None = None) -> int | None:
+    """A descriptor holding a lock (flock) on a container's `manifest`: shared (`doing` None) for
+    every open `Container`, exclusive for `doing`, which changes the model's files in place
+    (`colibri stripe`, `rm`), so a model is never rearranged while open, nor opened while being
+    rearranged; ColibriError when the other kind is held. None where there is nothing to hold
+    (no such file, a filesystem without locks)."""
+    try:
+        fd = os.open(manifest, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # reading the manifest says what is wrong
+        return None
+    try:
+        _lock(fd, manifest.parent, doing)
+    except ColibriError:
+        os.close(fd)
+        raise
+    except OSError:  # no locks here (some network filesystems)
+        os.close(fd)
+        return None
+    return fd
+
+
+def _lock(fd: int, model: Path, doing: str | None) -> None:
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if doing is None else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ColibriError(f"{model} is being changed by another process (colibri stripe or rm): wait for it to finish"
+                           if doing is None else f"{model} is open elsewhere (a server, chat or run uses it): stop "
+                           f"that before {doing}") from None
+
+
 class Container:
     """A converted model directory, opened read-only and validated.
 
@@ -278,6 +309,7 @@ class Container:
                 raise ColibriError(f"{p} is a Hugging Face checkpoint, not a colibri container: "
                                    f"run `colibri convert {p} DST` and use DST")
             raise ColibriError(f"{p} is not a colibri container (no {MANIFEST})")
+        self._in_use = hold(mpath)  # shared, until close(): `exclusive` (stripe, rm) refuses while it is
         data = read_bounded(mpath, MANIFEST_BYTES, "container manifest", "reconvert the model")
         try:
             text = data.decode("utf-8")
@@ -572,10 +604,21 @@ class Container:
                      for (rows, cols), off in zip(shapes, offsets))
 
     def close(self) -> None:
-        """Close the expert files `read_expert` opened (it reopens them if called again)."""
+        """Close the expert files `read_expert` opened (it reopens them if called again) and let go
+        of the model (`in_use`)."""
         fds = getattr(self, "_fds", {})
         while fds:
             os.close(fds.popitem()[1])
+        fd, self._in_use = getattr(self, "_in_use", None), None
+        if fd is not None:
+            os.close(fd)
+
+    def exclusive(self, doing: str) -> None:
+        """Hold the model alone while `doing` (what for, said in the error) changes its files in
+        place: ColibriError if another open `Container` holds it (another process's engine, or
+        another one in this process)."""
+        if self._in_use is not None:
+            _lock(self._in_use, self.path, doing)
 
     def __enter__(self):
         return self

@@ -110,6 +110,7 @@ def stripe(model_dir: str | os.PathLike, directory: str | os.PathLike, share: st
     before into the same directory is finished with its own share. `progress(layer)` is called
     after each layer (the CLI's progress bar)."""
     with Container(model_dir) as c:
+        c.exclusive("striping it")
         target = Path(directory).absolute() / f"colibri-stripe-{binding(c)}"
         if Path(directory).resolve() == Path(c.path).resolve() or target.resolve().is_relative_to(
                 Path(c.path).resolve()):
@@ -165,6 +166,7 @@ def unstripe(model_dir: str | os.PathLike, progress=None) -> None:
         current = c.stripe
         if current is None:
             raise ColibriError(f"{c.path} is not striped (no {STRIPE_FILE})")
+        c.exclusive("bringing its experts back")
         try:
             for layer in sorted(current.moved):
                 _copy_extents(c, current.path(layer), c.expert_file(layer), layer,
