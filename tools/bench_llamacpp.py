@@ -50,6 +50,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import median
@@ -124,8 +125,7 @@ class SyntheticCheckpoint:
         self.shapes = tensor_shapes(d)
         self.where = {name: self for name in self.shapes}
         self.files = {"synthetic": self}
-        self._pool: dict[tuple, list[np.ndarray]] = {}
-        self._rng = np.random.default_rng(0)
+        self._pool: dict[tuple, dict[int, np.ndarray]] = {}  # shape -> {pool index: matrix}
 
     def dtype(self, name: str) -> str:
         return "F32"
@@ -140,11 +140,14 @@ class SyntheticCheckpoint:
         shape = self.shapes[name]
         if len(shape) == 1:
             return np.ones(shape, np.float32)
-        pool = self._pool.setdefault(shape, [])
-        if len(pool) < self.POOL:
-            scale = 1.0 / np.sqrt(shape[1])
-            pool.append((self._rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)))
-        return pool[hash(name) % len(pool)]
+        # each name's pool matrix by a stable hash, each matrix from its own seed: the same model
+        # whatever order the converter's threads ask in (Python's str hash differs per process)
+        i = zlib.crc32(name.encode()) % self.POOL
+        pool = self._pool.setdefault(shape, {})
+        if i not in pool:
+            rng = np.random.default_rng([i, *shape])
+            pool[i] = rng.standard_normal(shape, dtype=np.float32) * np.float32(1.0 / np.sqrt(shape[1]))
+        return pool[i]
 
     def fingerprint(self) -> dict:
         return {"fingerprint": "sha256:synthetic", "tensors": len(self.shapes), "bytes": 0, "files": {}}
