@@ -30,6 +30,7 @@ the accepted tokens are fed again.
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -42,8 +43,17 @@ __all__ = ["Drafter"]  # the public API: what a plugin subclasses
 
 DRAFT_MODES = ("auto", "mtp", "grammar", "off")
 AUTO_MIN_ACCEPTANCE = 0.35  # `--draft auto` stops drafting with the model's head below this acceptance …
-AUTO_RETRY = 16  # … and tries it again after this many tokens
+AUTO_RETRY = 16  # … and tries it again after this many forwards
 ACCEPTANCE_DECAY = 0.9  # the acceptance estimate's memory, per draft
+# Where a layer's cache cannot hold all its experts, `--draft auto` also stops a drafter whose
+# forwards need more experts from disk per token they keep than forwards without drafts: a
+# verification reads the union of its tokens' experts, which a small cache may not hold (the tiny
+# trained GLM-5.2 with MTP drafts read 1.41x the bytes a generated token at 4 of 16 slots, 2.3x at
+# 8; BENCHMARKS.md). One forward in AUTO_RETRY runs without the model's drafters to keep that
+# baseline current. Experts absent from cache and hot-store (`StoreCounters.absent`) depend on the
+# routing and the budget, never on timing; and which forwards draft never changes a token.
+ABSENT_WINDOW = 8  # the forwards each estimate is taken over (a drafter's: its latest run of them)
+ABSENT_MARGIN = 0.1  # … and a drafter is costly past (1 + this) times the forwards without drafts
 MTP_CHAIN = 3  # tokens the MTP head drafts per step at most (the first from the model's hidden state, the rest chained)
 
 
@@ -168,6 +178,10 @@ class DraftCounters:
         self.forwards = 0  # forwards of generated tokens (with or without drafts)
         self.tokens = 0  # tokens those forwards fed and kept
         self.acceptance: dict[str, float] = {}  # decayed acceptance rate per drafter (auto mode)
+        # (experts absent from cache and hot-store, tokens kept) of the latest ABSENT_WINDOW forwards
+        # with each drafter's drafts and (None) without drafts (auto mode)
+        self.absent: dict[str | None, collections.deque] = {}
+        self._absent_at: dict[str | None, int] = {}  # `forwards` at each one's last record
 
     def record(self, name: str, drafted: int, accepted: int) -> None:
         self.drafted[name] = self.drafted.get(name, 0) + drafted
@@ -176,6 +190,31 @@ class DraftCounters:
         for i in range(drafted):
             rate = rate * ACCEPTANCE_DECAY + (1 - ACCEPTANCE_DECAY) * (i < accepted)
         self.acceptance[name] = rate
+
+    def record_absent(self, name: str | None, absent: int, kept: int) -> None:
+        """The forward just counted, with `name`'s drafts (None: none), kept `kept` tokens and needed
+        `absent` experts neither cached nor pinned. A drafter's first forward after forwards without
+        it starts its window again (a retry: what it measured before is that old)."""
+        window = self.absent.setdefault(name, collections.deque(maxlen=ABSENT_WINDOW))
+        if name is not None and self._absent_at.get(name) != self.forwards - 1:
+            window.clear()
+        self._absent_at[name] = self.forwards
+        window.append((absent, kept))
+
+    def absent_per_token(self, name: str | None) -> float | None:
+        """Experts absent from cache and hot-store per token kept, over `name`'s window (None: none yet)."""
+        window = self.absent.get(name)
+        return sum(a for a, _ in window) / sum(k for _, k in window) if window else None
+
+    def costly(self, name: str) -> bool:
+        """Whether `name`'s forwards lately needed more experts from disk per kept token than
+        forwards without drafts (False until both are measured)."""
+        mine, without = self.absent_per_token(name), self.absent_per_token(None)
+        return mine is not None and without is not None and mine > without * (1 + ABSENT_MARGIN)
+
+    def reading(self, name: str) -> bool:
+        """Whether `name`'s latest forwards needed experts from disk (then `costly` needs a baseline)."""
+        return bool(self.absent_per_token(name))
 
     def stats(self) -> dict:
         drafted, accepted = sum(self.drafted.values()), sum(self.accepted.values())

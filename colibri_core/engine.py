@@ -301,17 +301,23 @@ class Engine:
     def _choose_drafters(self, session, draft: str, constraint) -> list:
         """The drafters to ask this step, in order: the grammar's forced tokens first (free), then the
         others; `auto` leaves out one whose recent acceptance does not repay verifying it, and tries
-        it again every AUTO_RETRY forwards."""
+        it again every AUTO_RETRY forwards; where a layer's cache cannot hold all its experts, also one
+        whose forwards need more of them from disk per kept token than forwards without drafts, which
+        one forward in AUTO_RETRY measures (drafting.py says why, at ABSENT_WINDOW)."""
         if draft == "off":
             return []
         drafters = self._session_drafters(session)
         if draft != "auto":
             return [drafters[draft]] if drafters.get(draft) is not None else []
         chosen = [] if constraint is None or drafters.get("grammar") is None else [drafters["grammar"]]
-        for name, d in drafters.items():
-            if d is None or name == "grammar":
-                continue
-            if self.drafting.acceptance.get(name, 1.0) >= AUTO_MIN_ACCEPTANCE or self.drafting.forwards % AUTO_RETRY == 0:
+        counters, turn = self.drafting, self.drafting.forwards % AUTO_RETRY
+        models = {name: d for name, d in drafters.items() if d is not None and name != "grammar"}
+        streamed = self.split.cache_slots < self.container.n_experts  # else every read is an expert's first
+        if streamed and turn == AUTO_RETRY // 2 and any(counters.reading(name) for name in models):
+            return chosen  # the baseline: a forward without the model's drafters
+        for name, d in models.items():
+            if turn == 0 or (counters.acceptance.get(name, 1.0) >= AUTO_MIN_ACCEPTANCE
+                             and not (streamed and counters.costly(name))):
                 chosen.append(d)
         return chosen
 
@@ -323,6 +329,7 @@ class Engine:
         constraint, bias and penalties (of ids and the drafts accepted before it)."""
         limit = min(remaining - 1, EXACT_BATCH - 1)  # never past max_new_tokens; one exact forward
         name, drafts = None, []
+        absent = self._absent()  # the drafter's own reads (an MTP head's experts) count as its forward's
         for drafter in drafters if limit > 0 else ():
             drafts = [int(t) for t in drafter.propose(ids, limit, constraint)][:limit]
             if drafts:
@@ -331,7 +338,9 @@ class Engine:
         self.drafting.forwards += 1
         if not drafts:
             self.drafting.tokens += 1
-            return [], sampler.pick(self._feed(session, ids), ids, constraint)
+            token = sampler.pick(self._feed(session, ids), ids, constraint)
+            self.drafting.record_absent(None, self._absent() - absent, 1)
+            return [], token
         kept, kept_ids = session.state.arrays(), list(session.ids)  # the rollback point (views / copies)
         logits = self._feed(session, ids + drafts, last_only=False)[-1 - len(drafts):]  # (1 + d, V)
         accepted, token = [], None
@@ -362,7 +371,12 @@ class Engine:
                 self._drafters[session] = (state, self._drafters[session][1])  # the same sequence: its drafters stay
                 session.state, session.ids = state, kept_ids
                 self._feed(session, ids + accepted)  # a short forward: bit for bit what the verification computed
+        self.drafting.record_absent(name, self._absent() - absent, 1 + len(accepted))
         return accepted, token
+
+    def _absent(self) -> int:
+        """Experts needed so far that were neither cached nor pinned (`StoreCounters.absent`)."""
+        return self.store.counters.absent if self.store is not None else 0
 
     def stream(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, *, min_p: float = 0.0, presence_penalty: float = 0.0,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from colibri_core import plugins
-from colibri_core.drafting import Drafter, DrafterInfo, GrammarDrafter
+from colibri_core.drafting import DraftCounters, Drafter, DrafterInfo, GrammarDrafter
 from colibri_core.engine import load
 from colibri_core.errors import ColibriError
 from colibri_core.generate import distribution, verify_draft
@@ -163,6 +163,45 @@ def test_a_seed_gives_the_same_tokens_whatever_drafted(models):
         engine.generate(PROMPT, 6, session="s", draft="mtp", **kw)
     with load(models["glm52"], activations="f32", usage=False) as fresh:
         assert fresh.generate(PROMPT + first + [7], N, session="s", draft="mtp", **kw) == then
+
+
+class ReadingDrafter(Drafter):
+    """Drafts the known greedy continuation `want` whole, 4 tokens at a time, and each proposal reads
+    64 experts from disk (counted as the store counts them), as a head's own layer may."""
+
+    name = "oracle"
+
+    def __init__(self, engine, want: list[int]):
+        self.engine, self.want, self.asked = engine, want, []  # asked: the forward each proposal is for
+
+    def propose(self, ids, limit, constraint=None):
+        self.asked.append(self.engine.drafting.forwards)
+        self.engine.store.counters.absent += 64
+        done = len(ids) - len(PROMPT)
+        return self.want[done:done + min(4, limit)]
+
+
+@pytest.mark.parametrize("slots", [2, 16])
+def test_auto_stops_a_drafter_whose_forwards_read_more_experts(models, oracle_drafter, slots):
+    """`--draft auto` where a layer's cache cannot hold its experts (2 of 16 slots) weighs the experts
+    read from disk per kept token: a drafter whose forwards need many more than forwards without
+    drafts is left out, once a forward without it (the AUTO_RETRY // 2-th) gives that baseline, but
+    for one retry every AUTO_RETRY forwards; with every expert cached (16 slots) a read is an expert's first and
+    the drafter drafts at every forward. The tokens are those without drafts."""
+    from colibri_core.drafting import AUTO_RETRY
+
+    with load(models["olmoe"], activations="f32", usage=False, cache_slots=slots, pin_gb=0) as engine:
+        want = engine.generate(PROMPT, 96, stop_ids=(), draft="off")
+        drafter = oracle_drafter["drafter"] = ReadingDrafter(engine, want)
+        engine.drafting = DraftCounters()  # no baseline yet; AUTO_RETRY's turns from this generation's start
+        assert engine.generate(PROMPT, 96, stop_ids=(), draft="auto") == want
+        forwards = engine.drafting.forwards
+    if slots < 16:  # drafts until the baseline forward, then the retries alone
+        assert forwards >= 2 * AUTO_RETRY + 1, forwards
+        half = AUTO_RETRY // 2
+        assert drafter.asked == list(range(half)) + list(range(AUTO_RETRY, forwards, AUTO_RETRY)), drafter.asked
+    else:
+        assert drafter.asked == list(range(forwards)), drafter.asked
 
 
 def test_mtp_needs_a_head(models):

@@ -10,6 +10,8 @@
 - ``io_stall_seconds``: time a layer waited for reads after computing everything else it could;
   ``layer_io_stall_seconds``: the same per MoE layer (where the disk holds decode back).
 - ``layer_hit_rate``: hits / lookups per MoE layer.
+- ``absent``: experts a layer needed that were neither cached nor pinned (read on demand whatever
+  the timing of reads in flight, unlike ``expert_misses``): what `--draft auto` weighs.
 - ``steps``: forward steps (a solo forward, or one step of a batch: every running generation's
   forward); ``step_rereads``: reads of an expert already read in the same step (0 when every layer
   reads the union of its step's experts once; more when the cache evicts one before a later use).
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 class StoreCounters:
     expert_hits: int = 0
     expert_misses: int = 0
+    absent: int = 0
     bytes_read: int = 0
     reads: int = 0
     read_seconds: float = 0.0  # summed wall time of the reads themselves (in the I/O threads)

@@ -230,6 +230,7 @@ class ExpertStore:
         ready, waiting = {}, []
         for e in need:
             entry = pinned.get(e) or cache.get(e)
+            c.absent += entry is None
             if entry is not None and entry.read is None and entry.tensors is None:  # pinned, not read yet
                 entry.read = self._submit(layer, e)
                 self._layer_reads.append(entry.read)
