@@ -53,7 +53,8 @@ ACCEPTANCE_DECAY = 0.9  # the acceptance estimate's memory, per draft
 # baseline current. Experts absent from cache and hot-store (`StoreCounters.absent`) depend on the
 # routing and the budget, never on timing; and which forwards draft never changes a token.
 ABSENT_WINDOW = 8  # the forwards each estimate is taken over (a drafter's: its latest run of them)
-ABSENT_MARGIN = 0.1  # … and a drafter is costly past (1 + this) times the forwards without drafts
+ABSENT_MARGIN = 0.1  # … and a drafter is costly past (1 + this) times the forwards without drafts;
+AUTO_RETRY_MAX = 256  # its retries, each a costly verification, come twice as far apart up to this
 MTP_CHAIN = 3  # tokens the MTP head drafts per step at most (the first from the model's hidden state, the rest chained)
 
 
@@ -182,6 +183,7 @@ class DraftCounters:
         # with each drafter's drafts and (None) without drafts (auto mode)
         self.absent: dict[str | None, collections.deque] = {}
         self._absent_at: dict[str | None, int] = {}  # `forwards` at each one's last record
+        self.retry_every: dict[str, int] = {}  # a drafter left out: forwards between its retries
 
     def record(self, name: str, drafted: int, accepted: int) -> None:
         self.drafted[name] = self.drafted.get(name, 0) + drafted
@@ -211,6 +213,15 @@ class DraftCounters:
         forwards without drafts (False until both are measured)."""
         mine, without = self.absent_per_token(name), self.absent_per_token(None)
         return mine is not None and without is not None and mine > without * (1 + ABSENT_MARGIN)
+
+    def retry(self, name: str, costly: bool) -> bool:
+        """Whether the coming forward retries `name`, left out: every AUTO_RETRY forwards, or, while
+        its retries find it `costly`, every AUTO_RETRY · 2^k (at most AUTO_RETRY_MAX)."""
+        every = self.retry_every.get(name, AUTO_RETRY)
+        if self.forwards % every:
+            return False
+        self.retry_every[name] = min(2 * every, AUTO_RETRY_MAX) if costly else AUTO_RETRY
+        return True
 
     def reading(self, name: str) -> bool:
         """Whether `name`'s latest forwards needed experts from disk (then `costly` needs a baseline)."""

@@ -302,8 +302,9 @@ class Engine:
         """The drafters to ask this step, in order: the grammar's forced tokens first (free), then the
         others; `auto` leaves out one whose recent acceptance does not repay verifying it, and tries
         it again every AUTO_RETRY forwards; where a layer's cache cannot hold all its experts, also one
-        whose forwards need more of them from disk per kept token than forwards without drafts, which
-        one forward in AUTO_RETRY measures (drafting.py says why, at ABSENT_WINDOW)."""
+        whose forwards need more of them from disk per kept token than forwards without drafts (one
+        forward in AUTO_RETRY measures those), tried again after AUTO_RETRY forwards, then twice as
+        many each time it is still costly (drafting.py says why, at ABSENT_WINDOW)."""
         if draft == "off":
             return []
         drafters = self._session_drafters(session)
@@ -316,8 +317,11 @@ class Engine:
         if streamed and turn == AUTO_RETRY // 2 and any(counters.reading(name) for name in models):
             return chosen  # the baseline: a forward without the model's drafters
         for name, d in models.items():
-            if turn == 0 or (counters.acceptance.get(name, 1.0) >= AUTO_MIN_ACCEPTANCE
-                             and not (streamed and counters.costly(name))):
+            costly = streamed and counters.costly(name)
+            if counters.acceptance.get(name, 1.0) >= AUTO_MIN_ACCEPTANCE and not costly:
+                counters.retry_every.pop(name, None)
+                chosen.append(d)
+            elif counters.retry(name, costly):
                 chosen.append(d)
         return chosen
 
