@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -54,6 +55,9 @@ MARGIN = 64 << 20  # beside the stash: the small files and the file system's own
 # renaming it to BLOB it reads the cache's file mode off an empty tmp_<uuid4> it creates beside it
 UNFINISHED = re.compile(r"([^.]+)\.[0-9a-f]{8}\.incomplete")
 MODE_PROBE = re.compile(r"tmp_[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+# once a process, it asks whether the cache takes symlinks in a folder tmpXXXXXXXX of the cache's root
+# holding these two files, removed microseconds later; one older than SYMLINK_PROBE_AGE a kill left
+SYMLINK_PROBE, SYMLINK_PROBE_FILES, SYMLINK_PROBE_AGE = re.compile(r"tmp\w{8}"), {"dummy_file_src", "dummy_file_dst"}, 60
 
 
 def models_dir() -> Path:
@@ -165,7 +169,8 @@ def _sweep(hf, repo: str) -> None:
     no process downloads into any more (nobody holds its blob's lock), which huggingface_hub >= 2
     never reuses; a download running in another process keeps its own. Then, where no download
     is running, the mode probes (tmp_<uuid4>) a kill between a probe's creation and its deletion
-    left: a probe lives only while its download's temporary does, under that temporary's lock."""
+    left: a probe lives only while its download's temporary does, under that temporary's lock. And
+    the symlink probe's folder a kill left in the cache's root (SYMLINK_PROBE)."""
     from filelock import FileLock, Timeout
 
     blobs = _cached(hf, repo) / "blobs"
@@ -183,6 +188,14 @@ def _sweep(hf, repo: str) -> None:
     for probe in () if running else blobs.glob("tmp_*"):
         if MODE_PROBE.fullmatch(probe.name):
             probe.unlink(missing_ok=True)
+    root = Path(hf.constants.HF_HUB_CACHE)
+    for probe in root.glob("tmp*") if root.is_dir() else ():
+        try:
+            if (SYMLINK_PROBE.fullmatch(probe.name) and probe.is_dir() and time.time() - probe.stat().st_mtime >
+                    SYMLINK_PROBE_AGE and {f.name for f in probe.iterdir()} <= SYMLINK_PROBE_FILES):
+                shutil.rmtree(probe)
+        except OSError:  # another pull swept it first
+            pass
 
 
 def _drop_source(hf, repo: str, commit: str, names) -> None:

@@ -147,7 +147,7 @@ def test_peak_disk_within_the_stated_bound(hub_repo, env, tmp_path):
 
 def test_sweep_spares_a_running_download(tmp_path):
     """What a killed download left in the hub cache (its temporary, huggingface_hub's file-mode
-    probe beside it) is deleted; while another download runs (its blob's lock held), only the
+    probe beside it, its symlink probe's folder) is deleted; while another download runs (its blob's lock held), only the
     temporaries of the downloads no one runs are."""
     from types import SimpleNamespace
 
@@ -163,11 +163,18 @@ def test_sweep_spares_a_running_download(tmp_path):
     probe = blobs / f"tmp_{uuid.uuid4()}"
     for f in (killed, running, probe):
         f.touch()
+    symlinks = {}  # huggingface_hub's symlink probes in the cache's root: one a kill left, one running
+    for name, age in (("tmpk1ll3d_x", 3600), ("tmpl1ve_now", 0)):
+        d = symlinks[name] = tmp_path / name
+        d.mkdir()
+        (d / "dummy_file_src").touch()
+        os.utime(d, (time.time() - age,) * 2)
     with FileLock(tmp_path / ".locks" / "models--tiny--olmoe" / f"{'b' * 64}.lock"):
         _sweep(hf, REPO)
         assert sorted(blobs.iterdir()) == sorted([running, probe])
     _sweep(hf, REPO)
     assert not list(blobs.iterdir())
+    assert not symlinks["tmpk1ll3d_x"].exists() and symlinks["tmpl1ve_now"].is_dir()
 
 
 def kill_trials(hub_repo, tmp_path, trials: int, seed: int) -> int:
