@@ -48,9 +48,9 @@ ACCEPTANCE_DECAY = 0.9  # the acceptance estimate's memory, per draft
 # Where a layer's cache cannot hold all its experts, `--draft auto` also stops a drafter whose
 # forwards need more experts from disk per token they keep than forwards without drafts: a
 # verification reads the union of its tokens' experts, which a small cache may not hold (the tiny
-# trained GLM-5.2 with MTP drafts read 1.41x the bytes a generated token at 4 of 16 slots, 2.3x at
-# 8; BENCHMARKS.md). One forward in AUTO_RETRY runs without the model's drafters to keep that
-# baseline current. Experts absent from cache and hot-store (`StoreCounters.absent`) depend on the
+# trained GLM-5.2 with MTP drafts read 1.41x the bytes a generated token at 4 of 16 slots, 2.4x at
+# 8; BENCHMARKS.md). The forward after a drafter's first read, then one in AUTO_RETRY, runs without
+# the model's drafters for that baseline. Experts absent from cache and hot-store (`StoreCounters.absent`) depend on the
 # routing and the budget, never on timing; and which forwards draft never changes a token.
 ABSENT_WINDOW = 8  # the forwards each estimate is taken over (a drafter's: its latest run of them)
 ABSENT_MARGIN = 0.1  # … and a drafter is costly past (1 + this) times the forwards without drafts;

@@ -302,8 +302,8 @@ class Engine:
         """The drafters to ask this step, in order: the grammar's forced tokens first (free), then the
         others; `auto` leaves out one whose recent acceptance does not repay verifying it, and tries
         it again every AUTO_RETRY forwards; where a layer's cache cannot hold all its experts, also one
-        whose forwards need more of them from disk per kept token than forwards without drafts (one
-        forward in AUTO_RETRY measures those), tried again after AUTO_RETRY forwards, then twice as
+        whose forwards need more of them from disk per kept token than forwards without drafts (the
+        forward after its first that read, then one in AUTO_RETRY, measure those), tried again after AUTO_RETRY forwards, then twice as
         many each time it is still costly (drafting.py says why, at ABSENT_WINDOW)."""
         if draft == "off":
             return []
@@ -314,8 +314,9 @@ class Engine:
         counters, turn = self.drafting, self.drafting.forwards % AUTO_RETRY
         models = {name: d for name, d in drafters.items() if d is not None and name != "grammar"}
         streamed = self.split.cache_slots < self.container.n_experts  # else every read is an expert's first
-        if streamed and turn == AUTO_RETRY // 2 and any(counters.reading(name) for name in models):
-            return chosen  # the baseline: a forward without the model's drafters
+        if streamed and (turn == AUTO_RETRY // 2 or counters.absent_per_token(None) is None) and \
+                any(counters.reading(name) for name in models):
+            return chosen  # the baseline (as soon as a drafter has read, then every AUTO_RETRY): no model drafts
         for name, d in models.items():
             costly = streamed and counters.costly(name)
             if counters.acceptance.get(name, 1.0) >= AUTO_MIN_ACCEPTANCE and not costly:
