@@ -303,8 +303,9 @@ class Engine:
         others; `auto` leaves out one whose recent acceptance does not repay verifying it, and tries
         it again every AUTO_RETRY forwards; where a layer's cache cannot hold all its experts, also one
         whose forwards need more of them from disk per kept token than forwards without drafts (the
-        forward after its first that read, then one in AUTO_RETRY, measure those), tried again after AUTO_RETRY forwards, then twice as
-        many each time it is still costly (drafting.py says why, at ABSENT_WINDOW)."""
+        forward after its first that read, then one in AUTO_RETRY, measure those), tried again after
+        AUTO_RETRY forwards, then twice as many each time it is still costly (drafting.py says why,
+        at ABSENT_WINDOW)."""
         if draft == "off":
             return []
         drafters = self._session_drafters(session)
