@@ -50,8 +50,10 @@ ACCEPTANCE_DECAY = 0.9  # the acceptance estimate's memory, per draft
 # verification reads the union of its tokens' experts, which a small cache may not hold (the tiny
 # trained GLM-5.2 with MTP drafts read 1.41x the bytes a generated token at 4 of 16 slots, 2.4x at
 # 8; BENCHMARKS.md). The forward after a drafter's first read, then one in AUTO_RETRY, runs without
-# the model's drafters for that baseline. Experts absent from cache and hot-store (`StoreCounters.absent`) depend on the
-# routing and the budget, never on timing; and which forwards draft never changes a token.
+# the model's drafters for that baseline. Experts absent from cache and hot-store
+# (`StoreCounters.absent`) follow the routing and the budget, and, a little, the timing of reads (a
+# read in flight is never evicted, so the cache may drop another expert): the machine can change
+# which forwards draft, never a token.
 ABSENT_WINDOW = 8  # the forwards each estimate is taken over (a drafter's: its latest run of them)
 ABSENT_MARGIN = 0.1  # … and a drafter is costly past (1 + this) times the forwards without drafts;
 AUTO_RETRY_MAX = 256  # its retries, each a costly verification, come twice as far apart up to this

@@ -10,8 +10,9 @@
 - ``io_stall_seconds``: time a layer waited for reads after computing everything else it could;
   ``layer_io_stall_seconds``: the same per MoE layer (where the disk holds decode back).
 - ``layer_hit_rate``: hits / lookups per MoE layer.
-- ``absent``: experts a layer needed that were neither cached nor pinned (read on demand whatever
-  the timing of reads in flight, unlike ``expert_misses``): what `--draft auto` weighs.
+- ``absent``: experts a layer needed that were neither cached nor pinned (a pinned expert whose
+  background read has not started yet is one of ``expert_misses``, never of these): what
+  `--draft auto` weighs.
 - ``steps``: forward steps (a solo forward, or one step of a batch: every running generation's
   forward); ``step_rereads``: reads of an expert already read in the same step (0 when every layer
   reads the union of its step's experts once; more when the cache evicts one before a later use).
