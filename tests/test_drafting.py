@@ -166,8 +166,8 @@ def test_a_seed_gives_the_same_tokens_whatever_drafted(models):
 
 
 class ReadingDrafter(Drafter):
-    """Drafts the known greedy continuation `want` whole, 4 tokens at a time, and each proposal reads
-    64 experts from disk (counted as the store counts them), as a head's own layer may."""
+    """Drafts the known greedy continuation `want` whole, 4 tokens at a time; each proposal adds 64
+    to the store's count of experts absent from its cache, as a head's own layer reading them would."""
 
     name = "oracle"
 
@@ -185,9 +185,10 @@ class ReadingDrafter(Drafter):
 def test_auto_stops_a_drafter_whose_forwards_read_more_experts(models, oracle_drafter, slots):
     """`--draft auto` where a layer's cache cannot hold its experts (2 of 16 slots) weighs the experts
     read from disk per kept token: a drafter whose forwards need many more than forwards without
-    drafts is left out, once the forward after its first (without it) gives that baseline, but for
-    retries after AUTO_RETRY forwards, then twice as many each time; with every expert cached (16 slots) a read is an expert's first and
-    the drafter drafts at every forward. The tokens are those without drafts."""
+    drafts is left out once the forward after its first (without it) gives that baseline, but for
+    retries after AUTO_RETRY forwards, then twice as many each time; with every expert cached (16
+    slots) a read is an expert's first and the drafter drafts at every forward. The tokens are
+    those without drafts."""
     from colibri_core.drafting import AUTO_RETRY
 
     with load(models["olmoe"], activations="f32", usage=False, cache_slots=slots, pin_gb=0) as engine:
