@@ -468,27 +468,6 @@ def gpt_oss(tmp_path_factory):
     return d
 
 
-def to_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float32 (..., R, C) -> the release's MXFP4: blocks uint8 (..., R, C/32, 16), E2M1 pairs, low nibble
-    first; scales uint8 (..., R, C/32), UE8M0, the smallest power of two that fits its 32 values."""
-    from colibri_core.quant import E2M1_VALUES
-
-    groups = w.reshape(*w.shape[:-1], -1, 32)
-    scales = np.clip(np.ceil(np.log2(np.maximum(np.abs(groups).max(-1), 1e-30) / 6)) + 127, 1, 254).astype(np.uint8)
-    scaled = groups / 2.0 ** (scales[..., None].astype(np.float64) - 127)
-    codes = np.abs(scaled[..., None] - E2M1_VALUES).argmin(-1).astype(np.uint8)  # the nearest E2M1 value
-    return codes[..., 0::2] | codes[..., 1::2] << 4, scales
-
-
-def from_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """`to_mxfp4` undone: float32 (..., R, C)."""
-    from colibri_core.quant import E2M1_VALUES
-
-    codes = np.stack([blocks & 15, blocks >> 4], -1).reshape(*blocks.shape[:-1], 32)
-    w = E2M1_VALUES[codes] * 2.0 ** (scales[..., None].astype(np.float64) - 127)
-    return w.reshape(*w.shape[:-2], -1).astype(np.float32)
-
-
 @pytest.fixture(scope="module")
 def gpt_oss_mxfp4(gpt_oss, tmp_path_factory):
     """gpt_oss as OpenAI releases it: experts MXFP4 (`*_blocks`, `*_scales`, rows the output units, gate
@@ -496,21 +475,15 @@ def gpt_oss_mxfp4(gpt_oss, tmp_path_factory):
     GGUF MXFP4 blocks). Returns (the release, its weights dequantised as a float32 checkpoint)."""
     import shutil
 
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from safetensors.torch import load_file, save_file
+
+    from colibri_core.testing.mxfp4 import release_layout
 
     root = tmp_path_factory.mktemp("gguf-gpt-oss-mxfp4")
     release, plain = root / "release", root / "plain"
     release.mkdir(), plain.mkdir()
-    official, dequantised = {}, {}
-    for name, t in load_file(gpt_oss / "model.safetensors").items():
-        if name.endswith(("gate_up_proj", "down_proj")):  # (E, in, out) -> rows the output units
-            blocks, scales = to_mxfp4(t.transpose(1, 2).contiguous().numpy())
-            official[name + "_blocks"], official[name + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
-            dequantised[name] = torch.from_numpy(from_mxfp4(blocks, scales)).transpose(1, 2).contiguous()
-        else:
-            official[name] = t.to(torch.bfloat16)
-            dequantised[name] = official[name].float()
+    official, dequantised = release_layout(load_file(gpt_oss / "model.safetensors"))
     save_file(official, str(release / "model.safetensors"), metadata={"format": "pt"})
     save_file(dequantised, str(plain / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((gpt_oss / "config.json").read_text())

@@ -15,28 +15,8 @@ from colibri_core.container.native import NativeCheckpoint
 from colibri_core.convert import convert_checkpoint
 from colibri_core.engine import load
 from colibri_core.errors import ColibriError
-from colibri_core.quant import E2M1_VALUES
+from colibri_core.testing.mxfp4 import EXPERTS, release_layout
 from colibri_core.testing.oracle import Oracle
-
-EXPERTS = ("gate_up_proj", "down_proj")
-
-
-def to_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [..., R, C] (C a multiple of 32) → (blocks uint8 [..., R, C/32, 16]: E2M1 pairs, low
-    nibble first; scales uint8 [..., R, C/32]: UE8M0, the smallest power of two that fits the block)."""
-    groups = w.reshape(*w.shape[:-1], -1, 32)
-    s = np.clip(np.ceil(np.log2(np.maximum(np.abs(groups).max(axis=-1), 1e-30) / 6.0)) + 127, 1, 254).astype(np.uint8)
-    x = groups / (2.0 ** (s.astype(np.float64) - 127))[..., None]
-    nib = np.abs(x[..., None] - E2M1_VALUES).argmin(axis=-1).astype(np.uint8)  # the nearest E2M1 value
-    return nib[..., 0::2] | (nib[..., 1::2] << 4), s
-
-
-def from_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """`to_mxfp4` undone: float32 [..., R, C]."""
-    nib = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], -1)  # [..., R, C/32, 32]
-    w = E2M1_VALUES[nib] * (2.0 ** (scales.astype(np.float64) - 127))[..., None]
-    return w.reshape(*w.shape[:-2], -1).astype(np.float32)
-
 
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
@@ -50,15 +30,7 @@ def release(oracle, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("release")
     src = load_file(str(next(oracle.checkpoint.glob("*.safetensors"))))
-    official, plain = {}, {}
-    for name, t in src.items():
-        if name.endswith(EXPERTS):  # (E, H, 2I) / (E, I, H): rows of the release are the output units
-            blocks, scales = to_mxfp4(t.transpose(1, 2).contiguous().numpy())
-            official[name + "_blocks"], official[name + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
-            plain[name] = torch.from_numpy(from_mxfp4(blocks, scales)).transpose(1, 2).contiguous()
-        else:
-            official[name] = t.to(torch.bfloat16)
-            plain[name] = official[name].float()
+    official, plain = release_layout(src)
     config = json.loads((oracle.checkpoint / "config.json").read_text())
     (root / "gpt-oss-tiny").mkdir()
     (root / "gpt-oss-tiny" / "config.json").write_text(json.dumps(
