@@ -59,6 +59,15 @@ def store_model(d: Path) -> Path:
     return d / "m"
 
 
+def resident_baseline(model: Path, prompt: list[int], n_new: int, slots: int) -> tuple:
+    """(`prompt`'s logits, its `n_new` greedy tokens) with every expert of `model` resident (`slots`:
+    its experts a layer), no prefetch, no history: what any placement must give, bit for bit."""
+    from colibri_core import load
+
+    with load(model, cache_slots=slots, prefetch=False, usage=False) as e:
+        return e.logits(prompt), e.generate(prompt, n_new, stop_ids=())
+
+
 def colibri(*args, env=None, **kw) -> subprocess.CompletedProcess:
     """Run the `colibri` CLI in a subprocess."""
     return subprocess.run([*COLIBRI, *map(str, args)], capture_output=True, text=True, env=env, **kw)

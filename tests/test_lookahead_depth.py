@@ -14,7 +14,7 @@ from colibri_core.layers.moe import LOOKAHEAD_DISTANCES, MoE
 from colibri_core.layers.router import SoftmaxTopK
 from colibri_core.options import EngineOptions
 from colibri_core.store.store import Lookahead
-from conftest import store_model
+from conftest import resident_baseline, store_model
 
 PROMPT = [5, 17, 40, 99, 230, 7, 61, 300, 12, 1000]
 N_NEW = 12
@@ -23,8 +23,7 @@ N_NEW = 12
 @pytest.fixture(scope="module")
 def baseline():
     """The demo model's logits and greedy tokens with every expert resident and no lookahead."""
-    with load(demo_model(), cache_slots=8, prefetch=False, usage=False) as e:
-        return e.logits(PROMPT), e.generate(PROMPT, N_NEW, stop_ids=())
+    return resident_baseline(demo_model(), PROMPT, N_NEW, slots=8)
 
 
 @pytest.mark.parametrize("depth", [None, 1, 2, 3], ids=["off", "depth-1", "depth-2", "depth-3"])

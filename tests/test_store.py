@@ -22,7 +22,7 @@ from colibri_core.store import io
 from colibri_core.store.store import Lookahead
 from colibri_core.store.usage import USAGE_FILE, ColibriWarning, hot_set, pin_value
 
-from conftest import colibri, store_model
+from conftest import colibri, resident_baseline, store_model
 
 PROMPT = list(range(3, 23))  # 20 tokens: prefill routes a batch union per layer
 N_NEW = 8
@@ -37,8 +37,7 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def baseline(model):
     """Logits and greedy tokens with every expert resident, no prefetch, no history."""
-    with load(model, cache_slots=16, prefetch=False, usage=False) as e:
-        return e.logits(PROMPT), e.generate(PROMPT, N_NEW, stop_ids=())
+    return resident_baseline(model, PROMPT, N_NEW, slots=16)
 
 
 def copy_model(model: Path, dst: Path) -> Path:

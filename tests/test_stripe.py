@@ -18,7 +18,7 @@ from colibri_core.container.stripe import STRIPE_FILE
 from colibri_core.planning import stripe_share
 from colibri_core.store import stripe as stripe_mod
 
-from conftest import colibri, store_model
+from conftest import colibri, resident_baseline, store_model
 
 PROMPT = list(range(3, 23))
 N_NEW = 8
@@ -33,8 +33,7 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def baseline(model):
     """Logits and greedy tokens of the model never striped, every expert resident."""
-    with load(model, cache_slots=16, prefetch=False, usage=False) as e:
-        return e.logits(PROMPT), e.generate(PROMPT, N_NEW, stop_ids=())
+    return resident_baseline(model, PROMPT, N_NEW, slots=16)
 
 
 @pytest.fixture
