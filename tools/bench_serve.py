@@ -553,7 +553,7 @@ WARM_PROMPTS = 8  # the most warm-up prompts a resident server gets to cache eve
 def experts_bytes(model: Path) -> int:
     """Bytes of all of `model`'s routed experts (what the resident regime's cache ends up holding)."""
     with Container(model) as c:
-        return sum(c.n_experts * c.layer_expert_nbytes(layer) for layer in c.moe_layers)
+        return c.experts_nbytes
 
 
 def measure(server: Server, vocab: int, args, label: str, every: int | None = None) -> list[dict]:

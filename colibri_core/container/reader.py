@@ -514,6 +514,11 @@ class Container:
         """The extent size of one MoE layer's experts."""
         return self._extents[layer][2]
 
+    @property
+    def experts_nbytes(self) -> int:
+        """The extents of every routed expert of every MoE layer, summed."""
+        return sum(self.n_experts * self.layer_expert_nbytes(layer) for layer in self.moe_layers)
+
     def expert_location(self, layer: int, expert: int) -> tuple[str, int, int]:
         """(file path, byte offset, byte count) of one expert's extent: in the layer's file, or in the
         stripe directory's file of that layer if the expert was moved there (the same offset)."""

@@ -206,11 +206,10 @@ def summary(c: Container, stripe: Stripe) -> str:
     """One line on where a striped container's experts are (`plan`, `doctor`, `colibri stripe`)."""
     from ..sizes import format_bytes
 
-    total = sum(c.n_experts * c.layer_expert_nbytes(layer) for layer in c.moe_layers)
     moved = stripe.moved_bytes(c)
     bw = stripe.bandwidth
     chosen = (f"share {stripe.share:.2f} from {format_bytes(bw['model'])}/s measured beside the model and "
               f"{format_bytes(bw['stripe'])}/s there" if bw else f"share {stripe.share:.2f} as given")
     unfinished = "" if len(stripe.moved) == len(c.moe_layers) else \
         f"; {len(c.moe_layers) - len(stripe.moved)} layers not moved yet (rerun `colibri stripe` to finish)"
-    return f"{format_bytes(moved)} of {format_bytes(total)} of experts in {stripe.directory} ({chosen}){unfinished}"
+    return f"{format_bytes(moved)} of {format_bytes(c.experts_nbytes)} of experts in {stripe.directory} ({chosen}){unfinished}"
