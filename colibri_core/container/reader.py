@@ -652,11 +652,21 @@ class Container:
                 problems.append(f"{path} fails its whole-file checksum (corrupt)")
         return problems
 
+    def extent_fault(self, layer: int, expert: int, buf) -> str | None:
+        """What is wrong with `buf` as the extent of (`layer`, `expert`), checked against the manifest
+        and its trailer: None, or the fault in words."""
+        got = extent_crc(buf)
+        if got != self._layers[layer]["extent_crc32"][expert]:
+            return "fails its checksum (corrupt)"
+        if TRAILER.unpack_from(buf, len(buf) - TRAILER.size) != (got, TRAILER_MAGIC, layer, expert):
+            return "has a bad extent trailer"
+        return None
+
     def extent_problems(self, layer: int, experts) -> tuple[list[str], int]:
         """(what is wrong with the extents of `experts` of `layer`, each read from the file that holds
         it and checked against the manifest and its trailer; the crc32 of them all, in order: of the
         whole file when `experts` are all of the layer's)."""
-        problems, crc, entry, files = [], 0, self._layers[layer], {}
+        problems, crc, files = [], 0, {}
         try:
             for e in experts:
                 path, offset, nbytes = self.expert_location(layer, e)
@@ -665,11 +675,9 @@ class Container:
                 files[path].seek(offset)
                 buf = files[path].read(nbytes)
                 crc = crc32(buf, crc)
-                got = extent_crc(buf)
-                if got != entry["extent_crc32"][e]:
-                    problems.append(f"{path}: layer {layer} expert {e} fails its checksum (corrupt)")
-                elif TRAILER.unpack_from(buf, len(buf) - TRAILER.size) != (got, TRAILER_MAGIC, layer, e):
-                    problems.append(f"{path}: layer {layer} expert {e} has a bad extent trailer")
+                fault = self.extent_fault(layer, e, buf)
+                if fault is not None:
+                    problems.append(f"{path}: layer {layer} expert {e} {fault}")
         finally:
             for f in files.values():
                 f.close()

@@ -20,7 +20,7 @@ only then is the layer written into `.coli_stripe` (atomically), and only then a
 blocks freed in the model's file. `--undo` runs the same steps backwards (copied back, fsynced and
 checked, the record updated, the stripe file removed). A crash at any point leaves the recorded
 placement whole (the other copy, if any, is only space not yet freed): rerunning the command
-finishes it. Run it while no engine has the model open.
+finishes it. Refused while an engine has the model open (`Container.exclusive`).
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ import os
 from pathlib import Path
 
 from ..container import Container
-from ..container.reader import TRAILER, TRAILER_MAGIC, extent_crc
 from ..container.stripe import STRIPE_FILE, Stripe, binding, save
 from ..errors import ColibriError
 from ..fsio import fsync_dir
@@ -51,22 +50,10 @@ def selection(c: Container, share: float) -> dict[int, list[int]]:
             for layer in c.moe_layers}
 
 
-def _entries(c: Container) -> dict:
-    """layer -> its expert file's manifest entry (sizes, the file's crc32 and each extent's)."""
-    return {f["layer"]: f for f in c.manifest["experts"]["files"]}
-
-
-def _extent_ok(entry: dict, layer: int, expert: int, buf: bytes) -> bool:
-    """The extent's crc32 is the manifest's (`entry`: its layer's) and its trailer names (layer, expert)."""
-    got = extent_crc(buf)
-    return got == entry["extent_crc32"][expert] and \
-        TRAILER.unpack_from(buf, len(buf) - TRAILER.size) == (got, TRAILER_MAGIC, layer, expert)
-
-
 def _copy_extents(c: Container, src: str, dst: str, layer: int, experts, create: bool) -> None:
     """Copy the extents of `experts` from file `src` into file `dst` (created as a sparse file as long
     as the layer's, if `create`), fsync it, and read them back: each must match the manifest."""
-    nbytes, entry = c.layer_expert_nbytes(layer), _entries(c)[layer]
+    nbytes = c.layer_expert_nbytes(layer)
     flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
     s, d = os.open(src, os.O_RDONLY), os.open(dst, flags, 0o644)
     try:
@@ -77,7 +64,7 @@ def _copy_extents(c: Container, src: str, dst: str, layer: int, experts, create:
                 raise ColibriError(f"writing {dst} stopped short (disk full?)")
         os.fsync(d)
         for e in experts:
-            if not _extent_ok(entry, layer, e, os.pread(d, nbytes, e * nbytes)):
+            if c.extent_fault(layer, e, os.pread(d, nbytes, e * nbytes)) is not None:
                 raise ColibriError(f"layer {layer} expert {e} copied into {dst} does not match the manifest's "
                                    f"checksum (a disk error?): nothing was changed; check the disk and rerun")
     finally:
