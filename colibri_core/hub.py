@@ -267,6 +267,8 @@ def pull(spec: str, quant: str = "int4", keep_source: bool = False, progress: bo
             record.get("gguf_quant") == (gguf and gguf[0]):
         if not keep_source and quant != NATIVE:  # a kill between the container's rename and the source's deletion
             _drop_source(hf, repo, commit, gguf[1] if gguf else [n for n in files if n.endswith(".safetensors")])
+        # and one between the rename and the removal of a GGUF conversion's work folder
+        shutil.rmtree(dst.with_name(dst.name + WORK_SUFFIXES[1]), ignore_errors=True)
         print(f"{repo} is pulled already at {commit[:12]} ({quant}): {dst}", file=sys.stderr)
         return dst, {}
     say = (lambda m: print(m, file=sys.stderr)) if progress else (lambda m: None)

@@ -273,8 +273,11 @@ def test_pull_gguf_by_quantisation(gguf_hub, gguf_env, tmp_path):
         assert r.returncode == 0 and r.stdout.strip(), r.stderr
     r = colibri("run", "--model", f"{GGUF_REPO}:Q8_0", "x", env=gguf_env)
     assert r.returncode == 1 and "pulled from Q4_0, not Q8_0" in r.stderr
+    work = pulled.with_name(pulled.name + ".gguf-work")  # as a kill between publishing and its removal leaves it
+    (work / "files").mkdir(parents=True)
     r = colibri("pull", f"{GGUF_REPO}:Q4_0", env=gguf_env)
     assert r.returncode == 0 and "pulled already" in r.stderr
+    assert not work.exists(), "the pull that finds the model whole removes its conversion's work folder"
     listed = colibri("list", env=gguf_env)
     assert GGUF_REPO in listed.stdout and "int4" in listed.stdout
 
