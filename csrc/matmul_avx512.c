@@ -264,33 +264,55 @@ AVX512 static float dot_int8_q8_avx512(const QMatrix *w, int r, const Acts *a, i
 // same bits. The rows stream past once (4 KB asked ahead), tokens 4 at a time.
 AVX512 static inline void int8_chunk_transposed(__m512i *wz, const int8_t *wp, long left) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512i raw[8];  // block j, zeros past the row (never read)
-    for (int j = 0; j < 8; j++) raw[j] = _mm512_maskz_loadu_epi8(left > 64 * j ? bytes_mask((size_t)(left - 64 * j)) : 0, wp + 64 * j);
-    // lane l: block l & 7 (of the pair raw[2p], raw[2p + 1] its (l & 7) / 2), word 2k + (l >> 3)
-    const __m512i idx = _mm512_setr_epi32(0, 16, 0, 16, 0, 16, 0, 16, 1, 17, 1, 17, 1, 17, 1, 17);
+    __m512i raw[8];  // block j as (w + 128), zeros past the row (never read)
+    for (int j = 0; j < 8; j++)
+        raw[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(left > 64 * j ? bytes_mask((size_t)(left - 64 * j)) : 0, wp + 64 * j), flip);
+    // an 8 x 16 transposition of words in four rounds of 8 shuffles. Word w = 4q + c sits in 128-bit
+    // quarter q. After the 32- and 64-bit unpacks, u[h][c] quarter q = word 4q + c of blocks 4h .. 4h+3.
+    __m512i t[8], u[2][4], p[4][2];
+    for (int j = 0; j < 4; j++) {
+        t[2 * j] = _mm512_unpacklo_epi32(raw[2 * j], raw[2 * j + 1]);      // words 4q, 4q + 1
+        t[2 * j + 1] = _mm512_unpackhi_epi32(raw[2 * j], raw[2 * j + 1]);  // words 4q + 2, 4q + 3
+    }
+    for (int h = 0; h < 2; h++) {
+        u[h][0] = _mm512_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+        u[h][1] = _mm512_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+        u[h][2] = _mm512_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+        u[h][3] = _mm512_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+    // p[c][0]: quarters 0, 1 of u[0][c], then of u[1][c]; p[c][1]: quarters 2, 3
+    for (int c = 0; c < 4; c++) {
+        p[c][0] = _mm512_shuffle_i64x2(u[0][c], u[1][c], _MM_SHUFFLE(1, 0, 1, 0));
+        p[c][1] = _mm512_shuffle_i64x2(u[0][c], u[1][c], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    // wz[k], words 2k (= 4q + c) and 2k + 1: blocks 0-3, 4-7 of each, from p[c] and p[c + 1]
     for (int k = 0; k < 8; k++) {
-        __m512i ik = _mm512_add_epi32(idx, _mm512_set1_epi32(2 * k));
-        __m512i v = _mm512_permutex2var_epi32(raw[0], ik, raw[1]);
-        v = _mm512_mask_blend_epi32((__mmask16)0x0c0c, v, _mm512_permutex2var_epi32(raw[2], ik, raw[3]));
-        v = _mm512_mask_blend_epi32((__mmask16)0x3030, v, _mm512_permutex2var_epi32(raw[4], ik, raw[5]));
-        v = _mm512_mask_blend_epi32((__mmask16)0xc0c0, v, _mm512_permutex2var_epi32(raw[6], ik, raw[7]));
-        wz[k] = _mm512_xor_si512(v, flip);
+        int c = (2 * k) & 3, q = k >> 1;
+        __m512i a = p[c][q >> 1], b = p[c + 1][q >> 1];
+        wz[k] = (q & 1) ? _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1)) : _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0));
     }
 }
 
 // m tokens t[0..m) (m a constant where inlined: 1, 2 or 4) of a chunk at block b0: L[j] += terms.
+// The tokens' sums interleaved, two chains a token, as chunk_tokens512.
 AVX512 static inline __attribute__((always_inline)) void int8_chunk_tokens(const __m512i *wz, const Acts *a,
                                                                            const size_t *t, int m, int b0, __m256 *L) {
+    const __m512i *x[4];
+    __m512i s0[4], s1[4];
     for (int j = 0; j < m; j++) {
-        const __m512i *x = (const __m512i *)(a->xt + t[j] * a->stride + (size_t)b0 * 64);
-        __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz[0], _mm512_load_si512(x));
-        __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz[1], _mm512_load_si512(x + 1));
-        for (int k = 2; k < 8; k += 2) {
-            s0 = _mm512_dpbusd_epi32(s0, wz[k], _mm512_load_si512(x + k));
-            s1 = _mm512_dpbusd_epi32(s1, wz[k + 1], _mm512_load_si512(x + k + 1));
+        x[j] = (const __m512i *)(a->xt + t[j] * a->stride + (size_t)b0 * 64);
+        s0[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz[0], _mm512_load_si512(x[j]));
+        s1[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wz[1], _mm512_load_si512(x[j] + 1));
+    }
+    for (int k = 2; k < 8; k += 2) {
+        for (int j = 0; j < m; j++) {
+            s0[j] = _mm512_dpbusd_epi32(s0[j], wz[k], _mm512_load_si512(x[j] + k));
+            s1[j] = _mm512_dpbusd_epi32(s1[j], wz[k + 1], _mm512_load_si512(x[j] + k + 1));
         }
+    }
+    for (int j = 0; j < m; j++) {
         size_t at = t[j] * (size_t)a->nb8 + (size_t)b0;
-        __m256i isum = _mm256_sub_epi32(fold16(_mm512_add_epi32(s0, s1)),
+        __m256i isum = _mm256_sub_epi32(fold16(_mm512_add_epi32(s0[j], s1[j])),
                                         _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(a->xsum + at)), 7));
         L[j] = _mm256_add_ps(L[j], _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_loadu_ps(a->xs + at)));
     }

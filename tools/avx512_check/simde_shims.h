@@ -47,7 +47,13 @@ static inline __m512i coli_cvtepu8_epi32(__m128i a) {
     for (int i = 0; i < 16; i++) v[i] = b[i];
     __m512i r; memcpy(&r, v, 64); return r;
 }
+static inline __m512i coli_shuffle_i64x2(__m512i a, __m512i b, int imm) {  // quarters 0, 1 of a; 2, 3 of b
+    __m128i qa[4], qb[4], r[4]; memcpy(qa, &a, 64); memcpy(qb, &b, 64);
+    r[0] = qa[imm & 3]; r[1] = qa[(imm >> 2) & 3]; r[2] = qb[(imm >> 4) & 3]; r[3] = qb[(imm >> 6) & 3];
+    __m512i v; memcpy(&v, r, 64); return v;
+}
 #define _mm512_maskz_loadu_epi8 coli_maskz_loadu_epi8
+#define _mm512_shuffle_i64x2 coli_shuffle_i64x2
 #define _mm256_mask_loadu_epi8 coli_mask_loadu_epi8_256
 #define _mm_maskz_loadu_epi8 coli_maskz_loadu_epi8_128
 #define _mm512_maskz_loadu_ps coli_maskz_loadu_ps
