@@ -86,6 +86,9 @@ def test_exact_ceiling_measures_every_path_this_cpu_runs(tmp_path):
         for kind in ("int4", "int8"):
             kernel, arithmetic, int8_acts = floats(rf"{path}\s+{kind}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", out)
             assert kernel > 0 and arithmetic > 0 and int8_acts > 0, out
+    if kernels.simd_supported("avx512"):  # the several-token ceiling: one core's vpdpbusd rate
+        ns, int8_cap, int4_cap = floats(r"vpdpbusd \(512-bit\): ([\d.]+) ns.* at ([\d.]+) GB/s of int8 weights, ([\d.]+) of int4", out)
+        assert ns > 0 and int8_cap == pytest.approx(2 * int4_cap, rel=0.02), out
 
 
 # ----------------------------------------------------------------------------- benchmarks

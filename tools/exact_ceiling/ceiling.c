@@ -14,8 +14,10 @@
 //   int8 acts    the path's kernel with int8 activations (the explicit fast mode), for scale;
 // and one core's read bandwidth (mem_read, one thread, 512 MB). `arithmetic / read` is the best
 // fraction of one core's read bandwidth the exact mode can reach here with the products computed.
-// Where the CPU has AVX-512, one more line: the same int4 contract with the products looked up
-// instead (interleaved_512: a layout the engine does not have), its bits checked too.
+// Where the CPU has AVX-512, two more lines: the same int4 contract with the products looked up
+// instead (interleaved_512: a layout the engine does not have), its bits checked too; and one core's
+// rate of 512-bit vpdpbusd (64 byte products each), which caps several tokens an expert with int8
+// activations whatever else a kernel does: each token owes one per 64 weights.
 // Run: tools/exact_ceiling/run.sh
 #include <immintrin.h>
 #include <stdio.h>
@@ -215,6 +217,24 @@ static volatile float sink;
     })
 #define EACH_ROW(call) for (int r = 0; r < ROWS; r++) sink = (call)
 
+// Seconds a 512-bit vpdpbusd on one core: 12 independent chains (more than latency x throughput),
+// the operands in registers.
+__attribute__((target("avx512f,avx512vnni"))) static double vpdpbusd_seconds(void) {
+    __m512i b = _mm512_set1_epi8(3), c = _mm512_set1_epi8(5), s[12];
+    for (int i = 0; i < 12; i++) s[i] = _mm512_set1_epi32(i);
+    long n = 20000000;
+    double t0 = now();
+    for (long it = 0; it < n; it++) {
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++) s[i] = _mm512_dpbusd_epi32(s[i], b, c);
+        __asm__ volatile("" : "+v"(b), "+v"(c));  // not hoisted out of the loop
+    }
+    double dt = now() - t0;
+    for (int i = 1; i < 12; i++) s[0] = _mm512_add_epi32(s[0], s[i]);
+    sink = (float)_mm512_reduce_add_epi32(s[0]);
+    return dt / (12.0 * (double)n);
+}
+
 int main(void) {
     size_t row_bytes = COLS / 2;
     uint8_t *data = malloc(ROWS * row_bytes);
@@ -321,6 +341,12 @@ int main(void) {
         for (int i = 0; i < 100; i++) product_tables_512(i & 1 ? x : af.xf, table);  // two inputs: not hoisted
         printf("avx512   int4 with the products looked up, rows interleaved: %.1f GB/s, the same bits "
                "(its tables: %.1f us a token for %d columns)\n", il_gbps, (now() - t0) / 100 * 1e6, COLS);
+    }
+    if (simd_supported("avx512")) {
+        double dp = vpdpbusd_seconds();
+        printf("avx512   vpdpbusd (512-bit): %.3f ns on one core; the multiply-adds alone of 8 tokens an expert "
+               "(int8 activations) cap one core at %.1f GB/s of int8 weights, %.1f of int4 (%.0f %%, %.0f %% of its read)\n",
+               dp * 1e9, 64 / (8 * dp) / 1e9, 32 / (8 * dp) / 1e9, 100 * 64 / (8 * dp) / 1e9 / read, 100 * 32 / (8 * dp) / 1e9 / read);
     }
     return 0;
 }
