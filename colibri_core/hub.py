@@ -369,14 +369,7 @@ def _pull_gguf(hf, repo: str, commit: str, asked: str | None, files: dict[str, i
         raise ColibriError(f"the pull needs {format_bytes(source)} free on {hf.constants.HF_HUB_CACHE} for "
                            f"{repo}'s {label} GGUF; it has {format_bytes(free)}")
     parts = [_download(hf, repo, n, commit) for n in names]
-    config = hf_config(read(parts))
-    staged = dst.with_name(dst.name + ".config.json")  # sizes_from_config reads a file
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    staged.write_text(json.dumps(config))
-    try:
-        sizes, _ = sizes_from_config(staged, quant)
-    finally:
-        staged.unlink()
+    sizes, _ = sizes_from_config(f"{parts[0]} (its metadata)", quant, config=hf_config(read(parts)))
     container = sizes.dense_bytes + sizes.experts_total * sizes.expert_nbytes
     done = disk_bytes(dst.with_name(dst.name + ".partial"))
     _, free = _free(dst.parent)

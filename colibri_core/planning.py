@@ -401,9 +401,11 @@ def sizes_from_container(model_dir: str | Path, kv_cache: str = "f32") -> ModelS
                           model_cls.layout(cfg).top_k, state_bytes_per_token(model_cls, cfg, kv_cache), kv_cache)
 
 
-def sizes_from_config(config_path: str | Path, quant_kind: str, kv_cache: str = "f32") -> tuple[ModelSizes, dict]:
-    """The sizes `make_plan` needs, and `plan`'s full report, from config.json alone."""
-    config = read_json(config_path)
+def sizes_from_config(config_path: str | Path, quant_kind: str, kv_cache: str = "f32",
+                      config: dict | None = None) -> tuple[ModelSizes, dict]:
+    """The sizes `make_plan` needs, and `plan`'s full report, from config.json alone (or from
+    `config`, a configuration read elsewhere that `config_path` names in errors)."""
+    config = read_json(config_path) if config is None else config
     if not isinstance(config, dict):
         raise ColibriError(f"{config_path} is not a model configuration (a JSON object)")
     registry = plugins.registry()
