@@ -48,7 +48,8 @@ SINGLE = "model.safetensors"
 PULL_RECORD = "colibri-pull.json"  # in a checkpoint pulled with --quant native: what it was pulled from
 # a conversion's working directories beside the model: the unfinished container, a GGUF's dequantised
 # blocks (gguf_in.WORK_SUFFIX, spelled out here so that `colibri list` and `rm` load no converter)
-WORK_SUFFIXES = (".partial", ".gguf-work")
+GGUF_WORK = ".gguf-work"
+WORK_SUFFIXES = (".partial", GGUF_WORK)
 MARGIN = 64 << 20  # beside the stash: the small files and the file system's own blocks
 # huggingface_hub >= 2 downloads a file into a temporary of its own, BLOB.<8 hex digits>.incomplete
 # (1.x: BLOB.incomplete, which it resumes), under the lock .locks/models--ORG--NAME/BLOB.lock; before
@@ -268,7 +269,7 @@ def pull(spec: str, quant: str = "int4", keep_source: bool = False, progress: bo
         if not keep_source and quant != NATIVE:  # a kill between the container's rename and the source's deletion
             _drop_source(hf, repo, commit, gguf[1] if gguf else [n for n in files if n.endswith(".safetensors")])
         # and one between the rename and the removal of a GGUF conversion's work folder
-        shutil.rmtree(dst.with_name(dst.name + WORK_SUFFIXES[1]), ignore_errors=True)
+        shutil.rmtree(dst.with_name(dst.name + GGUF_WORK), ignore_errors=True)
         print(f"{repo} is pulled already at {commit[:12]} ({quant}): {dst}", file=sys.stderr)
         return dst, {}
     say = (lambda m: print(m, file=sys.stderr)) if progress else (lambda m: None)
