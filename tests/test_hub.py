@@ -205,6 +205,7 @@ def kill_trials(hub_repo, tmp_path, trials: int, seed: int) -> int:
             assert (pulled / MANIFEST).read_bytes() == (reference / MANIFEST).read_bytes()
             left = left_in_cache(tmp_path / f"hf{i}")
             assert not left, f"trial {i}: left in the hub cache: {left}"
+            assert [p.name for p in pulled.parent.iterdir()] == [pulled.name], f"trial {i}: left beside the model"
     print(f"{trials} pulls, {interrupted} kills left a download or conversion half done")
     return interrupted
 
@@ -366,6 +367,7 @@ def gguf_kill_trials(gguf_hub, tmp_path, trials: int, seed: int) -> dict[str, in
             assert [p.name for p in pulled.parent.iterdir()] == [pulled.name], "a killed conversion's temporary left"
             left = left_in_cache(tmp_path / f"hf{i}")
             assert not left, f"trial {i}: left in the hub cache: {left}"
+            assert [p.name for p in pulled.parent.iterdir()] == [pulled.name], f"trial {i}: left beside the model"
     print(f"{trials} GGUF pulls, kills: {hits}; phases (s): {spans}")
     return hits
 
