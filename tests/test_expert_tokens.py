@@ -100,6 +100,18 @@ def test_several_token_rows_match_reference_bit_for_bit(simd_path, kind, act):
                              f"{simd_path} {kind} act={act} [{rows}, {cols}] n={n}")
 
 
+def test_int8_rows_take_the_whole_int8_range(simd_path):
+    """-128 and 127 in the weights (a GGUF's Q8_0 may hold -128, which quantize never writes) against
+    activations at ±127: the row kernels' integer sums must neither saturate nor wrap."""
+    rng = np.random.default_rng(11)
+    for rows, cols in [(4, 576), (3, 1100)]:
+        data = rng.choice(np.array([-128, 127, -127, 0, 1], np.int8), (rows, cols))
+        w = quant.QTensor("int8", rows, cols, data, np.full(rows, 0.01, np.float32))
+        for n in (2, 4, 5, 8, 16):
+            x = rng.choice(np.array([-1.0, 1.0, 0.5], np.float32), (n, cols))
+            assert_same_bits(kernels.matmul(w, x, "int8"), reference.matmul(w, x, "int8"), f"{simd_path} [{rows}, {cols}] n={n}")
+
+
 def test_bench_expert_tokens_reports_every_path_arithmetic_and_count():
     """tools/bench_expert_tokens.py (the several-token figures in BENCHMARKS.md), on a small working set."""
     paths = [p for p in supported_paths() if p != "portable"] or pytest.skip("no SIMD path on this CPU to measure")
