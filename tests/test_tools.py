@@ -89,6 +89,9 @@ def test_exact_ceiling_measures_every_path_this_cpu_runs(tmp_path):
     if kernels.simd_supported("avx512"):  # the several-token ceiling: one core's vpdpbusd rate
         ns, int8_cap, int4_cap = floats(r"vpdpbusd \(512-bit\): ([\d.]+) ns.* at ([\d.]+) GB/s of int8 weights, ([\d.]+) of int4", out)
         assert ns > 0 and int8_cap == pytest.approx(2 * int4_cap, rel=0.02), out
+    if kernels.simd_supported("avx2"):  # the same ceiling for the AVX2 path: its product steps' rate
+        ns8, ns4, int8_cap, int4_cap = floats(r"int8 x int8 ([\d.]+) ns, int4 x int8 ([\d.]+) ns.* at ([\d.]+) GB/s of int8 weights, ([\d.]+) of int4", out)
+        assert ns8 > 0 and ns4 > 0 and int8_cap == pytest.approx(4 / ns8, rel=0.05) and int4_cap == pytest.approx(4 / ns4, rel=0.05), out
 
 
 # ----------------------------------------------------------------------------- benchmarks

@@ -17,7 +17,11 @@
 // Where the CPU has AVX-512, two more lines: the same int4 contract with the products looked up
 // instead (interleaved_512: a layout the engine does not have), its bits checked too; and one core's
 // rate of 512-bit vpdpbusd (64 byte products each), which caps several tokens an expert with int8
-// activations whatever else a kernel does: each token owes one per 64 weights.
+// activations whatever else a kernel does: each token owes one per 64 weights. Without VNNI (the
+// AVX2 path) the same cap comes from the product steps the AVX2 kernels take per 32 bytes of
+// weights and token, timed the same way: int8 x int8 sign + maddubs + madd + add (|w| x sign(q, w),
+// no cheaper exact step found: csrc/matmul_avx2.c, rows_int8_q8_avx2), int4 x int8 two maddubs +
+// adds (64 weights), a madd every 8 maddubs.
 // Run: tools/exact_ceiling/run.sh
 #include <immintrin.h>
 #include <stdio.h>
@@ -235,6 +239,39 @@ __attribute__((target("avx512f,avx512vnni"))) static double vpdpbusd_seconds(voi
     return dt / (12.0 * (double)n);
 }
 
+// Seconds per 32 bytes of weights and token of the AVX2 kernels' product steps on one core, the
+// operands in registers: 6 chains, each with its own activations (re-read every round, so nothing
+// is hoisted). int8: s += madd(maddubs(|w|, sign(x, w)), 1); int4: p += maddubs(w, x) twice (the
+// nibbles of 32 bytes), s += madd(p, 1) every 8 maddubs.
+__attribute__((target("avx2"))) static double avx2_product_seconds(int int4) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i w = _mm256_set1_epi8(-3), u = _mm256_abs_epi8(w), x[6], s[6], p[6];
+    for (int i = 0; i < 6; i++) x[i] = _mm256_set1_epi8((char)(i + 1)), s[i] = p[i] = _mm256_setzero_si256();
+    long n = 20000000;
+    double t0 = now();
+    for (long it = 0; it < n; it++) {
+        __asm__ volatile("" : "+x"(x[0]), "+x"(x[1]), "+x"(x[2]), "+x"(x[3]), "+x"(x[4]), "+x"(x[5]));
+        if (int4) {
+#pragma GCC unroll 6
+            for (int i = 0; i < 6; i++) {
+                p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(u, x[i]));
+                p[i] = _mm256_add_epi16(p[i], _mm256_maddubs_epi16(w, x[i]));
+            }
+            if ((it & 3) == 3) {
+#pragma GCC unroll 6
+                for (int i = 0; i < 6; i++) s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(p[i], ones)), p[i] = _mm256_setzero_si256();
+            }
+        } else {
+#pragma GCC unroll 6
+            for (int i = 0; i < 6; i++) s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(x[i], w)), ones));
+        }
+    }
+    double dt = now() - t0;
+    for (int i = 1; i < 6; i++) s[0] = _mm256_add_epi32(s[0], _mm256_add_epi32(s[i], p[i]));
+    sink = (float)_mm256_extract_epi32(s[0], 0);
+    return dt / (6.0 * (double)n);
+}
+
 int main(void) {
     size_t row_bytes = COLS / 2;
     uint8_t *data = malloc(ROWS * row_bytes);
@@ -347,6 +384,14 @@ int main(void) {
         printf("avx512   vpdpbusd (512-bit): %.3f ns on one core; the multiply-adds alone of 8 tokens an expert "
                "(int8 activations) cap one core at %.1f GB/s of int8 weights, %.1f of int4 (%.0f %%, %.0f %% of its read)\n",
                dp * 1e9, 64 / (8 * dp) / 1e9, 32 / (8 * dp) / 1e9, 100 * 64 / (8 * dp) / 1e9 / read, 100 * 32 / (8 * dp) / 1e9 / read);
+    }
+    if (simd_supported("avx2")) {
+        double p8 = avx2_product_seconds(0), p4 = avx2_product_seconds(1);
+        printf("avx2     product steps per 32 bytes and token: int8 x int8 %.3f ns, int4 x int8 %.3f ns on one core; "
+               "those alone of 8 tokens an expert cap one core at %.1f GB/s of int8 weights, %.1f of int4 "
+               "(%.0f %%, %.0f %% of its read)\n",
+               p8 * 1e9, p4 * 1e9, 32 / (8 * p8) / 1e9, 32 / (8 * p4) / 1e9, 100 * 32 / (8 * p8) / 1e9 / read,
+               100 * 32 / (8 * p4) / 1e9 / read);
     }
     return 0;
 }
