@@ -519,11 +519,12 @@ dot_fn path_dot(const Path *p, int kind, int act) {
 }
 
 rows_fn path_rows(const Path *p, int kind, int act, int n) {
-    if (kind == QKIND_INT8) return act != ACT_Q8 ? p->int8_f32_rows : n > 1 ? p->int8_q8_rows : NULL;  // f32: any n
+    int q8_rows = n >= (p->q8_rows_from > 2 ? p->q8_rows_from : 2);
+    if (kind == QKIND_INT8) return act != ACT_Q8 ? p->int8_f32_rows : q8_rows ? p->int8_q8_rows : NULL;  // f32: any n
     if (n <= 1) return NULL;
     if (kind == QKIND_FP8) return p->fp8_f32_rows;
     if (kind == QKIND_FP4) return act == ACT_Q8 ? NULL : p->fp4_f32_rows;
-    if (kind == QKIND_INT4) return act == ACT_Q8 ? p->int4_q8_rows : p->int4_f32_rows;
+    if (kind == QKIND_INT4) return act == ACT_Q8 ? (q8_rows ? p->int4_q8_rows : NULL) : p->int4_f32_rows;
     return NULL;
 }
 

@@ -402,17 +402,9 @@ AVX2 static inline __attribute__((always_inline)) void chunk_tokens_avx2(const _
 // Rows r0 .. r1-1 for tokens tok[0..n) (NULL: 0..n), n > 1: the rows stream past once (asking 4 KB
 // ahead, as the one-token dot), each chunk of a row transposed once into wt (L1) for a block of up
 // to 32 tokens, 4 at a time — the same integer sums, hence the same operations per (row, token) as
-// the one-token dot, whatever n. 2 and 3 tokens take the dot row by row instead (the row in L1
-// after the first): the transposition costs more than it saves there (Zen 3, 8 OLMoE experts from
-// memory: 2 tokens 1.97-2.02 -> 1.58-1.61 ms, 3 tokens 1.03-1.05x; 4 the same either way).
+// the one-token dot, whatever n. The AVX2 path gives it 4 tokens or more (PATH_AVX2.q8_rows_from).
 AVX2 void rows_int4_q8_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
                             float *const *yrow) {
-    if (n < 4) {
-        for (int r = r0; r < r1; r++) {
-            for (int i = 0; i < n; i++) yrow[i][r] = dot_int4_q8_avx2(w, r, a, tok != NULL ? tok[i] : i);
-        }
-        return;
-    }
     int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)w->cols + 1) / 2;
     __m256i wt[16];
@@ -511,18 +503,9 @@ AVX2 static inline __attribute__((always_inline)) void int8_chunk_tokens_avx2(co
 }
 
 // Rows r0 .. r1-1 for tokens tok[0..n), n > 1: the rows stream past once (asking 4 KB ahead), each
-// chunk transposed once into wt / wa (L1) for a block of up to 32 tokens, 4 at a time. The
-// transposition costs about what two tokens' sums do, so 2 and 3 tokens take the one-token dot
-// row by row instead (the row in L1 after the first), which is faster there (Zen 3, a 1024 x 2048
-// matrix in cache: 2 tokens 151 µs, transposed 209 µs; 4 tokens 285 against 257; 8 560 against 414).
+// chunk transposed once into wt / wa (L1) for a block of up to 32 tokens, 4 at a time.
 AVX2 static void rows_int8_q8_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
                                    float *const *yrow) {
-    if (n < 4) {
-        for (int r = r0; r < r1; r++) {
-            for (int i = 0; i < n; i++) yrow[i][r] = dot_int8_q8_avx2(w, r, a, tok != NULL ? tok[i] : i);
-        }
-        return;
-    }
     int cols = w->cols;
     const float *scale = (const float *)w->scales;
     enum { BLOCK = 32 };  // tokens per pass over a row
@@ -1232,6 +1215,12 @@ const Path PATH_AVX2 = {"avx2", dot_f32_avx2, dot_int8_f32_avx2, dot_int8_q8_avx
                         dot_int4_q8_avx2, rows_int4_q8_avx2, dot_fp8_f32_avx2, dot_fp4_f32_avx2,
                         dot_fp4_q8_avx2, rows_fp8_f32_avx2, rows_fp4_f32_avx2, quantize64_avx2,
                         product_t_int4_avx2, rows_int4_f32_avx2, rows_int8_f32_avx2,
-                        rows_int8_q8_avx2};
+                        rows_int8_q8_avx2,
+                        // Below 4 tokens the int4 and int8 rows' transposition costs about what it
+                        // saves, and the dot row by row (the row in L1 after its first token) is
+                        // faster: Zen 3, 8 OLMoE-size experts from memory, int4 2 tokens 1.97-2.02 ->
+                        // 1.58-1.61 ms, 3 tokens 1.03-1.05x; int8 in cache (1024 x 2048) 2 tokens 209
+                        // -> 151 µs; at 4 tokens the rows are as fast or faster (int8 285 -> 257 µs).
+                        4};
 
 #endif  // COLI_X86

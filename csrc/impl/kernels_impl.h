@@ -92,6 +92,8 @@ typedef struct {
     rows_fn int4_f32_rows; // optional (NULL): int4 weights, ACT_F32, several tokens per row pass
     rows_fn int8_f32_rows; // optional (NULL): int8 weights, ACT_F32, one token or several: rows interleaved
     rows_fn int8_q8_rows;  // optional (NULL): int8 weights, ACT_Q8, several tokens per row pass
+    int q8_rows_from;      // the fewest tokens int4_q8_rows and int8_q8_rows take (0: 2); fewer take
+                           // the dot row by row, where a rows kernel's transposition costs more than it saves
 } Path;
 
 // 2 * e2m1(nibble): the fp4 values as the integers 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12 (matmul.c).
