@@ -364,10 +364,9 @@ def gguf_kill_trials(gguf_hub, tmp_path, trials: int, seed: int) -> dict[str, in
             assert container_files(pulled) == container_files(reference)
             for rel in container_files(reference):
                 assert filecmp.cmp(pulled / rel, reference / rel, shallow=False), rel
-            assert [p.name for p in pulled.parent.iterdir()] == [pulled.name], "a killed conversion's temporary left"
+            assert [p.name for p in pulled.parent.iterdir()] == [pulled.name], f"trial {i}: left beside the model"
             left = left_in_cache(tmp_path / f"hf{i}")
             assert not left, f"trial {i}: left in the hub cache: {left}"
-            assert [p.name for p in pulled.parent.iterdir()] == [pulled.name], f"trial {i}: left beside the model"
     print(f"{trials} GGUF pulls, kills: {hits}; phases (s): {spans}")
     return hits
 
