@@ -230,6 +230,10 @@ int softmax_topk(float *weights, int64_t *ids, const float *logits, int T, int E
 // SiLU: the same bits on every path (kernels_impl.h's coli_expf). out, x: f32 [n].
 int exp_f32(float *out, const float *x, int n);
 
+// out[i] = 1 / (1 + coli_expf(−x[i])) in float32 (a gate's sigmoid: 0 where the exp overflows).
+// out, x: f32 [n] (out may be x).
+int sigmoid_f32(float *out, const float *x, int n);
+
 // out = x / sqrt(mean(x^2) + eps) * weight, row by row. out, x: f32 [n, dim]; weight: f32 [dim].
 int rms_norm(float *out, const float *x, const float *weight, int n, int dim, float eps);
 
@@ -254,13 +258,16 @@ int f16_from_f32(uint16_t *out, const float *x, size_t n);
 // The pre-norm attention sub-block of a decoder layer (OLMoE, Qwen3-MoE and the like), for T new
 // tokens at positions start .. start+T-1, in one call, exactly the sequence of the calls above:
 //   x = rms_norm(h, norm); q, k, v = x wq^T, x wk^T, x wv^T (one matmul_multi) + bq, bk, bv (each NULL: none);
+//   gated: q, gate = each head's halves of the q projection;
 //   q, k = rms_norm over each whole projection (QK_NORM_WHOLE: OLMoE) or each head (QK_NORM_HEAD:
 //   Qwen3), or neither (0);
-//   q, k, v clamped to ±clip (INFINITY: none); q, k = rope_rotate_half(·, cos, sin);
+//   q, k, v clamped to ±clip (INFINITY: none); q, k = rope_rotate_half(·, cos, sin) on each head's
+//   leading rotary_dim dims, the rest as they are;
 //   k, v written to rows start .. start+T-1 of k_cache, v_cache (rounded by f16_from_f32 for
 //   KV_F16); a = attention(q, the cache rows 0 .. start+T-1, scale, window, sinks, kv);
+//   gated: a = a · sigmoid_f32(gate);
 //   out = h + (a wo^T + bo).
-// out, h: f32 [T, hidden] (out may not alias h); cos, sin: f32 [T, head_dim]; k_cache, v_cache:
+// out, h: f32 [T, hidden] (out may not alias h); cos, sin: f32 [T, rotary_dim]; k_cache, v_cache:
 // [start + T (at least), kv_heads, head_dim], float32 (kv = KV_F32) or float16 (KV_F16).
 // COLI_OK, COLI_EINVAL (shapes) or COLI_ENOMEM.
 enum { QK_NORM_WHOLE = 1, QK_NORM_HEAD = 2 };
@@ -277,6 +284,10 @@ typedef struct {
     const float *bo;               // NULL or [hidden]: the output projection's bias
     const float *sinks;            // NULL or [heads]: attention's sink logits
     int window;                    // attention's sliding window (0: none)
+    int gated;                     // wq gives per head [q | gate] ([heads * 2 head_dim, hidden]; bq likewise) and
+                                   // the attention is multiplied by sigmoid_f32(gate) before wo (Qwen3.5/3.6)
+    int rotary_dim;                // RoPE on each head's leading rotary_dim dims (cos, sin: [T, rotary_dim]);
+                                   // 0: all head_dim
 } AttnBlock;
 int attn_block(float *out, const float *h, int T, const AttnBlock *b, const float *cos, const float *sin,
                void *k_cache, void *v_cache, int start, int act, int kv);

@@ -99,18 +99,26 @@ int softmax_topk(float *weights, int64_t *ids, const float *logits, int T, int E
     return COLI_OK;
 }
 
-int rope_rotate_half(float *out, const float *x, const float *cos, const float *sin, int T, int heads, int dim) {
-    if (T < 0 || heads < 0 || dim < 0 || dim % 2) return COLI_EINVAL;
-    int half = dim / 2;
+// rope_rotate_half on the leading `rot` dims of each head of `dim` (cos, sin: [T, rot]); the other
+// dims copied: a partial RoPE, each element the bits of rotating those dims alone.
+static void rope_leading(float *out, const float *x, const float *cos, const float *sin, int T, int heads, int dim,
+                         int rot) {
+    int half = rot / 2;
     for (size_t t = 0; t < (size_t)T; t++) {
-        const float *c = cos + t * (size_t)dim, *s = sin + t * (size_t)dim;
+        const float *c = cos + t * (size_t)rot, *s = sin + t * (size_t)rot;
         for (size_t h = 0; h < (size_t)heads; h++) {
             const float *xh = x + (t * (size_t)heads + h) * (size_t)dim;
             float *oh = out + (t * (size_t)heads + h) * (size_t)dim;
             for (int i = 0; i < half; i++) oh[i] = xh[i] * c[i] + (-xh[i + half]) * s[i];
-            for (int i = half; i < dim; i++) oh[i] = xh[i] * c[i] + xh[i - half] * s[i];
+            for (int i = half; i < rot; i++) oh[i] = xh[i] * c[i] + xh[i - half] * s[i];
+            for (int i = rot; i < dim; i++) oh[i] = xh[i];
         }
     }
+}
+
+int rope_rotate_half(float *out, const float *x, const float *cos, const float *sin, int T, int heads, int dim) {
+    if (T < 0 || heads < 0 || dim < 0 || dim % 2) return COLI_EINVAL;
+    rope_leading(out, x, cos, sin, T, heads, dim, dim);
     return COLI_OK;
 }
 
@@ -362,6 +370,12 @@ int exp_f32(float *out, const float *x, int n) {
     if (n < 0) return COLI_EINVAL;
     memcpy(out, x, (size_t)n * sizeof(float));
     exp_shifted(out, n, 0.0f, path_current() != &PATH_PORTABLE);  // x − 0 = x, −0 included
+    return COLI_OK;
+}
+
+int sigmoid_f32(float *out, const float *x, int n) {
+    if (n < 0) return COLI_EINVAL;
+    for (int i = 0; i < n; i++) out[i] = 1.0f / (1.0f + coli_expf(-x[i]));
     return COLI_OK;
 }
 
@@ -691,28 +705,35 @@ static void add_bias(float *x, const float *bias, int n, int width) {
 int attn_block(float *out, const float *h, int T, const AttnBlock *b, const float *cos, const float *sin,
                void *k_cache, void *v_cache, int start, int act, int kv) {
     int H = b->heads, Hkv = b->kv_heads, D = b->head_dim, hidden = b->wq->cols;
-    int nq = H * D, nkv = Hkv * D;
-    if (T < 0 || H < 1 || Hkv < 1 || D < 1 || D % 2 || H % Hkv || start < 0 || (kv != KV_F32 && kv != KV_F16) ||
-        b->wq->rows != nq ||
+    int nq = H * D, nkv = Hkv * D, nqg = b->gated ? 2 * nq : nq, rot = b->rotary_dim ? b->rotary_dim : D;
+    if (T < 0 || H < 1 || Hkv < 1 || D < 1 || rot < 0 || rot > D || rot % 2 || H % Hkv || start < 0 ||
+        (kv != KV_F32 && kv != KV_F16) || b->wq->rows != nqg ||
         b->wk->rows != nkv || b->wv->rows != nkv || b->wk->cols != hidden || b->wv->cols != hidden ||
         b->wo->rows != hidden || b->wo->cols != nq || b->qk_norm < 0 ||
-        b->qk_norm > QK_NORM_HEAD || b->window < 0) {
+        b->qk_norm > QK_NORM_HEAD || b->window < 0 || (b->gated && b->qk_norm == QK_NORM_WHOLE)) {
         return COLI_EINVAL;
     }
     if (T == 0) return COLI_OK;
     size_t t = (size_t)T;
-    float *x = malloc(t * ((size_t)hidden * 2 + (size_t)nq * 3 + (size_t)nkv * 3) * sizeof(float));
+    float *x = malloc(t * ((size_t)hidden * 2 + (size_t)nq * 3 + (size_t)nkv * 3 + (b->gated ? (size_t)nq * 3 : 0)) * sizeof(float));
     if (x == NULL) return COLI_ENOMEM;
     float *q = x + t * hidden, *k = q + t * nq, *v = k + t * nkv, *qr = v + t * nkv, *attn = qr + t * nq;
     float *o = attn + t * nq, *kr = o + t * hidden;  // kr: the rotated keys, before a float16 cache rounds them
+    float *qg = b->gated ? kr + t * nkv : q, *gate = qg + t * nqg;  // gated: per head [q | gate], then the gates
     size_t at = (size_t)start * nkv;  // this call's rows of the cache
     int status = rms_norm(x, h, b->norm, T, hidden, b->eps);
-    float *qkv[3] = {q, k, v};
+    float *qkv[3] = {qg, k, v};
     const QMatrix *w[3] = {b->wq, b->wk, b->wv};
     if (status == COLI_OK) status = matmul_multi(qkv, w, 3, x, T, act);
     const float *bias[3] = {b->bq, b->bk, b->bv};
-    int width[3] = {nq, nkv, nkv};
+    int width[3] = {nqg, nkv, nkv};
     for (int i = 0; i < 3 && status == COLI_OK; i++) add_bias(qkv[i], bias[i], T, width[i]);
+    if (status == COLI_OK && b->gated) {  // [T, H, 2D] → q [T, H, D] and the gates [T, H, D]
+        for (size_t r = 0; r < t * (size_t)H; r++) {
+            memcpy(q + r * D, qg + r * 2 * D, (size_t)D * sizeof(float));
+            memcpy(gate + r * D, qg + r * 2 * D + D, (size_t)D * sizeof(float));
+        }
+    }
     if (status == COLI_OK && b->qk_norm) {  // in place: rms_norm reads a row whole before writing it
         int whole = b->qk_norm == QK_NORM_WHOLE;
         rms_norm(q, q, b->q_norm, whole ? T : T * H, whole ? nq : D, b->eps);
@@ -722,8 +743,8 @@ int attn_block(float *out, const float *h, int T, const AttnBlock *b, const floa
         for (float *p = q; p < qr; p++) *p = *p < -b->clip ? -b->clip : *p > b->clip ? b->clip : *p;
     }
     if (status == COLI_OK) {
-        rope_rotate_half(qr, q, cos, sin, T, H, D);
-        rope_rotate_half(kr, k, cos, sin, T, Hkv, D);
+        rope_leading(qr, q, cos, sin, T, H, D, rot);
+        rope_leading(kr, k, cos, sin, T, Hkv, D, rot);
         if (kv == KV_F16) {
             f16_from_f32((uint16_t *)k_cache + at, kr, t * (size_t)nkv);
             f16_from_f32((uint16_t *)v_cache + at, v, t * (size_t)nkv);
@@ -732,6 +753,10 @@ int attn_block(float *out, const float *h, int T, const AttnBlock *b, const floa
             memcpy((float *)v_cache + at, v, t * (size_t)nkv * sizeof(float));
         }
         status = attention(attn, qr, T, H, D, k_cache, v_cache, start + T, Hkv, start, b->scale, b->window, b->sinks, kv);
+    }
+    if (status == COLI_OK && b->gated) {  // attention · sigmoid(gate)
+        sigmoid_f32(gate, gate, T * nq);
+        for (size_t i = 0; i < t * (size_t)nq; i++) attn[i] = attn[i] * gate[i];
     }
     if (status == COLI_OK) status = matmul_multi(&o, &b->wo, 1, attn, T, act);
     if (status == COLI_OK) add_bias(o, b->bo, T, hidden);

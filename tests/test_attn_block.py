@@ -8,7 +8,8 @@ import pytest
 
 from colibri_core.kv.cache import KVCache
 from colibri_core.layers.attention import AttnBlock, gqa_attention, gqa_block
-from colibri_core.layers.norm import rms_norm
+from colibri_core.layers.gated_attention import GatedAttention
+from colibri_core.layers.norm import rms_norm, rms_norm_zero_centred
 from colibri_core.layers.rope import Rope, apply_rotate_half
 from colibri_core.model import linear, linears
 from colibri_core.quant import quantize
@@ -64,6 +65,36 @@ def test_fused_block_is_bit_identical_to_its_steps(kind, qk_norm, clip, act, cac
         assert a.tobytes() == b.tobytes()
         assert fused.length == steps.length
         assert all(x.dtype == dtype and x.tobytes() == y.tobytes() for x, y in zip(fused.view(), steps.view()))
+
+
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.parametrize("act", ["f32", "int8"])
+@pytest.mark.parametrize("rotary_dim", [D // 2, D])
+def test_gated_block_is_bit_identical_to_gated_attention(rotary_dim, act, cache):
+    """Qwen3.5/3.6's gated attention (q projection per head [q | gate], per-head zero-centred q/k
+    norms, partial RoPE, the output times sigmoid(gate), projection biases) as a gated `AttnBlock`
+    gives the bits of `GatedAttention`'s steps after the input norm, plus the residual."""
+    rng = np.random.default_rng(2)
+    w = lambda r, c: replace(quantize(rng.standard_normal((r, c)).astype(np.float32) * 0.2, "int4"), act=act)  # noqa: E731
+    small = lambda n: 0.1 * rng.standard_normal(n).astype(np.float32)  # noqa: E731
+    norm, q_norm, k_norm = small(H), small(D), small(D)  # zero-centred: offsets from 1
+    biases = {"q": small(2 * HEADS * D), "k": small(KV_HEADS * D), "v": small(KV_HEADS * D), "o": small(H)}
+    steps = GatedAttention(w(2 * HEADS * D, H), w(KV_HEADS * D, H), w(KV_HEADS * D, H), w(H, HEADS * D), q_norm, k_norm,
+                           heads=HEADS, kv_heads=KV_HEADS, head_dim=D, eps=EPS, biases=biases)
+    one = np.float32(1)
+    block = AttnBlock(one + norm, steps.q_proj, steps.k_proj, steps.v_proj, steps.o_proj, heads=HEADS,
+                      kv_heads=KV_HEADS, head_dim=D, eps=EPS, scale=D ** -0.5, qk_norm="head", q_norm=one + q_norm,
+                      k_norm=one + k_norm, **{f"{n}_bias": b for n, b in biases.items()}, gated=True,
+                      rotary_dim=rotary_dim)
+    rope = Rope(rotary_dim, 10000.0)
+    fused, stepped = (KVCache(KV_HEADS, D, cache, capacity=4) for _ in range(2))
+    for T in (7, 1, 1, 3, 1):
+        h = rng.standard_normal((T, H)).astype(np.float32)
+        cos, sin = rope.cos_sin(np.arange(fused.length, fused.length + T))  # (T, rotary_dim)
+        a = gqa_block(block, h, fused, cos, sin)
+        b = h + steps(rms_norm_zero_centred(h, norm, EPS), stepped, cos, sin)
+        assert a.tobytes() == b.tobytes()
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(fused.view(), stepped.view()))
 
 
 def test_bad_shapes_are_one_clear_error():

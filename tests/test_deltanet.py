@@ -7,7 +7,7 @@ from colibri_core import kernels
 from colibri_core.kernels import deltanet as dn
 from colibri_core.kernels import kda
 from colibri_core.kernels import reference_deltanet as ref
-from colibri_core.layers.gated_attention import apply_partial_rotate_half
+from colibri_core.layers.rope import apply_partial_rotate_half
 from colibri_core.layers.norm import rms_norm_gated, rms_norm_zero_centred
 from colibri_core.layers.rope import Rope
 

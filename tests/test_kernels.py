@@ -523,6 +523,23 @@ def test_exp_is_the_same_bits_on_every_path_and_within_1_ulp():
     assert err.max() <= 1.0, f"{err.max():.2f} ulp at x = {x[~nan][~big][err.argmax()]!r}"
 
 
+def test_sigmoid_is_one_over_one_plus_the_kernels_exp():
+    """A gate's sigmoid (the shared expert's, gated attention's) is 1 / (1 + exp(−x)) with the
+    kernels' exp, in float32: the bits NumPy gives on that exp (the fused decoder layer computes it
+    in C), within 2.5 ulp of the true value; 0 where the exp overflows (below −88.72, where the true
+    value is subnormal) and 1 far above."""
+    x = exp_inputs()
+    x = x[~np.isnan(x)]
+    y = kernels.sigmoid(x)
+    with np.errstate(over="ignore"):
+        assert_same_bits(y, np.float32(1) / (np.float32(1) + kernels.exp(-x)), "sigmoid")
+        exact = 1 / (1 + np.exp(-x.astype(np.float64)))
+    finite = -x <= np.float32(88.72283935546875)  # e^−x a float32
+    ulp = np.spacing(exact[finite].astype(np.float32)).astype(np.float64)
+    assert (np.abs(y[finite] - exact[finite]) / ulp).max() <= 2.5
+    assert y[~finite].max() == 0 and y[x > 20].min() == 1
+
+
 def test_rms_norm_matches_reference():
     rng = np.random.default_rng(20)
     for shape in [(1, 1), (3, 63), (5, 2048), (2, 3, 130)]:

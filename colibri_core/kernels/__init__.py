@@ -54,7 +54,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         "install the package (`pip install -e .` in a checkout) to compile csrc/"
     ) from e
 
-__all__ = ["AttnBlock", "matmul", "matmul_multi", "matmul_each", "matmul_t", "matmul_t_each", "dequantize", "expert_ffn", "moe_experts", "moe_combine", "moe_block", "moe_block_softmax", "ExpertTable", "softmax_topk", "exp", "rms_norm", "rope_rotate_half", "attention",
+__all__ = ["AttnBlock", "matmul", "matmul_multi", "matmul_each", "matmul_t", "matmul_t_each", "dequantize", "expert_ffn", "moe_experts", "moe_combine", "moe_block", "moe_block_softmax", "ExpertTable", "softmax_topk", "exp", "sigmoid", "rms_norm", "rope_rotate_half", "attention",
            "ACTIVATIONS", "check_activations", "weights_act", "GLUS",
            "simd", "set_simd", "simd_supported", "SIMD_PATHS", "threads", "set_threads", "reference"]
 
@@ -437,6 +437,16 @@ def exp(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """``1 / (1 + e^-x)`` in float32 with the kernels' own exp (`exp`): a gate's sigmoid, the bits the
+    fused decoder layer computes (0 where the exp overflows)."""
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty_like(x)
+    if x.size:
+        _check(lib.sigmoid_f32(_floats(out, writable=True), _floats(x), x.size), "sigmoid")
+    return out
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """``x / sqrt(mean(x²) + eps) * weight`` over the last axis: x (..., D), weight (D,) -> float32 (..., D)."""
     x = np.ascontiguousarray(x, np.float32)
@@ -511,6 +521,9 @@ class AttnBlock:
     projections and `o_bias` (H,) to the output projection; `sinks` (heads,) a logit per head joining
     its softmax without a value; `window` a sliding window (a token sees its own row and the
     window − 1 before it: its cache may hold only those, `kv.cache.WindowKV`). GPT-OSS uses them all.
+    `gated`: wq (and q_bias) give per head [q | gate] (heads·2D rows), and the attention is multiplied
+    by `sigmoid(gate)` before the output projection; `rotary_dim`: RoPE on each head's leading
+    rotary_dim dims only (cos, sin (T, rotary_dim)). Qwen3.5/3.6 use both.
 
     Built once per layer (checks the shapes, keeps the C struct); called per forward pass. Its
     weights stay readable as attributes (norm, wq, wk, wv, wo, q_norm, k_norm, biases, sinks, window).
@@ -520,16 +533,20 @@ class AttnBlock:
                  kv_heads: int, head_dim: int, eps: float, scale: float, qk_norm: str | None = None,
                  q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None, clip: float | None = None,
                  q_bias: np.ndarray | None = None, k_bias: np.ndarray | None = None, v_bias: np.ndarray | None = None,
-                 o_bias: np.ndarray | None = None, sinks: np.ndarray | None = None, window: int | None = None):
+                 o_bias: np.ndarray | None = None, sinks: np.ndarray | None = None, window: int | None = None,
+                 gated: bool = False, rotary_dim: int | None = None):
         hidden, nq, nkv = wq.cols, heads * head_dim, kv_heads * head_dim
-        if (wq.rows, wk.rows, wv.rows, wk.cols, wv.cols, wo.rows, wo.cols) != (nq, nkv, nkv, hidden, hidden, hidden, nq):
-            raise ValueError(f"attn_block: projections must be q [{nq}, H], k, v [{nkv}, H], o [H, {nq}]; got q "
+        nqg = 2 * nq if gated else nq
+        if (wq.rows, wk.rows, wv.rows, wk.cols, wv.cols, wo.rows, wo.cols) != (nqg, nkv, nkv, hidden, hidden, hidden, nq):
+            raise ValueError(f"attn_block: projections must be q [{nqg}, H], k, v [{nkv}, H], o [H, {nq}]; got q "
                              f"[{wq.rows}, {wq.cols}], k [{wk.rows}, {wk.cols}], v [{wv.rows}, {wv.cols}], o [{wo.rows}, {wo.cols}]")
-        if qk_norm not in (None, "whole", "head"):
-            raise ValueError(f"attn_block: qk_norm must be None, 'whole' or 'head', got {qk_norm!r}")
-        if heads % kv_heads or head_dim % 2:
-            raise ValueError(f"attn_block: {heads} heads over {kv_heads} kv heads of {head_dim} (even) floats")
-        self.hidden, self.kv_heads, self.head_dim = hidden, kv_heads, head_dim
+        if qk_norm not in (None, "whole", "head") or (gated and qk_norm == "whole"):
+            raise ValueError(f"attn_block: qk_norm must be None, 'whole' (not gated) or 'head', got {qk_norm!r}")
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if heads % kv_heads or head_dim % 2 or not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ValueError(f"attn_block: {heads} heads over {kv_heads} kv heads of {head_dim} (even) floats, "
+                             f"{rotary_dim} (even) of them rotated")
+        self.hidden, self.kv_heads, self.head_dim, self.rotary_dim, self.gated = hidden, kv_heads, head_dim, rotary_dim, gated
         widths = {None: (0, 0), "whole": (nq, nkv), "head": (head_dim, head_dim)}[qk_norm]
         arrays = [_vector(norm, hidden, "norm")]
         if qk_norm is not None:
@@ -543,12 +560,13 @@ class AttnBlock:
         b.clip = math.inf if clip is None else float(clip)
         b.heads, b.kv_heads, b.head_dim, b.eps, b.scale = heads, kv_heads, head_dim, eps, scale
         options = {name: None if a is None else _vector(a, n, name) for name, a, n in (
-            ("q_bias", q_bias, nq), ("k_bias", k_bias, nkv), ("v_bias", v_bias, nkv), ("o_bias", o_bias, hidden),
+            ("q_bias", q_bias, nqg), ("k_bias", k_bias, nkv), ("v_bias", v_bias, nkv), ("o_bias", o_bias, hidden),
             ("sinks", sinks, heads))}
         for field, name in (("bq", "q_bias"), ("bk", "k_bias"), ("bv", "v_bias"), ("bo", "o_bias"), ("sinks", "sinks")):
             if options[name] is not None:
                 setattr(b, field, ffi.from_buffer("float[]", options[name]))
         b.window = self.window = _window(window, "attn_block")
+        b.gated, b.rotary_dim = int(gated), rotary_dim
         self.biases = tuple(options[n] for n in ("q_bias", "k_bias", "v_bias", "o_bias"))  # (q, k, v, o), None: none
         self.sinks = options["sinks"]
         self._c = b  # points into the arrays here, kept here
@@ -558,12 +576,21 @@ class AttnBlock:
 
     def __call__(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                  start: int, act: str | None = None) -> np.ndarray:
-        """h (T, H) → h + attention (T, H) for positions start .. start+T-1; cos, sin (T, head_dim);
+        """h (T, H) → h + attention (T, H) for positions start .. start+T-1; cos, sin (T, rotary_dim);
         k_cache, v_cache (capacity, kv_heads, head_dim), both float32 or both float16 (rows stored
         rounded to nearest, `f16_from_f32`), capacity >= start + T: rows start .. start+T-1 are
         written, rows 0 .. start-1 are the cached tokens."""
         h = _activations(h, self.hidden, "attn_block: h")
         T = h.shape[0]
+        out = np.empty_like(h)
+        if T:
+            args, kv = self.c_args(T, cos, sin, k_cache, v_cache, start)
+            _check(lib.attn_block(_floats(out, writable=True), _floats(h), T, self._c, *args, _act_code(act or self.act),
+                                  kv), "attn_block")
+        return out
+
+    def c_args(self, T: int, cos, sin, k_cache: np.ndarray, v_cache: np.ndarray, start: int) -> tuple:
+        """A call's (cos, sin, k_cache, v_cache, start) and the caches' kv code as C takes them, checked."""
         cos, sin = (np.ascontiguousarray(a, np.float32) for a in (cos, sin))
         shape = (self.kv_heads, self.head_dim)
         for a in (k_cache, v_cache):
@@ -571,15 +598,10 @@ class AttnBlock:
                     or not a.flags.c_contiguous or a.shape[0] < start + T):
                 raise ValueError(f"attn_block: caches must be C-contiguous, both float32 or both float16, (>= {start + T}, "
                                  f"{shape[0]}, {shape[1]}); got {a.dtype} {list(a.shape)}")
-        if cos.shape != (T, self.head_dim) or sin.shape != cos.shape:
-            raise ValueError(f"attn_block: cos, sin must be ({T}, {self.head_dim}), got {list(cos.shape)}, {list(sin.shape)}")
-        out = np.empty_like(h)
-        if T:
-            kv = lib.KV_F16 if k_cache.dtype == np.float16 else lib.KV_F32
-            _check(lib.attn_block(_floats(out, writable=True), _floats(h), T, self._c, _floats(cos), _floats(sin),
-                                  _cache(k_cache, writable=True), _cache(v_cache, writable=True), start, _act_code(act or self.act),
-                                  kv), "attn_block")
-        return out
+        if cos.shape != (T, self.rotary_dim) or sin.shape != cos.shape:
+            raise ValueError(f"attn_block: cos, sin must be ({T}, {self.rotary_dim}), got {list(cos.shape)}, {list(sin.shape)}")
+        kv = lib.KV_F16 if k_cache.dtype == np.float16 else lib.KV_F32
+        return (_floats(cos), _floats(sin), _cache(k_cache, writable=True), _cache(v_cache, writable=True), start), kv
 
 
 # ----------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from ..kv.cache import KVCache
 from ..probe import timed
 from .linear import linear, linears
 from .norm import rms_norm
-from .rope import apply_rotate_half
+from .rope import apply_partial_rotate_half
 
 __all__ = ["gqa_attention", "gqa_block", "AttnBlock"]
 
@@ -32,7 +32,7 @@ def gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache, s
 def gqa_block(block: kernels.AttnBlock, h: np.ndarray, cache: KVCache, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """The whole pre-norm attention sub-block of a decoder layer in one C call: h (T, H) →
     h + o_proj(attention(RoPE(qk_norm(q, k)), v)) over `cache` with the T new tokens appended;
-    cos, sin (T, D). The same bits as the steps one by one (rms_norm, `linears`, the q/k norms,
+    cos, sin (T, rotary_dim). The same bits as the steps one by one (rms_norm, `linears`, the q/k norms,
     `apply_rotate_half`, `gqa_attention`, `linear`, +), with one crossing into C instead of ~10.
     """
     return batch.together(("attn_block", id(block)), (h, cache, cos, sin), lambda parts: _blocks(block, parts))
@@ -54,6 +54,9 @@ def _blocks(block: kernels.AttnBlock, parts: list[tuple]) -> list[np.ndarray]:
     T = len(h)
     q, k, v = linears(rms_norm(h, block.norm, c.eps), (block.wq, block.wk, block.wv))
     q, k, v = (t if b is None else t + b for t, b in zip((q, k, v), block.biases))
+    if block.gated:  # per head [q | gate]
+        qg = q.reshape(T, H, 2 * D)
+        q, gate = qg[..., :D].reshape(T, -1), qg[..., D:].reshape(T, -1)
     if c.qk_norm == kernels.lib.QK_NORM_HEAD:
         q = rms_norm(q.reshape(T, H, D), block.q_norm, c.eps).reshape(T, -1)
         k = rms_norm(k.reshape(T, Hkv, D), block.k_norm, c.eps).reshape(T, -1)
@@ -61,11 +64,12 @@ def _blocks(block: kernels.AttnBlock, parts: list[tuple]) -> list[np.ndarray]:
         q, k = rms_norm(q, block.q_norm, c.eps), rms_norm(k, block.k_norm, c.eps)
     if c.clip != np.inf:
         q, k, v = (np.clip(t, -c.clip, c.clip) for t in (q, k, v))
-    q = apply_rotate_half(q.reshape(T, H, D), cos, sin)
-    k = apply_rotate_half(k.reshape(T, Hkv, D), cos, sin)
+    q = apply_partial_rotate_half(q.reshape(T, H, D), cos, sin)
+    k = apply_partial_rotate_half(k.reshape(T, Hkv, D), cos, sin)
     v = v.reshape(T, Hkv, D)
     cuts = np.cumsum([len(p[0]) for p in parts])[:-1]
     attended = [gqa_attention(qi, ki, vi, p[1], c.scale, block.window or None, block.sinks)
                 for qi, ki, vi, p in zip(*(np.split(t, cuts) for t in (q, k, v)), parts)]
-    o = linear(np.concatenate(attended), block.wo)
+    attended = np.concatenate(attended)  # (T, H D)
+    o = linear(attended * kernels.sigmoid(gate) if block.gated else attended, block.wo)
     return np.split(h + (o if block.biases[3] is None else o + block.biases[3]), cuts)

@@ -5,6 +5,9 @@ QK-norm and partial RoPE (only the leading `rotary_dim` dims of each head rotate
     q_proj x → per head [q (D) | gate (D)];  q = qnorm(q), k = knorm(k_proj x), v = v_proj x
     q, k ← rotate_half RoPE on dims [0, rotary_dim), the rest passes through
     out = o_proj( attention(q, k, v) · sigmoid(gate) )
+
+These are the steps; a gated `AttnBlock` (`gated=True, rotary_dim=…`, the zero-centred norms' weights
+as 1 + w) is the same sub-block, input norm and residual included, in one C call with the same bits.
 """
 from __future__ import annotations
 
@@ -13,23 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from .. import kernels
 from ..kv.cache import KVCache
 from .attention import gqa_attention
 from .linear import linear, linears
 from .norm import rms_norm_zero_centred
-from .rope import apply_rotate_half
+from .rope import apply_partial_rotate_half
 
 __all__ = ["GatedAttention", "sigmoid"]
-
-
-def apply_partial_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x (T, heads, D) with rotate_half RoPE on its leading cos.shape[-1] dims; the rest unchanged.
-
-    cos, sin (T, rotary_dim) from `Rope(rotary_dim, theta)`."""
-    r = cos.shape[-1]
-    if r == x.shape[-1]:
-        return apply_rotate_half(x, cos, sin)
-    return np.concatenate([apply_rotate_half(x[..., :r], cos, sin), x[..., r:]], axis=-1)
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -67,7 +61,7 @@ class GatedAttention:
         q = apply_partial_rotate_half(rms_norm_zero_centred(q, self.q_norm, self.eps), cos, sin)  # (T, heads, D)
         k = apply_partial_rotate_half(rms_norm_zero_centred(k, self.k_norm, self.eps), cos, sin)  # (T, kv_heads, D)
         attn = gqa_attention(q, k, v, cache, D ** -0.5)  # (T, heads * D)
-        return self._bias(linear(attn * sigmoid(gate), self.o_proj), b.get("o"))
+        return self._bias(linear(attn * kernels.sigmoid(gate), self.o_proj), b.get("o"))  # the gated AttnBlock's bits
 
     @staticmethod
     def _bias(y: np.ndarray, bias: np.ndarray | None) -> np.ndarray:

@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import kernels
 
-__all__ = ["Rope", "yarn_inv_freq", "apply_rotate_half", "apply_interleaved", "rotate_tail_interleaved"]
+__all__ = ["Rope", "yarn_inv_freq", "apply_rotate_half", "apply_partial_rotate_half", "apply_interleaved", "rotate_tail_interleaved"]
 
 
 class Rope:
@@ -52,6 +52,16 @@ def apply_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.nda
     """x (T, heads, dim) rotated by cos/sin (T, dim): x*cos + rotate_half(x)*sin (one C call, the same
     float32 operations as kernels.reference.rope_rotate_half, so the same bits)."""
     return kernels.rope_rotate_half(x, cos, sin)
+
+
+def apply_partial_rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x (T, heads, D) with rotate_half RoPE on its leading cos.shape[-1] dims; the rest unchanged.
+
+    cos, sin (T, rotary_dim) from `Rope(rotary_dim, theta)`."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return apply_rotate_half(x, cos, sin)
+    return np.concatenate([apply_rotate_half(x[..., :r], cos, sin), x[..., r:]], axis=-1)
 
 
 def apply_interleaved(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -14,7 +14,6 @@ import numpy as np
 
 from .. import kernels
 from ..quant import QTensor
-from .gated_attention import sigmoid
 from .linear import linear
 from .mlp import swiglu_mlp
 from .situ import situ_mlp
@@ -39,7 +38,7 @@ class SharedExpert:
         """Each token's weight (T,) float32: sigmoid(expert_gate · x); None (1) when ungated."""
         if self.expert_gate is None:
             return None
-        return sigmoid(linear(x, self.expert_gate))[:, 0]
+        return kernels.sigmoid(linear(x, self.expert_gate))[:, 0]  # the kernels' exp: the fused layer's bits
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x (T, H) → (T, H), on its own (the MoE block's fused call gives the same bits)."""
