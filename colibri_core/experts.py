@@ -51,6 +51,10 @@ class ExpertSource:
             return None
         return self.store.resident_table(layer, lookaheads(predict))
 
+    def holds_all(self, layer: int) -> bool:
+        """Whether every expert of `layer` is resident here (none computed remotely)."""
+        return self.remote is None and self.store.holds_all(layer)
+
     def count_resident(self, layer: int, ids: np.ndarray) -> None:
         """Count the routing `ids` (T, k) run over `resident_table(layer)`: hits, and the history."""
         self.store.count_resident(layer, ids)

@@ -15,13 +15,14 @@ import numpy as np
 from . import batch
 from .errors import ColibriError
 from .kv import State
+from .layers.decoder import MoEDecoderLayer
 from .layers.linear import dense, embed, linear, linears
 from .layers.moe import MoE
 from .layers.router import Router
 from .layout import ContainerLayout
 from .tensors import TensorTable
 
-__all__ = ["MoEModel", "Weights", "linear", "linears", "embed", "dense"]
+__all__ = ["MoEModel", "MoEDecoderLayer", "Weights", "linear", "linears", "embed", "dense"]
 
 
 _kept: ContextVar[dict] = ContextVar("colibri_model_kept", default={})  # {(model id, what): array}
@@ -221,13 +222,27 @@ class MoEModel:
         on `expert_input` (default x) → (T, H), plus `shared(x)` given a shared expert
         (`layers.shared_expert.SharedExpert`, run in the same C call where it can). Call it from
         `forward`; never override it."""
-        if self._moe is None:
-            layout = self.layout(self.cfg)
-            self._moe = MoE(self.store, self.routers(), self.lookahead(), layout.swiglu_limit, layout.expert_activation,
-                            layout.swiglu_alpha, self.expert_biases())
-        moe = self._moe
+        moe = self._moe_block()
         # in a batch (colibri_core/batch.py): one call for every generation at this layer, their rows
         # stacked, so the layer reads the union of their experts once
         parts = (x, residual, token_ids) if expert_input is None else (x, residual, token_ids, expert_input)
         return batch.together(("moe", id(self), layer, id(shared), expert_input is None), parts,
                               lambda all_parts: _moe_rows(moe, layer, shared, all_parts))
+
+    def decoder_layer(self, layer: int, block: MoEDecoderLayer, h: np.ndarray, state, token_ids: np.ndarray,
+                      cos: np.ndarray | None = None, sin: np.ndarray | None = None) -> np.ndarray:
+        """A decoder layer built from the core's blocks (`layers.decoder.MoEDecoderLayer`): h (T, H)
+        → h + mixer, + the MoE block (`moe`) on its post-norm, over `state` (the layer's KV cache or
+        DeltaNet state) with cos, sin (T, head_dim) for attention. One C call where the layer can
+        take it (`MoE.whole_layer`), else block by block: the same bits either way. Call it from
+        `forward`; never override it."""
+        out = self._moe_block().whole_layer(layer, block, h, state, token_ids, cos, sin)
+        return block.steps(self.moe, layer, h, state, token_ids, cos, sin) if out is None else out
+
+    def _moe_block(self) -> MoE:
+        """The core's MoE block over `routers()`, built on first use."""
+        if self._moe is None:
+            layout = self.layout(self.cfg)
+            self._moe = MoE(self.store, self.routers(), self.lookahead(), layout.swiglu_limit, layout.expert_activation,
+                            layout.swiglu_alpha, self.expert_biases())
+        return self._moe

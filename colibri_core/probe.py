@@ -90,6 +90,14 @@ def timed(name: str):
     return wrap
 
 
+def spent(name: str, seconds: float) -> None:
+    """Add `seconds` to the listening probe's (if any) section `name`: what `timed` adds, for a fused
+    call that times its parts itself."""
+    probe = _listening.get()
+    if probe is not None:
+        probe.add_seconds(name, seconds)
+
+
 def route(layer: int, ids: np.ndarray) -> None:
     """Tell the listening probe (if any) which experts layer `layer` routed each token to: ids (T, k)."""
     probe = _listening.get()

@@ -83,7 +83,7 @@ class BrokenOlmoe(Olmoe):
         cos, sin = self.rope.cos_sin(np.arange(state.length, state.length + T))
         h = embed(ids, self.embed_tokens)
         for i, L in enumerate(self.layers):
-            A = L["attn"]  # the layer's kernels.AttnBlock, run step by step
+            A = L.mixer  # the layer's kernels.AttnBlock, run step by step
             x = rms_norm(h, A.norm, cfg.rms_norm_eps)
             q, k, v = linears(x, (A.wq, A.wk, A.wv))
             if not (self.fault == "q_norm" and i == 1):
@@ -93,7 +93,7 @@ class BrokenOlmoe(Olmoe):
             k = apply_rotate_half(k.reshape(T, cfg.num_key_value_heads, cfg.head_dim), cos, sin)
             v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
             h = h + linear(gqa_attention(q, k, v, state[f"layer.{i}"], cfg.head_dim ** -0.5), A.wo)
-            x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
+            x = rms_norm(h, L.post_norm, cfg.rms_norm_eps)
             h = h + self.moe(i, x, h, ids)
             record(i, l_out=h)
         state.advance(T)

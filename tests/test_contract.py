@@ -254,7 +254,7 @@ def test_a_failed_load_leaves_no_thread_or_file_open(where, monkeypatch):
         monkeypatch.setattr(Olmoe, "__init__", broken)
         match = "the plugin's model failed"
     else:
-        monkeypatch.setattr(Olmoe, "routers", lambda self: {0: self.layers[0]["router"]})
+        monkeypatch.setattr(Olmoe, "routers", lambda self: {0: self.layer_routers[0]})
         match = r"declares routers for layers \[0\], but its MoE layers are \[0, 1, 2, 3\]"
     with pytest.raises(ColibriError, match=match):  # the first load imports and caches what it needs
         load(DEMO, cache_slots=2, usage=False)

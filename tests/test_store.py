@@ -18,6 +18,7 @@ import pytest
 
 from colibri_core import kernels, load, plugins
 from colibri_core.errors import ColibriError
+from colibri_core.kernels.decoder import MoELayer
 from colibri_core.store import io
 from colibri_core.store.store import Lookahead
 from colibri_core.store.usage import USAGE_FILE, ColibriWarning, hot_set, pin_value
@@ -96,12 +97,14 @@ def test_placement_invariance(model, baseline, name):
 
 def test_a_layer_holding_all_its_experts_runs_in_one_call(model, baseline, monkeypatch):
     """Every expert read: each MoE layer is one C call (the store's resident_table; OLMoE's softmax
-    router inside it, kernels.moe_block_softmax), with the same bits as the per-group path a 1-slot
-    cache takes, and every lookup a hit."""
+    router inside it, and its attention: the whole decoder layer, kernels.decoder.MoELayer), with
+    the same bits as the per-group path a 1-slot cache takes, and every lookup a hit."""
     calls = []
     for name in ("moe_block", "moe_block_softmax"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, real=real, **kw: calls.append(1) or real(*a, **kw))
+    real_layer = MoELayer.__call__
+    monkeypatch.setattr(MoELayer, "__call__", lambda *a, **kw: calls.append(1) or real_layer(*a, **kw))
     with load(model, cache_slots=16, usage=False) as e:
         c = e.container
         for layer in c.moe_layers:

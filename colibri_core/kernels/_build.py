@@ -24,7 +24,8 @@ def _path(p: str) -> str:
     return os.path.relpath(p, ROOT) if os.path.realpath(os.getcwd()) == ROOT else p
 
 
-HEADERS = ("colibri.h", "io_pool.h", "deltanet.h")  # the kernels; the expert store's I/O pool; Gated DeltaNet
+HEADERS = ("colibri.h", "io_pool.h", "deltanet.h", "decoder.h")  # the kernels; the expert store's I/O pool; Gated
+# DeltaNet; a whole decoder layer
 
 
 def _cdef() -> str:

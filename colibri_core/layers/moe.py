@@ -14,10 +14,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .. import kernels
+from .. import batch, kernels
 from ..errors import ColibriError
+from ..kernels.decoder import MoELayer
 from ..layout import ExpertFunction, ExpertMath
-from ..probe import listening, record, route, timed
+from ..probe import listening, record, route, spent, timed
 from ..quant import QTensor, dequantize
 from .router import Router, SoftmaxTopK
 from .shared_expert import SharedExpert
@@ -121,6 +122,7 @@ class MoE:
         self.experts, self.routers = store, routers
         self.lookahead = dict(zip(layers, layers[1:])) if lookahead is None else dict(lookahead)
         self.ahead = {layer: self._chain(layer) for layer in layers}  # {layer: the MoE layers it guesses, nearest first}
+        self._whole: dict = {}  # (layer, id(block)) → its kernels.decoder.MoELayer, or False: it cannot take one
 
     def _chain(self, layer: int) -> list[int]:
         """The MoE layers `layer`'s lookahead guesses, nearest first: `lookahead` followed from it,
@@ -185,6 +187,58 @@ class MoE:
         shared_out = self.experts.compute(layer, outs, xe, ids, ffn, predict, meanwhile)
         out = combine(outs, weights)  # (T, H)
         return self._add_shared(layer, out, x, shared, shared_out)
+
+    def whole_layer(self, layer: int, block, h: np.ndarray, state, token_ids: np.ndarray, cos: np.ndarray | None,
+                    sin: np.ndarray | None) -> np.ndarray | None:
+        """Decoder layer `layer` (`block`, a `layers.decoder.MoEDecoderLayer`) as one C call
+        (`kernels.decoder.MoELayer`): h (T, H) → (T, H), with the routing counted as this block
+        counts its own; None where the layer cannot take it, and nothing done. It can when the
+        generation runs alone (in a batch with others, each step is shared with them instead), no
+        recorder listens for intermediates, the block's math is the core's with a `SoftmaxTopK`
+        router, and the layer and every one its lookahead guesses hold all their experts (so no
+        guess is due from the residual stream midway: none would be made)."""
+        if batch.others_running() or listening():
+            return None
+        key = (layer, id(block))
+        fused = self._whole.get(key)
+        if fused is None:
+            fused = self._whole[key] = self._layer_call(layer, block) or False
+        if fused is False or not all(self.experts.holds_all(nxt) for nxt in self.ahead[layer]):
+            return None
+        table = self.experts.resident_table(layer)
+        if table is None:
+            return None
+        attention = isinstance(block.mixer, kernels.AttnBlock)
+        if attention:
+            need = state.reserve(len(h))  # a WindowKV may move its rows (and its length) first
+            out, weights, ids = fused(h, table, cos=cos, sin=sin, k_cache=state.k, v_cache=state.v, start=need - len(h))
+            state.length = need
+        else:
+            out, weights, ids = fused(h, table, conv_state=state.conv, state=state.recurrent)
+        mixer_seconds, moe_seconds = fused.seconds()
+        if attention:
+            spent("attention", mixer_seconds)  # the sections gqa_block and this block time on the steps
+        spent("moe", moe_seconds)
+        route(layer, ids)
+        self.experts.count_resident(layer, ids)
+        return out
+
+    def _layer_call(self, layer: int, block) -> MoELayer | None:
+        """The C call of decoder layer `layer`, or None where its MoE block is not the core's fused
+        one (a router other than `SoftmaxTopK` over quantised weights, expert biases, a plugin's
+        expert function, or a shared expert that cannot join the experts' call)."""
+        router, shared = self.routers.get(layer), block.shared
+        if (type(router) is not SoftmaxTopK or not isinstance(router.weight, QTensor) or layer in self.biases
+                or isinstance(self.ffn.activation, ExpertFunction)):
+            return None
+        if shared is not None and not (self._fuses(shared, None) and
+                                       (shared.expert_gate is None or isinstance(shared.expert_gate, QTensor))):
+            return None
+        mixer = block.mixer if isinstance(block.mixer, kernels.AttnBlock) else block.mixer.block
+        return MoELayer(mixer, block.post_norm, block.eps, router.weight, router.k, router.renormalize,
+                        input_norm=block.input_norm, shared=None if shared is None else shared.table,
+                        shared_gate=None if shared is None else shared.expert_gate, glu=self.ffn.activation,
+                        limit=self.ffn.limit, alpha=self.ffn.alpha)
 
     @staticmethod
     def _routed(layer: int, x: np.ndarray, residual: np.ndarray, token_ids: np.ndarray, weights: np.ndarray,

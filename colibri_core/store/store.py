@@ -308,10 +308,10 @@ class ExpertStore:
         to choose in that layer.)"""
         table = self._tables.get(layer)
         if table is None:
-            cache, pinned, E = self.cache[layer], self.pinned[layer], self.container.n_experts
-            if len(cache) + len(pinned) != E:
+            if not self.holds_all(layer):
                 return None
-            entries = [pinned.get(e) or cache.get(e) for e in range(E)]
+            cache, pinned = self.cache[layer], self.pinned[layer]
+            entries = [pinned.get(e) or cache.get(e) for e in range(self.container.n_experts)]
             if any(entry is None or entry.prefetched or not (entry.tensors is not None or
                    (entry.read is not None and self.pool.done(entry.read))) for entry in entries):
                 return None
@@ -321,6 +321,10 @@ class ExpertStore:
         if self._pin_queue:
             self._read_pinned()
         return table
+
+    def holds_all(self, layer: int) -> bool:
+        """Whether the layer's cache and hot store hold every one of its experts (read or being read)."""
+        return len(self.cache[layer]) + len(self.pinned[layer]) == self.container.n_experts
 
     def count_resident(self, layer: int, ids: np.ndarray) -> None:
         """Count the lookups of `ids` (T, k), routed over `resident_table(layer)`: the batch union,
@@ -518,7 +522,7 @@ class ExpertStore:
         """Start reading the experts `predict.guess()` says its layer will need (but those computed
         `elsewhere`)."""
         nxt, d = predict.layer, predict.distance
-        if len(self.cache[nxt]) + len(self.pinned[nxt]) == self.container.n_experts:
+        if self.holds_all(nxt):
             return  # every expert of that layer is resident: nothing to predict
         ids = predict.guess()
         if ids is None:

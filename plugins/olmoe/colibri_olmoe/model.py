@@ -15,11 +15,11 @@ import numpy as np
 from colibri_core import kv
 from colibri_core.errors import ColibriError
 from colibri_core.kv.cache import KVCache
-from colibri_core.layers.attention import AttnBlock, gqa_block
+from colibri_core.layers.attention import AttnBlock
 from colibri_core.layers.norm import rms_norm
 from colibri_core.layers.rope import Rope
 from colibri_core.layers.router import SoftmaxTopK
-from colibri_core.model import MoEModel, embed, linear
+from colibri_core.model import MoEDecoderLayer, MoEModel, embed, linear
 from colibri_core.probe import record
 from colibri_core.tensors import Dim, Experts, Tensor, TensorTable
 
@@ -109,11 +109,12 @@ class Olmoe(MoEModel):
         table = self.tensors(cfg)
         top = table.take(weights)
         self.embed_tokens = top["embed"]  # (V, H)
-        self.layers = []
+        self.layers: list[MoEDecoderLayer] = []
+        self.layer_routers: list[SoftmaxTopK] = []
         for i in range(cfg.num_hidden_layers):
             w = table.take(weights, i)
-            self.layers.append(dict(
-                attn=AttnBlock(  # the attention sub-block, one C call (layers.attention.gqa_block)
+            self.layers.append(MoEDecoderLayer(
+                mixer=AttnBlock(  # the attention sub-block (layers.attention.gqa_block)
                     w["input_norm"],  # (H,)
                     w["q"], w["k"], w["v"],  # (heads * D, H), (kv_heads * D, H), (kv_heads * D, H)
                     w["o"],  # (H, heads * D)
@@ -123,9 +124,10 @@ class Olmoe(MoEModel):
                     q_norm=w["q_norm"], k_norm=w["k_norm"],  # (heads * D,), (kv_heads * D,)
                     clip=cfg.clip_qkv),
                 post_norm=w["post_norm"],  # (H,)
-                router=SoftmaxTopK(w["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob,  # (E, H) f32
-                                   input=partial(rms_norm, weight=w["post_norm"], eps=cfg.rms_norm_eps)),
+                eps=cfg.rms_norm_eps,
             ))
+            self.layer_routers.append(SoftmaxTopK(w["router"], cfg.num_experts_per_tok, cfg.norm_topk_prob,  # (E, H) f32
+                                                  input=partial(rms_norm, weight=w["post_norm"], eps=cfg.rms_norm_eps)))
         self.norm = top["norm"]  # (H,)
         self.lm_head = top["lm_head"]  # (V, H)
         self.rope = Rope(cfg.head_dim, cfg.rope_theta)
@@ -138,7 +140,7 @@ class Olmoe(MoEModel):
 
     def routers(self) -> dict:
         """Every layer: softmax over all experts, top-k, on the post-attention RMSNorm of the residual."""
-        return {i: L["router"] for i, L in enumerate(self.layers)}
+        return dict(enumerate(self.layer_routers))
 
     def forward(self, ids: np.ndarray, state: kv.SequenceState, last_only: bool = False) -> np.ndarray:
         cfg = self.cfg
@@ -146,11 +148,9 @@ class Olmoe(MoEModel):
         cos, sin = self.rope.cos_sin(np.arange(state.length, state.length + T))  # (T, D)
         h = embed(ids, self.embed_tokens)  # (T, H)
         for i, L in enumerate(self.layers):
-            # ---- attention: RMSNorm → q, k, v → q/k RMSNorm → clip → RoPE → GQA over the cache → o_proj, + h
-            h = gqa_block(L["attn"], h, state[f"layer.{i}"], cos, sin)  # (T, H)
-            # ---- routed experts
-            x = rms_norm(h, L["post_norm"], cfg.rms_norm_eps)
-            h = h + self.moe(i, x, h, ids)
+            # attention: RMSNorm → q, k, v → q/k RMSNorm → clip → RoPE → GQA over the cache → o_proj, + h;
+            # then the routed experts on RMSNorm(h), + h: one C call where the layer can take it
+            h = self.decoder_layer(i, L, h, state[f"layer.{i}"], ids, cos, sin)  # (T, H)
             record(i, l_out=h)  # the residual stream after layer i (for whoever debugs: colibri_core.probe)
         state.advance(T)
         if last_only:

@@ -5,11 +5,14 @@ oracle the conformance suite uses). A hybrid: `layer_types` says, per layer, whi
 (Qwen3.6-35B-A3B: 3 Gated DeltaNet layers, then 1 gated attention layer, 10 times):
 
     x = zRMSNorm(h);  h += GatedDeltaNet(x)      (linear_attention: fixed-size recurrent state)
-                   or h += GatedAttention(x)     (full_attention: GQA KV cache, partial RoPE)
+                   or h += GatedAttention(x)     (full_attention: GQA KV cache, partial RoPE,
+                                                  the output · sigmoid of a gate the q projection gives)
     x = zRMSNorm(h);  h += MoE(x) + sigmoid(shared_expert_gate x) · shared_expert(x)
 
 zRMSNorm is the zero-centred RMSNorm x̂ · (1 + w). The MoE router is softmax over all experts, top-k,
 always renormalised. Final zRMSNorm, lm_head (tied to the embeddings when `tie_word_embeddings`).
+Each layer is a core `MoEDecoderLayer` (the gated attention a gated `AttnBlock` with partial RoPE):
+one C call a layer when the model is resident.
 
 Checkpoints come in two shapes: the text model alone (config.json `model_type`
 "qwen3_5_moe_text", tensors `model.*`) and the released vision-language checkpoints
@@ -27,13 +30,13 @@ import numpy as np
 from colibri_core import kv
 from colibri_core.errors import ColibriError
 from colibri_core.kv.cache import KVCache
+from colibri_core.layers.attention import AttnBlock
 from colibri_core.layers.deltanet import DeltaNetDims, DeltaNetState, GatedDeltaNet
-from colibri_core.layers.gated_attention import GatedAttention
 from colibri_core.layers.norm import rms_norm_zero_centred
 from colibri_core.layers.rope import Rope
 from colibri_core.layers.router import SoftmaxTopK
 from colibri_core.layers.shared_expert import SharedExpert
-from colibri_core.model import MoEModel, embed, linear
+from colibri_core.model import MoEDecoderLayer, MoEModel, embed, linear
 from colibri_core.probe import record
 from colibri_core.tensors import Dim, Experts, Tensor, TensorTable
 
@@ -113,16 +116,6 @@ class Qwen36Config:
     def deltanet(self) -> DeltaNetDims:
         return DeltaNetDims(self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
                             self.linear_value_head_dim, self.linear_conv_kernel_dim)
-
-
-@dataclass
-class Layer:
-    kind: str  # LINEAR | FULL
-    mixer: GatedDeltaNet | GatedAttention
-    input_norm: np.ndarray  # (H,) zero-centred
-    post_norm: np.ndarray  # (H,) zero-centred
-    router: SoftmaxTopK  # (E, H) float32 weights, on zRMSNorm(h, post_norm)
-    shared: SharedExpert  # gate (S, H), up (S, H), down (H, S), its sigmoid gate (1, H) float32
 
 
 class Qwen36(MoEModel):
@@ -210,51 +203,55 @@ class Qwen36(MoEModel):
         table = self.tensors(cfg)
         top = table.take(weights)
         self.embed_tokens = top["embed"]  # (V, H)
-        self.layers: list[Layer] = []
+        self.layers: list[MoEDecoderLayer] = []
+        self.layer_routers: list[SoftmaxTopK] = []
+        one = np.float32(1)  # the zero-centred norms' weights are offsets from 1: rms_norm takes 1 + w
         for i, kind in enumerate(cfg.layer_types):
             w = table.take(weights, i)
+            shared = SharedExpert(w["shared_gate"], w["shared_up"], w["shared_down"],  # (S, H), (S, H), (H, S)
+                                  w["shared_sigmoid"])  # (1, H) float32
             if kind == LINEAR:
-                mixer = GatedDeltaNet(
-                    dims=cfg.deltanet,
-                    in_proj_qkv=w["in_proj_qkv"],  # (2 Hk dk + Hv dv, H)
-                    in_proj_z=w["in_proj_z"],  # (Hv dv, H)
-                    in_proj_b=w["in_proj_b"],  # (Hv, H) float32
-                    in_proj_a=w["in_proj_a"],  # (Hv, H) float32
-                    conv_weight=np.ascontiguousarray(w["conv1d"][:, 0, :]),  # (channels, K)
-                    A_log=w["A_log"],  # (Hv,)
-                    dt_bias=w["dt_bias"],  # (Hv,)
-                    norm=w["dn_norm"],  # (dv,)
-                    out_proj=w["out_proj"],  # (H, Hv dv)
-                    eps=cfg.rms_norm_eps,
-                )
+                layer = MoEDecoderLayer(
+                    mixer=GatedDeltaNet(
+                        dims=cfg.deltanet,
+                        in_proj_qkv=w["in_proj_qkv"],  # (2 Hk dk + Hv dv, H)
+                        in_proj_z=w["in_proj_z"],  # (Hv dv, H)
+                        in_proj_b=w["in_proj_b"],  # (Hv, H) float32
+                        in_proj_a=w["in_proj_a"],  # (Hv, H) float32
+                        conv_weight=np.ascontiguousarray(w["conv1d"][:, 0, :]),  # (channels, K)
+                        A_log=w["A_log"],  # (Hv,)
+                        dt_bias=w["dt_bias"],  # (Hv,)
+                        norm=w["dn_norm"],  # (dv,) plain
+                        out_proj=w["out_proj"],  # (H, Hv dv)
+                        eps=cfg.rms_norm_eps,
+                    ),
+                    input_norm=one + w["input_norm"],  # (H,)
+                    post_norm=one + w["post_norm"], eps=cfg.rms_norm_eps, shared=shared)
             else:
-                mixer = GatedAttention(
-                    q_proj=w["q_proj"],  # (heads * 2D, H): per head [q | gate]
-                    k_proj=w["k_proj"],  # (kv_heads * D, H)
-                    v_proj=w["v_proj"],  # (kv_heads * D, H)
-                    o_proj=w["o_proj"],  # (H, heads * D)
-                    q_norm=w["q_norm"],  # (D,)
-                    k_norm=w["k_norm"],  # (D,)
-                    heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                    eps=cfg.rms_norm_eps,
-                    biases={n: w[f"{n}_bias"] for n in "qkvo"} if cfg.attention_bias else None,
-                )
-            self.layers.append(Layer(
-                kind=kind, mixer=mixer,
-                input_norm=w["input_norm"],  # (H,)
-                post_norm=w["post_norm"],  # (H,)
-                router=SoftmaxTopK(w["router"], cfg.num_experts_per_tok, renormalize=True,  # (E, H) float32
-                                   input=partial(rms_norm_zero_centred, weight=w["post_norm"], eps=cfg.rms_norm_eps)),
-                shared=SharedExpert(w["shared_gate"], w["shared_up"], w["shared_down"],  # (S, H), (S, H), (H, S)
-                                    w["shared_sigmoid"]),  # (1, H) float32
-            ))
+                D = cfg.head_dim
+                layer = MoEDecoderLayer(
+                    mixer=AttnBlock(  # gated attention: zRMSNorm → q | gate, k, v → per-head zRMSNorm → partial
+                        one + w["input_norm"],  # (H,)   RoPE → GQA over the cache → · sigmoid(gate) → o_proj, + h
+                        w["q_proj"],  # (heads * 2D, H): per head [q | gate]
+                        w["k_proj"], w["v_proj"],  # (kv_heads * D, H) each
+                        w["o_proj"],  # (H, heads * D)
+                        heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=D,
+                        eps=cfg.rms_norm_eps, scale=D ** -0.5,
+                        qk_norm="head", q_norm=one + w["q_norm"], k_norm=one + w["k_norm"],  # (D,) each
+                        **({f"{n}_bias": w[f"{n}_bias"] for n in "qkvo"} if cfg.attention_bias else {}),
+                        gated=True, rotary_dim=cfg.rotary_dim),
+                    post_norm=one + w["post_norm"], eps=cfg.rms_norm_eps, shared=shared)
+            self.layers.append(layer)
+            self.layer_routers.append(SoftmaxTopK(
+                w["router"], cfg.num_experts_per_tok, renormalize=True,  # (E, H) float32, on zRMSNorm(h, post_norm)
+                input=partial(rms_norm_zero_centred, weight=w["post_norm"], eps=cfg.rms_norm_eps)))
         self.norm = top["norm"]  # (H,)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else top["lm_head"]  # (V, H)
         self.rope = Rope(cfg.rotary_dim, cfg.rope_theta)
 
     def routers(self) -> dict:
         """Every layer: softmax over all experts, top-k, always renormalised."""
-        return {i: L.router for i, L in enumerate(self.layers)}
+        return dict(enumerate(self.layer_routers))
 
     def new_state(self, kv_cache: str = "f32") -> kv.SequenceState:
         """Per layer "layer.{i}": a Gated DeltaNet layer's conv + recurrent state (fixed size), a
@@ -271,15 +268,9 @@ class Qwen36(MoEModel):
         cos, sin = self.rope.cos_sin(np.arange(state.length, state.length + T))  # (T, rotary_dim)
         h = embed(ids, self.embed_tokens)  # (T, H)
         for i, L in enumerate(self.layers):
-            # ---- token mixer: Gated DeltaNet or gated attention
-            x = rms_norm_zero_centred(h, L.input_norm, cfg.rms_norm_eps)
-            if L.kind == LINEAR:
-                h = h + L.mixer(x, state[f"layer.{i}"])
-            else:
-                h = h + L.mixer(x, state[f"layer.{i}"], cos, sin)
-            # ---- routed experts + gated shared expert
-            x = rms_norm_zero_centred(h, L.post_norm, cfg.rms_norm_eps)
-            h = h + self.moe(i, x, h, ids, shared=L.shared)
+            # token mixer (Gated DeltaNet or gated attention), + h; then the routed experts and the
+            # gated shared expert on zRMSNorm(h), + h: one C call where the layer can take it
+            h = self.decoder_layer(i, L, h, state[f"layer.{i}"], ids, cos, sin)  # (T, H)
             record(i, l_out=h)  # the residual stream after layer i (colibri_core.probe)
         state.advance(T)
         if last_only:
