@@ -107,10 +107,11 @@ spec.loader.exec_module(tiny_model)
 PROMPT = [5, 17, 300, 42, 9, 77, 1000, 3, 64, 128, 256, 12, 700]
 
 
-@pytest.mark.parametrize("activations", ["f32", "int8"])
+@pytest.mark.parametrize("activations,kv_cache", [("f32", "f32"), ("int8", "f16")])
 @pytest.mark.parametrize("arch", ["olmoe", "qwen36"])
-def test_a_resident_model_decodes_a_layer_a_call_with_the_bits_of_its_blocks(arch, activations, tmp_path,
+def test_a_resident_model_decodes_a_layer_a_call_with_the_bits_of_its_blocks(arch, activations, kv_cache, tmp_path,
                                                                              monkeypatch):
+    """A short prompt, a long one (past the DeltaNet's exact batch: its chunked rule), then decoding."""
     pytest.importorskip("transformers", reason="the tiny models are built with transformers (the test extra)")
     model = tiny_model.build(arch, tmp_path / arch)
     taken = []  # whether each layer run took the one call
@@ -126,17 +127,19 @@ def test_a_resident_model_decodes_a_layer_a_call_with_the_bits_of_its_blocks(arc
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(MoE, "whole_layer", lambda *a: None)  # every layer block by block
-        with load(model, activations=activations, cache_slots=10**6, prefetch=False, usage=False) as engine:
+        with load(model, activations=activations, kv_cache=kv_cache, cache_slots=10**6, prefetch=False,
+                  usage=False) as engine:
             c = engine.container
             for layer in c.moe_layers:  # every expert resident
                 for e in range(c.n_experts):
                     engine.store.get(layer, e)
-            runs[fused] = engine.logits(PROMPT), engine.generate(PROMPT, 6, stop_ids=())
+            runs[fused] = engine.logits(PROMPT), engine.logits(PROMPT * 4), engine.generate(PROMPT, 6, stop_ids=())
             if fused:
                 assert taken and all(taken)
                 assert engine.stats()["attention_seconds"] > 0 and engine.stats()["moe_seconds"] > 0
-    assert runs[True][0].tobytes() == runs[False][0].tobytes()
-    assert runs[True][1] == runs[False][1]
+    for got, want in zip(runs[True][:2], runs[False][:2]):
+        assert got.tobytes() == want.tobytes()
+    assert runs[True][2] == runs[False][2]
 
 
 def test_a_layer_whose_lookahead_is_due_runs_its_blocks(tmp_path, monkeypatch):
