@@ -233,11 +233,16 @@ class MoEModel:
                       cos: np.ndarray | None = None, sin: np.ndarray | None = None) -> np.ndarray:
         """A decoder layer built from the core's blocks (`layers.decoder.MoEDecoderLayer`): h (T, H)
         → h + mixer, + the MoE block (`moe`) on its post-norm, over `state` (the layer's KV cache or
-        DeltaNet state) with cos, sin (T, head_dim) for attention. One C call where the layer can
-        take it (`MoE.whole_layer`), else block by block: the same bits either way. Call it from
-        `forward`; never override it."""
-        out = self._moe_block().whole_layer(layer, block, h, state, token_ids, cos, sin)
-        return block.steps(self.moe, layer, h, state, token_ids, cos, sin) if out is None else out
+        DeltaNet state) with cos, sin (T, rotary_dim) for attention. One C call where the layer can
+        take it (`MoE.layer_table`, `MoE.whole_layer`; in a batch one for all its generations),
+        else block by block: the same bits either way. Call it from `forward`; never override it."""
+        moe = self._moe_block()
+        table = moe.layer_table(layer, block)
+        if table is None:
+            return block.steps(self.moe, layer, h, state, token_ids, cos, sin)
+        # in a batch: one call for every generation at this layer, their rows stacked
+        return batch.together(("layer", id(self), layer, id(block)), (h, state, token_ids, cos, sin),
+                              lambda parts: moe.whole_layer(layer, block, table, parts))
 
     def _moe_block(self) -> MoE:
         """The core's MoE block over `routers()`, built on first use."""

@@ -255,21 +255,25 @@ int attention(float *out, const float *q, int T, int H, int D, const void *k, co
 // cache stores a row. Returns COLI_OK.
 int f16_from_f32(uint16_t *out, const float *x, size_t n);
 
-// The pre-norm attention sub-block of a decoder layer (OLMoE, Qwen3-MoE and the like), for T new
-// tokens at positions start .. start+T-1, in one call, exactly the sequence of the calls above:
+// The pre-norm attention sub-block of a decoder layer (OLMoE, Qwen3-MoE and the like), for the new
+// tokens of n_seq sequences (a batch's generations) in one call, exactly the sequence of the calls
+// above; sequence i's seq_T[i] rows, at its positions start[i] .. start[i]+seq_T[i]-1, follow those
+// of the sequences before it in h, out, cos and sin (T = Σ seq_T rows):
 //   x = rms_norm(h, norm); q, k, v = x wq^T, x wk^T, x wv^T (one matmul_multi) + bq, bk, bv (each NULL: none);
 //   gated: q, gate = each head's halves of the q projection;
 //   q, k = rms_norm over each whole projection (QK_NORM_WHOLE: OLMoE) or each head (QK_NORM_HEAD:
 //   Qwen3), or neither (0);
 //   q, k, v clamped to ±clip (INFINITY: none); q, k = rope_rotate_half(·, cos, sin) on each head's
 //   leading rotary_dim dims, the rest as they are;
-//   k, v written to rows start .. start+T-1 of k_cache, v_cache (rounded by f16_from_f32 for
-//   KV_F16); a = attention(q, the cache rows 0 .. start+T-1, scale, window, sinks, kv);
+//   per sequence: k, v written to rows start .. start+seq_T-1 of its k_cache, v_cache (rounded by
+//   f16_from_f32 for KV_F16); a = attention(q, its cache rows 0 .. start+seq_T-1, scale, window,
+//   sinks, kv);
 //   gated: a = a · sigmoid_f32(gate);
 //   out = h + (a wo^T + bo).
-// out, h: f32 [T, hidden] (out may not alias h); cos, sin: f32 [T, rotary_dim]; k_cache, v_cache:
-// [start + T (at least), kv_heads, head_dim], float32 (kv = KV_F32) or float16 (KV_F16).
-// COLI_OK, COLI_EINVAL (shapes) or COLI_ENOMEM.
+// Every step but attention runs on all T rows at once (each row's bits its own), so a sequence gets
+// the bits it gets alone. out, h: f32 [T, hidden] (out may not alias h); cos, sin: f32 [T,
+// rotary_dim]; k_cache[i], v_cache[i]: [start[i] + seq_T[i] (at least), kv_heads, head_dim],
+// float32 (kv = KV_F32) or float16 (KV_F16). COLI_OK, COLI_EINVAL (shapes) or COLI_ENOMEM.
 enum { QK_NORM_WHOLE = 1, QK_NORM_HEAD = 2 };
 typedef struct {
     const float *norm;             // [hidden] the input RMSNorm's weight
@@ -289,8 +293,8 @@ typedef struct {
     int rotary_dim;                // RoPE on each head's leading rotary_dim dims (cos, sin: [T, rotary_dim]);
                                    // 0: all head_dim
 } AttnBlock;
-int attn_block(float *out, const float *h, int T, const AttnBlock *b, const float *cos, const float *sin,
-               void *k_cache, void *v_cache, int start, int act, int kv);
+int attn_block(float *out, const float *h, int n_seq, const int *seq_T, const AttnBlock *b, const float *cos,
+               const float *sin, void *const *k_cache, void *const *v_cache, const int *start, int act, int kv);
 
 // ----------------------------------------------------------------------------
 // membench.c

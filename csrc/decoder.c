@@ -12,15 +12,20 @@ static double now(void) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
-int moe_layer(float *out, int64_t *ids, float *weights, const float *h, int T, const MoELayer *l,
-              const QMatrix *const *table, int n_table, const float *cos, const float *sin, void *k_cache,
-              void *v_cache, int start, int kv, float *conv_state, float *state, int act, double *seconds) {
-    if (T < 0 || (l->attn == NULL) == (l->deltanet == NULL) || (l->deltanet && l->input_norm == NULL) ||
+int moe_layer(float *out, int64_t *ids, float *weights, const float *h, int n_seq, const int *seq_T, const MoELayer *l,
+              const QMatrix *const *table, int n_table, const float *cos, const float *sin, void *const *k_cache,
+              void *const *v_cache, const int *start, int kv, float *const *conv_state, float *const *state, int act,
+              double *seconds) {
+    if (n_seq < 1 || (l->attn == NULL) == (l->deltanet == NULL) || (l->deltanet && l->input_norm == NULL) ||
         l->router == NULL || l->post_norm == NULL) {
         return COLI_EINVAL;
     }
-    int hidden = l->router->cols;
+    int hidden = l->router->cols, T = 0;  // every sequence's rows, stacked
     if (l->shared_gate && (l->shared_gate->rows != 1 || l->shared_gate->cols != hidden)) return COLI_EINVAL;
+    for (int i = 0; i < n_seq; i++) {
+        if (seq_T[i] < 0 || seq_T[i] > INT32_MAX - T) return COLI_EINVAL;
+        T += seq_T[i];
+    }
     if (T == 0) return COLI_OK;
     size_t n = (size_t)T * (size_t)hidden;
     float *mid = malloc((2 * n + (size_t)T) * sizeof(float));  // h1, x, the shared expert's scale
@@ -29,10 +34,13 @@ int moe_layer(float *out, int64_t *ids, float *weights, const float *h, int T, c
     double t0 = now();
     int status;
     if (l->attn) {
-        status = attn_block(mid, h, T, l->attn, cos, sin, k_cache, v_cache, start, l->mixer_act, kv);
+        status = attn_block(mid, h, n_seq, seq_T, l->attn, cos, sin, k_cache, v_cache, start, l->mixer_act, kv);
     } else {
         status = rms_norm(x, h, l->input_norm, T, hidden, l->eps);
-        if (status == COLI_OK) status = deltanet_block(mid, x, T, l->deltanet, conv_state, state, l->mixer_act);
+        for (size_t i = 0, row = 0; i < (size_t)n_seq && status == COLI_OK; row += (size_t)seq_T[i], i++) {
+            status = deltanet_block(mid + row * hidden, x + row * hidden, seq_T[i], l->deltanet, conv_state[i], state[i],
+                                    l->mixer_act);
+        }
         if (status == COLI_OK) for (size_t i = 0; i < n; i++) mid[i] = h[i] + mid[i];
     }
     double t1 = now();

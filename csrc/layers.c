@@ -702,16 +702,21 @@ static void add_bias(float *x, const float *bias, int n, int width) {
         for (int i = 0; i < width; i++) x[t * width + i] += bias[i];
 }
 
-int attn_block(float *out, const float *h, int T, const AttnBlock *b, const float *cos, const float *sin,
-               void *k_cache, void *v_cache, int start, int act, int kv) {
+int attn_block(float *out, const float *h, int n_seq, const int *seq_T, const AttnBlock *b, const float *cos,
+               const float *sin, void *const *k_cache, void *const *v_cache, const int *start, int act, int kv) {
     int H = b->heads, Hkv = b->kv_heads, D = b->head_dim, hidden = b->wq->cols;
     int nq = H * D, nkv = Hkv * D, nqg = b->gated ? 2 * nq : nq, rot = b->rotary_dim ? b->rotary_dim : D;
-    if (T < 0 || H < 1 || Hkv < 1 || D < 1 || rot < 0 || rot > D || rot % 2 || H % Hkv || start < 0 ||
+    if (n_seq < 1 || H < 1 || Hkv < 1 || D < 1 || rot < 0 || rot > D || rot % 2 || H % Hkv ||
         (kv != KV_F32 && kv != KV_F16) || b->wq->rows != nqg ||
         b->wk->rows != nkv || b->wv->rows != nkv || b->wk->cols != hidden || b->wv->cols != hidden ||
         b->wo->rows != hidden || b->wo->cols != nq || b->qk_norm < 0 ||
         b->qk_norm > QK_NORM_HEAD || b->window < 0 || (b->gated && b->qk_norm == QK_NORM_WHOLE)) {
         return COLI_EINVAL;
+    }
+    int T = 0;  // every sequence's rows, stacked
+    for (int i = 0; i < n_seq; i++) {
+        if (seq_T[i] < 0 || start[i] < 0 || seq_T[i] > INT32_MAX - T) return COLI_EINVAL;
+        T += seq_T[i];
     }
     if (T == 0) return COLI_OK;
     size_t t = (size_t)T;
@@ -720,7 +725,6 @@ int attn_block(float *out, const float *h, int T, const AttnBlock *b, const floa
     float *q = x + t * hidden, *k = q + t * nq, *v = k + t * nkv, *qr = v + t * nkv, *attn = qr + t * nq;
     float *o = attn + t * nq, *kr = o + t * hidden;  // kr: the rotated keys, before a float16 cache rounds them
     float *qg = b->gated ? kr + t * nkv : q, *gate = qg + t * nqg;  // gated: per head [q | gate], then the gates
-    size_t at = (size_t)start * nkv;  // this call's rows of the cache
     int status = rms_norm(x, h, b->norm, T, hidden, b->eps);
     float *qkv[3] = {qg, k, v};
     const QMatrix *w[3] = {b->wq, b->wk, b->wv};
@@ -745,14 +749,19 @@ int attn_block(float *out, const float *h, int T, const AttnBlock *b, const floa
     if (status == COLI_OK) {
         rope_leading(qr, q, cos, sin, T, H, D, rot);
         rope_leading(kr, k, cos, sin, T, Hkv, D, rot);
+    }
+    for (size_t i = 0, row = 0; i < (size_t)n_seq && status == COLI_OK; row += (size_t)seq_T[i], i++) {
+        size_t n = (size_t)seq_T[i] * nkv, at = (size_t)start[i] * nkv;  // this call's rows of sequence i's cache
+        if (n == 0) continue;
         if (kv == KV_F16) {
-            f16_from_f32((uint16_t *)k_cache + at, kr, t * (size_t)nkv);
-            f16_from_f32((uint16_t *)v_cache + at, v, t * (size_t)nkv);
+            f16_from_f32((uint16_t *)k_cache[i] + at, kr + row * nkv, n);
+            f16_from_f32((uint16_t *)v_cache[i] + at, v + row * nkv, n);
         } else {
-            memcpy((float *)k_cache + at, kr, t * (size_t)nkv * sizeof(float));
-            memcpy((float *)v_cache + at, v, t * (size_t)nkv * sizeof(float));
+            memcpy((float *)k_cache[i] + at, kr + row * nkv, n * sizeof(float));
+            memcpy((float *)v_cache[i] + at, v + row * nkv, n * sizeof(float));
         }
-        status = attention(attn, qr, T, H, D, k_cache, v_cache, start + T, Hkv, start, b->scale, b->window, b->sinks, kv);
+        status = attention(attn + row * nq, qr + row * nq, seq_T[i], H, D, k_cache[i], v_cache[i], start[i] + seq_T[i],
+                           Hkv, start[i], b->scale, b->window, b->sinks, kv);
     }
     if (status == COLI_OK && b->gated) {  // attention · sigmoid(gate)
         sigmoid_f32(gate, gate, T * nq);

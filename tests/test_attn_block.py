@@ -97,6 +97,31 @@ def test_gated_block_is_bit_identical_to_gated_attention(rotary_dim, act, cache)
         assert all(x.tobytes() == y.tobytes() for x, y in zip(fused.view(), stepped.view()))
 
 
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+def test_several_sequences_in_one_call_get_their_own_bits(cache):
+    """`AttnBlock.seqs`, a batch's sequences in one call (the projections on all rows, attention per
+    cache), gives each sequence the bits of its own call, a sliding window and sinks included."""
+    W = weights("int4", "head", act="int8")
+    rng = np.random.default_rng(3)
+    block = AttnBlock(W["norm"], W["wq"], W["wk"], W["wv"], W["wo"], heads=HEADS, kv_heads=KV_HEADS, head_dim=D,
+                      eps=EPS, scale=D ** -0.5, qk_norm="head", q_norm=W["q_norm"], k_norm=W["k_norm"],
+                      sinks=rng.standard_normal(HEADS).astype(np.float32), window=5)
+    rope = Rope(D, 10000.0)
+    dtype = {"f32": np.float32, "f16": np.float16}[cache]
+    filled, lengths = [0, 9, 3], [1, 4, 7]  # rows each cache holds already, new rows each
+    alone = [(rng.standard_normal((16, KV_HEADS, D)) * 0.1).astype(dtype) for _ in range(6)]  # k, v of each
+    together = [a.copy() for a in alone]
+    h = rng.standard_normal((sum(lengths), H)).astype(np.float32)
+    cos, sin = (np.concatenate(t) for t in zip(*(rope.cos_sin(np.arange(f, f + n)) for f, n in zip(filled, lengths))))
+    out = block.seqs(h, lengths, cos, sin, [(together[2 * i], together[2 * i + 1], f) for i, f in enumerate(filled)])
+    at = np.cumsum([0] + lengths)
+    for i, (f, n) in enumerate(zip(filled, lengths)):
+        rows = slice(at[i], at[i + 1])
+        want = block(h[rows], cos[rows], sin[rows], alone[2 * i], alone[2 * i + 1], f)
+        assert want.tobytes() == out[rows].tobytes()
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(alone, together))
+
+
 def test_bad_shapes_are_one_clear_error():
     W = weights("int4", "whole")
     with pytest.raises(ValueError, match="projections must be"):

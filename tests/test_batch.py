@@ -38,9 +38,11 @@ def test_the_check_fails_when_rows_depend_on_each_other(tiny_model, monkeypatch)
         check_batch_equals_solo(tiny_model, VOCAB)
 
 
-def test_a_step_reads_each_weight_once_for_all_generations(tiny_model, monkeypatch):
+@pytest.mark.parametrize("resident", [False, True])
+def test_a_step_reads_each_weight_once_for_all_generations(tiny_model, monkeypatch, resident):
     """A decode step of three generations runs each weight-reading call (dense products, attention
-    blocks, MoE layers) once, on the three's rows: the same calls as a step of one generation."""
+    blocks, MoE layers; with every expert resident, whole decoder layers) once, on the three's rows:
+    the same calls as a step of one generation."""
     together, runs = batching.together, []
 
     def counted(key, argument, run):
@@ -54,7 +56,11 @@ def test_a_step_reads_each_weight_once_for_all_generations(tiny_model, monkeypat
 
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
     per_step = {}
-    with load(tiny_model, prefix_cache=0) as engine:
+    with load(tiny_model, prefix_cache=0, cache_slots=10**6 if resident else 1) as engine:
+        c = engine.container
+        for layer in c.moe_layers if resident else ():
+            for e in range(c.n_experts):
+                engine.store.get(layer, e)
         for n in (1, 3):
             with engine.batch() as b:
                 for p in prompts[:n]:
@@ -64,7 +70,7 @@ def test_a_step_reads_each_weight_once_for_all_generations(tiny_model, monkeypat
                 b.step()  # a decode step each
                 monkeypatch.undo()
                 per_step[n], runs[:] = sorted(runs), []
-    assert {kind for kind, _ in per_step[1]} == {"attn_block", "moe", "linear"}
+    assert {kind for kind, _ in per_step[1]} == ({"layer", "linear"} if resident else {"attn_block", "moe", "linear"})
     assert per_step[3] == [(kind, 3) for kind, _ in per_step[1]]
 
 

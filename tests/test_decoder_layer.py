@@ -66,10 +66,10 @@ def test_the_layer_call_is_its_steps(mixer_kind, shared, kind, act):
         h = rng.standard_normal((T, H)).astype(np.float32)
         if mixer_kind == "attention":
             cos, sin = rope.cos_sin(np.arange(start, start + T))
-            out, weights, ids = layer(h, table, cos=cos, sin=sin, k_cache=caches[0], v_cache=caches[1], start=start)
+            out, weights, ids = layer(h, table, [T], cos=cos, sin=sin, caches=[(caches[0], caches[1], start)])
             h1 = mixer(h, cos, sin, caches[2], caches[3], start)
         else:
-            out, weights, ids = layer(h, table, conv_state=states[0][0], state=states[0][1])
+            out, weights, ids = layer(h, table, [T], states=[tuple(states[0])])
             h1 = h + mixer(kernels.rms_norm(h, input_norm, EPS), *states[1])
         x = kernels.rms_norm(h1, post_norm, EPS)
         scale = kernels.sigmoid(kernels.matmul(gate, x))[:, 0] if shared else None
@@ -94,9 +94,9 @@ def test_a_layer_call_that_does_not_fit_is_one_clear_error():
     layer = MoELayer(mixer, vec(H), EPS, w(E, H, "f32"), K, True)
     other = kernels.ExpertTable([(w(I, H), w(I, H), w(H, I)) for _ in range(E - 1)])
     with pytest.raises(ValueError, match="must hold 8 experts"):
-        layer(np.zeros((1, H), np.float32), other, cos=np.zeros((1, D // 2), np.float32),
-              sin=np.zeros((1, D // 2), np.float32), k_cache=np.zeros((4, KV_HEADS, D), np.float32),
-              v_cache=np.zeros((4, KV_HEADS, D), np.float32), start=0)
+        layer(np.zeros((1, H), np.float32), other, [1], cos=np.zeros((1, D // 2), np.float32),
+              sin=np.zeros((1, D // 2), np.float32),
+              caches=[(np.zeros((4, KV_HEADS, D), np.float32), np.zeros((4, KV_HEADS, D), np.float32), 0)])
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,18 +115,18 @@ def test_a_resident_model_decodes_a_layer_a_call_with_the_bits_of_its_blocks(arc
     pytest.importorskip("transformers", reason="the tiny models are built with transformers (the test extra)")
     model = tiny_model.build(arch, tmp_path / arch)
     taken = []  # whether each layer run took the one call
-    real = MoE.whole_layer
+    real = MoE.layer_table
 
-    def whole_layer(self, *a):
-        out = real(self, *a)
-        taken.append(out is not None)
-        return out
+    def layer_table(self, *a):
+        table = real(self, *a)
+        taken.append(table is not None)
+        return table
 
-    monkeypatch.setattr(MoE, "whole_layer", whole_layer)
+    monkeypatch.setattr(MoE, "layer_table", layer_table)
     runs = {}
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(MoE, "whole_layer", lambda *a: None)  # every layer block by block
+            monkeypatch.setattr(MoE, "layer_table", lambda *a: None)  # every layer block by block
         with load(model, activations=activations, kv_cache=kv_cache, cache_slots=10**6, prefetch=False,
                   usage=False) as engine:
             c = engine.container
@@ -148,14 +148,14 @@ def test_a_layer_whose_lookahead_is_due_runs_its_blocks(tmp_path, monkeypatch):
     pytest.importorskip("transformers", reason="the tiny models are built with transformers (the test extra)")
     model = tiny_model.build("olmoe", tmp_path / "olmoe")
     taken = {}
-    real = MoE.whole_layer
+    real = MoE.layer_table
 
-    def whole_layer(self, layer, *a):
-        out = real(self, layer, *a)
-        taken.setdefault(layer, []).append(out is not None)
-        return out
+    def layer_table(self, layer, *a):
+        table = real(self, layer, *a)
+        taken.setdefault(layer, []).append(table is not None)
+        return table
 
-    monkeypatch.setattr(MoE, "whole_layer", whole_layer)
+    monkeypatch.setattr(MoE, "layer_table", layer_table)
     with load(model, cache_slots=10**6, prefetch=False, usage=False) as engine:
         first, *_, last = engine.container.moe_layers
         for layer in (first, last):  # these two hold all their experts, the ones between do not
@@ -163,3 +163,26 @@ def test_a_layer_whose_lookahead_is_due_runs_its_blocks(tmp_path, monkeypatch):
                 engine.store.get(layer, e)
         engine.logits(PROMPT[:3])
     assert taken[first] == [False] and taken[last] == [True]
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "qwen36"])
+def test_a_batch_runs_a_layer_a_call_for_all_its_generations(arch, tmp_path, monkeypatch):
+    """Three generations decoded together, every expert resident: each layer is one C call over
+    all three's rows (a prompt beside the others' decode steps too), and each generation's tokens
+    are those it gets alone."""
+    pytest.importorskip("transformers", reason="the tiny models are built with transformers (the test extra)")
+    model = tiny_model.build(arch, tmp_path / arch)
+    prompts = [PROMPT, PROMPT[:4], PROMPT * 3]  # the long one is prefilled in chunks beside the others
+    seqs = []
+    real = MoELayer.__call__
+    monkeypatch.setattr(MoELayer, "__call__", lambda self, h, table, lengths, **kw: seqs.append(len(lengths))
+                        or real(self, h, table, lengths, **kw))
+    with load(model, activations="int8", cache_slots=10**6, prefetch=False, usage=False, prefix_cache=0) as engine:
+        c = engine.container
+        for layer in c.moe_layers:
+            for e in range(c.n_experts):
+                engine.store.get(layer, e)
+        together = engine.generate_batch(prompts, 5, stop_ids=(), draft="off")
+        assert max(seqs) == 3
+        alone = [engine.generate(p, 5, stop_ids=(), draft="off") for p in prompts]
+    assert together == alone

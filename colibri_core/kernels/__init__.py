@@ -525,8 +525,9 @@ class AttnBlock:
     by `sigmoid(gate)` before the output projection; `rotary_dim`: RoPE on each head's leading
     rotary_dim dims only (cos, sin (T, rotary_dim)). Qwen3.5/3.6 use both.
 
-    Built once per layer (checks the shapes, keeps the C struct); called per forward pass. Its
-    weights stay readable as attributes (norm, wq, wk, wv, wo, q_norm, k_norm, biases, sinks, window).
+    Built once per layer (checks the shapes, keeps the C struct); called per forward pass (`seqs`:
+    a batch's sequences in one call). Its weights stay readable as attributes (norm, wq, wk, wv, wo,
+    q_norm, k_norm, biases, sinks, window).
     """
 
     def __init__(self, norm: np.ndarray, wq: QTensor, wk: QTensor, wv: QTensor, wo: QTensor, *, heads: int,
@@ -580,28 +581,43 @@ class AttnBlock:
         k_cache, v_cache (capacity, kv_heads, head_dim), both float32 or both float16 (rows stored
         rounded to nearest, `f16_from_f32`), capacity >= start + T: rows start .. start+T-1 are
         written, rows 0 .. start-1 are the cached tokens."""
+        return self.seqs(h, [len(h)], cos, sin, [(k_cache, v_cache, start)], act)
+
+    def seqs(self, h: np.ndarray, lengths: list[int], cos: np.ndarray, sin: np.ndarray, caches: list[tuple],
+             act: str | None = None) -> np.ndarray:
+        """The block for several sequences in one call (a batch's generations): h (T, H) their rows
+        stacked, `lengths` each one's rows, cos, sin (T, rotary_dim) stacked likewise, `caches` each
+        one's (k_cache, v_cache, start) as `__call__` takes them → (T, H), each sequence's rows the
+        bits of its own call (the products read the weights once for all)."""
         h = _activations(h, self.hidden, "attn_block: h")
-        T = h.shape[0]
         out = np.empty_like(h)
-        if T:
-            args, kv = self.c_args(T, cos, sin, k_cache, v_cache, start)
-            _check(lib.attn_block(_floats(out, writable=True), _floats(h), T, self._c, *args, _act_code(act or self.act),
-                                  kv), "attn_block")
+        if len(h):
+            args, kv = self.c_args(lengths, cos, sin, caches)
+            _check(lib.attn_block(_floats(out, writable=True), _floats(h), len(lengths), args[0], self._c, *args[1:],
+                                  _act_code(act or self.act), kv), "attn_block")
         return out
 
-    def c_args(self, T: int, cos, sin, k_cache: np.ndarray, v_cache: np.ndarray, start: int) -> tuple:
-        """A call's (cos, sin, k_cache, v_cache, start) and the caches' kv code as C takes them, checked."""
+    def c_args(self, lengths: list[int], cos, sin, caches: list[tuple]) -> tuple:
+        """A call's (seq_T, cos, sin, k_caches, v_caches, starts) as C takes them and the caches' kv
+        code, checked: `lengths` each sequence's rows, `caches` each one's (k_cache, v_cache, start)."""
+        T = sum(lengths)
         cos, sin = (np.ascontiguousarray(a, np.float32) for a in (cos, sin))
-        shape = (self.kv_heads, self.head_dim)
-        for a in (k_cache, v_cache):
-            if (a.dtype != k_cache.dtype or a.dtype not in (np.float32, np.float16) or a.shape[1:] != shape
-                    or not a.flags.c_contiguous or a.shape[0] < start + T):
-                raise ValueError(f"attn_block: caches must be C-contiguous, both float32 or both float16, (>= {start + T}, "
-                                 f"{shape[0]}, {shape[1]}); got {a.dtype} {list(a.shape)}")
         if cos.shape != (T, self.rotary_dim) or sin.shape != cos.shape:
             raise ValueError(f"attn_block: cos, sin must be ({T}, {self.rotary_dim}), got {list(cos.shape)}, {list(sin.shape)}")
-        kv = lib.KV_F16 if k_cache.dtype == np.float16 else lib.KV_F32
-        return (_floats(cos), _floats(sin), _cache(k_cache, writable=True), _cache(v_cache, writable=True), start), kv
+        if len(caches) != len(lengths) or not lengths or min(lengths) < 0:
+            raise ValueError(f"attn_block: one (k_cache, v_cache, start) per sequence, got {len(caches)} for {len(lengths)}")
+        shape, dtype = (self.kv_heads, self.head_dim), caches[0][0].dtype
+        for (k_cache, v_cache, start), n in zip(caches, lengths):
+            for a in (k_cache, v_cache):
+                if (a.dtype != dtype or a.dtype not in (np.float32, np.float16) or a.shape[1:] != shape
+                        or not a.flags.c_contiguous or start < 0 or a.shape[0] < start + n):
+                    raise ValueError(f"attn_block: caches must be C-contiguous, all float32 or all float16, (>= {start + n}, "
+                                     f"{shape[0]}, {shape[1]}); got {a.dtype} {list(a.shape)}")
+        kv = lib.KV_F16 if dtype == np.float16 else lib.KV_F32
+        return (ffi.new("int[]", lengths), _floats(cos), _floats(sin),
+                ffi.new("void *[]", [_cache(k, writable=True) for k, _, _ in caches]),
+                ffi.new("void *[]", [_cache(v, writable=True) for _, v, _ in caches]),
+                ffi.new("int[]", [start for _, _, start in caches])), kv
 
 
 # ----------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 blocks, from the residual stream in to the residual stream out, in one crossing into C.
 
     layer = decoder.MoELayer(mixer, post_norm, eps, router, k, renormalize, ...)   # once per layer
-    out, weights, ids = layer(h, table, cos=cos, sin=sin, k_cache=k, v_cache=v, start=n)   # attention
-    out, weights, ids = layer(h, table, conv_state=c, state=s)                             # Gated DeltaNet
+    out, weights, ids = layer(h, table, [T], cos=cos, sin=sin, caches=[(k, v, start)])   # attention
+    out, weights, ids = layer(h, table, [T], states=[(conv, recurrent)])                 # Gated DeltaNet
+
+Several sequences (a batch's generations) go in one call, their rows stacked: lengths [T1, T2, …]
+and a cache (or states) each.
 
 `colibri_core.layers.decoder` decides when a layer may take it (and counts its routing after).
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from colibri_core.kernels import (AttnBlock, ExpertTable, _act_code, _activations, _check, _floats, _math, _qmatrix,
-                                  _vector, weights_act)
+                                  _vector)
 from colibri_core.kernels._colibri_kernels import ffi, lib
 from colibri_core.kernels.deltanet import DeltaNetBlock, _state
 from colibri_core.quant import QTensor
@@ -64,31 +67,39 @@ class MoELayer:
         self._c, self._keep = c, (norms, router, shared_gate)  # the struct points into these (and mixer, shared)
         self._seconds = ffi.new("double[2]")
 
-    def __call__(self, h: np.ndarray, table: ExpertTable, *, cos=None, sin=None, k_cache=None, v_cache=None,
-                 start: int = 0, conv_state=None, state=None, act: str | None = None):
-        """h (T, H) → out (T, H), weights float32 (T, k), ids int64 (T, k) (the routing, best first).
-        An attention mixer takes `AttnBlock`'s cos, sin, k_cache, v_cache and start (the caches'
-        rows start .. start+T-1 written); a DeltaNet one its conv_state and state (advanced in
-        place). `act` the experts' arithmetic (None: the table's)."""
+    def __call__(self, h: np.ndarray, table: ExpertTable, lengths: list[int], *, cos=None, sin=None, caches=None,
+                 states=None, act: str | None = None):
+        """h (T, H), the rows of len(`lengths`) sequences stacked (a batch's generations; each gets
+        the bits it gets alone) → out (T, H), weights float32 (T, k), ids int64 (T, k) (the routing,
+        best first). An attention mixer takes cos, sin (T, rotary_dim) and `caches`, each sequence's
+        (k_cache, v_cache, start) (`AttnBlock.seqs`); a DeltaNet one `states`, each sequence's
+        (conv_state, state), advanced in place. `act` the experts' arithmetic (None: the table's)."""
         h = _activations(h, self.hidden, "moe_layer: h")
         T, k = h.shape[0], self.k
         if table.n != self.n_experts or table.hidden != self.hidden or table._bias != ffi.NULL:
             raise ValueError(f"moe_layer: the table must hold {self.n_experts} experts of width {self.hidden}, no biases")
+        if sum(lengths) != T:
+            raise ValueError(f"moe_layer: the sequences' lengths {lengths} do not add up to h's {T} rows")
         out, weights, ids = np.empty_like(h), np.empty((T, k), np.float32), np.empty((T, k), np.int64)
         if not T:
             return out, weights, ids
         null = ffi.NULL
         if isinstance(self.mixer, AttnBlock):
-            (cos, sin, kc, vc, start), kv = self.mixer.c_args(T, cos, sin, k_cache, v_cache, start)
-            conv, rec = null, null
+            (seq_T, cos, sin, kc, vc, starts), kv = self.mixer.c_args(lengths, cos, sin, caches)
+            conv = rec = null
         else:
-            _state(conv_state, self.mixer.state_shapes[0], "moe_layer: conv_state")
-            _state(state, self.mixer.state_shapes[1], "moe_layer: state")
-            cos, sin, kc, vc, start, kv = null, null, null, null, 0, lib.KV_F32
-            conv, rec = _floats(conv_state, True), _floats(state, True)
+            if len(states) != len(lengths):
+                raise ValueError(f"moe_layer: one (conv_state, state) per sequence, got {len(states)} for {len(lengths)}")
+            for conv_state, state in states:
+                _state(conv_state, self.mixer.state_shapes[0], "moe_layer: conv_state")
+                _state(state, self.mixer.state_shapes[1], "moe_layer: state")
+            seq_T, cos, sin, kc, vc, starts, kv = ffi.new("int[]", lengths), null, null, null, null, null, lib.KV_F32
+            conv = ffi.new("float *[]", [_floats(c, True) for c, _ in states])
+            rec = ffi.new("float *[]", [_floats(r, True) for _, r in states])
         _check(lib.moe_layer(_floats(out, writable=True), ffi.from_buffer("int64_t[]", ids, require_writable=True),
-                             _floats(weights, writable=True), _floats(h), T, self._c, table._c, table.n, cos, sin, kc,
-                             vc, start, kv, conv, rec, _act_code(act or table.act), self._seconds), "moe_layer")
+                             _floats(weights, writable=True), _floats(h), len(lengths), seq_T, self._c, table._c, table.n,
+                             cos, sin, kc, vc, starts, kv, conv, rec, _act_code(act or table.act), self._seconds),
+               "moe_layer")
         return out, weights, ids
 
     def seconds(self) -> tuple[float, float]:

@@ -4,9 +4,6 @@ import numpy as np
 from .. import batch, kernels
 from ..kv.cache import KVCache
 from ..probe import timed
-from .linear import linear, linears
-from .norm import rms_norm
-from .rope import apply_partial_rotate_half
 
 __all__ = ["gqa_attention", "gqa_block", "AttnBlock"]
 
@@ -39,37 +36,11 @@ def gqa_block(block: kernels.AttnBlock, h: np.ndarray, cache: KVCache, cos: np.n
 
 
 def _blocks(block: kernels.AttnBlock, parts: list[tuple]) -> list[np.ndarray]:
-    """`gqa_block` for each (h, cache, cos, sin) of a batch's generations: alone, the fused C call;
-    several, the same steps in the same order with each row-wise step run once on every
-    generation's rows stacked (the projections' weights read once) and attention per cache."""
-    if len(parts) == 1:
-        h, cache, cos, sin = parts[0]
-        need = cache.reserve(len(h))  # a WindowKV may move its rows (and its length) first
-        out = block(h, cos, sin, cache.k, cache.v, need - len(h))
-        cache.length = need
-        return [out]
-    c = block._c  # the block's settings, as its C call reads them
-    H, Hkv, D = c.heads, c.kv_heads, c.head_dim
-    h, cos, sin = (np.concatenate([p[i] for p in parts]) for i in (0, 2, 3))  # (T_all, …)
-    T = len(h)
-    q, k, v = linears(rms_norm(h, block.norm, c.eps), (block.wq, block.wk, block.wv))
-    q, k, v = (t if b is None else t + b for t, b in zip((q, k, v), block.biases))
-    if block.gated:  # per head [q | gate]
-        qg = q.reshape(T, H, 2 * D)
-        q, gate = qg[..., :D].reshape(T, -1), qg[..., D:].reshape(T, -1)
-    if c.qk_norm == kernels.lib.QK_NORM_HEAD:
-        q = rms_norm(q.reshape(T, H, D), block.q_norm, c.eps).reshape(T, -1)
-        k = rms_norm(k.reshape(T, Hkv, D), block.k_norm, c.eps).reshape(T, -1)
-    elif c.qk_norm == kernels.lib.QK_NORM_WHOLE:
-        q, k = rms_norm(q, block.q_norm, c.eps), rms_norm(k, block.k_norm, c.eps)
-    if c.clip != np.inf:
-        q, k, v = (np.clip(t, -c.clip, c.clip) for t in (q, k, v))
-    q = apply_partial_rotate_half(q.reshape(T, H, D), cos, sin)
-    k = apply_partial_rotate_half(k.reshape(T, Hkv, D), cos, sin)
-    v = v.reshape(T, Hkv, D)
-    cuts = np.cumsum([len(p[0]) for p in parts])[:-1]
-    attended = [gqa_attention(qi, ki, vi, p[1], c.scale, block.window or None, block.sinks)
-                for qi, ki, vi, p in zip(*(np.split(t, cuts) for t in (q, k, v)), parts)]
-    attended = np.concatenate(attended)  # (T, H D)
-    o = linear(attended * kernels.sigmoid(gate) if block.gated else attended, block.wo)
-    return np.split(h + (o if block.biases[3] is None else o + block.biases[3]), cuts)
+    """`gqa_block` for each (h, cache, cos, sin) of a batch's generations, in one C call: the
+    projections on every generation's rows stacked (the weights read once), attention per cache."""
+    starts = [p[1].reserve(len(p[0])) - len(p[0]) for p in parts]  # a WindowKV may move its rows (and length) first
+    h, cos, sin = (np.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in (0, 2, 3))
+    out = block.seqs(h, [len(p[0]) for p in parts], cos, sin, [(p[1].k, p[1].v, s) for p, s in zip(parts, starts)])
+    for p, s in zip(parts, starts):
+        p[1].length = s + len(p[0])
+    return np.split(out, np.cumsum([len(p[0]) for p in parts])[:-1])

@@ -6,12 +6,12 @@ where it can (a plugin gets that without writing C):
     h = h + moe(rms_norm(h, post_norm))      the core's MoE block, with the `shared` expert if any
 
 A plugin builds one `MoEDecoderLayer` per layer and calls ``h = self.decoder_layer(i, L, h, state,
-ids, cos, sin)`` from its `forward` (`MoEModel.decoder_layer`). When the generation runs alone, no
-recorder listens, the layer's MoE block is the core's softmax-routed one and the layer and those its
-lookahead guesses hold all their experts (a resident model), the whole layer is one C call
-(`kernels.decoder.MoELayer`; `MoE.whole_layer` decides and counts the routing after it). Otherwise
-`steps` runs the blocks one by one — the same C functions in the same order, so the same bits
-(tested), and inside a batch every step is shared with the other generations as usual.
+ids, cos, sin)`` from its `forward` (`MoEModel.decoder_layer`). When no recorder listens, the
+layer's MoE block is the core's softmax-routed one and the layer and those its lookahead guesses
+hold all their experts (a resident model), the whole layer is one C call (`kernels.decoder.MoELayer`;
+`MoE.layer_table` decides, `MoE.whole_layer` runs it and counts the routing), in a batch one for all
+its generations' rows. Otherwise `steps` runs the blocks one by one — the same C functions in the
+same order, so the same bits (tested), each block shared with a batch's other generations.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .. import batch, kernels
+from .. import kernels
 from ..errors import ColibriError
 from ..kernels.decoder import MoELayer
 from ..layout import ExpertFunction, ExpertMath
@@ -188,16 +188,14 @@ class MoE:
         out = combine(outs, weights)  # (T, H)
         return self._add_shared(layer, out, x, shared, shared_out)
 
-    def whole_layer(self, layer: int, block, h: np.ndarray, state, token_ids: np.ndarray, cos: np.ndarray | None,
-                    sin: np.ndarray | None) -> np.ndarray | None:
-        """Decoder layer `layer` (`block`, a `layers.decoder.MoEDecoderLayer`) as one C call
-        (`kernels.decoder.MoELayer`): h (T, H) → (T, H), with the routing counted as this block
-        counts its own; None where the layer cannot take it, and nothing done. It can when the
-        generation runs alone (in a batch with others, each step is shared with them instead), no
-        recorder listens for intermediates, the block's math is the core's with a `SoftmaxTopK`
-        router, and the layer and every one its lookahead guesses hold all their experts (so no
-        guess is due from the residual stream midway: none would be made)."""
-        if batch.others_running() or listening():
+    def layer_table(self, layer: int, block):
+        """The expert table for running decoder layer `layer` (`block`, a `layers.decoder.MoEDecoderLayer`)
+        as one C call (`whole_layer`), or None where it cannot: a recorder listens for intermediates,
+        the block's math is not the core's with a `SoftmaxTopK` router, or the layer or one its
+        lookahead guesses lacks an expert here (a guess from the residual stream midway would be
+        due, and the C call has no Python midway). Nothing here depends on the batch's other
+        generations, so each of them decides alike."""
+        if listening():
             return None
         key = (layer, id(block))
         fused = self._whole.get(key)
@@ -205,23 +203,31 @@ class MoE:
             fused = self._whole[key] = self._layer_call(layer, block) or False
         if fused is False or not all(self.experts.holds_all(nxt) for nxt in self.ahead[layer]):
             return None
-        table = self.experts.resident_table(layer)
-        if table is None:
-            return None
-        attention = isinstance(block.mixer, kernels.AttnBlock)
-        if attention:
-            need = state.reserve(len(h))  # a WindowKV may move its rows (and its length) first
-            out, weights, ids = fused(h, table, cos=cos, sin=sin, k_cache=state.k, v_cache=state.v, start=need - len(h))
-            state.length = need
+        return self.experts.resident_table(layer)
+
+    def whole_layer(self, layer: int, block, table, parts: list[tuple]) -> list[np.ndarray]:
+        """Decoder layer `layer` (`block`) as one C call (`kernels.decoder.MoELayer`) over `table`
+        (`layer_table`'s) for each (h, state, token_ids, cos, sin) of `parts` (a batch's generations,
+        their rows stacked: the weights read once, the union of their experts once) → each one's
+        (T, H), the bits of its blocks; the routing counted as this block counts its own."""
+        fused, lengths = self._whole[layer, id(block)], [len(p[0]) for p in parts]
+        h = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        if isinstance(block.mixer, kernels.AttnBlock):
+            starts = [p[1].reserve(len(p[0])) - len(p[0]) for p in parts]  # a WindowKV may move its rows first
+            cos, sin = (np.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in (3, 4))
+            out, weights, ids = fused(h, table, lengths, cos=cos, sin=sin,
+                                      caches=[(p[1].k, p[1].v, s) for p, s in zip(parts, starts)])
+            for p, s in zip(parts, starts):
+                p[1].length = s + len(p[0])
         else:
-            out, weights, ids = fused(h, table, conv_state=state.conv, state=state.recurrent)
+            out, weights, ids = fused(h, table, lengths, states=[(p[1].conv, p[1].recurrent) for p in parts])
         mixer_seconds, moe_seconds = fused.seconds()
-        if attention:
+        if isinstance(block.mixer, kernels.AttnBlock):
             spent("attention", mixer_seconds)  # the sections gqa_block and this block time on the steps
         spent("moe", moe_seconds)
         route(layer, ids)
         self.experts.count_resident(layer, ids)
-        return out
+        return np.split(out, np.cumsum(lengths)[:-1])
 
     def _layer_call(self, layer: int, block) -> MoELayer | None:
         """The C call of decoder layer `layer`, or None where its MoE block is not the core's fused
