@@ -241,7 +241,7 @@ class MoEModel:
         if table is None:
             return block.steps(self.moe, layer, h, state, token_ids, cos, sin)
         # in a batch: one call for every generation at this layer, their rows stacked
-        return batch.together(("layer", id(self), layer, id(block)), (h, state, token_ids, cos, sin),
+        return batch.together(("layer", id(self), layer, id(block)), (h, state, cos, sin),
                               lambda parts: moe.whole_layer(layer, block, table, parts))
 
     def _moe_block(self) -> MoE:

@@ -49,7 +49,9 @@ class MoELayer:
             raise ValueError(f"moe_layer: shared must be a table of one expert of width {hidden}")
         if shared_gate is not None and (shared is None or (shared_gate.rows, shared_gate.cols) != (1, hidden)):
             raise ValueError(f"moe_layer: shared_gate must be [1, {hidden}], with a shared expert")
-        norms = [_vector(post_norm, hidden, "post_norm")] + ([] if input_norm is None else [_vector(input_norm, hidden, "input_norm")])
+        norms = [_vector(post_norm, hidden, "post_norm")]
+        if input_norm is not None:
+            norms.append(_vector(input_norm, hidden, "input_norm"))
         c = ffi.new("MoELayer *")
         if isinstance(mixer, AttnBlock):
             c.attn = mixer._c

@@ -207,14 +207,15 @@ class MoE:
 
     def whole_layer(self, layer: int, block, table, parts: list[tuple]) -> list[np.ndarray]:
         """Decoder layer `layer` (`block`) as one C call (`kernels.decoder.MoELayer`) over `table`
-        (`layer_table`'s) for each (h, state, token_ids, cos, sin) of `parts` (a batch's generations,
-        their rows stacked: the weights read once, the union of their experts once) → each one's
-        (T, H), the bits of its blocks; the routing counted as this block counts its own."""
+        (`layer_table`'s) for each (h, state, cos, sin) of `parts` (a batch's generations, their rows
+        stacked: the weights read once, the union of their experts once) → each one's (T, H), the
+        bits of its blocks; the routing counted as this block counts its own."""
         fused, lengths = self._whole[layer, id(block)], [len(p[0]) for p in parts]
         h = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-        if isinstance(block.mixer, kernels.AttnBlock):
+        attention = isinstance(block.mixer, kernels.AttnBlock)
+        if attention:
             starts = [p[1].reserve(len(p[0])) - len(p[0]) for p in parts]  # a WindowKV may move its rows first
-            cos, sin = (np.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in (3, 4))
+            cos, sin = (np.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in (2, 3))
             out, weights, ids = fused(h, table, lengths, cos=cos, sin=sin,
                                       caches=[(p[1].k, p[1].v, s) for p, s in zip(parts, starts)])
             for p, s in zip(parts, starts):
@@ -222,7 +223,7 @@ class MoE:
         else:
             out, weights, ids = fused(h, table, lengths, states=[(p[1].conv, p[1].recurrent) for p in parts])
         mixer_seconds, moe_seconds = fused.seconds()
-        if isinstance(block.mixer, kernels.AttnBlock):
+        if attention:
             spent("attention", mixer_seconds)  # the sections gqa_block and this block time on the steps
         spent("moe", moe_seconds)
         route(layer, ids)
