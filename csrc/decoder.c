@@ -37,10 +37,7 @@ int moe_layer(float *out, int64_t *ids, float *weights, const float *h, int n_se
         status = attn_block(mid, h, n_seq, seq_T, l->attn, cos, sin, k_cache, v_cache, start, l->mixer_act, kv);
     } else {
         status = rms_norm(x, h, l->input_norm, T, hidden, l->eps);
-        for (size_t i = 0, row = 0; i < (size_t)n_seq && status == COLI_OK; row += (size_t)seq_T[i], i++) {
-            status = deltanet_block(mid + row * hidden, x + row * hidden, seq_T[i], l->deltanet, conv_state[i], state[i],
-                                    l->mixer_act);
-        }
+        if (status == COLI_OK) status = deltanet_block(mid, x, n_seq, seq_T, l->deltanet, conv_state, state, l->mixer_act);
         if (status == COLI_OK) for (size_t i = 0; i < n; i++) mid[i] = h[i] + mid[i];
     }
     double t1 = now();

@@ -13,7 +13,7 @@
 // gets the bits it gets alone), exactly the sequence of the calls the layer makes step by step
 // (colibri_core/layers/decoder.py), so the same bits:
 //   h1 = attn_block(h)                                     (attn: its own input norm and residual)
-//     or h + deltanet_block(rms_norm(h, input_norm))       (deltanet: each sequence's own call)
+//     or h + deltanet_block(rms_norm(h, input_norm))       (deltanet)
 //   x = rms_norm(h1, post_norm)
 //   scale = sigmoid_f32(x shared_gateᵀ)                     (shared_gate NULL: no scale)
 //   out = h1 + moe_block_softmax(x, router, k, renormalize, table, shared, scale)
@@ -21,7 +21,7 @@
 // and sin. out, h: f32 [T, hidden] (out may not alias h; T = Σ seq_T); ids: int64 [T, k], weights:
 // f32 [T, k] (written: the routing, for the caller's bookkeeping); table: 3 * n_table matrices as
 // moe_block's (no biases); cos, sin, k_cache, v_cache, start, kv: attn_block's (attention
-// mixer; NULL otherwise); conv_state, state: each sequence's deltanet_block states (DeltaNet mixer;
+// mixer; NULL otherwise); conv_state, state: deltanet_block's, each sequence's states (DeltaNet mixer;
 // NULL otherwise); act: the experts' arithmetic (the mixer's and the gate's are in the struct);
 // seconds: NULL, or [2] += the wall seconds of the mixer and of the MoE sub-block (the engine's time
 // split). COLI_OK, COLI_EINVAL (shapes) or COLI_ENOMEM.

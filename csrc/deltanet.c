@@ -344,9 +344,9 @@ int kda_recurrent(float *out, float *state, const float *q, const float *k, cons
 // ----------------------------------------------------------------------------
 // The whole token mixer (deltanet.h says what each step is)
 
-int deltanet_block(float *out, const float *x, int T, const DeltaNetBlock *b, float *conv_state, float *state,
-                   int act) {
-    if (T < 0 || b == NULL || b->hk < 1 || b->hv < 1 || b->hv % b->hk || b->exact_batch < 0 || b->chunk < 1) {
+int deltanet_block(float *out, const float *x, int n_seq, const int *seq_T, const DeltaNetBlock *b,
+                   float *const *conv_state, float *const *state, int act) {
+    if (n_seq < 1 || b == NULL || b->hk < 1 || b->hv < 1 || b->hv % b->hk || b->exact_batch < 0 || b->chunk < 1) {
         return COLI_EINVAL;
     }
     const int hk = b->hk, hv = b->hv, dk = b->dk, dv = b->dv;
@@ -357,6 +357,11 @@ int deltanet_block(float *out, const float *x, int T, const DeltaNetBlock *b, fl
         if (ws[i]->rows != rows[i] || ws[i]->cols != hidden) return COLI_EINVAL;
     }
     if (b->out_proj->rows != hidden || b->out_proj->cols != nv) return COLI_EINVAL;
+    int T = 0;  // every sequence's rows, stacked
+    for (int i = 0; i < n_seq; i++) {
+        if (seq_T[i] < 0 || seq_T[i] > INT32_MAX - T) return COLI_EINVAL;
+        T += seq_T[i];
+    }
     if (T == 0) return COLI_OK;
     const size_t t = (size_t)T;
     // scratch: mixed, qkv [T, channels]; z, o [T, nv]; b, a, beta, g [T, hv]; q, k [T, nk]; v [T, nv]
@@ -366,7 +371,10 @@ int deltanet_block(float *out, const float *x, int T, const DeltaNetBlock *b, fl
     float *beta = aa + t * hv, *g = beta + t * hv, *q = g + t * hv, *k = q + t * nk, *v = k + t * nk;
     float *ys[4] = {mixed, z, bb, aa};
     int status = matmul_multi(ys, ws, 4, x, T, act);
-    if (status == COLI_OK) status = causal_conv1d(qkv, conv_state, mixed, b->conv, T, channels, b->conv_kernel, 1);
+    for (size_t s = 0, r = 0; s < (size_t)n_seq && status == COLI_OK; r += (size_t)seq_T[s], s++) {
+        status = causal_conv1d(qkv + r * channels, conv_state[s], mixed + r * channels, b->conv, seq_T[s], channels,
+                               b->conv_kernel, 1);
+    }
     if (status == COLI_OK) {
         for (size_t i = 0; i < t; i++) {  // the rule's q, k, v: slices of each token's [q | k | v]
             const float *row = qkv + i * channels;
@@ -380,15 +388,19 @@ int deltanet_block(float *out, const float *x, int T, const DeltaNetBlock *b, fl
                 g[j] = b->neg_a[h] * (y > 20.0f ? y : log1pf(coli_expf(y)));
             }
         }
-        // chunked, the chunks from the first token (absolute where the forward starts at a multiple
-        // of `chunk`), a last chunk of at most exact_batch tokens recurrent: a forward cut at multiples
-        // of `chunk` gets the bits of one forward (the prefix cache restores a state at such a cut)
-        const int tail = T % b->chunk, head = T <= b->exact_batch ? 0 : (tail <= b->exact_batch ? T - tail : T);
-        if (head > 0) status = gated_delta_rule_chunked(o, state, q, k, v, g, beta, head, hk, hv, dk, dv, b->chunk);
-        if (status == COLI_OK && head < T) {
+    }
+    for (size_t s = 0, r = 0; s < (size_t)n_seq && status == COLI_OK; r += (size_t)seq_T[s], s++) {
+        // each sequence's rule over its own rows: chunked, the chunks from its first token (absolute
+        // where the forward starts at a multiple of `chunk`), a last chunk of at most exact_batch
+        // tokens recurrent: a forward cut at multiples of `chunk` gets the bits of one forward (the
+        // prefix cache restores a state at such a cut)
+        const int n = seq_T[s], tail = n % b->chunk, head = n <= b->exact_batch ? 0 : (tail <= b->exact_batch ? n - tail : n);
+        float *os = o + r * nv, *qs = q + r * nk, *ks = k + r * nk, *vs = v + r * nv, *gs = g + r * hv, *bs = beta + r * hv;
+        if (head > 0) status = gated_delta_rule_chunked(os, state[s], qs, ks, vs, gs, bs, head, hk, hv, dk, dv, b->chunk);
+        if (status == COLI_OK && head < n) {
             const size_t h0 = (size_t)head;
-            status = gated_delta_rule_recurrent(o + h0 * nv, state, q + h0 * nk, k + h0 * nk, v + h0 * nv,
-                                                g + h0 * hv, beta + h0 * hv, T - head, hk, hv, dk, dv);
+            status = gated_delta_rule_recurrent(os + h0 * nv, state[s], qs + h0 * nk, ks + h0 * nk, vs + h0 * nv,
+                                                gs + h0 * hv, bs + h0 * hv, n - head, hk, hv, dk, dv);
         }
     }
     if (status == COLI_OK) status = rms_norm(o, o, b->norm, T * hv, dv, b->eps);

@@ -66,18 +66,21 @@ int gated_delta_rule_chunked(float *out, float *state, const float *q, const flo
 int kda_recurrent(float *out, float *state, const float *q, const float *k, const float *v, const float *g,
                   const float *beta, int n, int heads, int d);
 
-// A whole Gated DeltaNet token mixer (Qwen3-Next, Qwen3.5/3.6) in one call, for T new tokens:
-//   mixed, z, b, a = x in_qkvᵀ, x in_zᵀ, x in_bᵀ, x in_aᵀ       (one matmul_multi, arithmetic `act`)
-//   [q | k | v] = causal_conv1d(mixed, conv, conv_state, SiLU)
+// A whole Gated DeltaNet token mixer (Qwen3-Next, Qwen3.5/3.6) in one call, for the new tokens of
+// n_seq sequences (a batch's generations): sequence i's seq_T[i] rows follow those of the sequences
+// before it in x and out (T = Σ seq_T rows), its states are conv_state[i] and state[i]:
+//   mixed, z, b, a = x in_qkvᵀ, x in_zᵀ, x in_bᵀ, x in_aᵀ       (one matmul_multi on all rows, `act`)
+//   [q | k | v] = causal_conv1d(mixed, conv, conv_state, SiLU)   (each sequence over its own rows)
 //   β = 1 / (1 + exp(−b));  g = neg_a · softplus(a + dt_bias)     (softplus(y) = y above 20, else
 //                                                                   log1p(exp(y)); exp: coli_expf)
-//   o = the gated delta rule (recurrent for T <= exact_batch, else chunked by `chunk`, a last chunk
-//       of at most exact_batch tokens recurrent: the bits of a forward cut there)
+//   o = the gated delta rule, each sequence's (recurrent for seq_T <= exact_batch, else chunked by
+//       `chunk`, a last chunk of at most exact_batch tokens recurrent: the bits of a forward cut there)
 //   o = rms_norm(o per value head, norm) · silu(z),  silu(z) = z / (1 + exp(−z))
-//   out = o out_projᵀ                                            (matmul, arithmetic `act`)
-// out: f32 [T, hidden] (written); x: f32 [T, hidden]; conv_state: f32 [conv_kernel - 1, channels]
-// and state: f32 [hv, dk, dv] (read, updated), channels = 2 hk dk + hv dv. Each step is one
-// token's own (the matmuls' and the recurrent rule's bits do not depend on T up to exact_batch).
+//   out = o out_projᵀ                                            (matmul on all rows, arithmetic `act`)
+// out: f32 [T, hidden] (written); x: f32 [T, hidden]; conv_state[i]: f32 [conv_kernel - 1, channels]
+// and state[i]: f32 [hv, dk, dv] (read, updated), channels = 2 hk dk + hv dv. Each step is one
+// token's own (the matmuls' and the recurrent rule's bits do not depend on the rows beside it, the
+// rule's on T up to exact_batch): each sequence gets the bits of its own call.
 // Returns COLI_OK, COLI_EINVAL (shapes) or COLI_ENOMEM.
 typedef struct {
     const QMatrix *in_qkv, *in_z, *in_b, *in_a;  // [channels, hidden], [hv dv, hidden], [hv, hidden] (b, a)
@@ -89,7 +92,7 @@ typedef struct {
     int exact_batch, chunk;                       // the rule's form: recurrent up to exact_batch tokens
     float eps;
 } DeltaNetBlock;
-int deltanet_block(float *out, const float *x, int T, const DeltaNetBlock *b, float *conv_state, float *state,
-                   int act);
+int deltanet_block(float *out, const float *x, int n_seq, const int *seq_T, const DeltaNetBlock *b,
+                   float *const *conv_state, float *const *state, int act);
 
 #endif  // COLIBRI_DELTANET_H

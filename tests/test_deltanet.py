@@ -205,6 +205,24 @@ def test_deltanet_block_tokens_together_give_the_bits_of_one_at_a_time():
         assert np.array_equal(together, one_by_one) and np.array_equal(s1, s2) and np.array_equal(c1, c2)
 
 
+def test_several_sequences_in_one_call_get_their_own_bits():
+    """`DeltaNetBlock.seqs`, a batch's sequences in one call (the projections on all rows, the conv
+    and the rule per sequence), gives each sequence the bits and states of its own call: a decode
+    step, a draft, and a prompt long enough for the chunked rule side by side."""
+    for act in ("f32", "int8"):
+        rng = np.random.default_rng(8)
+        block, _, (conv_state, state), _ = block_inputs(rng)
+        lengths = [1, 5, 2 * dn.CHUNK + 3]
+        alone = [(conv_state + i, state * (i + 1)) for i in range(3)]  # three different states
+        together = [(c.copy(), r.copy()) for c, r in alone]
+        x = rng.standard_normal((sum(lengths), block.hidden)).astype(np.float32)
+        out = block.seqs(x, lengths, together, act)
+        at = np.cumsum([0] + lengths)
+        for i, (c, r) in enumerate(alone):
+            assert np.array_equal(block(x[at[i]:at[i + 1]], c, r, act), out[at[i]:at[i + 1]])
+            assert np.array_equal(c, together[i][0]) and np.array_equal(r, together[i][1])
+
+
 def test_deltanet_block_matches_the_oracles_layer():
     """The block against transformers' Qwen3_5MoeGatedDeltaNet (its pure-torch path) with the same
     float32 weights, a 20-token prompt from a zero state."""

@@ -17,7 +17,7 @@ import numpy as np
 from colibri_core.kernels import (AttnBlock, ExpertTable, _act_code, _activations, _check, _floats, _math, _qmatrix,
                                   _vector)
 from colibri_core.kernels._colibri_kernels import ffi, lib
-from colibri_core.kernels.deltanet import DeltaNetBlock, _state
+from colibri_core.kernels.deltanet import DeltaNetBlock
 from colibri_core.quant import QTensor
 
 
@@ -90,14 +90,7 @@ class MoELayer:
             (seq_T, cos, sin, kc, vc, starts), kv = self.mixer.c_args(lengths, cos, sin, caches)
             conv = rec = null
         else:
-            if len(states) != len(lengths):
-                raise ValueError(f"moe_layer: one (conv_state, state) per sequence, got {len(states)} for {len(lengths)}")
-            for conv_state, state in states:
-                _state(conv_state, self.mixer.state_shapes[0], "moe_layer: conv_state")
-                _state(state, self.mixer.state_shapes[1], "moe_layer: state")
-            seq_T, cos, sin, kc, vc, starts, kv = ffi.new("int[]", lengths), null, null, null, null, null, lib.KV_F32
-            conv = ffi.new("float *[]", [_floats(c, True) for c, _ in states])
-            rec = ffi.new("float *[]", [_floats(r, True) for _, r in states])
+            (seq_T, conv, rec), (cos, sin, kc, vc, starts, kv) = self.mixer.c_args(lengths, states), (null,) * 5 + (lib.KV_F32,)
         _check(lib.moe_layer(_floats(out, writable=True), ffi.from_buffer("int64_t[]", ids, require_writable=True),
                              _floats(weights, writable=True), _floats(h), len(lengths), seq_T, self._c, table._c, table.n,
                              cos, sin, kc, vc, starts, kv, conv, rec, _act_code(act or table.act), self._seconds),

@@ -144,14 +144,31 @@ class DeltaNetBlock:
     def __call__(self, x: np.ndarray, conv_state: np.ndarray, state: np.ndarray, act: str | None = None) -> np.ndarray:
         """x (T, hidden) normalised hidden states → (T, hidden); conv_state (K−1, channels) and state
         (Hv, dk, dv), float32, advance by T tokens in place."""
+        return self.seqs(x, [len(x)], [(conv_state, state)], act)
+
+    def seqs(self, x: np.ndarray, lengths: list[int], states: list[tuple], act: str | None = None) -> np.ndarray:
+        """The mixer for several sequences in one call (a batch's generations): x (T, hidden) their
+        rows stacked, `lengths` each one's rows, `states` each one's (conv_state, state) → (T,
+        hidden), each sequence's rows and states the bits of its own call (the projections read the
+        weights once for all)."""
         x = _activations(x, self.hidden, "deltanet_block: x")
-        _state(conv_state, self.state_shapes[0], "deltanet_block: conv_state")
-        _state(state, self.state_shapes[1], "deltanet_block: state")
         out = np.empty_like(x)
-        if x.shape[0]:
-            _check(lib.deltanet_block(_floats(out, True), _floats(x), x.shape[0], self._c, _floats(conv_state, True),
-                                      _floats(state, True), _act_code(act or self.act)), "deltanet_block")
+        if len(x):
+            args = self.c_args(lengths, states)
+            _check(lib.deltanet_block(_floats(out, True), _floats(x), len(lengths), args[0], self._c, *args[1:],
+                                      _act_code(act or self.act)), "deltanet_block")
         return out
+
+    def c_args(self, lengths: list[int], states: list[tuple]) -> tuple:
+        """A call's (seq_T, conv_states, states) as C takes them, checked: `lengths` each sequence's
+        rows, `states` each one's (conv_state, state)."""
+        if len(states) != len(lengths) or not lengths or min(lengths) < 0:
+            raise ValueError(f"deltanet_block: one (conv_state, state) per sequence, got {len(states)} for {len(lengths)}")
+        for conv_state, state in states:
+            _state(conv_state, self.state_shapes[0], "deltanet_block: conv_state")
+            _state(state, self.state_shapes[1], "deltanet_block: state")
+        return (ffi.new("int[]", lengths), ffi.new("float *[]", [_floats(c, True) for c, _ in states]),
+                ffi.new("float *[]", [_floats(r, True) for _, r in states]))
 
 
 def _array(a, ndim: int, what: str) -> np.ndarray:

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .. import batch
 from ..kernels import deltanet as kernels
 
 __all__ = ["DeltaNetDims", "DeltaNetState", "GatedDeltaNet"]
@@ -97,5 +98,11 @@ class GatedDeltaNet:
                                      value_dim=d.value_dim, eps=self.eps)
 
     def __call__(self, x: np.ndarray, state: DeltaNetState) -> np.ndarray:
-        """x (T, H) normalised hidden states → (T, H); `state` advances by T tokens."""
-        return self.block(x, state.conv, state.recurrent)
+        """x (T, H) normalised hidden states → (T, H); `state` advances by T tokens. In a batch, one C
+        call for every generation's rows (the projections' weights read once, each its own state)."""
+        return batch.together(("deltanet", id(self)), (x, state), self._seqs)
+
+    def _seqs(self, parts: list[tuple]) -> list[np.ndarray]:
+        x = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        out = self.block.seqs(x, [len(p[0]) for p in parts], [(p[1].conv, p[1].recurrent) for p in parts])
+        return np.split(out, np.cumsum([len(p[0]) for p in parts])[:-1])
