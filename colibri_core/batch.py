@@ -148,17 +148,27 @@ def others_running() -> bool:
     return me is not None and any(not g.done and g is not me for g in me.batch.generations)
 
 
+def stack(arrays: list[np.ndarray]) -> np.ndarray:
+    """The generations' rows one after the other (T_all, …): the array itself when alone."""
+    return np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+
+
+def cut(out: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
+    """`out`'s rows (T_all, …) cut back into each generation's, `lengths` rows each."""
+    return np.split(out, np.cumsum(lengths)[:-1])
+
+
 def by_rows(fn: Callable[[np.ndarray], Any]) -> Callable[[list[np.ndarray]], list]:
     """A `together` run for a row-wise `fn`: fn over the generations' rows stacked (T_all, …) in one
     call, its result (an array, or a list of arrays) cut back into each generation's rows."""
     def run(xs: list[np.ndarray]) -> list:
         if len(xs) == 1:
             return [fn(xs[0])]
-        cuts = np.cumsum([len(x) for x in xs])[:-1]
-        out = fn(np.concatenate(xs))
+        lengths = [len(x) for x in xs]
+        out = fn(stack(xs))
         if isinstance(out, np.ndarray):
-            return np.split(out, cuts)
-        return [list(parts) for parts in zip(*(np.split(o, cuts) for o in out))]
+            return cut(out, lengths)
+        return [list(parts) for parts in zip(*(cut(o, lengths) for o in out))]
     return run
 
 

@@ -31,12 +31,9 @@ _kept: ContextVar[dict] = ContextVar("colibri_model_kept", default={})  # {(mode
 def _moe_rows(moe: MoE, layer: int, shared, parts: list[tuple]) -> list[np.ndarray]:
     """`moe` over every generation's rows stacked: x, residual, token_ids (and expert_input) of each
     concatenated, the (T_all, H) result cut back per generation."""
-    if len(parts) == 1:
-        x, residual, token_ids, *expert_input = parts[0]
-        return [moe(layer, x, residual, token_ids, *(expert_input or [None]), shared)]
-    x, residual, token_ids, *expert_input = (np.concatenate(column) for column in zip(*parts))
+    x, residual, token_ids, *expert_input = (batch.stack(list(column)) for column in zip(*parts))
     out = moe(layer, x, residual, token_ids, *(expert_input or [None]), shared)  # (T_all, H)
-    return np.split(out, np.cumsum([len(p[0]) for p in parts])[:-1])
+    return batch.cut(out, [len(p[0]) for p in parts])
 
 
 class Weights:

@@ -90,7 +90,9 @@ class MoELayer:
             (seq_T, cos, sin, kc, vc, starts), kv = self.mixer.c_args(lengths, cos, sin, caches)
             conv = rec = null
         else:
-            (seq_T, conv, rec), (cos, sin, kc, vc, starts, kv) = self.mixer.c_args(lengths, states), (null,) * 5 + (lib.KV_F32,)
+            seq_T, conv, rec = self.mixer.c_args(lengths, states)
+            cos = sin = kc = vc = starts = null
+            kv = lib.KV_F32
         _check(lib.moe_layer(_floats(out, writable=True), ffi.from_buffer("int64_t[]", ids, require_writable=True),
                              _floats(weights, writable=True), _floats(h), len(lengths), seq_T, self._c, table._c, table.n,
                              cos, sin, kc, vc, starts, kv, conv, rec, _act_code(act or table.act), self._seconds),

@@ -38,9 +38,10 @@ def gqa_block(block: kernels.AttnBlock, h: np.ndarray, cache: KVCache, cos: np.n
 def _blocks(block: kernels.AttnBlock, parts: list[tuple]) -> list[np.ndarray]:
     """`gqa_block` for each (h, cache, cos, sin) of a batch's generations, in one C call: the
     projections on every generation's rows stacked (the weights read once), attention per cache."""
-    starts = [p[1].reserve(len(p[0])) - len(p[0]) for p in parts]  # a WindowKV may move its rows (and length) first
-    h, cos, sin = (np.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in (0, 2, 3))
-    out = block.seqs(h, [len(p[0]) for p in parts], cos, sin, [(p[1].k, p[1].v, s) for p, s in zip(parts, starts)])
-    for p, s in zip(parts, starts):
-        p[1].length = s + len(p[0])
-    return np.split(out, np.cumsum([len(p[0]) for p in parts])[:-1])
+    lengths = [len(p[0]) for p in parts]
+    starts = [p[1].reserve(n) - n for p, n in zip(parts, lengths)]  # a WindowKV may move its rows (and length) first
+    h, cos, sin = (batch.stack([p[i] for p in parts]) for i in (0, 2, 3))
+    out = block.seqs(h, lengths, cos, sin, [(p[1].k, p[1].v, s) for p, s in zip(parts, starts)])
+    for p, s, n in zip(parts, starts, lengths):
+        p[1].length = s + n
+    return batch.cut(out, lengths)

@@ -103,6 +103,6 @@ class GatedDeltaNet:
         return batch.together(("deltanet", id(self)), (x, state), self._seqs)
 
     def _seqs(self, parts: list[tuple]) -> list[np.ndarray]:
-        x = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-        out = self.block.seqs(x, [len(p[0]) for p in parts], [(p[1].conv, p[1].recurrent) for p in parts])
-        return np.split(out, np.cumsum([len(p[0]) for p in parts])[:-1])
+        lengths = [len(p[0]) for p in parts]
+        out = self.block.seqs(batch.stack([p[0] for p in parts]), lengths, [(p[1].conv, p[1].recurrent) for p in parts])
+        return batch.cut(out, lengths)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .. import kernels
+from .. import batch, kernels
 from ..errors import ColibriError
 from ..kernels.decoder import MoELayer
 from ..layout import ExpertFunction, ExpertMath
@@ -211,15 +211,15 @@ class MoE:
         stacked: the weights read once, the union of their experts once) → each one's (T, H), the
         bits of its blocks; the routing counted as this block counts its own."""
         fused, lengths = self._whole[layer, id(block)], [len(p[0]) for p in parts]
-        h = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        h = batch.stack([p[0] for p in parts])
         attention = isinstance(block.mixer, kernels.AttnBlock)
         if attention:
-            starts = [p[1].reserve(len(p[0])) - len(p[0]) for p in parts]  # a WindowKV may move its rows first
-            cos, sin = (np.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in (2, 3))
+            starts = [p[1].reserve(n) - n for p, n in zip(parts, lengths)]  # a WindowKV may move its rows first
+            cos, sin = (batch.stack([p[i] for p in parts]) for i in (2, 3))
             out, weights, ids = fused(h, table, lengths, cos=cos, sin=sin,
                                       caches=[(p[1].k, p[1].v, s) for p, s in zip(parts, starts)])
-            for p, s in zip(parts, starts):
-                p[1].length = s + len(p[0])
+            for p, s, n in zip(parts, starts, lengths):
+                p[1].length = s + n
         else:
             out, weights, ids = fused(h, table, lengths, states=[(p[1].conv, p[1].recurrent) for p in parts])
         mixer_seconds, moe_seconds = fused.seconds()
@@ -228,7 +228,7 @@ class MoE:
         spent("moe", moe_seconds)
         route(layer, ids)
         self.experts.count_resident(layer, ids)
-        return np.split(out, np.cumsum(lengths)[:-1])
+        return batch.cut(out, lengths)
 
     def _layer_call(self, layer: int, block) -> MoELayer | None:
         """The C call of decoder layer `layer`, or None where its MoE block is not the core's fused
