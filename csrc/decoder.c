@@ -5,6 +5,7 @@
 #include <time.h>
 
 #include "decoder.h"
+#include "impl/kernels_impl.h"
 
 static double now(void) {
     struct timespec ts;
@@ -20,12 +21,8 @@ int moe_layer(float *out, int64_t *ids, float *weights, const float *h, int n_se
         l->router == NULL || l->post_norm == NULL) {
         return COLI_EINVAL;
     }
-    int hidden = l->router->cols, T = 0;  // every sequence's rows, stacked
-    if (l->shared_gate && (l->shared_gate->rows != 1 || l->shared_gate->cols != hidden)) return COLI_EINVAL;
-    for (int i = 0; i < n_seq; i++) {
-        if (seq_T[i] < 0 || seq_T[i] > INT32_MAX - T) return COLI_EINVAL;
-        T += seq_T[i];
-    }
+    int hidden = l->router->cols, T = seq_rows(n_seq, seq_T);  // every sequence's rows, stacked
+    if (T < 0 || (l->shared_gate && (l->shared_gate->rows != 1 || l->shared_gate->cols != hidden))) return COLI_EINVAL;
     if (T == 0) return COLI_OK;
     size_t n = (size_t)T * (size_t)hidden;
     float *mid = malloc((2 * n + (size_t)T) * sizeof(float));  // h1, x, the shared expert's scale

@@ -357,11 +357,8 @@ int deltanet_block(float *out, const float *x, int n_seq, const int *seq_T, cons
         if (ws[i]->rows != rows[i] || ws[i]->cols != hidden) return COLI_EINVAL;
     }
     if (b->out_proj->rows != hidden || b->out_proj->cols != nv) return COLI_EINVAL;
-    int T = 0;  // every sequence's rows, stacked
-    for (int i = 0; i < n_seq; i++) {
-        if (seq_T[i] < 0 || seq_T[i] > INT32_MAX - T) return COLI_EINVAL;
-        T += seq_T[i];
-    }
+    const int T = seq_rows(n_seq, seq_T);  // every sequence's rows, stacked
+    if (T < 0) return COLI_EINVAL;
     if (T == 0) return COLI_OK;
     const size_t t = (size_t)T;
     // scratch: mixed, qkv [T, channels]; z, o [T, nv]; b, a, beta, g [T, hv]; q, k [T, nk]; v [T, nv]

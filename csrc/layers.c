@@ -713,10 +713,10 @@ int attn_block(float *out, const float *h, int n_seq, const int *seq_T, const At
         b->qk_norm > QK_NORM_HEAD || b->window < 0 || (b->gated && b->qk_norm == QK_NORM_WHOLE)) {
         return COLI_EINVAL;
     }
-    int T = 0;  // every sequence's rows, stacked
+    int T = seq_rows(n_seq, seq_T);  // every sequence's rows, stacked
+    if (T < 0) return COLI_EINVAL;
     for (int i = 0; i < n_seq; i++) {
-        if (seq_T[i] < 0 || start[i] < 0 || seq_T[i] > INT32_MAX - T) return COLI_EINVAL;
-        T += seq_T[i];
+        if (start[i] < 0) return COLI_EINVAL;
     }
     if (T == 0) return COLI_OK;
     size_t t = (size_t)T;

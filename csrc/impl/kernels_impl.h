@@ -166,6 +166,17 @@ dot_fn path_dot(const Path *p, int kind, int act);
 // The rows kernel for n tokens of weights `kind` in `act`, or NULL: the dot per row and token.
 rows_fn path_rows(const Path *p, int kind, int act, int n);
 
+// The rows of n_seq sequences stacked (a batch's generations in one call: attn_block, deltanet_block,
+// moe_layer): Σ seq_T[i], or −1 where one is negative or the sum passes INT32_MAX.
+static inline int seq_rows(int n_seq, const int *seq_T) {
+    int T = 0;
+    for (int i = 0; i < n_seq; i++) {
+        if (seq_T[i] < 0 || seq_T[i] > INT32_MAX - T) return -1;
+        T += seq_T[i];
+    }
+    return T;
+}
+
 // ----------------------------------------------------------------------------
 // Rows jobs: the unit a task works on is a range of whole output rows, for every token.
 
