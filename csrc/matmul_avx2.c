@@ -332,40 +332,6 @@ AVX2 static inline void transpose8_epi32(__m256i *r) {
     r[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
 }
 
-// Σ (q + 8)·xq per group of a chunk for m tokens (m a constant where inlined: 1, 2 or 4), from the
-// transposed weights wt and activations x[j] (Acts.xt): lane b of every vector belongs to group b,
-// so the sums build up lane by lane and need no horizontal step; each weight vector is loaded once
-// for the m tokens. A maddubs lane is at most 2 * 15 * 127 = 3810 in magnitude, so the eight of a
-// half chunk add up in int16 (<= 30480) before one madd widens them: 16 maddubs, 16 adds and 2
-// madds a token, where widening every pair took 40 instructions.
-AVX2 static inline __attribute__((always_inline)) void chunk_isum_tm(const __m256i *wt, const __m256i *const *x,
-                                                                       int m, __m256i *s) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    // One half chunk at a time, its loops kept rolled: unrolled, GCC scheduled the loads and maddubs
-    // of several vectors ahead and spilled the accumulators (4 KB of stack traffic a chunk); rolled,
-    // 8 tokens an expert from memory ran 1.33x faster (Zen 3).
-    __m256i p[4];
-#pragma GCC unroll 1
-    for (int h = 0; h < 2; h++) {
-        __m256i wv = _mm256_load_si256(wt + 8 * h);
-#pragma GCC unroll 4
-        for (int j = 0; j < m; j++) p[j] = _mm256_maddubs_epi16(wv, _mm256_loadu_si256(x[j] + 8 * h));
-#pragma GCC unroll 1
-        for (int v = 1; v < 8; v++) {
-            wv = _mm256_load_si256(wt + 8 * h + v);
-#pragma GCC unroll 4
-            for (int j = 0; j < m; j++) {
-                p[j] = _mm256_add_epi16(p[j], _mm256_maddubs_epi16(wv, _mm256_loadu_si256(x[j] + 8 * h + v)));
-            }
-        }
-#pragma GCC unroll 4
-        for (int j = 0; j < m; j++) {
-            __m256i d = _mm256_madd_epi16(p[j], ones);
-            s[j] = h == 0 ? d : _mm256_add_epi32(s[j], d);
-        }
-    }
-}
-
 // The chunk of 8 groups at g0 of row wr, transposed for the several-token rows: wt[w] lane b = word
 // w of group b (words 0-7: the low nibbles, 8-15: the high ones). The raw 32-bit words are
 // transposed once, then split into nibbles (half the shuffles of splitting first). Groups past the
@@ -385,54 +351,102 @@ AVX2 static inline void chunk_transposed(__m256i *wt, const uint8_t *wr, size_t 
     }
 }
 
-// m tokens t[0..m) of a chunk: L[j] += their terms (chunk_isum_tm, then chunk_term as the dot).
-AVX2 static inline __attribute__((always_inline)) void chunk_tokens_avx2(const __m256i *wt, const Acts *a,
-                                                                          const size_t *t, int m, int g0, __m256 ws,
-                                                                          __m256 *L) {
+// m tokens t[0..m) (m a constant where inlined: 1, 2 or 4) of one chunk of two rows (wt, wu: their
+// transposed chunks; ws, wz: their scales): L[j] and K[j] += each row's terms. Per row and token,
+// Σ (q + 8)·xq per group from the weights and activations x[j] (Acts.xt): lane b of every vector
+// belongs to group b, so the sums build up lane by lane and need no horizontal step; then
+// chunk_term, as the dot. Each weight vector is loaded once for the m tokens, and each load of a
+// token's activations feeds both rows' maddubs (one row at a time took 1.34x the time at 32
+// tokens, in cache on Zen 3). A maddubs lane is at most 2 * 15 * 127 = 3810 in magnitude, so the
+// eight of a half chunk add up in int16 (<= 30480) before one madd widens them: 16 maddubs, 16 adds
+// and 2 madds a row and token, where widening every pair took 40 instructions.
+AVX2 static inline __attribute__((always_inline)) void chunk_tokens_avx2(const __m256i *wt, const __m256i *wu,
+                                                                          const Acts *a, const size_t *t, int m,
+                                                                          int g0, __m256 ws, __m256 wz, __m256 *L,
+                                                                          __m256 *K) {
+    const __m256i ones = _mm256_set1_epi16(1);
     const __m256i *x[4];
-    __m256i s[4];
+    __m256i s[4], u[4], p[4], q[4];
     for (int j = 0; j < m; j++) x[j] = (const __m256i *)(a->xt + t[j] * a->stride + (size_t)g0 * 64);
-    chunk_isum_tm(wt, x, m, s);
+    // One half chunk at a time, its loops kept rolled: unrolled, GCC scheduled the loads and maddubs
+    // of several vectors ahead and spilled the accumulators (4 KB of stack traffic a chunk); rolled,
+    // 8 tokens an expert from memory ran 1.33x faster (Zen 3).
+#pragma GCC unroll 1
+    for (int h = 0; h < 2; h++) {
+        __m256i wv = _mm256_load_si256(wt + 8 * h), uv = _mm256_load_si256(wu + 8 * h);
+#pragma GCC unroll 4
+        for (int j = 0; j < m; j++) {
+            __m256i xv = _mm256_loadu_si256(x[j] + 8 * h);
+            p[j] = _mm256_maddubs_epi16(wv, xv);
+            q[j] = _mm256_maddubs_epi16(uv, xv);
+        }
+#pragma GCC unroll 1
+        for (int v = 1; v < 8; v++) {
+            wv = _mm256_load_si256(wt + 8 * h + v);
+            uv = _mm256_load_si256(wu + 8 * h + v);
+#pragma GCC unroll 4
+            for (int j = 0; j < m; j++) {
+                __m256i xv = _mm256_loadu_si256(x[j] + 8 * h + v);
+                p[j] = _mm256_add_epi16(p[j], _mm256_maddubs_epi16(wv, xv));
+                q[j] = _mm256_add_epi16(q[j], _mm256_maddubs_epi16(uv, xv));
+            }
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < m; j++) {
+            __m256i d = _mm256_madd_epi16(p[j], ones), e = _mm256_madd_epi16(q[j], ones);
+            s[j] = h == 0 ? d : _mm256_add_epi32(s[j], d);
+            u[j] = h == 0 ? e : _mm256_add_epi32(u[j], e);
+        }
+    }
     for (int j = 0; j < m; j++) {
         size_t at = t[j] * (size_t)a->nb8 + (size_t)g0;
         L[j] = _mm256_add_ps(L[j], chunk_term(s[j], ws, a->xsum + at, a->xs + at));
+        K[j] = _mm256_add_ps(K[j], chunk_term(u[j], wz, a->xsum + at, a->xs + at));
     }
 }
 
 // Rows r0 .. r1-1 for tokens tok[0..n) (NULL: 0..n), n > 1: the rows stream past once (asking 4 KB
-// ahead, as the one-token dot), each chunk of a row transposed once into wt (L1) for a block of up
-// to 32 tokens, 4 at a time — the same integer sums, hence the same operations per (row, token) as
-// the one-token dot, whatever n. The AVX2 path gives it 4 tokens or more (PATH_AVX2.q8_rows_from).
+// ahead, as the one-token dot), two at a time, each chunk of a row transposed once into wt (L1) for
+// a block of up to 32 tokens, 4 at a time — the same integer sums, hence the same operations per
+// (row, token) as the one-token dot, whatever n. An odd last row runs as both rows of its pass, the
+// second copy's sums dropped. The AVX2 path gives it 4 tokens or more (PATH_AVX2.q8_rows_from).
 AVX2 void rows_int4_q8_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
                             float *const *yrow) {
     int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)w->cols + 1) / 2;
-    __m256i wt[16];
+    __m256i wt[2][16];
     enum { BLOCK = 32 };  // tokens per pass over a row
-    __m256 L[BLOCK];
+    __m256 L[2][BLOCK];
     size_t t[BLOCK];
-    for (int r = r0; r < r1; r++) {
+    for (int r = r0; r < r1; r += 2) {
+        int pair = r + 1 < r1;  // 0: the last row alone (wt[pair] is its own chunk again)
         const uint8_t *wr = (const uint8_t *)w->data + (size_t)r * row_bytes;
         const uint16_t *sr = (const uint16_t *)w->scales + (size_t)r * (size_t)ngroups;
         for (int i0 = 0; i0 < n; i0 += BLOCK) {
             int nt = n - i0 < BLOCK ? n - i0 : BLOCK;
             for (int i = 0; i < nt; i++) {
                 t[i] = (size_t)(tok != NULL ? tok[i0 + i] : i0 + i);
-                L[i] = _mm256_setzero_ps();
+                L[0][i] = L[1][i] = _mm256_setzero_ps();
             }
             for (int g0 = 0; g0 < a->nb8; g0 += 8) {
-                for (int c = 0; c < 256; c += 64) _mm_prefetch((const char *)wr + (size_t)g0 * 32 + 4096 + c, _MM_HINT_T0);
-                chunk_transposed(wt, wr, row_bytes, g0, ngroups);
-                __m256 ws = chunk_scales(sr, g0, ngroups);
+                for (int k = 0; k <= pair; k++) {
+                    const uint8_t *wk = wr + (size_t)k * row_bytes;
+                    for (int c = 0; c < 256; c += 64) _mm_prefetch((const char *)wk + (size_t)g0 * 32 + 4096 + c, _MM_HINT_T0);
+                    chunk_transposed(wt[k], wk, row_bytes, g0, ngroups);
+                }
+                __m256 ws = chunk_scales(sr, g0, ngroups), wz = pair ? chunk_scales(sr + ngroups, g0, ngroups) : ws;
                 int i = 0;
-                for (; i + 4 <= nt; i += 4) chunk_tokens_avx2(wt, a, t + i, 4, g0, ws, L + i);
+                for (; i + 4 <= nt; i += 4) chunk_tokens_avx2(wt[0], wt[pair], a, t + i, 4, g0, ws, wz, L[0] + i, L[1] + i);
                 if (nt - i >= 2) {
-                    chunk_tokens_avx2(wt, a, t + i, 2, g0, ws, L + i);
+                    chunk_tokens_avx2(wt[0], wt[pair], a, t + i, 2, g0, ws, wz, L[0] + i, L[1] + i);
                     i += 2;
                 }
-                if (i < nt) chunk_tokens_avx2(wt, a, t + i, 1, g0, ws, L + i);
+                if (i < nt) chunk_tokens_avx2(wt[0], wt[pair], a, t + i, 1, g0, ws, wz, L[0] + i, L[1] + i);
             }
-            for (int i = 0; i < nt; i++) yrow[i0 + i][r] = tree8_avx2(L[i]);
+            for (int i = 0; i < nt; i++) {
+                yrow[i0 + i][r] = tree8_avx2(L[0][i]);
+                if (pair) yrow[i0 + i][r + 1] = tree8_avx2(L[1][i]);
+            }
         }
     }
 }
