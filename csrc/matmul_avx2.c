@@ -555,22 +555,18 @@ AVX2 static void rows_int8_q8_avx2(const QMatrix *w, int r0, int r1, const Acts 
     }
 }
 
-// The AVX-512 path's version of rows_int4_q8_avx2 (here for the chunk helpers above): vpdpbusd
-// (AVX-512 VNNI on 256-bit vectors: u8 x s8, four products into each int32 lane, no saturation)
-// for maddubs + madd + add — the same integer sums, so the same bits — 4 tokens per weight load in
-// 2 chains each; and chunk by chunk over blocks of 16 tokens x 8 rows, so a chunk of the block's
-// activations (8 KB) stays in L1 for the 8 rows (row by row over the whole width, each row read
-// them from L2, or from L3 past a few hundred tokens). Alternated call by call with
-// rows_int4_q8_avx2 at OLMoE's sizes (BENCHMARKS.md): 2048 x 1024 for 256 tokens 1.19–1.27x (VNNI),
-// 1.10–1.15x more (rows); 2048 x 2048 for 2048 tokens 1.5x more.
+// The AVX-512 path's int4 x int8 kernels: vpdpbusd (AVX-512 VNNI: u8 x s8, four products into
+// each int32 lane, no saturation) for maddubs + madd + add — the same integer sums, so the same bits.
 #define VNNI __attribute__((target("avx2,f16c,avx512f,avx512vl,avx512vnni")))
 
-// Below VNNI_MIN_TOKENS the rows are bound by reading the weights (an MoE expert's few tokens:
-// batched requests, drafts verified together, a short prompt), so they stream past once, row after
-// row, and each chunk is transposed in 512-bit registers (rows_int4_q8_stream512). With 768 x 2048
-// matrices from memory, the kernel below took 1.1-1.8x the time of streaming them (then with AVX2)
-// at 2-32 tokens; at 64 tokens 0.93x, at 256 0.8x.
-enum { VNNI_MIN_TOKENS = 64 };
+// Below VNNI_MIN_TOKENS the several-token rows are bound by reading the weights (an MoE expert's
+// few tokens: batched requests, drafts verified together, a short prompt), so they stream past
+// once, row after row (rows_int4_q8_stream512); from it on, by their arithmetic, so rows_int4_q8_vnni
+// takes them in blocks of 8 rows x 16 tokens that keep a chunk of the block's activations in L1.
+// 8 OLMoE-size experts from memory (tools/bench_expert_tokens.py, Intel AVX-512 host): streaming
+// 8 / 16 tokens 2.6 / 5.0 ms against the blocks' 3.9 / 5.7; 32 tokens 10.6 / 12.4 against 10.0 /
+// 13.1; 40 / 56 tokens 18.0 / 26.3 against 12.3 / 18.0.
+enum { VNNI_MIN_TOKENS = 32 };
 
 #define VNNI512 __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
@@ -667,36 +663,26 @@ VNNI512 static void rows_int4_q8_stream512(const QMatrix *w, int r0, int r1, con
     }
 }
 
-VNNI static inline void chunk_isum_t4_vnni(const __m256i *wt, const __m256i *const *x, __m256i *s) {
-    __m256i acc[4][2];
-    for (int m = 0; m < 4; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
-    for (int w = 0; w < 16; w += 2) {
-        for (int m = 0; m < 4; m++) {
-            acc[m][0] = _mm256_dpbusd_epi32(acc[m][0], wt[w], _mm256_loadu_si256(x[m] + w));
-            acc[m][1] = _mm256_dpbusd_epi32(acc[m][1], wt[w + 1], _mm256_loadu_si256(x[m] + w + 1));
-        }
-    }
-    for (int m = 0; m < 4; m++) s[m] = _mm256_add_epi32(acc[m][0], acc[m][1]);
-}
-
-VNNI void rows_int4_q8_vnni(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
-                            float *const *yrow) {
+// rows_int4_q8_stream512 in blocks of RB rows x BLOCK tokens, chunk by chunk: each chunk of a
+// row transposed once in 512-bit registers for the block's tokens, 8 at a time, while that chunk of
+// their activations (8 KB) stays in L1 for the 8 rows — the same integer sums and float steps, so
+// the same bits. (Before, the blocks ran 256-bit vpdpbusd on chunk_transposed's layout, 4 tokens at
+// a time: OLMoE-size prefill of 256 tokens 88-95 -> 102-110 tok/s, 8 experts x 128 tokens 86 -> 41 ms.)
+VNNI512 void rows_int4_q8_vnni(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
+                               float *const *yrow) {
     if (n < VNNI_MIN_TOKENS) {
         rows_int4_q8_stream512(w, r0, r1, a, tok, n, yrow);
         return;
     }
     int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)w->cols + 1) / 2;
-    __m256i wt[16];
+    __m512i wz[8];
     enum { BLOCK = 16, RB = 8 };  // tokens, rows per pass: a chunk of the block's activations stays in L1
     __m256 L[RB][BLOCK];
+    size_t t[BLOCK];
     for (int i0 = 0; i0 < n; i0 += BLOCK) {
         int nt = n - i0 < BLOCK ? n - i0 : BLOCK;
-        size_t t[BLOCK];  // the block's tokens; past nt its first again (4 at a time: the extra ones unused)
-        for (int i = 0; i < BLOCK; i++) {
-            int ii = i0 + (i < nt ? i : 0);
-            t[i] = (size_t)(tok != NULL ? tok[ii] : ii);
-        }
+        for (int i = 0; i < nt; i++) t[i] = (size_t)(tok != NULL ? tok[i0 + i] : i0 + i);
         for (int rb = r0; rb < r1; rb += RB) {
             int nr = r1 - rb < RB ? r1 - rb : RB;
             for (int r = 0; r < nr; r++) for (int i = 0; i < nt; i++) L[r][i] = _mm256_setzero_ps();
@@ -704,21 +690,19 @@ VNNI void rows_int4_q8_vnni(const QMatrix *w, int r0, int r1, const Acts *a, con
                 for (int r = 0; r < nr; r++) {
                     const uint8_t *wr = (const uint8_t *)w->data + (size_t)(rb + r) * row_bytes;
                     const uint16_t *sr = (const uint16_t *)w->scales + (size_t)(rb + r) * (size_t)ngroups;
-                    chunk_transposed(wt, wr, row_bytes, g0, ngroups);
+                    chunk_transposed512(wz, wr + (size_t)g0 * 32, row_bytes - (size_t)g0 * 32);
                     __m256 ws = chunk_scales(sr, g0, ngroups);
-                    for (int i = 0; i < nt; i += 4) {
-                        int nm = nt - i < 4 ? nt - i : 4;  // tokens of these 4 in the block
-                        const __m256i *x[4];
-                        __m256i sm[4];
-                        for (int m = 0; m < 4; m++) {
-                            x[m] = (const __m256i *)(a->xt + t[i + m] * a->stride + (size_t)g0 * 64);
-                        }
-                        chunk_isum_t4_vnni(wt, x, sm);
-                        for (int m = 0; m < nm; m++) {
-                            size_t at = t[i + m] * (size_t)a->nb8 + (size_t)g0;
-                            L[r][i + m] = _mm256_add_ps(L[r][i + m], chunk_term(sm[m], ws, a->xsum + at, a->xs + at));
-                        }
+                    int i = 0;
+                    for (; i + 8 <= nt; i += 8) chunk_tokens512(wz, a, t + i, 8, g0, ws, L[r] + i);
+                    if (nt - i >= 4) {
+                        chunk_tokens512(wz, a, t + i, 4, g0, ws, L[r] + i);
+                        i += 4;
                     }
+                    if (nt - i >= 2) {
+                        chunk_tokens512(wz, a, t + i, 2, g0, ws, L[r] + i);
+                        i += 2;
+                    }
+                    if (i < nt) chunk_tokens512(wz, a, t + i, 1, g0, ws, L[r] + i);
                 }
             }
             for (int r = 0; r < nr; r++) for (int i = 0; i < nt; i++) yrow[i0 + i][rb + r] = tree8_avx2(L[r][i]);
