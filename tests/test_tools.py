@@ -148,11 +148,17 @@ def test_bench_simd_decode_times_every_path(model):
 
 def test_bench_resident_floor_is_below_the_measured_time(model):
     out = tool("bench_resident_floor.py", model, "--activations", "int8", "f32", "--rounds", 1, "--tokens", 4,
-               "--prompt", 8)
+               "--prompt", 8, "--batch", 3)
     assert floats(rf"({NUM}) MB a token", out)[0] > 0
     for act in ("int8", "f32"):
         ms, floor, read = floats(rf"{act}: ([\d.]+) ms a token, floor ({NUM}) \(\d+ %; read ([\d.]+) GB/s\)", out)
         assert 0 < ms and floor <= ms and read > 0, out
+    # each batch step against its own floor: the dense bytes once and the union of the 3 rows' experts
+    for step, floor, share, experts, read, ratio in re.findall(
+            rf"3 together: step ([\d.]+) ms, its floor ({NUM}) \((\d+) %; (\d+) experts; read ([\d.]+) GB/s\), "
+            rf"([\d.]+)x the tokens/s of one", out):
+        assert float(step) > 0 and 0 < float(floor) and int(experts) > 0 and float(ratio) > 0, out
+    assert out.count("3 together") == 2, out
 
 
 def test_profile_decode_accounts_for_the_step(model):
