@@ -621,6 +621,24 @@ VNNI512 static inline __attribute__((always_inline)) void chunk_tokens512(const 
     }
 }
 
+// The m tokens t[0..m) of the transposed chunk wz at group g0, 8 at a time: L[j] += terms.
+// (Inlined: as a call it took 1.2-1.3x the time at 2-64 tokens.)
+VNNI512 static inline __attribute__((always_inline)) void chunk_block512(const __m512i *wz, const Acts *a,
+                                                                         const size_t *t, int m, int g0,
+                                                                         __m256 ws, __m256 *L) {
+    int i = 0;
+    for (; i + 8 <= m; i += 8) chunk_tokens512(wz, a, t + i, 8, g0, ws, L + i);
+    if (m - i >= 4) {
+        chunk_tokens512(wz, a, t + i, 4, g0, ws, L + i);
+        i += 4;
+    }
+    if (m - i >= 2) {
+        chunk_tokens512(wz, a, t + i, 2, g0, ws, L + i);
+        i += 2;
+    }
+    if (i < m) chunk_tokens512(wz, a, t + i, 1, g0, ws, L + i);
+}
+
 // rows_int4_q8_avx2 with 512-bit VNNI: the rows stream past once (4 KB asked ahead), each chunk
 // transposed once per block of up to 16 tokens, 8 tokens at a time — the same integer sums and float
 // steps as the one-token dot, so the same bits.
@@ -646,17 +664,7 @@ VNNI512 static void rows_int4_q8_stream512(const QMatrix *w, int r0, int r1, con
                 for (int c = 0; c < 256; c += 64) _mm_prefetch((const char *)wp + 4096 + c, _MM_HINT_T0);
                 chunk_transposed512(wz, wp, row_bytes - (size_t)g0 * 32);  // g0 < ngroups: nb8 rounds them up
                 __m256 ws = chunk_scales(sr, g0, ngroups);
-                int i = 0;
-                for (; i + 8 <= nt; i += 8) chunk_tokens512(wz, a, t + i, 8, g0, ws, L + i);
-                if (nt - i >= 4) {
-                    chunk_tokens512(wz, a, t + i, 4, g0, ws, L + i);
-                    i += 4;
-                }
-                if (nt - i >= 2) {
-                    chunk_tokens512(wz, a, t + i, 2, g0, ws, L + i);
-                    i += 2;
-                }
-                if (i < nt) chunk_tokens512(wz, a, t + i, 1, g0, ws, L + i);
+                chunk_block512(wz, a, t, nt, g0, ws, L);
             }
             for (int i = 0; i < nt; i++) yrow[i0 + i][r] = tree8_avx2(L[i]);
         }
@@ -692,17 +700,7 @@ VNNI512 void rows_int4_q8_vnni(const QMatrix *w, int r0, int r1, const Acts *a, 
                     const uint16_t *sr = (const uint16_t *)w->scales + (size_t)(rb + r) * (size_t)ngroups;
                     chunk_transposed512(wz, wr + (size_t)g0 * 32, row_bytes - (size_t)g0 * 32);
                     __m256 ws = chunk_scales(sr, g0, ngroups);
-                    int i = 0;
-                    for (; i + 8 <= nt; i += 8) chunk_tokens512(wz, a, t + i, 8, g0, ws, L[r] + i);
-                    if (nt - i >= 4) {
-                        chunk_tokens512(wz, a, t + i, 4, g0, ws, L[r] + i);
-                        i += 4;
-                    }
-                    if (nt - i >= 2) {
-                        chunk_tokens512(wz, a, t + i, 2, g0, ws, L[r] + i);
-                        i += 2;
-                    }
-                    if (i < nt) chunk_tokens512(wz, a, t + i, 1, g0, ws, L[r] + i);
+                    chunk_block512(wz, a, t, nt, g0, ws, L[r]);
                 }
             }
             for (int r = 0; r < nr; r++) for (int i = 0; i < nt; i++) yrow[i0 + i][rb + r] = tree8_avx2(L[r][i]);
