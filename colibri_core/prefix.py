@@ -54,12 +54,12 @@ import os
 import struct
 import time
 import warnings
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from isal.isal_zlib import crc32
 
 from . import __version__
 from .errors import ColibriError
@@ -367,7 +367,7 @@ class Disk:
                 if magic != MAGIC or version != FORMAT_VERSION or n > SESSION_HEADER_BYTES:
                     raise _Damaged("is not a prefix cache file of this colibri (or its header is damaged)")
                 identity, (crc,) = _read(f, n), struct.unpack("<I", _read(f, 4))
-                if zlib.crc32(identity) != crc:
+                if crc32(identity) != crc:
                     raise _Damaged("has a damaged header")
                 identity = json.loads(identity)
                 if identity != self.identity:
@@ -399,11 +399,11 @@ class Disk:
         whole or not this model's."""
         try:
             try:
-                data = spilled.path.read_bytes()
+                data = _read_whole(spilled.path)
             except OSError as e:
                 raise _Damaged(f"is unreadable ({e.strerror or e})") from None
-            try:
-                arrays, meta, _, _, why = SessionFile(spilled.path, self.identity).parse(data)
+            try:  # the arrays stay views of `data`: `restore` copies what it loads
+                arrays, meta, _, _, why = SessionFile(spilled.path, self.identity).parse(data, copy=False)
             except Refused as e:
                 raise _Damaged(str(e)) from None
             if why is not None or IDS not in arrays:
@@ -484,6 +484,16 @@ class Disk:
     def clear(self) -> None:
         for spilled in list(self.spilled.values()):
             self._delete(spilled.path)
+
+
+def _read_whole(path: Path) -> memoryview:
+    """The bytes of `path`, read into fresh NumPy memory (huge pages where the kernel gives them:
+    about twice as fast to fill as a bytes object's)."""
+    with open(path, "rb", buffering=0) as f:
+        buf = np.empty(os.fstat(f.fileno()).st_size, np.uint8)
+        if f.readinto(buf) != len(buf):
+            raise _Damaged("is cut short")
+    return memoryview(buf)
 
 
 def _read(f, n: int) -> bytes:

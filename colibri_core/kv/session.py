@@ -42,13 +42,13 @@ import json
 import os
 import re
 import struct
-import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from filelock import FileLock, Timeout
+from isal.isal_zlib import crc32  # zlib's CRC-32, the same values, several times faster (ISA-L)
 
 from ..errors import ColibriError
 from ..fsio import SESSION_HEADER_BYTES, fsync_dir
@@ -125,11 +125,12 @@ class SessionFile:
         ids = arrays.pop(IDS)
         return Saved([int(i) for i in ids], arrays, meta, turns)
 
-    def parse(self, data: bytes) -> tuple[dict, dict, int, int, str | None]:
+    def parse(self, data: bytes | memoryview, copy: bool = True) -> tuple[dict, dict, int, int, str | None]:
         """The state (arrays), meta and turn count of the file's last whole record, the offset just
         past that record, and why the file breaks off there (None: it ends there); `Refused` for a
         file that must not be used at all. Reads only: `load` keeps what breaks off and cuts it back
-        (the prefix cache parses its one-record entry files with it too)."""
+        (the prefix cache parses its one-record entry files with it too). The arrays are copies, or
+        with `copy` False views of `data` (unaligned: for a reader that copies them itself)."""
         if len(data) < HEAD.size or data[:8] != MAGIC:
             raise Refused("is not a colibri session file (or its header is damaged)")
         _, version, n = HEAD.unpack_from(data)
@@ -138,10 +139,10 @@ class SessionFile:
         if n > SESSION_HEADER_BYTES:  # checked before its JSON is parsed: a model's identity is a few hundred bytes
             raise Refused(f"has a damaged header ({n} bytes, more than the {SESSION_HEADER_BYTES} a header may be)")
         end = HEAD.size + n + 4
-        if len(data) < end or zlib.crc32(data[HEAD.size: HEAD.size + n]) != struct.unpack_from("<I", data, end - 4)[0]:
+        if len(data) < end or crc32(data[HEAD.size: HEAD.size + n]) != struct.unpack_from("<I", data, end - 4)[0]:
             raise Refused("has a damaged header")
         try:
-            identity = json.loads(data[HEAD.size: HEAD.size + n])
+            identity = json.loads(bytes(data[HEAD.size: HEAD.size + n]))
         except (ValueError, RecursionError):
             identity = None
         if not isinstance(identity, dict):
@@ -156,7 +157,7 @@ class SessionFile:
             if payload is None:
                 return arrays, meta, turns, pos, why
             try:
-                arrays, meta, turn = _apply(payload, arrays)
+                arrays, meta, turn = _apply(payload, arrays, copy)
             except (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError, RecursionError,
                     struct.error) as e:
                 detail = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())[:120]
@@ -232,7 +233,7 @@ class SessionFile:
             head["turn"] = turn
         head = json.dumps(head).encode()
         payload = b"".join([struct.pack("<I", len(head)), head, *blobs])
-        record = RECORD.pack(RECORD_MAGIC, len(payload), zlib.crc32(payload)) + payload
+        record = RECORD.pack(RECORD_MAGIC, len(payload), crc32(payload)) + payload
         try:
             self._write(record, fresh=prev_len is None)  # a state written whole starts the file over
         except OSError as e:
@@ -249,7 +250,7 @@ class SessionFile:
         with open(target, "wb" if new else "r+b") as f:
             if new:
                 ident = json.dumps(self.identity, sort_keys=True).encode()
-                f.write(HEAD.pack(MAGIC, FORMAT_VERSION, len(ident)) + ident + struct.pack("<I", zlib.crc32(ident)))
+                f.write(HEAD.pack(MAGIC, FORMAT_VERSION, len(ident)) + ident + struct.pack("<I", crc32(ident)))
             else:
                 f.truncate(self._end)  # drop what a save of ours that failed partway left (`load` kept any other tail)
                 f.seek(self._end)
@@ -278,7 +279,7 @@ def _record(data: bytes, pos: int) -> tuple[memoryview | None, str]:
     if size > len(data) - start:
         return None, "runs past the end of the file"
     payload = memoryview(data)[start: start + size]
-    if zlib.crc32(payload) != crc:
+    if crc32(payload) != crc:
         return None, "fails its checksum"
     return payload, ""
 
@@ -289,20 +290,21 @@ def _whole_record_from(data: bytes, pos: int) -> bool:
     a later record header whose payload passes its checksum. A save cut short holds neither: it
     writes one record at the end of the file, front to back, so it leaves a strict prefix of it."""
     view = memoryview(data)
-    if len(data) - pos >= RECORD.size and zlib.crc32(view[pos + RECORD.size:]) == RECORD.unpack_from(data, pos)[2]:
+    if len(data) - pos >= RECORD.size and crc32(view[pos + RECORD.size:]) == RECORD.unpack_from(data, pos)[2]:
         return True
     at = data.find(RECORD_MAGIC, pos + 1)
     while at >= 0:
         if len(data) - at >= RECORD.size:
             _, size, crc = RECORD.unpack_from(data, at)
             start = at + RECORD.size
-            if 4 <= size <= len(data) - start and zlib.crc32(view[start: start + size]) == crc:
+            if 4 <= size <= len(data) - start and crc32(view[start: start + size]) == crc:
                 return True
         at = data.find(RECORD_MAGIC, at + 1)
     return False
 
 
-def _apply(payload: memoryview, arrays: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict, int | None]:
+def _apply(payload: memoryview, arrays: dict[str, np.ndarray],
+           copy: bool = True) -> tuple[dict[str, np.ndarray], dict, int | None]:
     """The arrays after one record's payload is applied to `arrays` (left as they are: a record
     that fails halfway leaves the turn before whole), its meta and its turn number (None in files
     written before records were numbered)."""
@@ -317,7 +319,8 @@ def _apply(payload: memoryview, arrays: dict[str, np.ndarray]) -> tuple[dict[str
         if len(raw) != e["nbytes"]:
             raise ValueError(f"array {name} runs past its record")
         if e["mode"] == "set":
-            a = np.frombuffer(raw, dtype).reshape(shape).copy()
+            a = np.frombuffer(raw, dtype).reshape(shape)
+            a = a.copy() if copy else a
         elif e["mode"] == "append":
             old = arrays[name]
             rows = np.frombuffer(raw, dtype).reshape((shape[0] - old.shape[0], *shape[1:]))
