@@ -568,20 +568,37 @@ AVX2 static void axpy16_tokens_avx2(float *out, const float *p, const float *v, 
 // per lane (-ffp-contract=off: no fused multiply-add), so the same bits in half the instructions.
 #define AVX512 __attribute__((target("avx2,f16c,avx512f")))
 
-// tree16_avx2 of the two halves of S.
-AVX512 static inline float tree16_512(__m512 S) {
-    return tree16_avx2(_mm512_castps512_ps256(S), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(S), 1)));
+// tree16_avx2 of the two halves of each of 8 registers at once, each add taking the lanes of 2, 4 or
+// 8 of them (the same lane pairs in the same order, so the same sums): out[m] = tree(A[m]) · scale.
+AVX512 static inline void tree16x8_512(const __m512 *A, float scale, float *out) {
+    __m512 R[4], Q[2];  // R[i]: the 8-lane sums (l + l+8) of A[2i] and A[2i+1], side by side
+    for (int i = 0; i < 4; i++)
+        R[i] = _mm512_add_ps(_mm512_shuffle_f32x4(A[2 * i], A[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(A[2 * i], A[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)  // Q[i]: the 4-lane sums (l + l+4) of A[4i] .. A[4i+3], a 128-bit block each
+        Q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(R[2 * i], R[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(R[2 * i], R[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    // block b: the 2-lane sums (l + l+2) of A[b], then of A[4 + b]
+    __m512 P = _mm512_add_ps(_mm512_shuffle_ps(Q[0], Q[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(Q[0], Q[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    // block b, lanes 0 and 1: the whole sums (l + l+1) of A[b] and A[4 + b]
+    __m512 S = _mm512_mul_ps(_mm512_add_ps(_mm512_shuffle_ps(P, P, _MM_SHUFFLE(2, 0, 2, 0)),
+                                           _mm512_shuffle_ps(P, P, _MM_SHUFFLE(3, 1, 3, 1))), _mm512_set1_ps(scale));
+    float L[16];
+    _mm512_storeu_ps(L, S);
+    for (int b = 0; b < 4; b++) out[b] = L[4 * b], out[4 + b] = L[4 * b + 1];
 }
 
-// dot16x4_shared_avx2 for 8 queries against one float32 key: each key vector loaded once for the 8.
-AVX512 static void dot16x8_shared_512(const float *q, size_t q_stride, const float *k, int D, float *out) {
+// dot16x4_shared_avx2 for 8 queries (rows of q, D apart) against one float32 key, each key vector
+// loaded once for the 8, times scale: out[m] = (q_m · k) · scale.
+AVX512 static void dot16x8_shared_512(const float *q, const float *k, int D, float scale, float *out) {
     __m512 A[8];
     for (int m = 0; m < 8; m++) A[m] = _mm512_setzero_ps();
     for (int j0 = 0; j0 < D; j0 += 16) {
         __m512 kv = _mm512_loadu_ps(k + j0);
-        for (int m = 0; m < 8; m++) A[m] = _mm512_add_ps(A[m], _mm512_mul_ps(_mm512_loadu_ps(q + (size_t)m * q_stride + j0), kv));
+        for (int m = 0; m < 8; m++) A[m] = _mm512_add_ps(A[m], _mm512_mul_ps(_mm512_loadu_ps(q + (size_t)m * D + j0), kv));
     }
-    for (int m = 0; m < 8; m++) out[m] = tree16_512(A[m]);
+    tree16x8_512(A, scale, out);
 }
 
 // axpy16x4_tokens_avx2 over 32 columns (out_i[0..32), v rows of float32).
@@ -639,7 +656,11 @@ static void copy_tile(const AttnJob *j, float *tile, const void *base, int kvh, 
 // loops above; Intel host, OLMoE's 16 heads over a float16 cache, alternated twice): 144 new tokens
 // after 3,072 cached ones 72-73 -> 62-64 ms, a 2048-token prompt 324-330 -> 291 ms. Not 2x: the
 // multiplies and adds stay separate (the reduction contract), and such a core runs 512-bit float
-// operations on fewer ports than 256-bit ones (not measured apart here).
+// operations on fewer ports than 256-bit ones (not measured apart here). The 8 scores' trees side by
+// side (tree16x8_512), the block's queries copied side by side (a token's lie H·D floats apart: the
+// same L1 sets): 68-72 -> 62-68 ms (best of 25, four alternations; a busy host). Tried and dropped:
+// the next tile asked for ahead (no change), 32-token blocks (conversions halved, no clear change:
+// the float16 rows' reads, not their widening, cost the 14-18 % they take).
 enum { QBLOCK = 16, KTILE = 32 };
 
 static void attn_task_block(void *ctx, int task) {
@@ -651,7 +672,7 @@ static void attn_task_block(void *ctx, int task) {
     size_t row = (size_t)j->Hkv * (size_t)D, qs = (size_t)j->H * (size_t)D;
     for (int m = 0; m < nt; m++) len[m] = j->start + t0 + m + 1, lo[m] = first_seen(j, len[m] - 1);
     int lmax = j->start + t0 + nt, base = lo[0], width = lmax - base;  // the rows the block reads: base .. lmax - 1
-    float *buf = malloc(((size_t)nt * (size_t)width + (size_t)KTILE * D) * sizeof(float)), *p[QBLOCK];
+    float *buf = malloc(((size_t)nt * (size_t)width + (size_t)(KTILE + QBLOCK) * D) * sizeof(float)), *p[QBLOCK];
     if (buf == NULL) {  // no memory for the scores: the rows are NaN rather than wrong
         for (int m = 0; m < nt; m++)
             for (size_t i = 0; i < (size_t)nh * (size_t)D; i++) j->out[((size_t)(t0 + m) * j->H + h0) * D + i] = NAN;
@@ -659,8 +680,10 @@ static void attn_task_block(void *ctx, int task) {
     }
     for (int m = 0; m < nt; m++) p[m] = buf + (size_t)m * (size_t)width;  // p[m][s - base]: token t0 + m, key s
     float *tile = buf + (size_t)nt * (size_t)width;  // KTILE keys or values of one head, side by side
+    float *qb = tile + (size_t)KTILE * D;  // the block's queries of one head, side by side (AVX-512 path)
     for (int h = h0; h < h0 + nh; h++) {
         const float *q = j->q + ((size_t)t0 * j->H + h) * (size_t)D;  // token t0 + m: q + m * qs
+        for (int m = 0; j->avx512 && m < nt; m++) memcpy(qb + (size_t)m * D, q + (size_t)m * qs, (size_t)D * sizeof(float));
         for (int s0 = base; s0 < lmax; s0 += KTILE) {
             int s1 = s0 + KTILE < lmax ? s0 + KTILE : lmax;
             copy_tile(j, tile, j->k, h / group, row, s0, s1);
@@ -670,9 +693,13 @@ static void attn_task_block(void *ctx, int task) {
                     const float *ks = tile + (size_t)(s - s0) * D;
                     if (m0 + step <= nt && s < len[m0] && s >= lo[m0 + step - 1]) {
                         float dots[8];
-                        if (step == 8) dot16x8_shared_512(q + (size_t)m0 * qs, qs, ks, D, dots);
-                        else dot16x4_shared_avx2(q + (size_t)m0 * qs, qs, ks, D, dots, 0);
-                        for (int m = 0; m < step; m++) p[m0 + m][s - base] = dots[m] * j->scale;
+                        if (step == 8) {
+                            dot16x8_shared_512(qb + (size_t)m0 * D, ks, D, j->scale, dots);
+                        } else {
+                            dot16x4_shared_avx2(q + (size_t)m0 * qs, qs, ks, D, dots, 0);
+                            for (int m = 0; m < 4; m++) dots[m] *= j->scale;
+                        }
+                        for (int m = 0; m < step; m++) p[m0 + m][s - base] = dots[m];
                         continue;
                     }
                     for (int m = m0; m < nt && m < m0 + step; m++) {
