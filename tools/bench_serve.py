@@ -52,6 +52,9 @@ Parts (`--parts`):
             --answer tokens, and --growth new ids). Each turn's time to first token with the prefix
             cache (`--prefix-cache` RAM), without it (0), and with a server restarted before every
             turn (the entries it spilled to disk found again). The answers must agree in all three.
+            The three are measured turn by turn (the first two servers kept running beside the
+            restarted ones), so a host whose speed drifts over the minutes a mode takes does not
+            favour one mode.
   llamacpp  llama.cpp (llama-cpp-python's low-level API, what llama-server's `--parallel N` does:
             `n_seq_max = N`, a unified KV cache, one `llama_decode` a step with one token per
             sequence) on the resident GGUF: N sequences of --prompt ids prefilled in one batch, then
@@ -636,26 +639,22 @@ def session(args) -> dict:
         s = complete(server, prompt, args.answer)
         return s.ttft, tok.encode(s.text).ids, s.cached_tokens
 
-    runs, prompts = {}, []
-    clear_spilled(model)
-    with Server(model, on, args.threads, args.timeout) as server:  # the transcript, with the cache
-        complete(server, warm, 2)
-        context, runs["cache"] = random_ids(2, vocab, args.first), []
+    runs, prompts, loads = {"cache": [], "no_cache": [], "restart": []}, [], []
+    clear_spilled(model)  # the restarts start from an empty disk (the cached server spills only as it stops)
+    with Server(model, on, args.threads, args.timeout) as cached, Server(model, off, args.threads, args.timeout) as cold:
+        complete(cached, warm, 2)
+        complete(cold, warm, 2)
+        context = random_ids(2, vocab, args.first)
         for _ in range(args.turns):
             prompts.append(context)
-            runs["cache"].append(turn(server, context))
+            runs["cache"].append(turn(cached, context))  # the transcript, with the cache
+            runs["no_cache"].append(turn(cold, context))
+            t0 = time.perf_counter()
+            with Server(model, on, args.threads, args.timeout) as server:  # what the last restart spilled as it stopped
+                loads.append(time.perf_counter() - t0)
+                complete(server, warm, 2)  # as warm as the others (a distinct prompt: no shared prefix)
+                runs["restart"].append(turn(server, context))
             context = context + runs["cache"][-1][1] + random_ids(3 + len(prompts), vocab, args.growth)
-    clear_spilled(model)  # the restarts start from an empty disk
-    with Server(model, off, args.threads, args.timeout) as server:
-        complete(server, warm, 2)
-        runs["no_cache"] = [turn(server, p) for p in prompts]
-    runs["restart"], loads = [], []
-    for p in prompts:  # a restart before every turn: what the last server spilled as it stopped
-        t0 = time.perf_counter()
-        with Server(model, on, args.threads, args.timeout) as server:
-            loads.append(time.perf_counter() - t0)
-            complete(server, warm, 2)  # as warm as the others (a distinct prompt: no shared prefix)
-            runs["restart"].append(turn(server, p))
     clear_spilled(model)
 
     answers = {mode: [r[1] for r in turns] for mode, turns in runs.items()}
