@@ -682,16 +682,23 @@ static void copy_tile(const AttnJob *j, float *tile, const void *base, int kvh, 
 // multiplies and adds stay separate (the reduction contract), and such a core runs 512-bit float
 // operations on fewer ports than 256-bit ones (not measured apart here). The 8 scores' trees side by
 // side (tree16x8_512), the block's queries copied side by side (a token's lie H·D floats apart: the
-// same L1 sets): 68-72 -> 62-68 ms (best of 25, four alternations; a busy host). Tried and dropped:
-// the next tile asked for ahead (no change), 32-token blocks (conversions halved, no clear change:
-// the float16 rows' reads, not their widening, cost the 14-18 % they take).
-enum { QBLOCK = 16, KTILE = 32 };
+// same L1 sets): 68-72 -> 62-68 ms (best of 25, four alternations; a busy host). A head's keys and
+// values are read again for each block (from L3: with the scores they pass L2), so on that path a
+// block is 32 tokens: their reads' share of the samples (perf) 18 -> 14 %, best of 25 70.1 -> 66.8
+// ms (five alternations, a busier host). Tried and dropped: the next tile asked for ahead, the
+// widening in 512-bit registers (neither changed the reads' share: reading, not widening, costs it).
+enum { QBLOCK = 32, KTILE = 32 };
+
+// New tokens a block: QBLOCK on the AVX-512 path, else half as many.
+static inline int qblock(const AttnJob *j) {
+    return j->avx512 ? QBLOCK : QBLOCK / 2;
+}
 
 static void attn_task_block(void *ctx, int task) {
     const AttnJob *j = ctx;
-    int nqb = (j->T + QBLOCK - 1) / QBLOCK;  // head-major: a head's blocks of tokens run one after the other
-    int t0 = (task % nqb) * QBLOCK, h0 = (task / nqb) * j->heads;
-    int nt = j->T - t0 < QBLOCK ? j->T - t0 : QBLOCK, nh = j->H - h0 < j->heads ? j->H - h0 : j->heads;
+    int nb = qblock(j), nqb = (j->T + nb - 1) / nb;  // head-major: a head's blocks of tokens run one after the other
+    int t0 = (task % nqb) * nb, h0 = (task / nqb) * j->heads;
+    int nt = j->T - t0 < nb ? j->T - t0 : nb, nh = j->H - h0 < j->heads ? j->H - h0 : j->heads;
     int group = j->H / j->Hkv, D = j->D, len[QBLOCK], lo[QBLOCK] = {0};  // token t0 + m sees keys lo[m] .. len[m] - 1
     size_t row = (size_t)j->Hkv * (size_t)D, qs = (size_t)j->H * (size_t)D;
     for (int m = 0; m < nt; m++) len[m] = j->start + t0 + m + 1, lo[m] = first_seen(j, len[m] - 1);
@@ -793,7 +800,7 @@ int attention(float *out, const float *q, int T, int H, int D, const void *k, co
     void (*task)(void *, int) = attn_task;
 #if COLI_X86
     if (T > 1 && j.avx2 && D % 16 == 0) {
-        int nqb = (T + QBLOCK - 1) / QBLOCK;
+        int nqb = (T + qblock(&j) - 1) / qblock(&j);
         j.heads = 1 + (H * nqb - 1) / 65535;  // one head a task (a pool run takes up to 65535)
         task = attn_task_block;
         tasks = nqb * ((H + j.heads - 1) / j.heads);
