@@ -794,7 +794,7 @@ int attention(float *out, const float *q, int T, int H, int D, const void *k, co
     AttnJob j = {out, q, k, v, T, H, D, S, Hkv, start, scale, window, sinks, (H + blocks - 1) / blocks,
                  path_current() != &PATH_PORTABLE, 0, kv == KV_F16};
 #if COLI_X86
-    j.avx512 = path_current() == &PATH_AVX512;
+    j.avx512 = path_current() == &PATH_AVX512 || path_current() == &PATH_AMX;
 #endif
     int tasks = T * ((H + j.heads - 1) / j.heads);
     void (*task)(void *, int) = attn_task;

@@ -42,14 +42,24 @@
 //
 // Code paths: the dot products below are the portable reference; matmul_avx2.c and
 // matmul_avx512.c hold the SIMD versions (function-level target attributes, chosen at run time
-// from the CPU's features). Everything else — activation layout, the split into row tasks — is
-// shared, so the paths differ only in the dot products.
+// from the CPU's features), and the AMX path is the AVX-512 one with the several-token int4 rows on
+// the tile unit. Everything else — activation layout, the split into row tasks — is shared, so the
+// paths differ only in the dot products.
+#define _GNU_SOURCE  // syscall: asking Linux for the tile unit (amx_usable)
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "impl/kernels_impl.h"
+
+#if COLI_X86
+#include <cpuid.h>
+#endif
+#if COLI_X86 && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 // ----------------------------------------------------------------------------
 // float16 -> float32
@@ -430,6 +440,28 @@ static const Path *current;
 static int init_status = COLI_OK;
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 
+#if COLI_X86
+// The tile unit (AMX-TILE and AMX-INT8 in cpuid, their state enabled in XCR0), and Linux's leave to
+// use it: a process asks once for the 8 KB of tile state (arch_prctl ARCH_REQ_XCOMP_PERM), and a
+// kernel that refuses leaves the path unsupported.
+static int amx_usable(void) {
+    static int usable = -1;  // asked once (path_named runs under init_once or simd_select)
+    if (usable >= 0) return usable;
+    unsigned a, b, c, d;
+    usable = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d >> 24 & 1) || !(d >> 25 & 1)) return usable;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c >> 27 & 1)) return usable;  // OSXSAVE: xgetbv works
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo >> 17 & 3) != 3) return usable;  // XTILECFG and XTILEDATA
+#ifdef __linux__
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    usable = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#endif
+    return usable;
+}
+#endif
+
 static const Path *path_named(const char *name, int *status) {
     *status = COLI_OK;
     if (strcmp(name, "portable") == 0) return &PATH_PORTABLE;
@@ -450,14 +482,20 @@ static const Path *path_named(const char *name, int *status) {
         *status = COLI_EUNSUPPORTED;
         return NULL;
     }
+    if (strcmp(name, "amx") == 0) {
+        if (path_named("avx512", status) != NULL && amx_usable()) return &PATH_AMX;
+        *status = COLI_EUNSUPPORTED;
+        return NULL;
+    }
 #else
-    if (strcmp(name, "avx2") == 0 || strcmp(name, "avx512") == 0) {
+    if (strcmp(name, "avx2") == 0 || strcmp(name, "avx512") == 0 || strcmp(name, "amx") == 0) {
         *status = COLI_EUNSUPPORTED;
         return NULL;
     }
 #endif
     if (strcmp(name, "auto") == 0) {
-        const Path *p = path_named("avx512", status);
+        const Path *p = path_named("amx", status);
+        if (p == NULL) p = path_named("avx512", status);
         if (p == NULL) p = path_named("avx2", status);
         if (p == NULL) p = &PATH_PORTABLE;
         *status = COLI_OK;

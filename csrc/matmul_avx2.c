@@ -5,12 +5,14 @@
 // ACT_F32: two 8-float accumulators are lanes 0-7 and 8-15 of matmul.c's 16 lanes.
 // ACT_Q8: integer dot products per group/block with maddubs (u8 x s8) and madd; the int4 nibbles
 // are used unsigned (q + 8) and 8 * Σxq is subtracted after — exact in int32 either way. Also the
-// AVX-512 path's int4 x int8 kernels (dot_int4_q8_vnni, rows_int4_q8_vnni), which share this
-// file's chunk layout.
+// AVX-512 path's int4 x int8 kernels (dot_int4_q8_vnni, rows_int4_q8_vnni) and the AMX path's
+// (rows_int4_q8_amx), which share this file's chunk layout.
 #include "impl/kernels_impl.h"
 
 #if COLI_X86
 #include <immintrin.h>
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define AVX2 __attribute__((target("avx2,f16c")))
@@ -809,6 +811,228 @@ VNNI static inline __m256i chunk_isum_vnni(const uint8_t *wp, const int8_t *xq) 
 // chunk_isum_vnni — the same integers and float steps, so the same bits.
 VNNI float dot_int4_q8_vnni(const QMatrix *w, int r, const Acts *a, int t) {
     return dot_int4_q8_chunks(w, r, a, t, chunk_isum_vnni);
+}
+
+// ----------------------------------------------------------------------------
+// The AMX path's several-token int4 x int8 rows: the group sums on the tile unit (AMX-INT8).
+// tdpbusd multiplies a tile of 16 rows x 64 u8 by one of 16 four-byte words x 16 tokens (s8), four
+// products into each int32: with a group's 64 nibbles as a row of A and the tokens' 64 activations
+// of that group as B, it gives Σ (q + 8)·xq of 16 rows x 16 tokens at once, the same integers as
+// vpdpbusd's. The float steps then run per (row, group) with the tokens as the lanes (chunk_term's
+// operations per lane; L[r][g % 8] is lane g % 8 of that row's L), and tree8_avx2 sums each row
+// and token's 8 lanes, so the same bits as the one-token dot.
+#define AMX __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];  // bytes per row of tile i
+    uint8_t rows[16];    // rows of tile i
+} TileConfig;
+
+// 16 rows of 16 int32 -> columns: r[w] lane n = old r[n] lane w.
+AMX static inline void transpose16_epi32(__m512i *r) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  // b[4i + j], 128-bit lane L: word 4L + j of rows 4i .. 4i+3
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512i c0 = _mm512_shuffle_i32x4(b[j], b[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
+        __m512i c1 = _mm512_shuffle_i32x4(b[j], b[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
+        __m512i d0 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
+        __m512i d1 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
+        r[j] = _mm512_shuffle_i32x4(c0, d0, _MM_SHUFFLE(2, 0, 2, 0));
+        r[8 + j] = _mm512_shuffle_i32x4(c0, d0, _MM_SHUFFLE(3, 1, 3, 1));
+        r[4 + j] = _mm512_shuffle_i32x4(c1, d1, _MM_SHUFFLE(2, 0, 2, 0));
+        r[12 + j] = _mm512_shuffle_i32x4(c1, d1, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+
+enum { AMX_ROWS = 16, AMX_TOKENS = 16 };  // a tile's rows of weights, tokens
+
+// What the tiles read for one block of up to 16 tokens t[0..nt) (zeros for the others): per block
+// of 64 columns g < nb8, B[g] the tokens' activations as tdpbusd's B (word k of token n at [k][n]),
+// x8[g] their 8·Σxq, xs[g] their scales, with the tokens as the lanes.
+typedef struct {
+    int32_t (*B)[16][16];
+    int32_t (*x8)[16];
+    float (*xs)[16];
+} AmxTokens;
+
+AMX static void amx_tokens(AmxTokens *k, const Acts *a, const size_t *t, int nt) {
+    for (int g = 0; g < a->nb8; g++) {
+        __m512i r[16];
+        for (int n = 0; n < 16; n++) {
+            r[n] = n < nt ? _mm512_loadu_si512(a->xq + t[n] * a->stride + (size_t)g * 64) : _mm512_setzero_si512();
+            size_t at = n < nt ? t[n] * (size_t)a->nb8 + (size_t)g : 0;
+            k->x8[g][n] = n < nt ? a->xsum[at] * 8 : 0;
+            k->xs[g][n] = n < nt ? a->xs[at] : 0.0f;
+        }
+        transpose16_epi32(r);
+        for (int w = 0; w < 16; w++) _mm512_store_si512(k->B[g][w], r[w]);
+    }
+}
+
+// Rows rb .. rb+nr-1 (nr <= 16) unpacked for the A tiles: row r's group g as its 32 low nibbles
+// then its 32 high ones at A + r·ulen + 64g (zeros past the row: its activations are zeros there),
+// and their float32 scales at ws + r·nb8 (chunk_scales': 0 past the last group).
+AMX static void amx_rows(uint8_t *A, float *ws, const QMatrix *w, int rb, int nr, const Acts *a) {
+    int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
+    size_t row_bytes = ((size_t)w->cols + 1) / 2, ulen = (size_t)a->nb8 * 64;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *wr = (const uint8_t *)w->data + (size_t)(rb + r) * row_bytes;
+        const uint16_t *sr = (const uint16_t *)w->scales + (size_t)(rb + r) * (size_t)ngroups;
+        uint8_t *ar = A + (size_t)r * ulen;
+        for (int g = 0; g < a->nb8; g += 2) {  // two groups a load
+            size_t at = (size_t)g * 32;
+            __mmask64 m = at >= row_bytes ? 0 : row_bytes - at >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (row_bytes - at)) - 1);
+            __m512i v = _mm512_maskz_loadu_epi8(m, wr + at);
+            __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            _mm512_store_si512(ar + (size_t)g * 64, _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(1, 0, 1, 0)));
+            _mm512_store_si512(ar + (size_t)g * 64 + 64, _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(3, 2, 3, 2)));
+        }
+        for (int g0 = 0; g0 < a->nb8; g0 += 8) _mm256_storeu_ps(ws + (size_t)r * a->nb8 + g0, chunk_scales(sr, g0, ngroups));
+    }
+}
+
+enum { AMX_BLOCKS = 4 };  // token blocks a pass over the rows takes (each row block unpacked once for them)
+
+// Below AMX_MIN_TOKENS the tile unit's fixed work per row block and group (a product and a store
+// whatever the token count, the float steps 16 lanes wide) costs more than vpdpbusd's per token:
+// rows_int4_q8_vnni takes them. 8 OLMoE-size experts from memory (tools/bench_expert_tokens.py, Intel
+// host, both alternated call by call): 2 / 8 tokens 4.0 / 4.3 ms against 2.0 / 3.6; 16 / 32 tokens
+// 3.6 / 7.1 ms against 4.8 / 12.2.
+enum { AMX_MIN_TOKENS = 16 };
+
+// A thread's scratch, kept from call to call (grown when a call needs more) and freed when the
+// thread ends: a fresh allocation each call faulted its pages in again, and the page faults
+// serialised the threads. The first 64 bytes hold its size.
+static pthread_key_t amx_key;
+static pthread_once_t amx_key_once = PTHREAD_ONCE_INIT;
+
+static void amx_key_make(void) { pthread_key_create(&amx_key, free); }
+
+static uint8_t *amx_scratch(size_t bytes) {
+    pthread_once(&amx_key_once, amx_key_make);
+    size_t *have = pthread_getspecific(amx_key);
+    if (have != NULL && *have >= bytes) return (uint8_t *)have + 64;
+    free(have);
+    have = aligned_alloc(64, 64 + (bytes + 63) / 64 * 64);
+    if (have != NULL) *have = bytes;
+    pthread_setspecific(amx_key, have);
+    return have != NULL ? (uint8_t *)have + 64 : NULL;
+}
+
+AMX void rows_int4_q8_amx(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
+                          float *const *yrow) {
+    if (n < AMX_MIN_TOKENS) {
+        rows_int4_q8_vnni(w, r0, r1, a, tok, n, yrow);
+        return;
+    }
+    int nb8 = a->nb8;
+    size_t ulen = (size_t)nb8 * 64, row_bytes = ((size_t)w->cols + 1) / 2;
+    // AMX_BLOCKS token blocks (B: 1 KB a group, x8, xs), then one row block's A, scales, lanes L, two groups' sums
+    size_t tok_bytes = (size_t)nb8 * (sizeof(int32_t[16][16]) + sizeof(int32_t[16]) + sizeof(float[16]));
+    size_t bytes = AMX_BLOCKS * tok_bytes + AMX_ROWS * ulen + AMX_ROWS * (size_t)nb8 * sizeof(float) +
+                   sizeof(float[AMX_ROWS][8][AMX_TOKENS]) + sizeof(int32_t[2][AMX_ROWS][AMX_TOKENS]);
+    uint8_t *at = amx_scratch(bytes);
+    if (at == NULL) {  // no memory: the rows are NaN rather than wrong
+        for (int i = 0; i < n; i++) for (int r = r0; r < r1; r++) yrow[i][r] = NAN;
+        return;
+    }
+    AmxTokens blocks[AMX_BLOCKS];
+    for (int b = 0; b < AMX_BLOCKS; b++) {
+        blocks[b].B = (int32_t (*)[16][16])at, at += (size_t)nb8 * sizeof(int32_t[16][16]);
+        blocks[b].x8 = (int32_t (*)[16])at, at += (size_t)nb8 * sizeof(int32_t[16]);
+        blocks[b].xs = (float (*)[16])at, at += (size_t)nb8 * sizeof(float[16]);
+    }
+    uint8_t *A = at;
+    float *ws = (float *)(A + AMX_ROWS * ulen);
+    float (*L)[8][AMX_TOKENS] = (float (*)[8][AMX_TOKENS])(ws + AMX_ROWS * (size_t)nb8);
+    int32_t (*C)[AMX_ROWS][AMX_TOKENS] = (int32_t (*)[AMX_ROWS][AMX_TOKENS])(L + AMX_ROWS);  // two groups' sums
+
+    TileConfig cfg;  // tiles 0-2: an even group's sums (16 rows x 16 tokens), A, B; 3-5: an odd group's
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 6; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+    // A group's sums: on the tile unit, then into C[g & 1] (tile numbers are immediates: a copy for each
+    // parity of g). A tile store waits for its product, so each is issued a group before it is stored.
+#define AMX_PRODUCT(c, at, bt, g)                               \
+    do {                                                        \
+        _tile_zero(c);                                          \
+        _tile_loadd(at, A + (size_t)(g) * 64, ulen);            \
+        _tile_loadd(bt, k->B[g], 64);                           \
+        _tile_dpbusd(c, at, bt);                                \
+    } while (0)
+#define AMX_STORE(c, g) _tile_stored(c, C[(g) & 1], sizeof(C[0][0]))
+    for (int i0 = 0; i0 < n; i0 += AMX_BLOCKS * AMX_TOKENS) {  // a pass: up to AMX_BLOCKS blocks of 16 tokens
+        int nblocks = 0;
+        for (int i = i0; i < n && nblocks < AMX_BLOCKS; i += AMX_TOKENS, nblocks++) {
+            size_t t[AMX_TOKENS];
+            int nt = n - i < AMX_TOKENS ? n - i : AMX_TOKENS;
+            for (int m = 0; m < nt; m++) t[m] = (size_t)(tok != NULL ? tok[i + m] : i + m);
+            amx_tokens(&blocks[nblocks], a, t, nt);
+        }
+        for (int rb = r0; rb < r1; rb += AMX_ROWS) {
+            int nr = r1 - rb < AMX_ROWS ? r1 - rb : AMX_ROWS;  // A's rows past nr: their sums are not used
+            amx_rows(A, ws, w, rb, nr, a);
+            // the next block's weights are asked for while this one computes, a share each group
+            int next_rows = r1 - rb - AMX_ROWS < AMX_ROWS ? r1 - rb - AMX_ROWS : AMX_ROWS;
+            size_t next_bytes = next_rows > 0 ? (size_t)next_rows * row_bytes : 0;
+            size_t per_group = (next_bytes / (size_t)nb8 + 64) & ~(size_t)63;
+            const char *next = (const char *)w->data + (size_t)(rb + AMX_ROWS) * row_bytes;
+            for (int b = 0; b < nblocks; b++) {
+                int i = i0 + b * AMX_TOKENS, nt = n - i < AMX_TOKENS ? n - i : AMX_TOKENS;
+                const AmxTokens *k = &blocks[b];
+                for (int r = 0; r < nr; r++) for (int l = 0; l < 8; l++) _mm512_store_ps(L[r][l], _mm512_setzero_ps());
+                AMX_PRODUCT(0, 1, 2, 0);  // nb8 is a multiple of 8
+                AMX_STORE(0, 0);
+                AMX_PRODUCT(3, 4, 5, 1);
+                for (int g = 0; g < nb8; g++) {  // the tile unit works two groups ahead of the float steps
+                    if ((g & 1) == 0) {
+                        if (g + 1 < nb8) AMX_STORE(3, g + 1);
+                        if (g + 2 < nb8) AMX_PRODUCT(0, 1, 2, g + 2);
+                    } else {
+                        if (g + 1 < nb8) AMX_STORE(0, g + 1);
+                        if (g + 2 < nb8) AMX_PRODUCT(3, 4, 5, g + 2);
+                    }
+                    for (size_t c = (size_t)g * per_group; b == 0 && c < (size_t)(g + 1) * per_group && c < next_bytes; c += 64)
+                        _mm_prefetch(next + c, _MM_HINT_T0);
+                    __m512i x8 = _mm512_load_si512(k->x8[g]);
+                    __m512 xs = _mm512_load_ps(k->xs[g]);
+                    for (int r = 0; r < nr; r++) {  // chunk_term per lane: float(isum − 8 Σxq) · (scale · xs)
+                        __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(C[g & 1][r]), x8));
+                        __m512 term = _mm512_mul_ps(f, _mm512_mul_ps(_mm512_set1_ps(ws[(size_t)r * nb8 + g]), xs));
+                        _mm512_store_ps(L[r][g & 7], _mm512_add_ps(_mm512_load_ps(L[r][g & 7]), term));
+                    }
+                }
+                __m512i y[AMX_ROWS];  // y[r] lane m: row rb + r, token i + m; then transposed
+                for (int r = 0; r < AMX_ROWS; r++) {  // tree8_avx2 of each token's 8 lanes, the tokens as the lanes
+                    if (r >= nr) {
+                        y[r] = _mm512_setzero_si512();
+                        continue;
+                    }
+                    __m512 s4[4], s2[2];
+                    for (int l = 0; l < 4; l++) s4[l] = _mm512_add_ps(_mm512_load_ps(L[r][l]), _mm512_load_ps(L[r][l + 4]));
+                    for (int l = 0; l < 2; l++) s2[l] = _mm512_add_ps(s4[l], s4[l + 2]);
+                    y[r] = _mm512_castps_si512(_mm512_add_ps(s2[0], s2[1]));
+                }
+                transpose16_epi32(y);  // y[m] lane r
+                for (int m = 0; m < nt; m++) _mm512_mask_storeu_epi32(yrow[i + m] + rb, (__mmask16)((1u << nr) - 1), y[m]);
+            }
+        }
+    }
+#undef AMX_PRODUCT
+#undef AMX_STORE
+    _tile_release();
 }
 
 // ----------------------------------------------------------------------------

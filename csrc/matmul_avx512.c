@@ -413,4 +413,15 @@ const Path PATH_AVX512 = {"avx512", dot_f32_avx512, dot_int8_f32_avx2, dot_int8_
                           product_t_int4_avx2, rows_int4_f32_avx512, rows_int8_f32_avx512,
                           rows_int8_q8_avx512};
 
+#ifndef COLIBRI_SIMDE
+// The AVX-512 path with the several-token int4 x int8 rows on the tile unit (rows_int4_q8_amx) from
+// 16 tokens up: the same bits. OLMoE-size prefill of 2,048 tokens with int8 activations 67-75 ->
+// 97-103 tok/s (tools/bench_prefill.py, Intel host, alternated; BENCHMARKS.md).
+const Path PATH_AMX = {"amx", dot_f32_avx512, dot_int8_f32_avx2, dot_int8_q8_avx512,
+                       dot_int4_f32_avx512, dot_int4_q8_vnni, rows_int4_q8_amx, dot_fp8_f32_avx2, dot_fp4_f32_avx512,
+                       dot_fp4_q8_avx2, rows_fp8_f32_avx2, rows_fp4_f32_avx2, quantize64_avx2,
+                       product_t_int4_avx2, rows_int4_f32_avx512, rows_int8_f32_avx512,
+                       rows_int8_q8_avx512};
+#endif
+
 #endif  // COLI_X86

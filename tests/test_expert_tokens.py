@@ -90,11 +90,12 @@ def test_several_tokens_per_expert_match_reference(kind, act):
 @pytest.mark.parametrize("kind,act", MODES)
 def test_several_token_rows_match_reference_bit_for_bit(simd_path, kind, act):
     """The row kernels themselves (through matmul) at every token count up to past their blocks,
-    on widths that end inside a group, inside a chunk of 8 groups and on whole chunks."""
+    on widths that end inside a group, inside a chunk of 8 groups and on whole chunks; and past the
+    AMX path's blocks of 16 rows and its passes of 64 tokens."""
     rng = np.random.default_rng([MODES.index((kind, act)), 7])
-    for rows, cols in [(5, 1), (9, 63), (7, 1100), (6, 1024), (3, 576)]:
+    for rows, cols in [(5, 1), (9, 63), (7, 1100), (6, 1024), (3, 576), (37, 130)]:
         w = weights(rng, kind, rows, cols)
-        for n in itertools.chain(range(2, 18), (33, 40)):
+        for n in itertools.chain(range(2, 18), (33, 40, 70)):
             x = random_x(rng, n, cols)
             assert_same_bits(kernels.matmul(w, x, act), reference.matmul(w, x, act),
                              f"{simd_path} {kind} act={act} [{rows}, {cols}] n={n}")

@@ -11,7 +11,7 @@
     y = kernels.moe_block(x, ids, weights, kernels.ExpertTable(all_experts))  # a whole MoE layer, experts at hand
     h = kernels.AttnBlock(norm, wq, wk, wv, wo, heads=…, …)(h, cos, sin, k_cache, v_cache, start)  # attention sub-block
     y = kernels.matmul(w, x, act="int8")       # the fast arithmetic for one call (default: the weight's, w.act)
-    kernels.simd(), kernels.set_simd("avx2")   # the C code path: "portable" | "avx2" | "avx512"
+    kernels.simd(), kernels.set_simd("avx2")   # the C code path: "portable" | "avx2" | "avx512" | "amx"
     kernels.threads(), kernels.set_threads(2)  # threads inside the kernels
     kernels.reference.matmul(w, x)             # the NumPy reference of each kernel
 
@@ -58,7 +58,7 @@ __all__ = ["AttnBlock", "matmul", "matmul_multi", "matmul_each", "matmul_t", "ma
            "ACTIVATIONS", "check_activations", "weights_act", "GLUS",
            "simd", "set_simd", "simd_supported", "SIMD_PATHS", "threads", "set_threads", "reference"]
 
-SIMD_PATHS = ("portable", "avx2", "avx512")
+SIMD_PATHS = ("portable", "avx2", "avx512", "amx")
 ACTIVATIONS = ("f32", "int8")
 # the experts' gated units (csrc/colibri.h ExpertMath; `reference.gated_unit` defines each)
 GLUS = {"swiglu": lib.GLU_SWIGLU, "swiglu_oai": lib.GLU_SWIGLU_OAI, "geglu_tanh": lib.GLU_GEGLU_TANH, "situ": lib.GLU_SITU}
@@ -69,7 +69,8 @@ _KIND_CODES = {"f32": lib.QKIND_F32, "int8": lib.QKIND_INT8, "int4": lib.QKIND_I
                "fp4": lib.QKIND_FP4}
 _INT_MAX = 2**31 - 1  # C takes the dimensions as int
 _layout = functools.lru_cache(maxsize=1024)(layout)  # a model has few distinct weight shapes
-_SIMD_NEEDS = {"avx2": "AVX2 and F16C", "avx512": "AVX-512 F, BW, VL and VNNI"}
+_SIMD_NEEDS = {"avx2": "AVX2 and F16C", "avx512": "AVX-512 F, BW, VL and VNNI",
+               "amx": "AVX-512 (as avx512) and AMX-INT8 that the kernel lets a process use"}
 
 
 # ----------------------------------------------------------------------------
@@ -77,7 +78,7 @@ _SIMD_NEEDS = {"avx2": "AVX2 and F16C", "avx512": "AVX-512 F, BW, VL and VNNI"}
 
 
 def simd() -> str:
-    """The name of the C code path in use: ``"portable"``, ``"avx2"`` or ``"avx512"``."""
+    """The name of the C code path in use: ``"portable"``, ``"avx2"``, ``"avx512"`` or ``"amx"``."""
     return ffi.string(lib.simd_name()).decode("ascii")
 
 
