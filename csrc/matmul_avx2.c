@@ -907,8 +907,8 @@ enum { AMX_BLOCKS = 4 };  // token blocks a pass over the rows takes (each row b
 // Below AMX_MIN_TOKENS the tile unit's fixed work per row block and group (a product and a store
 // whatever the token count, the float steps 16 lanes wide) costs more than vpdpbusd's per token:
 // rows_int4_q8_vnni takes them. 8 OLMoE-size experts from memory (tools/bench_expert_tokens.py, Intel
-// host, both alternated call by call): 2 / 8 tokens 4.0 / 4.3 ms against 2.0 / 3.6; 16 / 32 tokens
-// 3.6 / 7.1 ms against 4.8 / 12.2.
+// host, both alternated call by call, two runs): 2 / 8 tokens 2.8-3.7 / 3.0-3.7 ms against the VNNI
+// rows' 1.3-1.8 / 2.3-2.9; 16 / 32 tokens 3.8-4.1 / 6.6-7.4 ms against 4.6-5.1 / 10.6-11.8.
 enum { AMX_MIN_TOKENS = 16 };
 
 // A thread's scratch, kept from call to call (grown when a call needs more) and freed when the
