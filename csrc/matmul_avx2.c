@@ -814,13 +814,14 @@ VNNI float dot_int4_q8_vnni(const QMatrix *w, int r, const Acts *a, int t) {
 }
 
 // ----------------------------------------------------------------------------
-// The AMX path's several-token int4 x int8 rows: the group sums on the tile unit (AMX-INT8).
-// tdpbusd multiplies a tile of 16 rows x 64 u8 by one of 16 four-byte words x 16 tokens (s8), four
-// products into each int32: with a group's 64 nibbles as a row of A and the tokens' 64 activations
-// of that group as B, it gives Σ (q + 8)·xq of 16 rows x 16 tokens at once, the same integers as
-// vpdpbusd's. The float steps then run per (row, group) with the tokens as the lanes (chunk_term's
-// operations per lane; L[r][g % 8] is lane g % 8 of that row's L), and tree8_avx2 sums each row
-// and token's 8 lanes, so the same bits as the one-token dot.
+// The AMX path's several-token rows with int8 activations: the block sums on the tile unit (AMX-INT8).
+// tdpbusd (tdpbssd) multiplies a tile of 16 rows x 64 u8 (s8) by one of 16 four-byte words x 16
+// tokens (s8), four products into each int32: with a 64-column block of 16 weight rows as A (int4:
+// its nibbles, unpacked) and the tokens' 64 activations of that block as B, it gives Σ (q + 8)·xq
+// (int8: Σ w·xq) of 16 rows x 16 tokens at once, the same integers as vpdpbusd's. The float steps
+// then run per (row, block) with the tokens as the lanes (the one-token dot's operations per lane;
+// L[r][g % 8] is lane g % 8 of that row's L), and tree8_avx2 sums each row and token's 8 lanes, so
+// the same bits as the one-token dot.
 #define AMX __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
 
 typedef struct {
@@ -879,12 +880,21 @@ AMX static void amx_tokens(AmxTokens *k, const Acts *a, const size_t *t, int nt)
     }
 }
 
-// Rows rb .. rb+nr-1 (nr <= 16) unpacked for the A tiles: row r's group g as its 32 low nibbles
-// then its 32 high ones at A + r·ulen + 64g (zeros past the row: its activations are zeros there),
-// and their float32 scales at ws + r·nb8 (chunk_scales': 0 past the last group).
+// Rows rb .. rb+nr-1 (nr <= 16) for the A tiles: row r's block g at A + r·ulen + 64g, zeros past the
+// row (its activations are zeros there). int8: the weights as they are. int4: the group's 32 low
+// nibbles then its 32 high ones, and their float32 scales at ws + r·nb8 (chunk_scales': 0 past the
+// last group).
 AMX static void amx_rows(uint8_t *A, float *ws, const QMatrix *w, int rb, int nr, const Acts *a) {
+    size_t ulen = (size_t)a->nb8 * 64;
+    if (w->kind == QKIND_INT8) {
+        for (int r = 0; r < nr; r++) {
+            memcpy(A + (size_t)r * ulen, (const int8_t *)w->data + (size_t)(rb + r) * (size_t)w->cols, (size_t)w->cols);
+            memset(A + (size_t)r * ulen + w->cols, 0, ulen - (size_t)w->cols);
+        }
+        return;
+    }
     int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
-    size_t row_bytes = ((size_t)w->cols + 1) / 2, ulen = (size_t)a->nb8 * 64;
+    size_t row_bytes = ((size_t)w->cols + 1) / 2;
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     for (int r = 0; r < nr; r++) {
         const uint8_t *wr = (const uint8_t *)w->data + (size_t)(rb + r) * row_bytes;
@@ -902,14 +912,7 @@ AMX static void amx_rows(uint8_t *A, float *ws, const QMatrix *w, int rb, int nr
     }
 }
 
-enum { AMX_BLOCKS = 4 };  // token blocks a pass over the rows takes (each row block unpacked once for them)
-
-// Below AMX_MIN_TOKENS the tile unit's fixed work per row block and group (a product and a store
-// whatever the token count, the float steps 16 lanes wide) costs more than vpdpbusd's per token:
-// rows_int4_q8_vnni takes them. 8 OLMoE-size experts from memory (tools/bench_expert_tokens.py, Intel
-// host, both alternated call by call, two runs): 2 / 8 tokens 2.8-3.7 / 3.0-3.7 ms against the VNNI
-// rows' 1.3-1.8 / 2.3-2.9; 16 / 32 tokens 3.8-4.1 / 6.6-7.4 ms against 4.6-5.1 / 10.6-11.8.
-enum { AMX_MIN_TOKENS = 16 };
+enum { AMX_BLOCKS = 4 };  // token blocks a pass over the rows takes (each row block laid out once for them)
 
 // A thread's scratch, kept from call to call (grown when a call needs more) and freed when the
 // thread ends: a fresh allocation each call faulted its pages in again, and the page faults
@@ -930,14 +933,10 @@ static uint8_t *amx_scratch(size_t bytes) {
     return have != NULL ? (uint8_t *)have + 64 : NULL;
 }
 
-AMX void rows_int4_q8_amx(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
-                          float *const *yrow) {
-    if (n < AMX_MIN_TOKENS) {
-        rows_int4_q8_vnni(w, r0, r1, a, tok, n, yrow);
-        return;
-    }
-    int nb8 = a->nb8;
-    size_t ulen = (size_t)nb8 * 64, row_bytes = ((size_t)w->cols + 1) / 2;
+AMX void rows_q8_tiles(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
+                       float *const *yrow) {
+    int nb8 = a->nb8, int8 = w->kind == QKIND_INT8;
+    size_t ulen = (size_t)nb8 * 64, row_bytes = int8 ? (size_t)w->cols : ((size_t)w->cols + 1) / 2;
     // AMX_BLOCKS token blocks (B: 1 KB a group, x8, xs), then one row block's A, scales, lanes L, two groups' sums
     size_t tok_bytes = (size_t)nb8 * (sizeof(int32_t[16][16]) + sizeof(int32_t[16]) + sizeof(float[16]));
     size_t bytes = AMX_BLOCKS * tok_bytes + AMX_ROWS * ulen + AMX_ROWS * (size_t)nb8 * sizeof(float) +
@@ -970,7 +969,8 @@ AMX void rows_int4_q8_amx(const QMatrix *w, int r0, int r1, const Acts *a, const
         _tile_zero(c);                                          \
         _tile_loadd(at, A + (size_t)(g) * 64, ulen);            \
         _tile_loadd(bt, k->B[g], 64);                           \
-        _tile_dpbusd(c, at, bt);                                \
+        if (int8) _tile_dpbssd(c, at, bt);                      \
+        else _tile_dpbusd(c, at, bt);                           \
     } while (0)
 #define AMX_STORE(c, g) _tile_stored(c, C[(g) & 1], sizeof(C[0][0]))
     for (int i0 = 0; i0 < n; i0 += AMX_BLOCKS * AMX_TOKENS) {  // a pass: up to AMX_BLOCKS blocks of 16 tokens
@@ -1008,9 +1008,12 @@ AMX void rows_int4_q8_amx(const QMatrix *w, int r0, int r1, const Acts *a, const
                         _mm_prefetch(next + c, _MM_HINT_T0);
                     __m512i x8 = _mm512_load_si512(k->x8[g]);
                     __m512 xs = _mm512_load_ps(k->xs[g]);
-                    for (int r = 0; r < nr; r++) {  // chunk_term per lane: float(isum − 8 Σxq) · (scale · xs)
-                        __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(C[g & 1][r]), x8));
-                        __m512 term = _mm512_mul_ps(f, _mm512_mul_ps(_mm512_set1_ps(ws[(size_t)r * nb8 + g]), xs));
+                    for (int r = 0; r < nr; r++) {
+                        // int8, dot_int8_q8's steps: float(isum) · xs; int4, chunk_term's: float(isum − 8 Σxq) · (scale · xs)
+                        __m512i isum = _mm512_load_si512(C[g & 1][r]);
+                        __m512 term = int8 ? _mm512_mul_ps(_mm512_cvtepi32_ps(isum), xs)
+                                           : _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum, x8)),
+                                                           _mm512_mul_ps(_mm512_set1_ps(ws[(size_t)r * nb8 + g]), xs));
                         _mm512_store_ps(L[r][g & 7], _mm512_add_ps(_mm512_load_ps(L[r][g & 7]), term));
                     }
                 }
@@ -1023,7 +1026,9 @@ AMX void rows_int4_q8_amx(const QMatrix *w, int r0, int r1, const Acts *a, const
                     __m512 s4[4], s2[2];
                     for (int l = 0; l < 4; l++) s4[l] = _mm512_add_ps(_mm512_load_ps(L[r][l]), _mm512_load_ps(L[r][l + 4]));
                     for (int l = 0; l < 2; l++) s2[l] = _mm512_add_ps(s4[l], s4[l + 2]);
-                    y[r] = _mm512_castps_si512(_mm512_add_ps(s2[0], s2[1]));
+                    __m512 sum = _mm512_add_ps(s2[0], s2[1]);
+                    if (int8) sum = _mm512_mul_ps(sum, _mm512_set1_ps(((const float *)w->scales)[rb + r]));  // the row's scale
+                    y[r] = _mm512_castps_si512(sum);
                 }
                 transpose16_epi32(y);  // y[m] lane r
                 for (int m = 0; m < nt; m++) _mm512_mask_storeu_epi32(yrow[i + m] + rb, (__mmask16)((1u << nr) - 1), y[m]);

@@ -127,7 +127,7 @@ extern const Path PATH_PORTABLE;
 #if COLI_X86
 extern const Path PATH_AVX2;    // matmul_avx2.c
 extern const Path PATH_AVX512;  // matmul_avx512.c
-extern const Path PATH_AMX;     // matmul_avx512.c: PATH_AVX512 with the tile unit's several-token int4 rows
+extern const Path PATH_AMX;     // matmul_avx512.c: PATH_AVX512 with the tile unit's several-token rows
 // matmul_avx2.c's kernels that the AVX-512 path uses too (it needs AVX2), where they are as fast or
 // faster (`colibri bench kernels --simd all`): int8 weights with f32 activations, the fp8 dot
 // products, fp4 with int8 activations, the several-token fp8 and fp4 rows, and the int8 activation
@@ -139,7 +139,8 @@ float dot_int4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t);
 float dot_int4_q8_vnni(const QMatrix *w, int r, const Acts *a, int t);
 void rows_int4_q8_avx2(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow);
 void rows_int4_q8_vnni(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow);
-void rows_int4_q8_amx(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow);
+// The AMX path's int4 and int8 rows with int8 activations on the tile unit, any n (matmul_avx512.c chooses when)
+void rows_q8_tiles(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n, float *const *yrow);
 float dot_fp8_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
 float dot_fp4_f32_avx2(const QMatrix *w, int r, const Acts *a, int t);
 float dot_fp4_q8_avx2(const QMatrix *w, int r, const Acts *a, int t);
