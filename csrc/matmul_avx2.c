@@ -6,7 +6,7 @@
 // ACT_Q8: integer dot products per group/block with maddubs (u8 x s8) and madd; the int4 nibbles
 // are used unsigned (q + 8) and 8 * Σxq is subtracted after — exact in int32 either way. Also the
 // AVX-512 path's int4 x int8 kernels (dot_int4_q8_vnni, rows_int4_q8_vnni) and the AMX path's
-// (rows_int4_q8_amx), which share this file's chunk layout.
+// (rows_q8_tiles, int4 and int8), which share this file's chunk layout.
 #include "impl/kernels_impl.h"
 
 #if COLI_X86
