@@ -42,8 +42,8 @@
 //
 // Code paths: the dot products below are the portable reference; matmul_avx2.c and
 // matmul_avx512.c hold the SIMD versions (function-level target attributes, chosen at run time
-// from the CPU's features), and the AMX path is the AVX-512 one with the several-token int4 rows on
-// the tile unit. Everything else — activation layout, the split into row tasks — is shared, so the
+// from the CPU's features), and the AMX path is the AVX-512 one with the several-token int4 and int8
+// rows on the tile unit. Everything else — activation layout, the split into row tasks — is shared, so the
 // paths differ only in the dot products.
 #define _GNU_SOURCE  // syscall: asking Linux for the tile unit (amx_usable)
 #include <math.h>
@@ -445,7 +445,7 @@ static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 // use it: a process asks once for the 8 KB of tile state (arch_prctl ARCH_REQ_XCOMP_PERM), and a
 // kernel that refuses leaves the path unsupported.
 static int amx_usable(void) {
-    static int usable = -1;  // asked once (path_named runs under init_once or simd_select)
+    static int usable = -1;  // asked once; two threads asking at once (simd_supported) get the same answer
     if (usable >= 0) return usable;
     unsigned a, b, c, d;
     usable = 0;
