@@ -29,7 +29,7 @@ from .errors import ColibriError
 from .experts import ExpertSource
 from .drafting import AUTO_MIN_ACCEPTANCE, AUTO_RETRY, DRAFT_MODES, DraftCounters
 from .generate import Sampler, Sampling
-from .kernels.deltanet import EXACT_BATCH
+from .kernels.deltanet import BLOCK, EXACT_BATCH
 from .kv.session import PersistentSession, SessionWarning, session_path
 from .kv.session import lock as lock_session
 from .model import MoEModel, Weights
@@ -148,13 +148,15 @@ class Engine:
                          "prefix_cache_hits": 0, "prefix_cached_tokens": 0}  # prompts, and their tokens, restored
         # the states of recent prompts (prefix.py), beside the budget, sized as `colibri plan` shows:
         # calls without a session use it; evicted ones spill beside the model, bound to what sets a
-        # state's bits (the session identity, the arithmetic, the plugin's version)
+        # state's bits (the session identity, the arithmetic, the plugin's version); a model computing
+        # each token as alone however its forwards are cut reuses rows to the token (prefix.py)
         c = self.container
         identity = {"architecture": c.architecture, "fingerprint": c.manifest["source"]["fingerprint"],
                     "quant": c.quant, "activations": self.activations, "kv_cache": self.kv_cache,
                     "plugin": f"{self.arch.plugin} {self.arch.version}"}
         self.prefix_cache = PrefixCache(planning.prefix_cache_budget(options.prefix_cache, self.split.budget),
-                                        options.prefill_chunk, self.sessions_dir / PREFIX_DIRNAME, identity)
+                                        options.prefill_chunk, self.sessions_dir / PREFIX_DIRNAME, identity,
+                                        step=1 if self.model.token_exact else BLOCK)
 
     def _split(self, ram, cache_slots, pin_gb, history: UsageHistory | None, top_k: int) -> planning.Split:
         """The budget split (planning.split, the rule `colibri plan` shows): the state grows beside
@@ -507,6 +509,7 @@ class Engine:
                 self.counters["decode_seconds"] += time.perf_counter() - t1
         except GeneratorExit:  # the caller stopped early: the state is whole, keep the turn
             save()
+            self._keep_turn(capture, session)
             self._end_turn()
             raise
         except BaseException:  # e.g. a forward failed midway (a read error, Ctrl-C): its state is half-fed
@@ -517,7 +520,14 @@ class Engine:
                 session.state, session.ids = state, kept_ids
             raise
         save()
+        self._keep_turn(capture, session)
         self._end_turn()  # only after a whole turn: routing history, hot-store revision
+
+    def _keep_turn(self, capture, session: Session) -> None:
+        """The prefix cache's entry of this call grows to the turn's end where the model allows
+        (`Capture.ended`): the next turn of the conversation is prefilled from there."""
+        if capture is not None and capture.ended(session.state, session.ids):
+            self.prefix_cache.insert(capture)
 
     def _end_turn(self) -> None:
         """The store's end of a turn (routing history, hot-store revision); in a batch, at the end of

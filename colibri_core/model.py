@@ -82,6 +82,12 @@ class MoEModel:
                                       free unless someone records; lets the conformance kit name the
                                       layer where a plugin leaves transformers)
       vocab_size                      optional: the logits' width (default: cfg.vocab_size)
+      token_exact                     optional, default False: True where every token gets the same bits
+                                      however its sequence's forwards are cut, one token or many (each
+                                      layer computes a token exactly as alone, as the core's AttnBlock
+                                      and MoE do; not blocks aligned at BLOCK, nor chunked recurrences).
+                                      The prefix cache then reuses rows to the token and keeps a turn's
+                                      end (prefix.py); the kit's `one_forward_is_pieces` checks it
     A model with a multi-token-prediction head (GLM-5.2) also declares it, for the core's `mtp`
     drafter (colibri_core/drafting.py):
       has_mtp                         True: the three below exist
@@ -92,6 +98,7 @@ class MoEModel:
     """
 
     has_mtp = False
+    token_exact = False
 
     # Kept per generation (a context variable): the generations of a batch run their forwards
     # interleaved (colibri_core/batch.py), and each reads back its own.

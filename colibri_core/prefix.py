@@ -19,9 +19,15 @@ point (the state at a turn's end was decoded token by token, which no cold prefi
 prompt that continues it repeats, so it is never kept). The engine prefills in one forward (each MoE
 layer reads its experts once), stopping only where a fixed-size part is snapshotted (`Capture.stops`).
 
+A model that computes every token exactly as alone, however its forwards are cut (`MoEModel.token_exact`:
+OLMoE's layers, the core's GQA attention and MoE; the kit checks it), has no blocks: every position is
+such a point, the cache's `step` is 1 instead of BLOCK, and for a state of rows alone the state at a
+turn's end — the prompt and the tokens decoded after it — is a cold prefill's and is kept too
+(`Capture.ended`): a conversation's next turn is prefilled from exactly where the last one stopped.
+
 What an entry holds (`Entry`), by state kind (kv/state.py): per-token rows (KV caches, MLA latents,
-indexer keys) as views of the prompt's state, cut when restored to any multiple of BLOCK (a state
-of rows alone is reusable to within 63 tokens of the shared prefix, whatever the chunk); fixed-size parts
+indexer keys) as views of the prompt's state, cut when restored to any multiple of the step (a state
+of rows alone is reusable to within step − 1 tokens of the shared prefix, whatever the chunk); fixed-size parts
 (DeltaNet / KDA states, sliding windows, compressors) snapshotted at some boundaries as they are
 reached: the last one and those at chunk × 2^k (a bounded number: log2 of the prompt's chunks + 1),
 plus the snapshots inherited from the entry it was restored from. An entry whose tokens a newer one
@@ -87,12 +93,12 @@ def _kept(boundaries, last: int, chunk: int) -> list[int]:
     return sorted(b for b in set(boundaries) if b == last or (b // chunk) & (b // chunk - 1) == 0)
 
 
-def _usable(tokens: np.ndarray, boundaries, shared: int, chunk: int) -> int:
+def _usable(tokens: np.ndarray, boundaries, shared: int, step: int) -> int:
     """The furthest position ≤ `shared` a state of `tokens` can be restored at (0: none): for rows
-    only (`boundaries` None) any multiple of BLOCK (rows cut there are a cold prefill's, whatever
+    only (`boundaries` None) any multiple of `step` (rows cut there are a cold prefill's, whatever
     the chunk), else the furthest of the boundaries snapshotted."""
     if boundaries is None:
-        return min(shared, len(tokens)) // BLOCK * BLOCK
+        return min(shared, len(tokens)) // step * step
     return max((b for b in boundaries if b <= shared), default=0)
 
 
@@ -117,9 +123,9 @@ def _root(a: np.ndarray) -> np.ndarray:
 
 @dataclass(eq=False)
 class Entry:
-    """One prompt's reusable states: its first `len(tokens)` tokens (a multiple of the chunk), rows
-    for them, and fixed-size snapshots at some of the boundaries (None: the state is rows only,
-    usable at every boundary)."""
+    """One prompt's reusable states: its first `len(tokens)` tokens (a multiple of the chunk, or of the
+    cache's step for rows alone), rows for them, and fixed-size snapshots at some of the boundaries
+    (None: the state is rows only, usable at every multiple of the step)."""
 
     tokens: np.ndarray  # (R,) int64
     rows: dict[str, np.ndarray]  # per-token parts' arrays, (≥ R, …) views
@@ -127,25 +133,25 @@ class Entry:
     hidden: np.ndarray | None = None  # (R, H) the model's final hidden states: an MTP drafter's input
     roots: list[np.ndarray] = field(default_factory=list)  # the buffers it keeps alive, once each
 
-    def usable(self, shared: int, chunk: int) -> int:
+    def usable(self, shared: int, step: int) -> int:
         """The furthest position ≤ `shared` this entry's state can be restored at (0: none)."""
-        return _usable(self.tokens, self.fixed, shared, chunk)
+        return _usable(self.tokens, self.fixed, shared, step)
 
 
 class Capture:
     """What the prefill of one prompt leaves for the cache: the engine stops its forwards at `stops`
     and calls `fed` after each; `PrefixCache.insert` makes an entry of it."""
 
-    def __init__(self, state: SequenceState, prompt: list[int], chunk: int, inherited: dict[int, dict],
+    def __init__(self, state: SequenceState, prompt: list[int], chunk: int, step: int, inherited: dict[int, dict],
                  hidden: list[np.ndarray] | None):
-        self.chunk = chunk
+        self.chunk, self.state = chunk, state
         parts = state.parts.items()
         # SequenceStates over the same part objects, for the names `arrays()` gives them
         self._rows = SequenceState({name: p for name, p in parts if p.per_token})
         fixed = {name: p for name, p in parts if not p.per_token}
         self._fixed = SequenceState(fixed) if fixed else None
-        step = chunk if fixed else BLOCK  # rows alone are cut at any multiple of BLOCK (`_usable`)
-        self.tokens = np.asarray(prompt[: len(prompt) // step * step], np.int64)  # (R,)
+        self.step = chunk if fixed else step  # rows alone are cut at any multiple of the step (`_usable`)
+        self.tokens = np.asarray(prompt[: len(prompt) // self.step * self.step], np.int64)  # (R,)
         self.snapshots = dict(inherited)  # boundary -> fixed-size arrays ({} for a state of rows)
         self.hidden = hidden  # (T, H) rows of the positions fed so far, in order; None: not kept
 
@@ -170,6 +176,16 @@ class Capture:
             arrays = self._fixed.arrays()  # copies of what is updated in place
             arrays[LENGTH] = np.array([boundary], np.int64)
             self.snapshots[boundary] = arrays
+
+    def ended(self, state: SequenceState, ids: list[int]) -> bool:
+        """The turn ended with `state` holding `ids`, the prompt and the tokens decoded after it. A
+        state of rows cut at any token (step 1), whose entry keeps no hidden states, is then a cold
+        prefill's of `ids`: the entry grows to them (True: insert it again); else nothing changes."""
+        if (self.step != 1 or self.hidden is not None or state is not self.state or state.length != len(ids)
+                or len(ids) <= len(self.tokens)):
+            return False
+        self.tokens = np.asarray(ids, np.int64)
+        return True
 
     def entry(self) -> Entry | None:
         """The entry (None: nothing reusable, a prompt shorter than one chunk)."""
@@ -197,17 +213,18 @@ class PrefixCache:
     chunk and colibri's version are added)."""
 
     def __init__(self, budget: int, chunk: int = PREFILL_CHUNK, directory: Path | None = None,
-                 identity: dict | None = None, disk_budget: int | None = None):
+                 identity: dict | None = None, disk_budget: int | None = None, step: int = BLOCK):
         if chunk % BLOCK:  # a boundary inside a block: the state there depends on the tokens after it
             raise ColibriError(f"prefill_chunk must be a multiple of {BLOCK} (the layers' aligned block), got {chunk}")
-        self.budget, self.chunk = budget, chunk
+        assert step in (1, BLOCK), step
+        self.budget, self.chunk, self.step = budget, chunk, step
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # id -> entry, least recently used first
         self._buffers: dict[int, list] = {}  # id(root) -> [root, entries holding it]
         self.nbytes = 0
         self.disk = None
         if budget and directory is not None:
             identity = {**(identity or {}), "colibri": __version__, "prefill_chunk": chunk}
-            self.disk = Disk(Path(directory), identity, budget if disk_budget is None else disk_budget)
+            self.disk = Disk(Path(directory), identity, budget if disk_budget is None else disk_budget, step)
 
     def lookup(self, prompt: list[int]) -> tuple[Entry, int] | None:
         """The entry and boundary b restoring the most of `prompt`: prompt[:b] is held, and b leaves
@@ -218,11 +235,11 @@ class PrefixCache:
         ids = np.asarray(prompt, np.int64)
         best = None
         for entry in self.entries.values():
-            b = entry.usable(_shared(entry.tokens, ids), self.chunk)
+            b = entry.usable(_shared(entry.tokens, ids), self.step)
             if b and (best is None or b > best[1]):
                 best = entry, b
         while self.disk is not None:  # a spilled entry that fails its checks is deleted: try the next best
-            spilled, b = max(((s, s.usable(_shared(s.tokens, ids), self.chunk)) for s in self.disk.spilled.values()),
+            spilled, b = max(((s, s.usable(_shared(s.tokens, ids), self.step)) for s in self.disk.spilled.values()),
                              key=lambda hit: hit[1], default=(None, 0))
             if b <= (best[1] if best else 0):
                 break
@@ -258,7 +275,7 @@ class PrefixCache:
             inherited = {c: s for c, s in (entry.fixed or {}).items() if c <= b}
             if hidden:
                 rows = None if entry.hidden is None else [entry.hidden[:b]]
-        return Capture(state, prompt, self.chunk, inherited, rows)
+        return Capture(state, prompt, self.chunk, self.step, inherited, rows)
 
     def insert(self, capture: Capture) -> None:
         """Keep what `capture` holds (`_add`)."""
@@ -327,8 +344,8 @@ class Spilled:
     fixed: list[int] | None  # the boundaries it keeps snapshots at (None: rows only)
     nbytes: int  # the file's size
 
-    def usable(self, shared: int, chunk: int) -> int:
-        return _usable(self.tokens, self.fixed, shared, chunk)
+    def usable(self, shared: int, step: int) -> int:
+        return _usable(self.tokens, self.fixed, shared, step)
 
 
 class _Damaged(Exception):
@@ -337,10 +354,10 @@ class _Damaged(Exception):
 
 class Disk:
     """The entries spilled under `root`/ID (module docstring): `spilled` indexes this identity's
-    files by name; `budget` bounds the bytes of every identity's files together."""
+    files by name; `budget` bounds the bytes of every identity's files together; `step` is the cache's."""
 
-    def __init__(self, root: Path, identity: dict, budget: int):
-        self.root, self.identity, self.budget = root, identity, budget
+    def __init__(self, root: Path, identity: dict, budget: int, step: int = BLOCK):
+        self.root, self.identity, self.budget, self.step = root, identity, budget, step
         self.dir = root / hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
         self.hits = 0
         self.writable = True  # False after a write failed (a read-only model directory): warned once
@@ -388,7 +405,7 @@ class Disk:
             raise _Damaged(f"is unreadable ({e.strerror or e})") from None
         except (ValueError, KeyError, TypeError, IndexError, RecursionError, struct.error) as e:
             raise _Damaged(f"is damaged ({type(e).__name__})") from None
-        step = BLOCK if fixed is None else self.identity["prefill_chunk"]
+        step = self.step if fixed is None else self.identity["prefill_chunk"]
         if not len(tokens) or len(tokens) % step:
             raise _Damaged(f"holds {len(tokens)} tokens, not a multiple of {step}")
         return Spilled(path, tokens, None if fixed is None else [int(b) for b in fixed], size)

@@ -116,6 +116,42 @@ def test_rows_alone_are_cut_at_any_block_whatever_the_chunk():
     assert [cache.lookup(prompt[:n] + [0])[1] for n in (70, 200, 300, 399)] == [64, 192, 256, 384]
 
 
+def test_a_token_exact_model_is_restored_at_the_token_and_keeps_the_turns_end():
+    """With step 1 (`MoEModel.token_exact`) rows are cut at any token, and the state at a turn's end —
+    the prompt and the tokens decoded after it — grows the entry; a state with a fixed-size part, or
+    one that is not the capture's, keeps the prompt's entry as it was."""
+    cache = PrefixCache(budget=1 << 20, chunk=256, step=1)
+    state = SequenceState({"layer.0": KVCache(1, 2)})
+    prompt = list(range(1, 100))
+
+    def feed(tokens):
+        rows = np.repeat(np.asarray(tokens, np.float32), 2).reshape(-1, 1, 2)  # token t's row: (t, t)
+        state["layer.0"].append(rows, rows)
+        state.advance(len(tokens))
+
+    capture = cache.capture(state, prompt, None)
+    feed(prompt)
+    cache.insert(capture)
+    assert [cache.lookup(prompt[:n] + [0])[1] for n in (1, 70, 99)] == [1, 70, 99]
+    decoded = [500, 501, 502]  # decoded after the prompt
+    for t in decoded:
+        feed([t])
+    assert not capture.ended(SequenceState({"layer.0": KVCache(1, 2)}), prompt + decoded)  # another state
+    assert capture.ended(state, prompt + decoded)
+    cache.insert(capture)  # extends the prompt's entry: replaces it
+    (entry,) = cache.entries.values()
+    assert entry.tokens.tolist() == prompt + decoded
+    hit = cache.lookup(prompt + decoded + [7, 8])
+    restored = SequenceState({"layer.0": KVCache(1, 2)})
+    cache.restore(hit, restored)
+    assert hit[1] == 102 and restored.arrays()["layer.0.k"][:, 0, 0].tolist() == prompt + decoded
+    fixed = PrefixCache(budget=1 << 20, chunk=64, step=1)
+    state = _state()
+    capture = fixed.capture(state, prompt, None)
+    _feed(state, prompt + decoded, capture)
+    assert not capture.ended(state, prompt + decoded)  # a fixed-size part: only its snapshots are kept
+
+
 def test_lookup_is_fast_for_hundreds_of_entries():
     """The index is a list scanned with one vectorised comparison per entry (prefix.py)."""
     cache = PrefixCache(budget=1 << 40, chunk=256)
@@ -157,10 +193,12 @@ def test_only_calls_without_a_session_use_the_cache_and_stats_count_it(tiny_mode
         session = engine.new_session()
         engine.generate(prompt, 2, stop_ids=(), session=session)
         assert engine.stats()["prefix_cache_entries"] == 0
-        engine.generate(prompt, 2, stop_ids=())
+        first = engine.generate(prompt, 2, stop_ids=())
+        assert first[0] != 5  # so the next prompt leaves this turn's end after the prompt
         engine.generate(prompt + [5, 6], 2, stop_ids=())
         s = engine.stats()
-        assert (s["prefix_cache_hits"], s["prefix_cached_tokens"], s["prefix_cache_entries"]) == (1, 64, 1)
+        # the tiny OLMoE is token_exact: the whole prompt is served, and each turn's end is an entry
+        assert (s["prefix_cache_hits"], s["prefix_cached_tokens"], s["prefix_cache_entries"]) == (1, 100, 2)
         assert 0 < s["prefix_cache_bytes"] <= s["prefix_cache_budget"] == 64_000_000
     for off in ({"prefix_cache": 0}, {"no_prefix_cache": True}):  # --prefix-cache 0, --no-prefix-cache
         with load(tiny_model, prefill_chunk=64, **off) as engine:
@@ -188,8 +226,8 @@ def test_a_prefill_is_one_forward(tiny_model, monkeypatch):
         assert fed == [(0, 200)]
         fed.clear()
         engine.generate(list(range(3, 203)), 1, stop_ids=())
-        engine.generate(list(range(3, 203)) + [5], 1, stop_ids=())  # restored at 192
-        assert fed == [(0, 200), (192, 201)]
+        engine.generate(list(range(3, 203)) + [5], 1, stop_ids=())  # restored at 200 (token_exact)
+        assert fed == [(0, 200), (200, 201)]
         fed.clear()
         session = engine.new_session()
         engine.generate(list(range(3, 43)), 1, stop_ids=(), session=session)
@@ -274,13 +312,13 @@ def model_copy(tiny_model, tmp_path) -> Path:
 def test_a_restarted_engine_serves_the_extension_from_disk_with_the_bits_of_a_cold_prefill(model_copy):
     rng = np.random.default_rng(5)
     prompt = rng.integers(3, 300, 200).tolist()
-    extension = prompt + rng.integers(3, 300, 90).tolist()
     with load(model_copy, prefill_chunk=64) as engine:
-        engine.generate(prompt, 4, stop_ids=())
+        answer = engine.generate(prompt, 4, stop_ids=())
+    extension = prompt + answer + rng.integers(3, 300, 90).tolist()  # the conversation's next turn
     with load(model_copy, prefill_chunk=64) as engine:
         warm = engine.generate(extension, 8, stop_ids=())
-        s = engine.stats()
-        assert s["prefix_cached_tokens"] == 192 and s["prefix_cache_disk_hits"] == 1
+        s = engine.stats()  # the turn's end, the answer's last token never fed (the tiny OLMoE is token_exact)
+        assert s["prefix_cached_tokens"] == 203 and s["prefix_cache_disk_hits"] == 1
     with load(model_copy, prefill_chunk=64, prefix_cache=0) as engine:
         assert engine.generate(extension, 8, stop_ids=()) == warm
 

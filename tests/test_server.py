@@ -113,15 +113,16 @@ def test_completion_streamed_equals_not_streamed(client, tiny_model, engine):
     assert by_ids.choices[0].text == "the lazy dog" + text
 
 
-def _cacheable(shared: int, held: int) -> int:
-    """Prompt tokens the prefix cache serves (colibri_core/prefix.py): for the tiny model's state of
-    rows, the last multiple of 64 (the layers' aligned block) within both what a request shares with
-    a cached prompt and what that prompt's prefill reached, leaving a token to feed."""
-    return min(shared, held) // 64 * 64
-
-
 def _shared(a: list[int], b: list[int]) -> int:
+    """Prompt tokens the prefix cache serves `b` from a state holding `a` (colibri_core/prefix.py):
+    for the tiny OLMoE (token_exact) every token they share, leaving b's last one to feed."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b) - 1))
+
+
+def _turn(engine, prompt: list[int], n: int) -> list[int]:
+    """What a greedy request's state holds at its end, which the prefix cache keeps: the prompt and
+    the tokens decoded after it, the last one never fed."""
+    return prompt + engine.generate(prompt, n)[:-1]
 
 
 def test_a_growing_conversation_is_served_from_the_prefix_cache(server, client, tiny_model, engine):
@@ -137,19 +138,20 @@ def test_a_growing_conversation_is_served_from_the_prefix_cache(server, client, 
                       {"role": "user", "content": "colibri streams experts"}]
     two = client.chat.completions.create(messages=second, **kw)
     p1, p2 = (encode(render(m), add_special_tokens=False) for m in (first, second))
-    cached = _cacheable(_shared(p1, p2), len(p1))
-    assert cached >= 256 and one.usage.prompt_tokens_details.cached_tokens == 0
+    cached = _shared(_turn(engine, p1, 8), p2)
+    assert cached > len(p1)  # into the answer
+    assert one.usage.prompt_tokens_details.cached_tokens < 64  # the chat template's start, shared with earlier requests
     assert two.usage.prompt_tokens_details.cached_tokens == cached
     _, chunks = stream_text(client.chat.completions.create(messages=second, **kw, stream=True,
                                                            stream_options={"include_usage": True}))
-    served = [cached, _cacheable(len(p2) - 1, len(p2))]  # the same prompt again: all but its last piece
+    served = [cached, len(p2) - 1]  # the same prompt again: all but its last token
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == served[-1]
     q1, q2 = encode(long), encode(long + " colibri streams experts")
     ckw = dict(model=model_id(tiny_model), max_tokens=4, temperature=0)
     assert client.completions.create(prompt=long, **ckw).usage.prompt_tokens_details.cached_tokens == 0
     _, chunks = stream_text(client.completions.create(prompt=long + " colibri streams experts", **ckw, stream=True,
                                                       stream_options={"include_usage": True}))
-    served.append(_cacheable(_shared(q1, q2), len(q1)))
+    served.append(_shared(_turn(engine, q1, 4), q2))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == served[-1] >= 256
     wait_idle(server)
     value = {line.split()[0]: float(line.split()[1]) for line in server.get("/metrics")[1].decode().splitlines()
@@ -191,7 +193,7 @@ def test_a_restarted_server_finds_the_conversation_it_served(tiny_model, engine,
             assert s.stop() == 130, s.text_log()
     restarted, cold = answers[1:]
     p1, p2 = (encode(render(m), add_special_tokens=False) for m in (first, second))
-    assert restarted.usage.prompt_tokens_details.cached_tokens == _cacheable(_shared(p1, p2), len(p1)) >= 256
+    assert restarted.usage.prompt_tokens_details.cached_tokens == _shared(_turn(engine, p1, 8), p2) > len(p1)
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert restarted.choices[0].message.content == cold.choices[0].message.content
 
@@ -480,7 +482,7 @@ def test_dashboard_json_shows_the_prefix_cache_and_the_running_request(server, t
         time.sleep(0.01)
     stream.close()
     wait_idle(server)
-    cached = (prompt_tokens - 1) // 64 * 64  # all of the same prompt but its last piece (of 64 tokens: rows alone)
+    cached = prompt_tokens - 1  # all of the same prompt but its last token (the tiny OLMoE is token_exact)
     assert cached >= 256
     assert (live["prompt_tokens"], live["cached_tokens"], live["prefilling"]) == (prompt_tokens, cached, False)
     e = server.json("/api/stats")["engine"]

@@ -31,6 +31,12 @@ def fail(check: str, message: str) -> None:
     raise ConformanceFailure(f"{check}: {message}")
 
 
+def _common(a, b) -> int:
+    """How many leading tokens a and b share."""
+    d = _first_difference(a, b)
+    return min(len(a), len(b)) if d is None else d
+
+
 def _first_difference(a, b) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
@@ -261,26 +267,35 @@ def check_one_forward_is_pieces(oracle: Oracle, q: str = "int4", chunk: int = 64
     """One forward over a long prompt (3·chunk + 7 tokens) gives, bit for bit, the logits and the
     state of forwards cut at the multiples of `chunk` (a multiple of kernels.deltanet.BLOCK): the
     engine prefills in one forward (each MoE layer reads its experts once), and the prefix cache
-    restores a state at such a multiple as if the prefill had stopped there). In both arithmetics."""
+    restores a state at such a multiple as if the prefill had stopped there). A model declaring
+    `token_exact` gives them also for forwards cut anywhere (pieces of one token, of a few, of more
+    than EXACT_BATCH across a block's end): the prefix cache then restores rows at any token and
+    keeps a turn's decoded end. In both arithmetics."""
     check = "one_forward_is_pieces"
     ids = np.random.default_rng(11).integers(0, oracle.suite.hf_config.vocab_size, 3 * chunk + 7)
-    cuts = [*range(0, len(ids), chunk), len(ids)]
     for activations in ("f32", "int8"):
         with load(oracle.container(q), activations=activations) as engine:
             model = engine.model
-            whole, cut = model.new_state(), model.new_state()
+            splits = {f"the multiples of {chunk}": [*range(0, len(ids), chunk), len(ids)]}
+            if model.token_exact:
+                splits["odd positions (the model declares token_exact)"] = [
+                    0, 1, 2, 19, 20, 37, chunk + 37, chunk + 38, 2 * chunk + 22, 2 * chunk + 42, len(ids)]
+            whole = model.new_state()
             together = model.forward(ids, whole)  # (T, V)
-            apart = np.concatenate([model.forward(ids[a:b], cut) for a, b in zip(cuts, cuts[1:])])
-        where = f"{activations} activations, a {len(ids)}-token forward against forwards cut at the multiples of {chunk}"
-        differ = np.flatnonzero((together != apart).any(axis=1))
-        if len(differ):
-            fail(check, f"{where}: the logits of position {int(differ[0])} differ by up to "
-                        f"{float(np.abs(together - apart).max()):.3g} (compute in blocks aligned at absolute positions, "
-                        f"each over the keys up to its end: colibri_core.kernels.deltanet.BLOCK)")
-        a, b = whole.arrays(), cut.arrays()
-        differ = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not np.array_equal(a[k], b[k]))
-        if differ:
-            fail(check, f"{where}: the state arrays {differ[:3]} differ after the prompt")
+            for at, cuts in splits.items():
+                cut = model.new_state()
+                apart = np.concatenate([model.forward(ids[a:b], cut) for a, b in zip(cuts, cuts[1:])])
+                where = f"{activations} activations, a {len(ids)}-token forward against forwards cut at {at}"
+                differ = np.flatnonzero((together != apart).any(axis=1))
+                if len(differ):
+                    fail(check, f"{where}: the logits of position {int(differ[0])} differ by up to "
+                                f"{float(np.abs(together - apart).max()):.3g} (compute in blocks aligned at absolute "
+                                f"positions, each over the keys up to its end: colibri_core.kernels.deltanet.BLOCK; "
+                                f"token_exact: each token as alone)")
+                a, b = whole.arrays(), cut.arrays()
+                differ = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not np.array_equal(a[k], b[k]))
+                if differ:
+                    fail(check, f"{where}: the state arrays {differ[:3]} differ after the prompt")
 
 
 def check_prefix_cache_is_invisible(model_dir: Path, vocab_size: int, chunk: int = 64, new: int = 6) -> None:
@@ -288,15 +303,18 @@ def check_prefix_cache_is_invisible(model_dir: Path, vocab_size: int, chunk: int
     prefill (the engine's `prefill_chunk` made `chunk`, so a short prompt crosses several boundaries):
     a first prompt of 3·chunk + 5 tokens; a shorter one (its state cut at 2·chunk); one extending the
     first (restored at 3·chunk, then prefilled across another boundary); one diverging from it
-    mid-way (restored at chunk). Greedy (the logits of the prompt's last token and of each step
-    compared) and sampled, with the number of prompt tokens the cache served as the rule says, and
-    the same drafts (a drafter reading the model's hidden states gets the cached prefix's back).
+    mid-way (restored at chunk). A model declaring `token_exact` is restored at the token instead:
+    the longest prefix a prompt shares with an earlier prompt or an earlier turn's end (its prompt and
+    the tokens decoded after it, the last one never fed). Greedy (the logits of the prompt's last
+    token and of each step compared) and sampled, with the number of prompt tokens the cache served
+    as the rule says, and the same drafts (a drafter reading the model's hidden states gets the
+    cached prefix's back).
     Then each prompt again in an engine started afresh, the earlier ones' entries spilled to disk
     when theirs closed: every hit is read from disk, with the same bits."""
     check = "prefix_cache"
     rng = np.random.default_rng(7)
     first = rng.integers(0, vocab_size, 3 * chunk + 5).tolist()
-    prompts = {  # name -> (prompt, tokens the cache should serve, after the ones before)
+    prompts = {  # name -> (prompt, tokens the cache should serve, after the ones before, at BLOCK's step)
         "the first prompt (nothing cached)": (first, 0),
         "a shorter prompt (rows cut at 2·chunk)": (first[: 2 * chunk + 7], 2 * chunk),
         "a prompt extending the first": (first + rng.integers(0, vocab_size, chunk + 4).tolist(), 3 * chunk),
@@ -324,6 +342,7 @@ def check_prefix_cache_is_invisible(model_dir: Path, vocab_size: int, chunk: int
         sampled = engine.generate(prompt, new, temperature=1.0, seed=3, stop_ids=())
         after = engine.stats()
         return {"greedy tokens": greedy, "logits": np.stack(seen[-new:]), "sampled tokens": sampled,
+                "turns": [prompt + greedy[:-1], prompt + sampled[:-1]],  # what each call's state held at its end
                 "cached": middle["prefix_cached_tokens"] - before["prefix_cached_tokens"],
                 "from disk": middle["prefix_cache_disk_hits"] - before["prefix_cache_disk_hits"],
                 "drafts": tuple(after[k] - middle[k] for k in ("draft_drafted", "draft_accepted"))}
@@ -335,9 +354,15 @@ def check_prefix_cache_is_invisible(model_dir: Path, vocab_size: int, chunk: int
     cold, warm = engines()
     with cold, warm:
         warm.prefix_cache.clear()  # entries an earlier run left on disk: the first prompt is cold
+        turns = []  # the earlier calls' states at their ends: where a token_exact model is restored
         for what, (prompt, expected) in prompts.items():
-            _compare_cached(check, f"{what} ({len(prompt)} tokens, prefill chunk {chunk})",
-                            run(cold, prompt), run(warm, prompt), expected)
+            if warm.model.token_exact:
+                expected = max((_common(t, prompt[:-1]) for t in turns), default=0)
+                prompts[what] = (prompt, expected)  # the same after a restart: the same turns, spilled
+            want = run(cold, prompt)
+            _compare_cached(check, f"{what} ({len(prompt)} tokens, prefill chunk {chunk})", want, run(warm, prompt),
+                            expected)
+            turns += want["turns"]
         warm.prefix_cache.clear()
     for i, (what, (prompt, expected)) in enumerate(prompts.items()):  # both engines fresh: the same drafting history
         cold, restarted = engines()

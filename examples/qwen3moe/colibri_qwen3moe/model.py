@@ -112,6 +112,8 @@ class Layer:
 
 
 class Qwen3Moe(MoEModel):
+    token_exact = True  # every layer computes a token as alone (gqa_attention, the core MoE): rows reused to the token
+
     # ---- from the config alone -----------------------------------------------------------------
     @classmethod
     def parse_config(cls, config: dict) -> Qwen3MoeConfig:

@@ -310,3 +310,20 @@ def test_mtp_layer_without_its_own_indexer(fp8_checkpoint, tmp_path):
     layout = Glm52.layout(Glm52.parse_config({**cfg, "index_share_for_mtp_iteration": True}))
     assert not any(n.startswith(f"model.layers.{N}.self_attn.indexer") for n in layout.resident)
     assert any(n.startswith(f"model.layers.{N}.self_attn.indexer") for n in Glm52.layout(Glm52.parse_config(cfg)).resident)
+
+
+def test_a_model_in_aligned_blocks_that_declared_token_exact_fails_the_kit(tmp_path, monkeypatch):
+    """GLM-5.2's attention computes long forwards in query blocks aligned at BLOCK, so it does not
+    declare `token_exact`; declaring it anyway fails `one_forward_is_pieces` on the odd cuts (the
+    prefix cache would restore rows at a token a cold prefill computes otherwise)."""
+    from test_glm52_conformance import TestTinyGlm52
+
+    from colibri_core.testing import checks
+    from colibri_core.testing.oracle import Oracle
+    from colibri_glm52.model import Glm52
+
+    oracle = Oracle(TestTinyGlm52, tmp_path)
+    checks.check_one_forward_is_pieces(oracle)  # the multiples of BLOCK: the same bits
+    monkeypatch.setattr(Glm52, "token_exact", True)
+    with pytest.raises(checks.ConformanceFailure, match="cut at odd positions .the model declares token_exact.: the logits"):
+        checks.check_one_forward_is_pieces(oracle)

@@ -63,6 +63,8 @@ LAYER = "model.layers.{layer}."
 
 
 class Olmoe(MoEModel):
+    token_exact = True  # every layer computes a token as alone (AttnBlock, the core MoE): rows reused to the token
+
     @classmethod
     def parse_config(cls, config: dict) -> OlmoeConfig:
         return OlmoeConfig.from_hf(config)
