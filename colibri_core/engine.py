@@ -543,7 +543,7 @@ class Engine:
         `Capture` its prefill fills for the cache (None: the cache is off)."""
         hit = self.prefix_cache.lookup(prompt_ids)
         if hit is not None:
-            hidden = self.prefix_cache.restore(hit, session.state)
+            session.state, hidden = self.prefix_cache.restore(hit, session.state)
             session.ids = prompt_ids[:hit[1]]
             self._tell_drafters(session, 0, hidden)  # an MTP head drafts as after a cold prefill
             self.counters["prefix_cache_hits"] += 1

@@ -132,7 +132,8 @@ def test_a_token_exact_model_is_restored_at_the_token_and_keeps_the_turns_end():
     capture = cache.capture(state, prompt, None)
     feed(prompt)
     cache.insert(capture)
-    assert [cache.lookup(prompt[:n] + [0])[1] for n in (1, 70, 99)] == [1, 70, 99]
+    assert [cache.lookup(prompt[:n] + [0])[1] for n in (64, 70, 99)] == [64, 70, 99]
+    assert cache.lookup(prompt[:63] + [0]) is None  # fewer than BLOCK tokens: not worth a restore
     decoded = [500, 501, 502]  # decoded after the prompt
     for t in decoded:
         feed([t])
@@ -142,9 +143,18 @@ def test_a_token_exact_model_is_restored_at_the_token_and_keeps_the_turns_end():
     (entry,) = cache.entries.values()
     assert entry.tokens.tolist() == prompt + decoded
     hit = cache.lookup(prompt + decoded + [7, 8])
-    restored = SequenceState({"layer.0": KVCache(1, 2)})
-    cache.restore(hit, restored)
-    assert hit[1] == 102 and restored.arrays()["layer.0.k"][:, 0, 0].tolist() == prompt + decoded
+    assert hit[1] == 102
+    # the first restore of all of it is handed the finished state itself, its new rows written past the entry's
+    part = SequenceState({"layer.0": KVCache(1, 2)})
+    assert cache.restore((entry, 50), part)[0] is part and part.length == 50  # a part of it: copied
+    fresh = SequenceState({"layer.0": KVCache(1, 2)})
+    adopted, _ = cache.restore(hit, fresh)
+    assert adopted is state and fresh.length == 0
+    state = adopted
+    feed([7, 8])
+    assert entry.rows["layer.0.k"][:, 0, 0].tolist() == prompt + decoded  # the entry's rows as they were
+    copied, _ = cache.restore(hit, fresh)  # a second restore: a copy
+    assert copied is fresh and copied.arrays()["layer.0.k"][:, 0, 0].tolist() == prompt + decoded
     fixed = PrefixCache(budget=1 << 20, chunk=64, step=1)
     state = _state()
     capture = fixed.capture(state, prompt, None)
