@@ -115,8 +115,8 @@ def test_completion_streamed_equals_not_streamed(client, tiny_model, engine):
 
 def _shared(a: list[int], b: list[int]) -> int:
     """Prompt tokens the prefix cache serves `b` from a state holding `a` (colibri_core/prefix.py):
-    for the tiny OLMoE (token_exact) every token they share, leaving b's last one to feed (none below
-    64 tokens: not worth a restore)."""
+    for the tiny OLMoE (token_exact) every token they share, leaving b's last one to feed (the tests
+    below share hundreds; under 64 nothing would be restored)."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b) - 1))
 
 

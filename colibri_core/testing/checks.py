@@ -306,10 +306,10 @@ def check_prefix_cache_is_invisible(model_dir: Path, vocab_size: int, chunk: int
     first (restored at 3·chunk, then prefilled across another boundary); one diverging from it
     mid-way (restored at chunk). A model declaring `token_exact` is restored at the token instead:
     the longest prefix a prompt shares with an earlier prompt or an earlier turn's end (its prompt and
-    the tokens decoded after it, the last one never fed), if of BLOCK tokens or more. Greedy (the logits of the prompt's last
-    token and of each step compared) and sampled, with the number of prompt tokens the cache served
-    as the rule says, and the same drafts (a drafter reading the model's hidden states gets the
-    cached prefix's back).
+    the tokens decoded after it, the last one never fed), if of BLOCK tokens or more. Greedy (the
+    logits of the prompt's last token and of each step compared) and sampled, with the number of
+    prompt tokens the cache served as the rule says, and the same drafts (a drafter reading the
+    model's hidden states gets the cached prefix's back).
     Then each prompt again in an engine started afresh, the earlier ones' entries spilled to disk
     when theirs closed: every hit is read from disk, with the same bits."""
     check = "prefix_cache"
