@@ -880,39 +880,45 @@ AMX static void amx_tokens(AmxTokens *k, const Acts *a, const size_t *t, int nt)
     }
 }
 
-// Rows rb .. rb+nr-1 (nr <= 16) for the A tiles: row r's block g at A + r·ulen + 64g, zeros past the
-// row (its activations are zeros there). int8: the weights as they are. int4: the group's 32 low
-// nibbles then its 32 high ones, and their float32 scales at ws + r·nb8 (chunk_scales': 0 past the
-// last group).
-AMX static void amx_rows(uint8_t *A, float *ws, const QMatrix *w, int rb, int nr, const Acts *a) {
+// Group g of int4 rows rb .. rb+nr-1 (nr <= 16) as an A tile, 16 rows of 64 bytes: per row the
+// group's 32 low nibbles, then its 32 high ones; zeros past the row (its activations are zeros there).
+AMX static inline void amx_int4_group(uint8_t *tile, const QMatrix *w, int rb, int nr, int g, size_t row_bytes) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    size_t at = (size_t)g * 32;
+    __mmask32 m = at >= row_bytes ? 0 : row_bytes - at >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << (row_bytes - at)) - 1);
+    const uint8_t *wr = (const uint8_t *)w->data + (size_t)rb * row_bytes + at;
+    for (int r = 0; r < nr; r++, wr += row_bytes) {
+        __m256i v = _mm256_maskz_loadu_epi8(m, wr);
+        _mm256_store_si256((__m256i *)(tile + 64 * r), _mm256_and_si256(v, low4));
+        _mm256_store_si256((__m256i *)(tile + 64 * r + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+    }
+}
+
+// What rows rb .. rb+nr-1 (nr <= 16) need besides their A tiles. int4: their float32 scales at
+// ws + r·nb8 (chunk_scales': 0 past the last group). int8, where the tiles cannot read the weights in
+// place (`copy`): the rows copied to A, row r's block g at A + r·ulen + 64g, zeros past the row.
+AMX static void amx_rows(uint8_t *A, float *ws, const QMatrix *w, int rb, int nr, const Acts *a, int copy) {
     size_t ulen = (size_t)a->nb8 * 64;
     if (w->kind == QKIND_INT8) {
-        for (int r = 0; r < nr; r++) {
+        for (int r = 0; r < nr && copy; r++) {
             memcpy(A + (size_t)r * ulen, (const int8_t *)w->data + (size_t)(rb + r) * (size_t)w->cols, (size_t)w->cols);
             memset(A + (size_t)r * ulen + w->cols, 0, ulen - (size_t)w->cols);
         }
         return;
     }
     int ngroups = (w->cols + INT4_GROUP - 1) / INT4_GROUP;
-    size_t row_bytes = ((size_t)w->cols + 1) / 2;
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
     for (int r = 0; r < nr; r++) {
-        const uint8_t *wr = (const uint8_t *)w->data + (size_t)(rb + r) * row_bytes;
         const uint16_t *sr = (const uint16_t *)w->scales + (size_t)(rb + r) * (size_t)ngroups;
-        uint8_t *ar = A + (size_t)r * ulen;
-        for (int g = 0; g < a->nb8; g += 2) {  // two groups a load
-            size_t at = (size_t)g * 32;
-            __mmask64 m = at >= row_bytes ? 0 : row_bytes - at >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (row_bytes - at)) - 1);
-            __m512i v = _mm512_maskz_loadu_epi8(m, wr + at);
-            __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            _mm512_store_si512(ar + (size_t)g * 64, _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(1, 0, 1, 0)));
-            _mm512_store_si512(ar + (size_t)g * 64 + 64, _mm512_shuffle_i64x2(lo, hi, _MM_SHUFFLE(3, 2, 3, 2)));
-        }
         for (int g0 = 0; g0 < a->nb8; g0 += 8) _mm256_storeu_ps(ws + (size_t)r * a->nb8 + g0, chunk_scales(sr, g0, ngroups));
     }
 }
 
-enum { AMX_BLOCKS = 4 };  // token blocks a pass over the rows takes (each row block laid out once for them)
+// AMX_BLOCKS: token blocks a pass over the rows takes. int4 groups are unpacked into a ring of
+// AMX_RING A tiles, each AMX_AHEAD groups before its product: a row block unpacked whole (32 KB at
+// 2048 columns) left the tiles and B's 1 KB a group to contend for L1 (16 tokens, one core, weights
+// in L2: 82 -> 60 ns a block of 16 rows and a group, alternated in one process); int8 rows are read
+// by the tiles in place where whole (16 rows, every column of the blocks), not copied (102 -> 64).
+enum { AMX_BLOCKS = 4, AMX_RING = 8, AMX_AHEAD = 4 };
 
 // A thread's scratch, kept from call to call (grown when a call needs more) and freed when the
 // thread ends: a fresh allocation each call faulted its pages in again, and the page faults
@@ -967,7 +973,7 @@ AMX void rows_q8_tiles(const QMatrix *w, int r0, int r1, const Acts *a, const in
 #define AMX_PRODUCT(c, at, bt, g)                               \
     do {                                                        \
         _tile_zero(c);                                          \
-        _tile_loadd(at, A + (size_t)(g) * 64, ulen);            \
+        _tile_loadd(at, a_base + (size_t)((g) % a_mod) * a_step, a_stride); \
         _tile_loadd(bt, k->B[g], 64);                           \
         if (int8) _tile_dpbssd(c, at, bt);                      \
         else _tile_dpbusd(c, at, bt);                           \
@@ -983,7 +989,14 @@ AMX void rows_q8_tiles(const QMatrix *w, int r0, int r1, const Acts *a, const in
         }
         for (int rb = r0; rb < r1; rb += AMX_ROWS) {
             int nr = r1 - rb < AMX_ROWS ? r1 - rb : AMX_ROWS;  // A's rows past nr: their sums are not used
-            amx_rows(A, ws, w, rb, nr, a);
+            // group g's A tile at a_base + (g % a_mod)·a_step, its rows a_stride bytes apart: int4, a
+            // slot of the ring (with several token blocks, a slot per group: unpacked in the first
+            // block's pass, read again by the others); int8, the weights in place, or else their copy in A
+            int in_place = int8 && nr == AMX_ROWS && ulen == row_bytes;
+            const uint8_t *a_base = in_place ? (const uint8_t *)w->data + (size_t)rb * row_bytes : A;
+            int a_mod = int8 || nblocks > 1 ? nb8 : AMX_RING;
+            size_t a_step = int8 ? 64 : sizeof(uint8_t[AMX_ROWS][64]), a_stride = in_place ? row_bytes : int8 ? ulen : 64;
+            amx_rows(A, ws, w, rb, nr, a, !in_place);
             // the next block's weights are asked for while this one computes, a share each group
             int next_rows = r1 - rb - AMX_ROWS < AMX_ROWS ? r1 - rb - AMX_ROWS : AMX_ROWS;
             size_t next_bytes = next_rows > 0 ? (size_t)next_rows * row_bytes : 0;
@@ -992,11 +1005,15 @@ AMX void rows_q8_tiles(const QMatrix *w, int r0, int r1, const Acts *a, const in
             for (int b = 0; b < nblocks; b++) {
                 int i = i0 + b * AMX_TOKENS, nt = n - i < AMX_TOKENS ? n - i : AMX_TOKENS;
                 const AmxTokens *k = &blocks[b];
+                int unpack = !int8 && b == 0;  // int4: the first block's pass unpacks the groups, AMX_AHEAD ahead
                 for (int r = 0; r < nr; r++) for (int l = 0; l < 8; l++) _mm512_store_ps(L[r][l], _mm512_setzero_ps());
+                for (int g = 0; unpack && g < AMX_AHEAD; g++) amx_int4_group(A + (size_t)g * a_step, w, rb, nr, g, row_bytes);
                 AMX_PRODUCT(0, 1, 2, 0);  // nb8 is a multiple of 8
                 AMX_STORE(0, 0);
                 AMX_PRODUCT(3, 4, 5, 1);
                 for (int g = 0; g < nb8; g++) {  // the tile unit works two groups ahead of the float steps
+                    if (unpack && g + AMX_AHEAD < nb8)
+                        amx_int4_group(A + (size_t)((g + AMX_AHEAD) % a_mod) * a_step, w, rb, nr, g + AMX_AHEAD, row_bytes);
                     if ((g & 1) == 0) {
                         if (g + 1 < nb8) AMX_STORE(3, g + 1);
                         if (g + 2 < nb8) AMX_PRODUCT(0, 1, 2, g + 2);

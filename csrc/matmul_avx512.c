@@ -415,22 +415,24 @@ const Path PATH_AVX512 = {"avx512", dot_f32_avx512, dot_int8_f32_avx2, dot_int8_
 
 #ifndef COLIBRI_SIMDE
 // The AVX-512 path with the several-token rows with int8 activations on the tile unit (rows_q8_tiles)
-// from AMX_MIN_TOKENS up: the same bits. Below it, a tile product and store per 16 rows and block
-// (whatever the token count, the float steps 16 tokens wide) cost more than vpdpbusd per token. 8
-// OLMoE-size int4 experts from memory (tools/bench_expert_tokens.py, Intel host, both alternated call
-// by call, two runs): 2 / 8 tokens 2.8-3.7 / 3.0-3.7 ms against the VNNI rows' 1.3-1.8 / 2.3-2.9;
-// 16 / 32 tokens 3.8-4.1 / 6.6-7.4 ms against 4.6-5.1 / 10.6-11.8. OLMoE-size prefill of 2,048
-// tokens 67-75 -> 97-103 tok/s (tools/bench_prefill.py, alternated; BENCHMARKS.md).
-enum { AMX_MIN_TOKENS = 16 };
+// from AMX_MIN_INT4 / AMX_MIN_INT8 tokens up: the same bits. Below, a tile product and store per 16
+// rows and block (whatever the token count, the float steps 16 tokens wide) cost more than vpdpbusd
+// per token. 8 OLMoE-size experts from memory, int8 activations (tools/bench_expert_tokens.py, Intel
+// host, the paths alternated call by call, read 17-19 GB/s), the tiles against the VNNI rows: int4
+// 2 / 4 / 8 / 16 tokens 2.8 / 3.0 / 2.9 / 3.2 ms against 1.6 / 1.9 / 2.6 / 4.6; int8 3.4 / 3.6 / 3.8 /
+// 4.2 against 2.9 / 3.3 / 4.4 / 7.5 (int8 rows are read by the tiles in place, int4 ones unpacked).
+// OLMoE-size prefill of 2,048 tokens 67-75 -> 97-103 tok/s (tools/bench_prefill.py, alternated;
+// BENCHMARKS.md).
+enum { AMX_MIN_INT4 = 16, AMX_MIN_INT8 = 8 };
 
 AVX512 static void rows_int4_q8_amx(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
                                     float *const *yrow) {
-    (n < AMX_MIN_TOKENS ? rows_int4_q8_vnni : rows_q8_tiles)(w, r0, r1, a, tok, n, yrow);
+    (n < AMX_MIN_INT4 ? rows_int4_q8_vnni : rows_q8_tiles)(w, r0, r1, a, tok, n, yrow);
 }
 
 AVX512 static void rows_int8_q8_amx(const QMatrix *w, int r0, int r1, const Acts *a, const int32_t *tok, int n,
                                     float *const *yrow) {
-    (n < AMX_MIN_TOKENS ? rows_int8_q8_avx512 : rows_q8_tiles)(w, r0, r1, a, tok, n, yrow);
+    (n < AMX_MIN_INT8 ? rows_int8_q8_avx512 : rows_q8_tiles)(w, r0, r1, a, tok, n, yrow);
 }
 
 const Path PATH_AMX = {"amx", dot_f32_avx512, dot_int8_f32_avx2, dot_int8_q8_avx512,
