@@ -72,7 +72,10 @@ def test_n_choices_are_what_each_gets_alone_and_share_the_prompt(server):
     greedy = ask(server, {**body, "temperature": 0})["choices"][0]["text"]
     hits = server.json("/api/stats")["engine"]["prefix_cache_hits"]
     answer = ask(server, {**body, "prompt": "a hummingbird hovers " * 30, "n": 3})  # a new prompt: only its first choice prefills it
-    assert server.json("/api/stats")["engine"]["prefix_cache_hits"] == hits + 2
+    stats = server.json("/api/stats")
+    n = answer["usage"]["prompt_tokens"]
+    assert stats["engine"]["prefix_cache_hits"] == hits + 2
+    assert sorted(t["cached_tokens"] for t in stats["turns"][-3:]) == [0, n - 1, n - 1]  # the first: no earlier prompt shares 64
     answer = ask(server, {**body, "n": 3})
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
     assert [c["text"] for c in answer["choices"]] == alone
