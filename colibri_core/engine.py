@@ -541,7 +541,7 @@ class Engine:
     def _restore(self, session: Session, prompt_ids: list[int]):
         """Load the longest cached prefix of `prompt_ids` into the fresh `session` (prefix.py); the
         `Capture` its prefill fills for the cache (None: the cache is off)."""
-        hit = self.prefix_cache.lookup(prompt_ids)
+        hit = self.prefix_cache.lookup(prompt_ids, session.state)
         if hit is not None:
             session.state, hidden = self.prefix_cache.restore(hit, session.state)
             session.ids = prompt_ids[:hit[1]]

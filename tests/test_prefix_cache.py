@@ -13,7 +13,7 @@ from colibri_core import load
 from colibri_core.options import EngineOptions
 from colibri_core.errors import ColibriError
 from colibri_core.kv import SequenceState
-from colibri_core.kv.cache import KVCache
+from colibri_core.kv.cache import KVCache, Rows
 from colibri_core.layers.sink_attention import SlidingWindow
 from colibri_core.prefix import PrefixCache, PrefixCacheWarning
 from colibri_core.testing.checks import check_prefix_cache_is_invisible
@@ -293,6 +293,43 @@ def test_evicted_entries_spill_to_disk_and_restore_rows_and_snapshots_from_there
     # a new cache of the same identity finds it; another identity's files are another directory's
     assert cache.lookup(prompt)[1] == _spilling_cache(tmp_path, 1 << 20).lookup(prompt)[1] == 256
     assert _spilling_cache(tmp_path, 1 << 20, identity={"model": "b"}).lookup(prompt) is None
+
+
+def test_a_disk_hit_taking_all_of_an_entry_reads_its_rows_into_the_state_it_hands_over(tmp_path):
+    """A state of rows (a float16 KV cache, indexer-style `Rows`): its spilled entry's rows are read
+    straight into a fresh state's buffers, which the restore returns; the state given stays fresh."""
+    def fresh() -> SequenceState:
+        return SequenceState({"layer.0": KVCache(2, 4, "f16"), "layer.0.index": Rows(3)})
+
+    def fill(state: SequenceState, tokens) -> None:
+        t = np.asarray(tokens, np.float32)[:, None, None]  # token t's rows: t + 0.25·(element), exact in float16
+        state["layer.0"].append(t + 0.25 * np.arange(8).reshape(2, 4), t - 0.25 * np.arange(8).reshape(2, 4))
+        state["layer.0.index"].append(t[:, 0] + np.arange(3))
+        state.advance(len(tokens))
+
+    cache = _spilling_cache(tmp_path, disk_budget=1 << 20)
+    prompt = list(range(1, 193))
+    state = fresh()
+    capture = cache.capture(state, prompt, None)
+    fill(state, prompt)
+    cache.insert(capture)
+    want = state.arrays()
+    given = fresh()
+    hit = cache.lookup(prompt + [0], given)  # all 192 tokens: read into a state of its own
+    assert hit[1] == 192 and hit[0].state is not None and given.length == 0
+    restored, _ = cache.restore(hit, given)
+    assert restored is not given and restored.length == 192
+    got = restored.arrays()
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) and got[k].dtype == want[k].dtype
+                                             for k in got)
+    assert all(np.shares_memory(hit[0].rows[k], got[k]) for k in got)  # the entry views the rows read, once
+    fill(restored, [500])  # the state grows past the entry's rows, which stay as read
+    assert np.array_equal(hit[0].rows["layer.0.k"], want["layer.0.k"])
+    # a hit taking part of it is copied into the state given, as from RAM
+    cache = _spilling_cache(tmp_path, disk_budget=1 << 20)
+    part = cache.lookup(prompt[:100] + [0], given)
+    assert part[1] == 64 and part[0].state is None
+    assert cache.restore(part, given)[0] is given and given.length == 64
 
 
 def test_the_disk_budget_deletes_the_least_recently_used_first(tmp_path):

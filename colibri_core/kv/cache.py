@@ -96,6 +96,11 @@ class KVCache:
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         self.append(arrays["k"], arrays["v"])  # rounded to this cache's type as they are stored
 
+    def fill(self, T: int) -> dict[str, np.ndarray]:
+        """`Part.fill`: this fresh cache holds T tokens, their rows {"k", "v"} (T, Hkv, D) for the caller to write."""
+        self.length = self.reserve(T)
+        return self.arrays()
+
     def empty(self) -> "KVCache":
         return KVCache(*self.k.shape[1:], self.kv_cache)
 
@@ -194,6 +199,13 @@ class Rows:
             self.data = grown
         self.data[self.length : need] = rows
         self.length = need
+
+    def fill(self, T: int) -> dict[str, np.ndarray]:
+        """`Part.fill`: these fresh rows hold T tokens, {"": (T, *shape)} for the caller to write."""
+        if T > self.data.shape[0]:  # fresh: nothing to copy
+            self.data = _empty(_grown(T, self.data.shape[0]), self.data.shape[1:])
+        self.length = T
+        return self.arrays()
 
     def view(self) -> np.ndarray:
         """Every row held, (length, *shape): a view no later `append` changes (as `KVCache.view`)."""

@@ -81,6 +81,11 @@ class Part(Protocol):
     def empty(self) -> Part:
         """A fresh part of the same kind and shapes, holding nothing."""
 
+    # Optional, per-token parts only: fill(T) -> {suffix: array}, this fresh part now holding T
+    # tokens whose rows the caller writes into the (T, …) arrays returned, views of the part's own
+    # buffers in its element type. A reader of saved rows writes them there straight from a file
+    # (the prefix cache's disk hits), where `load_arrays` would copy them once more.
+
 
 class SequenceState(State):
     """A sequence's state: named parts (see the module docstring), in the order given.
@@ -164,9 +169,25 @@ class SequenceState(State):
         self._length = length
         return True
 
+    def fill(self, length: int) -> dict[str, np.ndarray] | None:
+        """This fresh state of rows now holds `length` tokens, whose rows the caller writes into the
+        arrays returned, named as `arrays()` names them (`Part.fill`); None, and nothing changed,
+        where a part is fixed-size or has no `fill`."""
+        if not self.per_token or not all(hasattr(p, "fill") for p in self.parts.values()):
+            return None
+        out = {}
+        for name, part in self.parts.items():
+            out.update(((f"{name}.{suffix}" if suffix else name), a) for suffix, a in part.fill(length).items())
+        self._length = length
+        return out
+
+    def empty(self) -> SequenceState:
+        """A fresh state of the same parts, holding nothing."""
+        return SequenceState({name: part.empty() for name, part in self.parts.items()})
+
     def copy(self) -> SequenceState:
         """An independent state holding the same tokens (fresh parts, loaded from `arrays()`)."""
-        twin = SequenceState({name: part.empty() for name, part in self.parts.items()})
+        twin = self.empty()
         twin.load_arrays(self.arrays())
         return twin
 

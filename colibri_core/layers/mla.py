@@ -67,6 +67,9 @@ class MLACache:
         self.latent.append(arrays["latent"])
         self.k_rope.append(arrays["k_rope"])
 
+    def fill(self, T: int) -> dict[str, np.ndarray]:
+        return {"latent": self.latent.fill(T)[""], "k_rope": self.k_rope.fill(T)[""]}
+
     def empty(self) -> MLACache:
         return MLACache(self.dims)
 
