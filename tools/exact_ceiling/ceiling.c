@@ -22,6 +22,10 @@
 // weights and token, timed the same way: int8 x int8 sign + maddubs + madd + add (|w| x sign(q, w),
 // no cheaper exact step found: csrc/matmul_avx2.c, rows_int8_q8_avx2), int4 x int8 two maddubs +
 // adds (64 weights), a madd every 8 maddubs.
+// Every rate is also given in cycles per 64 weights, at the clock a chain of dependent register adds
+// measures (one a cycle), beside how many 512-bit and 256-bit float multiplies one core starts a
+// cycle (independent chains): a kernel's vector instructions per 64 weights (its loop's, objdump)
+// over its cycles tells whether the ports that run them, not memory or latency, bind it.
 // Run: tools/exact_ceiling/run.sh
 #include <immintrin.h>
 #include <stdio.h>
@@ -221,6 +225,52 @@ static volatile float sink;
     })
 #define EACH_ROW(call) for (int r = 0; r < ROWS; r++) sink = (call)
 
+// The core's clock: a chain of dependent register adds, one a cycle (an add of an immediate can
+// take no cycle at all on recent cores: a register operand keeps each one waiting on the last).
+static double clock_hz(void) {
+    unsigned long x = 0, n = 100000000;
+    double t0 = now();
+    for (unsigned long i = 0; i < n; i++) __asm__ volatile("add %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\tadd %1, %0" : "+r"(x) : "r"(i));
+    double dt = now() - t0;
+    sink = (float)x;
+    return 4.0 * (double)n / dt;
+}
+
+// Float multiplies a second on one core, 512-bit (or 256-bit) registers: 12 independent chains.
+__attribute__((target("avx512f"))) static double multiplies_512(void) {
+    __m512 a[12], b = _mm512_set1_ps(1.0000001f);
+    for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps((float)i);
+    long n = 20000000;
+    double t0 = now();
+    for (long it = 0; it < n; it++) {
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++) a[i] = _mm512_mul_ps(a[i], b);
+        __asm__ volatile("" : "+v"(b));  // not hoisted out of the loop
+    }
+    double dt = now() - t0;
+    for (int i = 1; i < 12; i++) a[0] = _mm512_add_ps(a[0], a[i]);
+    sink = _mm512_reduce_add_ps(a[0]);
+    return 12.0 * (double)n / dt;
+}
+
+__attribute__((target("avx2"))) static double multiplies_256(void) {
+    __m256 a[12], b = _mm256_set1_ps(1.0000001f);
+    for (int i = 0; i < 12; i++) a[i] = _mm256_set1_ps((float)i);
+    long n = 20000000;
+    double t0 = now();
+    for (long it = 0; it < n; it++) {
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++) a[i] = _mm256_mul_ps(a[i], b);
+        __asm__ volatile("" : "+x"(b));
+    }
+    double dt = now() - t0;
+    for (int i = 1; i < 12; i++) a[0] = _mm256_add_ps(a[0], a[i]);
+    float l[8];
+    _mm256_storeu_ps(l, a[0]);
+    sink = l[0];
+    return 12.0 * (double)n / dt;
+}
+
 // Seconds a 512-bit vpdpbusd on one core: 12 independent chains (more than latency x throughput),
 // the operands in registers.
 __attribute__((target("avx512f,avx512vnni"))) static double vpdpbusd_seconds(void) {
@@ -312,8 +362,14 @@ int main(void) {
         double gbps = nbytes / (now() - t0) / 1e9;
         if (gbps > read) read = gbps;
     }
+    double hz = clock_hz();
     printf("one core, one token, weights in L2 (%d x %d), GB/s of weights; read bandwidth of one core %.1f GB/s\n", ROWS, COLS, read);
-    printf("%-8s %-5s %10s %12s %10s   %s\n", "path", "wts", "kernel", "arithmetic", "int8 acts", "arithmetic / read");
+    printf("clock %.2f GHz (dependent adds); float multiplies a cycle: 256-bit %.2f", hz / 1e9,
+           simd_supported("avx2") ? multiplies_256() / hz : 0.0);
+    if (simd_supported("avx512")) printf(", 512-bit %.2f", multiplies_512() / hz);
+    printf("; (cycles per 64 weights)\n");
+    printf("%-8s %-5s %16s %18s %16s   %s\n", "path", "wts", "kernel", "arithmetic", "int8 acts", "arithmetic / read");
+#define CYCLES(gbps, bytes64) (hz * (bytes64) / ((gbps) * 1e9))  // cycles per 64 weights at `gbps
     const Path *paths[] = {&PATH_AVX2, &PATH_AVX512};
     for (int p = 0; p < 2; p++) {
         if (!simd_supported(paths[p]->name)) {
@@ -335,7 +391,8 @@ int main(void) {
         double kernel = MEASURE(b4, EACH_ROW(path->int4_f32(&w, r, &af, 0)));
         double arith = MEASURE(b4, (p == 0 ? arithmetic4_256 : arithmetic4_512)(q, 3, 3, af.xf, scf, ya));
         double q8 = MEASURE(b4, EACH_ROW(path->int4_q8(&w, r, &aq, 0)));
-        printf("%-8s %-5s %10.1f %12.1f %10.1f   %.0f %%\n", path->name, "int4", kernel, arith, q8, 100 * arith / read);
+        printf("%-8s %-5s %8.1f (%5.1f) %10.1f (%5.1f) %8.1f (%5.1f)   %.0f %%\n", path->name, "int4", kernel,
+               CYCLES(kernel, 32), arith, CYCLES(arith, 32), q8, CYCLES(q8, 32), 100 * arith / read);
         // int8: the path's rows kernel over all rows against the arithmetic, the same bits first
         path->int8_f32_rows(&w8, 0, ROWS, &a8, NULL, 1, yrow);
         (p == 0 ? arithmetic8_256 : arithmetic8_512)(w8f, ~0, ~0, a8.xf, scale8, ya);
@@ -348,7 +405,8 @@ int main(void) {
         kernel = MEASURE(b8, path->int8_f32_rows(&w8, 0, ROWS, &a8, NULL, 1, yrow));
         arith = MEASURE(b8, (p == 0 ? arithmetic8_256 : arithmetic8_512)(w8f, 3, 63, a8.xf, scale8, ya));
         q8 = MEASURE(b8, EACH_ROW(path->int8_q8(&w8, r, &a8q, 0)));
-        printf("%-8s %-5s %10.1f %12.1f %10.1f   %.0f %%\n", path->name, "int8", kernel, arith, q8, 100 * arith / read);
+        printf("%-8s %-5s %8.1f (%5.1f) %10.1f (%5.1f) %8.1f (%5.1f)   %.0f %%\n", path->name, "int8", kernel,
+               CYCLES(kernel, 64), arith, CYCLES(arith, 64), q8, CYCLES(q8, 64), 100 * arith / read);
     }
     if (simd_supported("avx512")) {
         uint32_t *il = malloc((size_t)ROWS * row_bytes);
