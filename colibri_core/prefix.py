@@ -54,7 +54,8 @@ plugin and colibri versions, the prefill chunk: whatever changes a state's bits)
 other settings keep their own entries. A new cache indexes the files of its ID from their first
 bytes (header, the record's JSON, the ids) and reads an entry's arrays only when a prompt hits it,
 checking every checksum then (a hit taking all of a rows-only entry reads its rows straight into a
-fresh state's buffers: `Disk.load`); a file that is foreign, cut short or damaged is deleted with one
+fresh state's buffers: `Disk.load`; `PrefixCache.warm` reads the entries of before a restart back
+into RAM ahead of their prompts, as a server does while idle); a file that is foreign, cut short or damaged is deleted with one
 `PrefixCacheWarning`, never used. The files of every ID together stay under the disk budget, the
 least recently used (by modification time: a hit touches its file) deleted first; an entry whose
 tokens another extends is deleted once that one is written.
@@ -235,9 +236,12 @@ class PrefixCache:
         self._buffers: dict[int, list] = {}  # id(root) -> [root, entries holding it]
         self.nbytes = 0
         self.disk = None
+        self.disk_hits = self.warmed = 0  # prompts restored from a spilled entry; entries `warm` read back
+        self._unwarmed: list[Spilled] = []  # the entries on disk at the start, the most recently used last
         if budget and directory is not None:
             identity = {**(identity or {}), "colibri": __version__, "prefill_chunk": chunk}
             self.disk = Disk(Path(directory), identity, budget if disk_budget is None else disk_budget, step)
+            self._unwarmed = sorted(self.disk.spilled.values(), key=_used)
 
     def lookup(self, prompt: list[int], state: SequenceState | None = None) -> tuple[Entry, int] | None:
         """The entry and boundary b restoring the most of `prompt`: prompt[:b] is held, and b leaves
@@ -260,9 +264,34 @@ class PrefixCache:
                 break
             entry = self.disk.load(spilled, state if b == len(spilled.tokens) else None)
             if entry is not None:
+                self.disk_hits += 1
                 self._add(entry)
                 return entry, b
         return best
+
+    def warm(self, state: SequenceState | None = None) -> bool:
+        """Read back the most recently used of the entries that were on disk when the cache started
+        and RAM lacks, if it fits beside what RAM holds (counted at twice its file: a state of rows is
+        read into a fresh state like `state`, `Disk.load`, whose buffers leave room to grow). Returns
+        whether there may be more to read. A server calls it while it has nothing to run, one entry
+        at a time, so the conversations it served before a restart are RAM hits again, their next
+        turns as quick as an uninterrupted server's (BENCHMARKS.md, *A conversation with the prefix
+        cache*); entries spilled since are not read back (RAM evicted them)."""
+        while self._unwarmed:
+            spilled = self._unwarmed.pop()
+            if self.disk.spilled.get(spilled.path.name) is not spilled:  # deleted or replaced since
+                continue
+            if any(_extends(e.tokens, spilled.tokens) for e in self.entries.values()):
+                continue
+            if self.nbytes + 2 * spilled.nbytes > self.budget:  # the others were used longer ago
+                self._unwarmed.clear()
+                break
+            entry = self.disk.load(spilled, state)
+            if entry is not None:
+                self.warmed += 1
+                self._add(entry)
+            return bool(self._unwarmed)
+        return False
 
     def restore(self, hit: tuple[Entry, int], state: SequenceState) -> tuple[SequenceState, np.ndarray | None]:
         """The state of the hit's prefix: loaded into `state` (fresh), or the entry's own finished
@@ -351,7 +380,8 @@ class PrefixCache:
         disk = self.disk
         return {"prefix_cache_bytes": self.nbytes, "prefix_cache_entries": len(self.entries),
                 "prefix_cache_budget": self.budget,
-                "prefix_cache_disk_hits": 0 if disk is None else disk.hits,  # prompts restored from a spilled entry
+                "prefix_cache_disk_hits": self.disk_hits,  # prompts restored from a spilled entry
+                "prefix_cache_warmed": self.warmed,  # spilled entries read back while idle (`warm`)
                 "prefix_cache_disk_bytes": 0 if disk is None else disk.nbytes}
 
 
@@ -389,7 +419,6 @@ class Disk:
     def __init__(self, root: Path, identity: dict, budget: int, step: int = BLOCK):
         self.root, self.identity, self.budget, self.step = root, identity, budget, step
         self.dir = root / hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-        self.hits = 0
         self.writable = True  # False after a write failed (a read-only model directory): warned once
         self.spilled: dict[str, Spilled] = {}
         for tmp in self.dir.glob(f"*{SUFFIX}.tmp"):  # a write a kill cut short (SessionFile's temporary)
@@ -480,7 +509,6 @@ class Disk:
             self._discard(spilled.path, str(e))
             return None
         self._touch(spilled.path)
-        self.hits += 1
         return entry
 
     def spill(self, entry: Entry) -> None:
@@ -573,6 +601,14 @@ def _read_arrays(f, record: _Record, crc: int, into: dict[str, np.ndarray]) -> d
     if at != record.data or crc != record.crc:
         raise _Damaged("fails its checksum" if at == record.data else "has a damaged record")
     return arrays
+
+
+def _used(spilled: Spilled) -> int:
+    """When `spilled` was last used (its file's time: a hit touches it), 0 if its file is gone."""
+    try:
+        return spilled.path.stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _read(f, n: int) -> bytes:

@@ -332,6 +332,30 @@ def test_a_disk_hit_taking_all_of_an_entry_reads_its_rows_into_the_state_it_hand
     assert cache.restore(part, given)[0] is given and given.length == 64
 
 
+def test_warm_reads_back_the_most_recently_used_entries_that_fit_in_ram(tmp_path):
+    """What a restarted server reads while idle: the entries on disk when the cache started, the most
+    recently used first, each counted at twice its file (the room a state's buffers leave to grow)."""
+    def fresh() -> SequenceState:
+        return SequenceState({"layer.0": KVCache(1, 256)})
+
+    spill = _spilling_cache(tmp_path, disk_budget=1 << 30)
+    for t in (1, 2, 3):
+        state = fresh()
+        capture = spill.capture(state, [t] * 128, None)
+        rows = np.full((128, 1, 256), t, np.float32)
+        state["layer.0"].append(rows, rows)
+        state.advance(128)
+        spill.insert(capture)
+    one = spill.stats()["prefix_cache_disk_bytes"] / 3  # each file's bytes
+    assert spill.lookup([1] * 129)[1] == 128  # [1]*128 is now the most recently used
+    cache = PrefixCache(budget=int(4 * one) + 1024, chunk=64, directory=tmp_path, identity={"model": "a"})
+    assert cache.warm(fresh()) and cache.warm(fresh()) and not cache.warm(fresh())  # [2]*128 would not fit
+    assert [int(e.tokens[0]) for e in cache.entries.values()] == [1, 3]
+    assert (cache.stats()["prefix_cache_warmed"], cache.stats()["prefix_cache_disk_hits"]) == (2, 0)
+    hit = cache.lookup([3] * 129, fresh())  # a RAM hit, handed the state the rows were read into
+    assert hit[1] == 128 and hit[0].state is not None and cache.stats()["prefix_cache_disk_hits"] == 0
+
+
 def test_the_disk_budget_deletes_the_least_recently_used_first(tmp_path):
     probe = _spilling_cache(tmp_path / "probe", disk_budget=1 << 20)
     _fill(probe, [1] * 130)

@@ -171,8 +171,8 @@ def test_a_growing_conversation_is_served_from_the_prefix_cache(server, client, 
 
 def test_a_restarted_server_finds_the_conversation_it_served(tiny_model, engine, tmp_path):
     """A server stopped with Ctrl-C closes its engine, which writes the prefix cache's entries beside
-    the model; the next server answers the conversation's next turn from them, with the same answer
-    a cold prefill gives."""
+    the model; the next server reads them back while it waits for requests (`PrefixCache.warm`) and
+    answers the conversation's next turn from RAM, with the same answer a cold prefill gives."""
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns(".prefix_cache", "*.coli_session*"))
     long = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)
@@ -188,7 +188,15 @@ def test_a_restarted_server_finds_the_conversation_it_served(tiny_model, engine,
                 answers.append(api.chat.completions.create(messages=first, **kw).choices[0].message.content)
                 continue
             second = first + [{"role": "assistant", "content": answers[0]}, {"role": "user", "content": "and then?"}]
+            warmed = flags == ()
+            deadline = time.monotonic() + 30
+            while warmed and s.json("/api/stats").get("engine", {}).get("prefix_cache_warmed") != 1:
+                assert time.monotonic() < deadline, s.json("/api/stats")
+                time.sleep(0.02)
             answers.append(api.chat.completions.create(messages=second, **kw))
+            engine_stats = s.json("/api/stats")["engine"]
+            assert engine_stats["prefix_cache_disk_hits"] == 0  # warmed: a RAM hit
+            assert engine_stats["prefix_cache_warmed"] == (1 if warmed else 0)
         finally:
             assert s.stop() == 130, s.text_log()
     restarted, cold = answers[1:]

@@ -209,6 +209,9 @@ def test_bench_serve_quick_runs_every_part(tmp_path):
     assert session["cached_tokens"]["no_cache"] == [0, 0, 0], session
     # prompts of 300, 384 and 468 tokens: a token_exact model's state is reused to the last answer's end
     assert session["cached_tokens"]["cache"] == session["cached_tokens"]["restart"] == [0, 303, 387], session
+    # each restarted server's hit: its entry read back while idle, or from disk when the prompt came
+    first, *later = session["restart_read_back"]
+    assert first == {"warmed": 0, "disk_hits": 0} and all(r["warmed"] or r["disk_hits"] == 1 for r in later), session
     if "skipped" in r["llamacpp"]:
         assert importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("gguf") is None
     else:

@@ -51,7 +51,9 @@ Parts (`--parts`):
             ids, then each of --turns turns resends the whole conversation (the model's answer of
             --answer tokens, and --growth new ids). Each turn's time to first token with the prefix
             cache (`--prefix-cache` RAM), without it (0), and with a server restarted before every
-            turn (the entries it spilled to disk found again). The answers must agree in all three.
+            turn (the entries it spilled to disk found again: a server reads them back into RAM
+            while idle, and the JSON says whether the turn's hit was read back so or from disk
+            then). The answers must agree in all three.
             The three are measured turn by turn (the first two servers kept running beside the
             restarted ones), so a host whose speed drifts over the minutes a mode takes does not
             favour one mode.
@@ -639,7 +641,7 @@ def session(args) -> dict:
         s = complete(server, prompt, args.answer)
         return s.ttft, tok.encode(s.text).ids, s.cached_tokens
 
-    runs, prompts, loads = {"cache": [], "no_cache": [], "restart": []}, [], []
+    runs, prompts, loads, read_back = {"cache": [], "no_cache": [], "restart": []}, [], [], []
     clear_spilled(model)  # the restarts start from an empty disk (the cached server spills only as it stops)
     with Server(model, on, args.threads, args.timeout) as cached, Server(model, off, args.threads, args.timeout) as cold:
         complete(cached, warm, 2)
@@ -654,6 +656,8 @@ def session(args) -> dict:
                 loads.append(time.perf_counter() - t0)
                 complete(server, warm, 2)  # as warm as the others (a distinct prompt: no shared prefix)
                 runs["restart"].append(turn(server, context))
+                stats = server.engine_stats()  # the hit: an entry read back while idle, or from disk then
+                read_back.append({"warmed": stats["prefix_cache_warmed"], "disk_hits": stats["prefix_cache_disk_hits"]})
             context = context + runs["cache"][-1][1] + random_ids(3 + len(prompts), vocab, args.growth)
     clear_spilled(model)
 
@@ -669,7 +673,7 @@ def session(args) -> dict:
               "answer": args.answer, "prefix_cache": args.prefix_cache, "prompt_tokens": [len(p) for p in prompts],
               "ttft_s": {mode: [round(r[0], 4) for r in turns] for mode, turns in runs.items()},
               "cached_tokens": {mode: [r[2] for r in turns] for mode, turns in runs.items()},
-              "restart_ready_s": [round(t, 2) for t in loads],
+              "restart_ready_s": [round(t, 2) for t in loads], "restart_read_back": read_back,
               "median_speedup_turns_2_on": {"cache": speedup("cache"), "restart": speedup("restart")}}
     for i, n in enumerate(result["prompt_tokens"]):
         print(f"session turn {i + 1:2}: {n:6} prompt tokens · TTFT cache "

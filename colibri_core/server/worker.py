@@ -213,10 +213,21 @@ class Worker:
     # ---- the worker thread -------------------------------------------------------------------
     def _loop(self) -> None:
         with self.engine.batch() as batch:  # the engine runs nothing else while the server does
-            trimmed = True
+            trimmed, warming = True, True
             while True:
                 with self._cv:
                     while not self.waiting and not self.running and not self._stop:
+                        if warming:  # nothing to run: read back one entry the prefix cache spilled before
+                            self._cv.release()  # a request may come meanwhile
+                            try:
+                                warming = self.engine.prefix_cache.warm(self.engine.new_state())
+                                self._publish()
+                            except Exception:  # a bug: serve without the rest
+                                log.error("warming the prefix cache failed:\n%s", traceback.format_exc())
+                                warming = False
+                            finally:
+                                self._cv.acquire()
+                            continue
                         if not self._cv.wait(timeout=None if trimmed else IDLE_TRIM_SECONDS) and not trimmed:
                             memory.trim()  # idle since the last turn: its freed pages go back
                             trimmed = True
