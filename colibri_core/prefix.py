@@ -55,8 +55,8 @@ other settings keep their own entries. A new cache indexes the files of its ID f
 bytes (header, the record's JSON, the ids) and reads an entry's arrays only when a prompt hits it,
 checking every checksum then (a hit taking all of a rows-only entry reads its rows straight into a
 fresh state's buffers: `Disk.load`; `PrefixCache.warm` reads the entries of before a restart back
-into RAM ahead of their prompts, as a server does while idle); a file that is foreign, cut short or damaged is deleted with one
-`PrefixCacheWarning`, never used. The files of every ID together stay under the disk budget, the
+into RAM ahead of their prompts, as a server does while idle); a file that is foreign, cut short or
+damaged is deleted with one `PrefixCacheWarning`, never used. The files of every ID together stay under the disk budget, the
 least recently used (by modification time: a hit touches its file) deleted first; an entry whose
 tokens another extends is deleted once that one is written.
 """
@@ -275,8 +275,8 @@ class PrefixCache:
         read into a fresh state like `state`, `Disk.load`, whose buffers leave room to grow). Returns
         whether there may be more to read. A server calls it while it has nothing to run, one entry
         at a time, so the conversations it served before a restart are RAM hits again, their next
-        turns as quick as an uninterrupted server's (BENCHMARKS.md, *A conversation with the prefix
-        cache*); entries spilled since are not read back (RAM evicted them)."""
+        turns as quick as an uninterrupted server's (BENCHMARKS.md, *Many clients at once*); entries
+        spilled since are not read back (RAM evicted them)."""
         while self._unwarmed:
             spilled = self._unwarmed.pop()
             if self.disk.spilled.get(spilled.path.name) is not spilled:  # deleted or replaced since
