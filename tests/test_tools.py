@@ -81,11 +81,13 @@ def test_avx512_check_agrees_bit_for_bit():
 def test_exact_ceiling_measures_every_path_this_cpu_runs(tmp_path):
     out = tool("exact_ceiling/run.sh", env={"TMPDIR": str(tmp_path)})  # its own CPU lock, not a caller's
     read = floats(r"read bandwidth of one core ([\d.]+) GB/s", out)[0]
-    assert read > 0
+    ghz, multiplies = floats(r"clock ([\d.]+) GHz \(dependent adds\); float multiplies a cycle: 256-bit ([\d.]+)", out)
+    assert read > 0 and ghz > 0 and multiplies > 0, out
     for path in (p for p in ("avx2", "avx512") if kernels.simd_supported(p)):  # the SIMD paths it measures
-        for kind in ("int4", "int8"):
-            kernel, arithmetic, int8_acts = floats(rf"{path}\s+{kind}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", out)
-            assert kernel > 0 and arithmetic > 0 and int8_acts > 0, out
+        for kind, bytes64 in (("int4", 32), ("int8", 64)):  # each rate in GB/s, then in cycles per 64 weights
+            figures = floats(rf"{path}\s+{kind}" + r"\s+([\d.]+) \(\s*([\d.]+)\)" * 3, out)
+            for gbps, cycles in zip(figures[::2], figures[1::2]):
+                assert gbps > 0 and cycles == pytest.approx(ghz * bytes64 / gbps, rel=0.06, abs=0.1), out
     if kernels.simd_supported("avx512"):  # the several-token ceiling: one core's vpdpbusd rate
         ns, int8_cap, int4_cap = floats(r"vpdpbusd \(512-bit\): ([\d.]+) ns.* at ([\d.]+) GB/s of int8 weights, ([\d.]+) of int4", out)
         assert ns > 0 and int8_cap == pytest.approx(2 * int4_cap, rel=0.02), out

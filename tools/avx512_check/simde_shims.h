@@ -52,7 +52,19 @@ static inline __m512i coli_shuffle_i64x2(__m512i a, __m512i b, int imm) {  // qu
     r[0] = qa[imm & 3]; r[1] = qa[(imm >> 2) & 3]; r[2] = qb[(imm >> 4) & 3]; r[3] = qb[(imm >> 6) & 3];
     __m512i v; memcpy(&v, r, 64); return v;
 }
+static inline __m256i coli_maskz_loadu_epi16_256(__mmask16 k, const void *p) {
+    int16_t v[16] = {0};
+    for (int i = 0; i < 16; i++) if ((k >> i) & 1) v[i] = ((const int16_t *)p)[i];
+    __m256i r; memcpy(&r, v, 32); return r;
+}
+static inline __m512 coli_cvtph_ps(__m256i a) {  // 16 halves: two 8-lane F16C conversions side by side
+    __m128i h[2]; memcpy(h, &a, 32);
+    __m256 f[2] = {_mm256_cvtph_ps(h[0]), _mm256_cvtph_ps(h[1])};
+    __m512 r; memcpy(&r, f, 64); return r;
+}
 #define _mm512_maskz_loadu_epi8 coli_maskz_loadu_epi8
+#define _mm256_maskz_loadu_epi16 coli_maskz_loadu_epi16_256
+#define _mm512_cvtph_ps coli_cvtph_ps
 #define _mm512_shuffle_i64x2 coli_shuffle_i64x2
 #define _mm256_mask_loadu_epi8 coli_mask_loadu_epi8_256
 #define _mm_maskz_loadu_epi8 coli_maskz_loadu_epi8_128
