@@ -236,40 +236,27 @@ static double clock_hz(void) {
     return 4.0 * (double)n / dt;
 }
 
-// Float multiplies a second on one core, 512-bit (or 256-bit) registers: 12 independent chains.
-__attribute__((target("avx512f"))) static double multiplies_512(void) {
-    __m512 a[12], b = _mm512_set1_ps(1.0000001f);
-    for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps((float)i);
-    long n = 20000000;
-    double t0 = now();
-    for (long it = 0; it < n; it++) {
-#pragma GCC unroll 12
-        for (int i = 0; i < 12; i++) a[i] = _mm512_mul_ps(a[i], b);
-        __asm__ volatile("" : "+v"(b));  // not hoisted out of the loop
+// Float multiplies a second on one core in registers of vector type V (512- or 256-bit, GCC's vector
+// extensions): 12 independent chains.
+#define MULTIPLIES(name, isa, V)                                                                   \
+    __attribute__((target(isa))) static double name(void) {                                        \
+        V a[12], b = (V){0} + 1.0000001f;                                                          \
+        for (int i = 0; i < 12; i++) a[i] = (V){0} + (float)i;                                     \
+        long n = 20000000;                                                                         \
+        double t0 = now();                                                                         \
+        for (long it = 0; it < n; it++) {                                                          \
+            _Pragma("GCC unroll 12") for (int i = 0; i < 12; i++) a[i] = a[i] * b;                 \
+            __asm__ volatile("" : "+x"(b)); /* not hoisted out of the loop */                      \
+        }                                                                                          \
+        double dt = now() - t0;                                                                    \
+        for (int i = 1; i < 12; i++) a[0] += a[i];                                                 \
+        sink = a[0][0];                                                                            \
+        return 12.0 * (double)n / dt;                                                              \
     }
-    double dt = now() - t0;
-    for (int i = 1; i < 12; i++) a[0] = _mm512_add_ps(a[0], a[i]);
-    sink = _mm512_reduce_add_ps(a[0]);
-    return 12.0 * (double)n / dt;
-}
-
-__attribute__((target("avx2"))) static double multiplies_256(void) {
-    __m256 a[12], b = _mm256_set1_ps(1.0000001f);
-    for (int i = 0; i < 12; i++) a[i] = _mm256_set1_ps((float)i);
-    long n = 20000000;
-    double t0 = now();
-    for (long it = 0; it < n; it++) {
-#pragma GCC unroll 12
-        for (int i = 0; i < 12; i++) a[i] = _mm256_mul_ps(a[i], b);
-        __asm__ volatile("" : "+x"(b));
-    }
-    double dt = now() - t0;
-    for (int i = 1; i < 12; i++) a[0] = _mm256_add_ps(a[0], a[i]);
-    float l[8];
-    _mm256_storeu_ps(l, a[0]);
-    sink = l[0];
-    return 12.0 * (double)n / dt;
-}
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+MULTIPLIES(multiplies_512, "avx512f", f32x16)
+MULTIPLIES(multiplies_256, "avx2", f32x8)
 
 // Seconds a 512-bit vpdpbusd on one core: 12 independent chains (more than latency x throughput),
 // the operands in registers.
@@ -369,7 +356,7 @@ int main(void) {
     if (simd_supported("avx512")) printf(", 512-bit %.2f", multiplies_512() / hz);
     printf("; (cycles per 64 weights)\n");
     printf("%-8s %-5s %16s %18s %16s   %s\n", "path", "wts", "kernel", "arithmetic", "int8 acts", "arithmetic / read");
-#define CYCLES(gbps, bytes64) (hz * (bytes64) / ((gbps) * 1e9))  // cycles per 64 weights at `gbps
+#define CYCLES(gbps, bytes64) (hz * (bytes64) / ((gbps) * 1e9))  // cycles per 64 weights at `gbps`
     const Path *paths[] = {&PATH_AVX2, &PATH_AVX512};
     for (int p = 0; p < 2; p++) {
         if (!simd_supported(paths[p]->name)) {
