@@ -406,6 +406,7 @@ class _Record:
     meta: dict  # {"boundaries": the boundaries of its snapshots, or None}
     data: int  # the bytes of the arrays, the record's last
     crc: int  # the CRC-32 of the record's payload
+    size: int  # the file's bytes (its record ends the file)
 
 
 class _Damaged(Exception):
@@ -445,7 +446,6 @@ class Disk:
                 tokens = np.frombuffer(_read(f, ids["nbytes"]), np.dtype(ids["dtype"])).astype(np.int64)
                 fixed = record.meta["boundaries"]
                 fixed = None if fixed is None else [int(b) for b in fixed]
-                size = os.fstat(f.fileno()).st_size
         except OSError as e:
             raise _Damaged(f"is unreadable ({e.strerror or e})") from None
         except (ValueError, KeyError, TypeError, IndexError, RecursionError, struct.error) as e:
@@ -453,7 +453,7 @@ class Disk:
         step = self.step if fixed is None else self.identity["prefill_chunk"]
         if not len(tokens) or len(tokens) % step:
             raise _Damaged(f"holds {len(tokens)} tokens, not a multiple of {step}")
-        return Spilled(path, tokens, fixed, size)
+        return Spilled(path, tokens, fixed, record.size)
 
     def _head(self, f) -> tuple[_Record, int]:
         """The entry file open as `f`, read up to its first array (the session header, the record's
@@ -477,7 +477,7 @@ class Disk:
         m = _read(f, 4)
         raw = _read(f, min(struct.unpack("<I", m)[0], length))
         head = json.loads(raw)
-        return _Record(head["arrays"], head["meta"], length - 4 - len(raw), crc), crc32(raw, crc32(m))
+        return _Record(head["arrays"], head["meta"], length - 4 - len(raw), crc, size), crc32(raw, crc32(m))
 
     def load(self, spilled: Spilled, state: SequenceState | None = None) -> Entry | None:
         """The spilled entry, read whole with its record's checksum checked, its file touched (the
