@@ -160,6 +160,15 @@ AVX2 static inline void int4_group_dot(const __m256 q[8], const float *xe, __m25
     *SB = _mm256_add_ps(*SB, _mm256_mul_ps(B, sc));
 }
 
+// The float32 scales of the chunk's 8 groups (0 past the row's last group).
+AVX2 static inline __m256 chunk_scales(const uint16_t *scales, int g0, int ngroups) {
+    if (g0 + 8 <= ngroups) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g0)));
+    if (g0 + 4 == ngroups) return _mm256_cvtph_ps(_mm_loadl_epi64((const __m128i *)(scales + g0)));  // 4 of them
+    uint16_t stmp[8] = {0};
+    memcpy(stmp, scales + g0, (size_t)(ngroups - g0) * sizeof(uint16_t));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)stmp));
+}
+
 AVX2 static float dot_int4_f32_avx2(const QMatrix *w, int r, const Acts *a, int t) {
     int cols = w->cols, ngroups = (cols + INT4_GROUP - 1) / INT4_GROUP;
     size_t row_bytes = ((size_t)cols + 1) / 2;
@@ -171,8 +180,7 @@ AVX2 static float dot_int4_f32_avx2(const QMatrix *w, int r, const Acts *a, int 
     float sc[8];  // the scales of groups g0 .. g0 + 7 as floats, each read back as a broadcast (a load alone)
     for (int g0 = 0; g0 < ngroups; g0 += 8) {
         int ng = ngroups - g0 < 8 ? ngroups - g0 : 8;
-        if (ng == 8) _mm256_storeu_ps(sc, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sr + g0))));
-        else for (int i = 0; i < ng; i++) sc[i] = half_to_float(sr[g0 + i]);
+        _mm256_storeu_ps(sc, chunk_scales(sr, g0, ngroups));
         for (int g = g0; g < g0 + ng; g++) {
             // a row is read once: ask 4 KB ahead (this loop's work per byte leaves the core too few
             // loads in flight to cover the memory's latency; OLMoE-size exact decode 0.87x the time)
@@ -303,15 +311,6 @@ AVX2 static inline void chunk_unpack(uint8_t *lohi, const uint8_t *wr, size_t ro
         _mm256_store_si256((__m256i *)(lohi + 64 * i), _mm256_and_si256(b, low4));
         _mm256_store_si256((__m256i *)(lohi + 64 * i + 32), _mm256_and_si256(_mm256_srli_epi16(b, 4), low4));
     }
-}
-
-// The float32 scales of the chunk's 8 groups (0 past the row's last group).
-AVX2 static inline __m256 chunk_scales(const uint16_t *scales, int g0, int ngroups) {
-    if (g0 + 8 <= ngroups) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g0)));
-    if (g0 + 4 == ngroups) return _mm256_cvtph_ps(_mm_loadl_epi64((const __m128i *)(scales + g0)));  // 4 of them
-    uint16_t stmp[8] = {0};
-    memcpy(stmp, scales + g0, (size_t)(ngroups - g0) * sizeof(uint16_t));
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)stmp));
 }
 
 // The chunk's term for one token: float(isum − 8 Σ xq) · (scale · xs), lanes = groups.
